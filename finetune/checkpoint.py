@@ -1,0 +1,281 @@
+"""Checkpoints and the final adapter, written so that a half-written one is never taken for a good one.
+
+Layout under output_dir:
+    recipe.yaml                  resolved config of the run
+    metrics.jsonl                one JSON object per logged step
+    checkpoints/step-N/          periodic: adapter/, optimizer.safetensors, optimizer.json,
+                                 rng.safetensors, trainer_state.json, manifest.json (written last)
+    adapter/                     final adapter in PEFT format (+ tokenizer)
+
+Every directory is written to a hidden temporary sibling and renamed into place
+only when complete; a checkpoint counts only if its manifest lists files whose
+sizes match. Tensors go to safetensors, everything else to JSON: nothing is
+unpickled from disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from finetune.config import RecipeConfig
+from finetune.errors import CheckpointError, OutputDirError
+
+RUN_MARKERS = ("recipe.yaml", "metrics.jsonl", "adapter", "checkpoints")
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+# --------------------------------------------------------------------------- output dir
+
+
+def output_dir_problem(cfg: RecipeConfig) -> str | None:
+    """Why output_dir cannot be used as configured, or None."""
+    out = Path(cfg.output_dir)
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        return f"output_dir: '{out}' exists and is a file. Choose another output_dir."
+    entries = [p.name for p in out.iterdir()]
+    if not entries or cfg.resume is not None:
+        return None
+    is_run = any(m in entries for m in RUN_MARKERS)
+    if cfg.overwrite:
+        if is_run:
+            return None
+        return (
+            f"output_dir: '{out}' is not empty and does not look like a finetune run ({', '.join(sorted(entries)[:5])}); "
+            "overwrite=true only deletes finetune runs. Choose an empty or new output_dir."
+        )
+    if is_run:
+        return (
+            f"output_dir: '{out}' holds another run. Set resume=auto to continue it, overwrite=true to replace it, "
+            "or choose a new output_dir."
+        )
+    return f"output_dir: '{out}' is not empty ({', '.join(sorted(entries)[:5])}). Choose an empty or new output_dir."
+
+
+def prepare_output_dir(cfg: RecipeConfig) -> Path:
+    """Create output_dir (deleting a previous run when overwrite=true). Raises OutputDirError."""
+    problem = output_dir_problem(cfg)
+    if problem:
+        raise OutputDirError(problem)
+    out = Path(cfg.output_dir)
+    if cfg.overwrite and out.exists():
+        for name in RUN_MARKERS + ("loss.png",):
+            target = out / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+# --------------------------------------------------------------------------- atomic writes
+
+
+@contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield a temporary directory that becomes `final` only if the block completes."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        if final.exists():
+            # Keep the old copy until the new one is in place.
+            old = final.parent / f".old-{final.name}-{os.getpid()}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _fsync_tree(root: Path) -> None:
+    for p in root.rglob("*"):
+        if p.is_file():
+            with p.open("rb") as fh:
+                os.fsync(fh.fileno())
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def write_manifest(directory: Path, extra: dict[str, Any]) -> None:
+    """Written last: lists every file with its size, so truncation is detectable."""
+    files = {
+        str(p.relative_to(directory)): p.stat().st_size
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+    write_json(directory / MANIFEST, {"format": FORMAT_VERSION, "files": files, **extra})
+
+
+def verify_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest of a complete checkpoint; CheckpointError naming the bad file otherwise."""
+    mpath = directory / MANIFEST
+    if not mpath.is_file():
+        raise CheckpointError(f"checkpoint '{directory}' is incomplete: {MANIFEST} is missing (interrupted save?)")
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"checkpoint '{directory}': {MANIFEST} is corrupt ({exc})") from None
+    for name, size in manifest.get("files", {}).items():
+        f = directory / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint '{directory}': file '{name}' listed in the manifest is missing")
+        if f.stat().st_size != size:
+            raise CheckpointError(
+                f"checkpoint '{directory}': file '{name}' has {f.stat().st_size} bytes, manifest says {size} (truncated or corrupt)"
+            )
+    return manifest
+
+
+# --------------------------------------------------------------------------- adapter
+
+
+def save_adapter(model, dest: Path, tokenizer=None) -> Path:
+    """The trained adapter in vanilla PEFT format (adapter_config.json + adapter_model.safetensors)."""
+    with atomic_dir(Path(dest)) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return Path(dest)
+
+
+# --------------------------------------------------------------------------- periodic checkpoints
+
+
+def _optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    sd = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
+    for idx, state in sd["state"].items():
+        for name, value in state.items():
+            if torch.is_tensor(value):
+                tensors[f"{idx}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars[f"{idx}.{name}"] = value
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def _optimizer_from_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in list(tensors.items()) + list(meta.get("scalars", {}).items()):
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = value
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def checkpoint_dir(output_dir: Path, step: int) -> Path:
+    return Path(output_dir) / "checkpoints" / f"step-{step}"
+
+
+def save_checkpoint(
+    output_dir: Path,
+    step: int,
+    model,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    trainer_state: dict[str, Any],
+    keep_last: int | None = None,
+) -> Path:
+    final = checkpoint_dir(output_dir, step)
+    with atomic_dir(final) as tmp:
+        model.save_pretrained(tmp / "adapter", safe_serialization=True)
+        tensors, meta = _optimizer_to_tensors(optimizer)
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        write_json(tmp / "optimizer.json", meta)
+        write_json(tmp / "scheduler.json", scheduler.state_dict())
+        save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
+        write_json(tmp / "trainer_state.json", {"step": step, **trainer_state})
+        write_manifest(tmp, {"step": step})
+    if keep_last:
+        prune_checkpoints(output_dir, keep_last)
+    return final
+
+
+def list_checkpoints(output_dir: Path) -> list[Path]:
+    """Checkpoint directories, oldest first (by step)."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def prune_checkpoints(output_dir: Path, keep_last: int) -> None:
+    complete = []
+    for p in list_checkpoints(output_dir):
+        try:
+            verify_manifest(p)
+            complete.append(p)
+        except CheckpointError:
+            continue
+    for p in complete[:-keep_last]:
+        shutil.rmtree(p, ignore_errors=True)
+    # Leftovers of interrupted saves (this or an earlier process).
+    root = Path(output_dir) / "checkpoints"
+    for p in root.glob(".tmp-*"):
+        if not p.name.endswith(f"-{os.getpid()}"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def latest_checkpoint(output_dir: Path) -> tuple[Path | None, list[str]]:
+    """(newest complete checkpoint or None, notes about incomplete ones skipped)."""
+    notes = []
+    for p in reversed(list_checkpoints(output_dir)):
+        try:
+            verify_manifest(p)
+            return p, notes
+        except CheckpointError as exc:
+            notes.append(f"skipping {exc.message}")
+    return None, notes
+
+
+def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict[str, Any]:
+    """Restore adapter weights, optimizer, scheduler and RNG from `path`; return trainer_state."""
+    from peft import set_peft_model_state_dict
+
+    path = Path(path)
+    verify_manifest(path)
+    adapter_file = path / "adapter" / "adapter_model.safetensors"
+    try:
+        weights = load_file(str(adapter_file))
+        opt_tensors = load_file(str(path / "optimizer.safetensors"))
+        rng = load_file(str(path / "rng.safetensors"))
+        opt_meta = json.loads((path / "optimizer.json").read_text(encoding="utf-8"))
+        sched = json.loads((path / "scheduler.json").read_text(encoding="utf-8"))
+        state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+    except Exception as exc:  # safetensors raises its own error types
+        raise CheckpointError(f"checkpoint '{path}' cannot be read: {exc}") from None
+    result = set_peft_model_state_dict(model, weights)
+    unexpected = getattr(result, "unexpected_keys", None)
+    if unexpected:
+        raise CheckpointError(
+            f"checkpoint '{path}': adapter has {len(unexpected)} weights this model does not ({unexpected[0]}, ...)",
+            hint="the recipe's LoRA shape or base model changed since the checkpoint was written",
+        )
+    # Optimizer.load_state_dict moves state to each parameter's device itself.
+    optimizer.load_state_dict(_optimizer_from_tensors(opt_tensors, opt_meta))
+    scheduler.load_state_dict(sched)
+    torch.set_rng_state(rng["torch_cpu"])
+    return state

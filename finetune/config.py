@@ -1,0 +1,325 @@
+"""Recipe schema: the only place defaults live.
+
+    from finetune import load_recipe
+    cfg = load_recipe("recipes/demo-cpu.yaml", ["train.lr=1e-3", "lora.r=8"])
+
+A recipe is YAML (read with yaml.safe_load) validated by the pydantic models
+below. Unknown keys are errors with a "did you mean" hint; all problems of a
+recipe are reported together in one ConfigError. Recipes never name Python
+objects to import.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from finetune.errors import ConfigError
+
+# Paths that start with this prefix point into the package's bundled assets
+# (finetune/assets/), so the demo recipe works from any working directory.
+ASSET_PREFIX = "asset:"
+ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+
+
+def resolve_path(value: str) -> str:
+    """Turn 'asset:NAME' into the absolute path of a bundled asset; other values unchanged."""
+    if value.startswith(ASSET_PREFIX):
+        return str(ASSETS_DIR / value[len(ASSET_PREFIX) :])
+    return os.path.expanduser(value)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field(description="Hugging Face hub id or local directory of a causal LM")
+    revision: str | None = None
+    tokenizer: str | None = Field(None, description="tokenizer source; defaults to model.path")
+    trust_remote_code: bool = False
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+
+
+class DataConfig(_Section):
+    path: str = Field(description="local JSON/JSONL/CSV/Parquet file or hub dataset name")
+    format: Literal["alpaca", "messages", "completion", "text"] = "alpaca"
+    split: str = "train"
+    eval_path: str | None = None
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    max_seq_len: int = Field(2048, ge=8)
+    columns: dict[str, str] = Field(
+        default_factory=dict, description="map our column names to the dataset's, e.g. {output: answer}"
+    )
+    shuffle: bool = True
+
+
+class QuantConfig(_Section):
+    bits: Literal[4, 8] | None = 4
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    double_quant: bool = True
+
+
+class LoraConfig(_Section):
+    r: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    target: str | list[str] = "all-linear"
+    dora: bool = False
+
+
+class TrainConfig(_Section):
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps; overrides epochs")
+    epochs: int = Field(1, ge=1)
+    batch_size: int = Field(1, ge=1, description="micro-batch (examples per forward)")
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(2e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    gradient_checkpointing: bool = True
+    log_every_steps: int = Field(1, ge=1)
+
+
+class EvalConfig(_Section):
+    every_steps: int | None = Field(None, ge=1, description="eval loss every N steps (needs eval data)")
+    batch_size: int | None = Field(None, ge=1)
+    max_batches: int | None = Field(None, ge=1)
+    exact_match_path: str | None = Field(
+        None, description="file of prompts+answers (same format as data) scored by greedy generation before and after training"
+    )
+    exact_match_limit: int | None = Field(None, ge=1)
+    max_new_tokens: int = Field(32, ge=1)
+
+
+class CheckpointConfig(_Section):
+    every_steps: int | None = Field(None, ge=1)
+    keep_last: int | None = Field(2, ge=1)
+
+
+class RecipeConfig(_Section):
+    description: str = ""
+    model: ModelConfig
+    data: DataConfig
+    output_dir: str
+    seed: int = 42
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    quant: QuantConfig = Field(default_factory=QuantConfig)
+    lora: LoraConfig | None = Field(default_factory=LoraConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    resume: str | None = Field(None, description="null | auto | path to a checkpoint directory")
+    overwrite: bool = False
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> RecipeConfig:
+        problems = cross_field_problems(self)
+        if problems:
+            # Raised as ValueError so pydantic merges it with other problems.
+            raise ValueError("\n".join(problems))
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def cross_field_problems(cfg: RecipeConfig) -> list[str]:
+    """Rules that involve more than one key. Each message names the keys and the fix."""
+    out = []
+    if cfg.quant.bits is not None and cfg.lora is None:
+        out.append(
+            f"quant.bits={cfg.quant.bits} needs an adapter: quantized weights cannot be trained. "
+            "Set lora (e.g. remove 'lora: null') or set quant.bits=null for full fine-tuning."
+        )
+    if cfg.eval.every_steps is not None and cfg.data.eval_path is None and cfg.data.eval_fraction == 0:
+        out.append(
+            "eval.every_steps is set but there is no eval data. "
+            "Set data.eval_path=FILE or data.eval_fraction=0.05, or eval.every_steps=null."
+        )
+    if cfg.train.max_steps is not None and cfg.train.warmup_steps > cfg.train.max_steps:
+        out.append(
+            f"train.warmup_steps={cfg.train.warmup_steps} exceeds train.max_steps={cfg.train.max_steps}; "
+            "lower warmup_steps."
+        )
+    if cfg.resume is not None and cfg.overwrite:
+        out.append("resume and overwrite=true contradict each other: resume continues a run, overwrite deletes it. Set one.")
+    if cfg.lora is not None and cfg.lora.dora and cfg.quant.bits == 8:
+        out.append("lora.dora=true is not supported with quant.bits=8 by peft; use quant.bits=4 or null.")
+    return out
+
+
+# --------------------------------------------------------------------------- loading
+
+
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def parse_overrides(overrides: list[str] | None) -> dict[str, Any]:
+    """['train.lr=1e-3', 'lora.target=[q_proj,v_proj]'] -> nested dict. Values are YAML scalars/lists."""
+    tree: dict[str, Any] = {}
+    problems = []
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            problems.append(f"override '{item}': expected key=value, e.g. train.lr=1e-4")
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw.strip() != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads '1e-3' as a string; users mean a number
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                problems.append(f"override '{item}': '{part}' was already set to a value, not a section")
+                break
+            node = child
+        else:
+            node[parts[-1]] = value
+    if problems:
+        raise ConfigError(problems, source="command-line overrides")
+    return tree
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model class that owns the keys at `loc` (for did-you-mean)."""
+    model: type[BaseModel] = RecipeConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        ann = field.annotation
+        candidates = getattr(ann, "__args__", (ann,))
+        sub = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if sub is None:
+            return None
+        model = sub
+    return model
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def format_validation_error(err: ValidationError) -> list[str]:
+    problems = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        dotted = ".".join(str(p) for p in loc)
+        etype = e["type"]
+        if etype == "extra_forbidden":
+            owner = _model_at(loc[:-1])
+            known = list(owner.model_fields) if owner else []
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+            prefix = ".".join(str(p) for p in loc[:-1])
+            if close:
+                hint = f"did you mean '{prefix + '.' if prefix else ''}{close[0]}'?"
+            else:
+                hint = f"known keys{' under ' + prefix if prefix else ''}: {', '.join(known)}"
+            problems.append(f"{dotted}: unknown key; {hint}")
+        elif etype == "missing":
+            problems.append(f"{dotted}: required key is missing; add it to the recipe or pass {dotted}=...")
+        elif etype == "value_error" and not loc:
+            problems.extend(str(e["msg"]).removeprefix("Value error, ").split("\n"))
+        else:
+            msg = str(e["msg"]).removeprefix("Value error, ")
+            problems.append(f"{dotted}: {msg} (got {_describe(e.get('input'))})")
+    return problems
+
+
+def build_recipe(data: dict[str, Any], source: str | None = None) -> RecipeConfig:
+    """Validate a recipe dict. Raises ConfigError listing every problem."""
+    if not isinstance(data, dict):
+        raise ConfigError([f"the recipe must be a YAML mapping of keys, found {type(data).__name__}"], source)
+    try:
+        return RecipeConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err), source) from None
+
+
+def read_recipe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(
+            [f"recipe file '{path}' not found (cwd: {os.getcwd()}). Run `finetune ls` to see shipped recipes."]
+        )
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError([f"not valid YAML{where}: {getattr(exc, 'problem', exc)}"], str(path)) from None
+    return data if data is not None else {}
+
+
+def load_recipe(path: str | os.PathLike[str], overrides: list[str] | None = None) -> RecipeConfig:
+    """Read a recipe YAML, apply dotted key=value overrides, validate.
+
+    `path` may also name a shipped recipe ('demo-cpu'); see `shipped_recipes()`.
+    """
+    resolved = find_recipe(str(path))
+    data = read_recipe_file(resolved)
+    if isinstance(data, dict):
+        data = _deep_merge(data, parse_overrides(overrides))
+    return build_recipe(data, source=str(resolved))
+
+
+# --------------------------------------------------------------------------- shipped recipes
+
+
+def shipped_recipes() -> dict[str, Path]:
+    """name -> path of each recipe that ships with the package (finetune.recipes)."""
+    from importlib import resources
+
+    root = resources.files("finetune.recipes")
+    return {
+        Path(str(entry)).stem: Path(str(entry))
+        for entry in sorted(root.iterdir(), key=lambda e: str(e))
+        if str(entry).endswith(".yaml")
+    }
+
+
+def find_recipe(name_or_path: str) -> Path:
+    """A path as given when it exists, else a shipped recipe of that name."""
+    p = Path(name_or_path)
+    if p.exists():
+        return p
+    shipped = shipped_recipes()
+    key = p.stem if p.suffix in (".yaml", ".yml") else name_or_path
+    if key in shipped and len(p.parts) <= 2:
+        return shipped[key]
+    return p
+
+
+def recipe_description(path: Path) -> str:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError:
+        return "(invalid YAML)"
+    return str(data.get("description", "")).strip().splitlines()[0] if data.get("description") else ""

@@ -1,0 +1,56 @@
+"""Errors a user can act on.
+
+Every error says what is wrong, what was found, and what to do. The CLI maps
+FinetuneError (and subclasses) to exit code 2 and prints no traceback unless
+--debug is given; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class FinetuneError(Exception):
+    """Base class: a problem with the user's input or environment, with a hint."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        self.message = message
+        self.hint = hint
+        super().__init__(self.__str__())
+
+    def __str__(self) -> str:
+        return f"{self.message}\n  hint: {self.hint}" if self.hint else self.message
+
+
+class ConfigError(FinetuneError):
+    """One or more problems in a recipe. `problems` lists all of them."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = list(problems)
+        self.source = source
+        where = f" in {source}" if source else ""
+        n = len(self.problems)
+        head = f"{n} problem{'s' if n != 1 else ''}{where}:"
+        body = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{head}\n{body}")
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class DataError(FinetuneError):
+    """The dataset cannot be read or does not match the declared format."""
+
+
+class ModelError(FinetuneError):
+    """The base model or tokenizer cannot be loaded or wrapped."""
+
+
+class HardwareError(FinetuneError):
+    """The requested precision/device is not available on this machine."""
+
+
+class OutputDirError(FinetuneError):
+    """output_dir holds another run, or cannot be written."""
+
+
+class CheckpointError(FinetuneError):
+    """A checkpoint is missing, incomplete or corrupt."""

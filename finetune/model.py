@@ -1,0 +1,199 @@
+"""Base model and tokenizer: quantize (bitsandbytes), wrap with peft LoRA/DoRA, checkpointing.
+
+    from finetune import load_recipe, load_tokenizer, load_model
+    cfg = load_recipe("demo-cpu")
+    tok = load_tokenizer(cfg)
+    model = load_model(cfg, precision="fp32")
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.config import RecipeConfig, resolve_path
+from finetune.errors import ModelError
+from finetune.hardware import resolve_precision, torch_dtype
+
+log = logging.getLogger("finetune")
+
+
+def model_source(cfg: RecipeConfig) -> str:
+    return resolve_path(cfg.model.path)
+
+
+def tokenizer_source(cfg: RecipeConfig) -> str:
+    return resolve_path(cfg.model.tokenizer or cfg.model.path)
+
+
+def looks_like_hub_id(value: str) -> bool:
+    """'org/name' (one slash, no leading ./ or /) that is not an existing local path."""
+    parts = value.split("/")
+    return len(parts) == 2 and all(parts) and not value.startswith((".", "/", "~")) and not Path(value).exists()
+
+
+def check_model_source(cfg: RecipeConfig, key: str = "model.path") -> list[str]:
+    """Problems with model.path that can be found without loading weights."""
+    src = model_source(cfg)
+    if Path(src).is_dir():
+        if not (Path(src) / "config.json").is_file():
+            return [f"{key}: directory '{src}' has no config.json; point it at a Hugging Face model directory (save_pretrained output)."]
+        return []
+    if Path(src).exists():
+        return [f"{key}: '{src}' is a file; expected a model directory or a hub id like 'Qwen/Qwen2.5-7B'."]
+    if looks_like_hub_id(src):
+        return []
+    return [
+        f"{key}: '{cfg.model.path}' is neither a local directory (cwd: {os.getcwd()}) nor a hub id of the form org/name. "
+        "Pass an absolute path or a hub id."
+    ]
+
+
+def load_tokenizer(cfg: RecipeConfig):
+    """The tokenizer, with a pad token guaranteed (labels are masked by position, so pad == eos is harmless here)."""
+    from transformers import AutoTokenizer
+
+    src = tokenizer_source(cfg)
+    try:
+        tok = AutoTokenizer.from_pretrained(
+            src, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+        )
+    except Exception as exc:  # transformers raises many types (OSError, ValueError, HF errors)
+        raise ModelError(
+            f"model.tokenizer: could not load a tokenizer from '{src}': {str(exc).splitlines()[0]}",
+            hint="check the path (a directory with tokenizer.json / tokenizer_config.json) or hub id; "
+            "set model.tokenizer=... if the tokenizer lives elsewhere",
+        ) from None
+    if tok.eos_token_id is None:
+        raise ModelError(
+            f"tokenizer at '{src}' has no eos_token; fine-tuned models could never learn to stop.",
+            hint="use a tokenizer with an EOS token (set eos_token in tokenizer_config.json)",
+        )
+    if tok.pad_token_id is None:
+        # Padding positions get label -100 by position in the collator, never by id,
+        # so reusing EOS (or UNK) as pad cannot stop EOS from being trained.
+        tok.pad_token = tok.unk_token if tok.unk_token is not None else tok.eos_token
+    return tok
+
+
+def quantization_config(cfg: RecipeConfig, compute_dtype: torch.dtype, storage_dtype: torch.dtype | None = None):
+    """BitsAndBytesConfig for quant.bits, or None. storage_dtype is set when FSDP must shard the 4-bit weights."""
+    if cfg.quant.bits is None:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if cfg.quant.bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    kwargs: dict[str, Any] = {}
+    if storage_dtype is not None:
+        kwargs["bnb_4bit_quant_storage"] = storage_dtype
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=cfg.quant.quant_type,
+        bnb_4bit_use_double_quant=cfg.quant.double_quant,
+        bnb_4bit_compute_dtype=compute_dtype,
+        **kwargs,
+    )
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def load_base_model(cfg: RecipeConfig, precision: str | None = None, device: torch.device | None = None):
+    """The (quantized) base model on `device`, frozen, without adapters."""
+    from transformers import AutoModelForCausalLM
+
+    precision = precision or resolve_precision(cfg.precision)
+    dtype = torch_dtype(precision)
+    device = device or default_device()
+    src = model_source(cfg)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            src,
+            revision=cfg.model.revision,
+            dtype=dtype,
+            quantization_config=quantization_config(cfg, dtype),
+            device_map={"": device},
+            attn_implementation=cfg.model.attn_implementation,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+    except Exception as exc:
+        raise ModelError(
+            f"model.path: could not load a causal LM from '{src}': {str(exc).splitlines()[0]}",
+            hint="check model.path; models with custom code need model.trust_remote_code=true (only for sources you trust)",
+        ) from None
+    model.config.use_cache = False  # the KV cache is useless in training and costs memory
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def enable_gradient_checkpointing(model) -> None:
+    # Non-reentrant checkpointing works with frozen inputs and with FSDP; the
+    # reentrant variant needs input grads hacks and breaks with some wrappers.
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+
+
+def lora_targets(cfg: RecipeConfig) -> str | list[str]:
+    target = cfg.lora.target if cfg.lora else "all-linear"
+    return target
+
+
+def wrap_lora(cfg: RecipeConfig, model):
+    """Add peft LoRA (or DoRA) adapters on cfg.lora.target. Returns the PeftModel."""
+    from peft import LoraConfig, get_peft_model
+
+    assert cfg.lora is not None
+    peft_cfg = LoraConfig(
+        r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=lora_targets(cfg),
+        use_dora=cfg.lora.dora,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, peft_cfg)
+    except ValueError as exc:
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) or "Linear" in type(m).__name__})
+        raise ModelError(
+            f"lora.target={cfg.lora.target!r}: {str(exc).splitlines()[0]}",
+            hint=f"use 'all-linear' or a list of module names; this model's linear layers: {', '.join(names)}",
+        ) from None
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(trainable, total) parameter counts; 4-bit weights count as their logical element count."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = p.numel()
+        if hasattr(p, "quant_state"):  # bnb Params4bit packs two values per byte
+            n = int(torch.Size(p.quant_state.shape).numel())
+        total += n
+        if p.requires_grad:
+            trainable += n
+    return trainable, total
+
+
+def load_model(cfg: RecipeConfig, precision: str | None = None, device: torch.device | None = None):
+    """Base model -> frozen, quantized per cfg.quant -> checkpointing -> LoRA. Ready for the trainer."""
+    model = load_base_model(cfg, precision=precision, device=device)
+    if cfg.train.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    if cfg.lora is not None:
+        model = wrap_lora(cfg, model)
+    else:
+        for p in model.parameters():
+            p.requires_grad_(True)
+    trainable, total = count_parameters(model)
+    log.info("trainable parameters: %s of %s (%.3f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / max(total, 1))
+    return model

@@ -1,0 +1,76 @@
+"""Everything that can be checked before loading weights, reported together.
+
+    from finetune.preflight import preflight
+    report = preflight(cfg)      # report.problems: list[str]; report.notes: list[str]
+
+Used by `finetune validate` and, before anything expensive, by `finetune run`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from finetune.checkpoint import output_dir_problem
+from finetune.config import RecipeConfig, resolve_path
+from finetune.data import check_data_source, load_records
+from finetune.errors import FinetuneError
+from finetune.hardware import resolve_precision
+from finetune.model import check_model_source, load_tokenizer, looks_like_hub_id, tokenizer_source
+
+
+@dataclass
+class PreflightReport:
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    precision: str | None = None
+    tokenizer: object | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _tokenizer_is_local(cfg: RecipeConfig) -> bool:
+    return Path(tokenizer_source(cfg)).is_dir()
+
+
+def preflight(cfg: RecipeConfig) -> PreflightReport:
+    report = PreflightReport()
+    try:
+        report.precision = resolve_precision(cfg.precision)
+    except FinetuneError as exc:
+        report.problems.append(f"precision: {exc}")
+
+    report.problems += check_model_source(cfg)
+    src = tokenizer_source(cfg)
+    if _tokenizer_is_local(cfg):
+        try:
+            report.tokenizer = load_tokenizer(cfg)
+        except FinetuneError as exc:
+            report.problems.append(str(exc))
+    elif looks_like_hub_id(src):
+        report.notes.append(f"model '{src}' is a hub id: its files are fetched (or read from the HF cache) at run time")
+    elif cfg.model.tokenizer:
+        report.problems.append(f"model.tokenizer: '{cfg.model.tokenizer}' is neither a local directory nor a hub id")
+
+    tok = report.tokenizer
+    if tok is not None and cfg.data.format == "messages" and not getattr(tok, "chat_template", None):
+        report.problems.append(
+            f"data.format=messages needs a chat template, but the tokenizer at '{src}' has none. "
+            "Use a chat/instruct model's tokenizer, or data.format=alpaca|completion."
+        )
+
+    report.problems += check_data_source(cfg)
+    if cfg.eval.exact_match_path:
+        try:
+            load_records(resolve_path(cfg.eval.exact_match_path), cfg.data)
+        except FinetuneError as exc:
+            report.problems.append(f"eval.exact_match_path: {exc}")
+
+    problem = output_dir_problem(cfg)
+    if problem:
+        report.problems.append(problem)
+    if cfg.resume not in (None, "auto") and not Path(cfg.resume).is_dir():
+        report.problems.append(f"resume: checkpoint directory '{cfg.resume}' not found; use resume=auto or an existing checkpoints/step-N")
+    return report

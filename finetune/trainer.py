@@ -1,0 +1,447 @@
+"""The training loop, on accelerate.
+
+    from finetune import load_recipe, Trainer
+    result = Trainer(load_recipe("demo-cpu")).train()
+    print(result.final_loss, result.adapter_dir)
+
+One optimizer step = grad_accum micro-batches of batch_size examples on each
+process. The loss of a step is the mean over every target token in the whole
+window (all micro-batches, all processes), so the gradient does not depend on
+how the window is cut into micro-batches: batch 8 x accum 1 and batch 2 x
+accum 4 give the same update on variable-length data (the gradient-accumulation
+bug that hit HF Trainer and others in 2024 averaged per micro-batch instead).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from finetune.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    prepare_output_dir,
+    save_adapter,
+    save_checkpoint,
+)
+from finetune.config import RecipeConfig, resolve_path
+from finetune.data import IGNORE_INDEX, Collator, DataBundle, build_datasets, load_records
+from finetune.errors import CheckpointError, DataError
+from finetune.evaluate import ExactMatch, exact_match
+from finetune.hardware import resolve_precision
+from finetune.metrics import MetricsWriter, Progress, Throughput, human_bytes, human_duration, peak_memory_bytes, read_metrics
+from finetune.model import load_model, load_tokenizer
+
+
+@dataclass
+class TrainResult:
+    final_loss: float
+    steps: int
+    tokens: int
+    trained_tokens: int
+    elapsed_s: float
+    peak_memory_bytes: int
+    output_dir: Path
+    adapter_dir: Path
+    metrics_path: Path
+    exact_match_before: ExactMatch | None = None
+    exact_match_after: ExactMatch | None = None
+    eval_loss: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, kind: str) -> float:
+    """Multiplier of the peak lr at optimizer step `step` (0-based): linear warmup, then decay to 0."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if kind == "constant":
+        return 1.0
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    progress = min(max(progress, 0.0), 1.0)
+    if kind == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Labels aligned with logits: position t predicts token t+1."""
+    return labels[:, 1:]
+
+
+def loss_sum_and_count(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed cross-entropy over target tokens, and their number.
+
+    Only rows with a label are gathered before the fp32 upcast, so masked
+    prompt positions never cost an fp32 copy of the vocabulary row.
+    """
+    targets = shifted_targets(labels)
+    mask = targets != IGNORE_INDEX
+    picked = logits[:, :-1][mask]
+    n = int(mask.sum())
+    if n == 0:
+        return logits.sum() * 0.0, 0
+    return F.cross_entropy(picked.float(), targets[mask], reduction="sum"), n
+
+
+def count_targets(batch: dict[str, torch.Tensor]) -> int:
+    return int((shifted_targets(batch["labels"]) != IGNORE_INDEX).sum())
+
+
+class Trainer:
+    """Fine-tunes cfg.model on cfg.data and writes the run to cfg.output_dir.
+
+    model / tokenizer / data can be passed in (tests, notebooks); otherwise they
+    are built from the recipe. Subclass and override `compute_loss` to change the objective.
+    """
+
+    def __init__(
+        self,
+        cfg: RecipeConfig,
+        *,
+        model=None,
+        tokenizer=None,
+        data: DataBundle | None = None,
+        progress: bool = True,
+    ):
+        self.cfg = cfg
+        self.model = model
+        self.tokenizer = tokenizer
+        self.data = data
+        self.progress_enabled = progress
+        self.accelerator = None
+
+    # ------------------------------------------------------------------ helpers
+
+    def say(self, text: str) -> None:
+        if self.accelerator is None or self.accelerator.is_main_process:
+            print(text, flush=True)
+
+    def compute_loss(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """(summed loss over target tokens, number of target tokens) for one micro-batch."""
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        return loss_sum_and_count(out.logits, batch["labels"])
+
+    def _global_sum(self, value: float) -> float:
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=acc.device)
+        return float(acc.reduce(t, reduction="sum").item())
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> None:
+        from accelerate import Accelerator
+
+        cfg = self.cfg
+        self.precision = resolve_precision(cfg.precision)
+        mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[self.precision]
+        self.accelerator = Accelerator(mixed_precision=mixed, cpu=not torch.cuda.is_available())
+        acc = self.accelerator
+        self.out = Path(cfg.output_dir)
+        if acc.is_main_process:
+            prepare_output_dir(cfg)
+        acc.wait_for_everyone()
+
+        torch.manual_seed(cfg.seed)
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(cfg)
+        if self.data is None:
+            self.data = build_datasets(cfg, self.tokenizer)
+        self.say(f"data: {self.data.train_stats.summary()}")
+        if self.data.eval_stats is not None:
+            self.say(f"eval data: {self.data.eval_stats.summary()}")
+
+        world = acc.num_processes
+        self.window = cfg.train.batch_size * cfg.train.grad_accum * world
+        self.steps_per_epoch = len(self.data.train) // self.window
+        if self.steps_per_epoch == 0:
+            raise DataError(
+                f"data.path: the train set has {len(self.data.train)} examples, fewer than one optimizer step needs "
+                f"(train.batch_size {cfg.train.batch_size} x train.grad_accum {cfg.train.grad_accum} x {world} processes = {self.window})",
+                hint="lower train.batch_size or train.grad_accum, or add data",
+            )
+        self.total_steps = cfg.train.max_steps or cfg.train.epochs * self.steps_per_epoch
+
+        if self.model is None:
+            torch.manual_seed(cfg.seed)  # LoRA init is drawn from the global RNG
+            self.model = load_model(cfg, precision=self.precision, device=acc.device)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda s: lr_factor(s, cfg.train.warmup_steps, self.total_steps, cfg.train.scheduler),
+        )
+        self.model, self.optimizer = acc.prepare(self.model, optimizer)
+        self.params = params
+        self.collate = Collator(pad_token_id=self.tokenizer.pad_token_id)
+        self.metrics = MetricsWriter(self.out / "metrics.jsonl", enabled=acc.is_main_process)
+
+    # ------------------------------------------------------------------ data order
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """Example order of an epoch: a pure function of (seed, epoch), so resume needs no replay."""
+        n = len(self.data.train)
+        if not self.cfg.data.shuffle:
+            return list(range(n))
+        g = torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch)
+        return torch.randperm(n, generator=g).tolist()
+
+    def step_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """The grad_accum micro-batches this process trains on at optimizer step `step`."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        order = self.epoch_order(epoch)
+        acc = self.accelerator
+        bs = self.cfg.train.batch_size
+        start = index * self.window
+        batches = []
+        for micro in range(self.cfg.train.grad_accum):
+            base = start + micro * bs * acc.num_processes + acc.process_index * bs
+            ids = order[base : base + bs]
+            batch = self.collate([self.data.train[i] for i in ids])
+            batches.append({k: v.to(acc.device) for k, v in batch.items()})
+        return batches
+
+    def accumulate_gradients(self, step: int) -> tuple[float, float, int]:
+        """Backward over the step's window; returns (summed loss here, global target tokens, tokens here).
+
+        Each micro-batch's summed loss is divided by the target-token count of the
+        whole window on all processes, so the accumulated gradient is the gradient
+        of the window's token-mean loss however the window is split.
+        """
+        acc, model = self.accelerator, self.model
+        batches = self.step_batches(step)
+        n_global = self._global_sum(sum(count_targets(b) for b in batches))
+        # DDP averages gradients over processes: multiply back by their number.
+        scale = acc.num_processes / max(n_global, 1)
+        loss_total = 0.0
+        for i, batch in enumerate(batches):
+            # Only the last micro-batch of the window all-reduces gradients.
+            ctx = acc.no_sync(model) if i < len(batches) - 1 else nullcontext()
+            with ctx:
+                loss_sum, _ = self.compute_loss(model, batch)
+                acc.backward(loss_sum * scale)
+            loss_total += float(loss_sum.detach())
+        tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+        return loss_total, n_global, tokens
+
+    # ------------------------------------------------------------------ eval
+
+    @torch.no_grad()
+    def evaluate_loss(self) -> float | None:
+        if not self.data.eval:
+            return None
+        acc = self.accelerator
+        bs = self.cfg.eval.batch_size or self.cfg.train.batch_size
+        batches = [self.data.eval[i : i + bs] for i in range(0, len(self.data.eval), bs)]
+        if self.cfg.eval.max_batches:
+            batches = batches[: self.cfg.eval.max_batches]
+        self.model.eval()
+        total = count = 0.0
+        for rows in batches[acc.process_index :: acc.num_processes]:
+            batch = {k: v.to(acc.device) for k, v in self.collate(rows).items()}
+            loss, n = self.compute_loss(self.model, batch)
+            total += float(loss)
+            count += n
+        self.model.train()
+        total, count = self._global_sum(total), self._global_sum(count)
+        return total / count if count else None
+
+    def exact_match_records(self) -> list[dict] | None:
+        path = self.cfg.eval.exact_match_path
+        if not path:
+            return None
+        records = load_records(resolve_path(path), self.cfg.data)
+        return records[: self.cfg.eval.exact_match_limit] if self.cfg.eval.exact_match_limit else records
+
+    def run_exact_match(self, records: list[dict], when: str) -> ExactMatch:
+        model = self.accelerator.unwrap_model(self.model)
+        result = exact_match(
+            model, self.tokenizer, records, self.cfg.data.format, max_new_tokens=self.cfg.eval.max_new_tokens
+        )
+        self.say(f"eval ({when}): {result.summary()}")
+        for s in result.samples:
+            self.say(f"    expected {s['expected']!r:<30} got {s['got']!r}")
+        return result
+
+    # ------------------------------------------------------------------ resume
+
+    def maybe_resume(self) -> dict[str, Any]:
+        cfg = self.cfg
+        if cfg.resume is None:
+            return {}
+        if cfg.resume == "auto":
+            path, notes = latest_checkpoint(self.out)
+            for n in notes:
+                self.say(f"resume: {n}")
+            if path is None:
+                self.say(f"resume=auto: no complete checkpoint in {self.out / 'checkpoints'}; starting from step 0")
+                return {}
+        else:
+            path = Path(cfg.resume)
+            if not path.is_dir():
+                raise CheckpointError(
+                    f"resume: checkpoint directory '{cfg.resume}' not found",
+                    hint=f"use resume=auto or one of {self.out / 'checkpoints'}/step-N",
+                )
+        model = self.accelerator.unwrap_model(self.model)
+        state = load_checkpoint(path, model, self.optimizer, self.scheduler)
+        self.say(f"resumed from {path} at step {state['step']}")
+        # Rows logged after the checkpoint will be logged again: drop them.
+        mpath = self.out / "metrics.jsonl"
+        if self.accelerator.is_main_process and mpath.exists():
+            kept = [r for r in read_metrics(mpath) if r.get("step", 0) <= state["step"]]
+            self.metrics.close()
+            mpath.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        return state
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> TrainResult:
+        if self.accelerator is None:
+            self.setup()
+        cfg, acc = self.cfg, self.accelerator
+        if acc.is_main_process:
+            (self.out / "recipe.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
+
+        state = self.maybe_resume()
+        start_step = int(state.get("step", 0))
+        em_records = self.exact_match_records()
+        em_before = None
+        if em_records and start_step == 0:
+            em_before = self.run_exact_match(em_records, "before training")
+
+        self.say(
+            f"training {self.total_steps} steps ({self.steps_per_epoch} per epoch; "
+            f"{cfg.train.batch_size} x {cfg.train.grad_accum} accum x {acc.num_processes} proc = {self.window} examples/step), "
+            f"precision {self.precision}"
+        )
+        self.model.train()
+        speed = Throughput()
+        progress = Progress(self.total_steps, initial=start_step, enabled=self.progress_enabled and acc.is_main_process)
+        t_start = time.perf_counter() - float(state.get("elapsed_s", 0.0))
+        tokens_total = int(state.get("tokens", 0))
+        trained_total = int(state.get("trained_tokens", 0))
+        loss_value = float("nan")
+        eval_loss = None
+        model = self.model
+        try:
+            for step in range(start_step, self.total_steps):
+                speed.start()
+                loss_total, n_global, step_tokens = self.accumulate_gradients(step)
+                max_norm = cfg.train.max_grad_norm or float("inf")
+                grad_norm = float(acc.clip_grad_norm_(self.params, max_norm))
+                lr = self.scheduler.get_last_lr()[0]
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                step_tokens_global = int(self._global_sum(step_tokens))
+                speed.stop(step_tokens_global, int(n_global))
+                loss_value = self._global_sum(loss_total) / max(n_global, 1)
+                tokens_total += step_tokens_global
+                trained_total += int(n_global)
+                done = step + 1
+                progress.update(loss_value, speed.tokens_per_s, lr)
+                if done % cfg.train.log_every_steps == 0 or done == self.total_steps:
+                    self.metrics.write(
+                        {
+                            "step": done,
+                            "loss": loss_value,
+                            "lr": lr,
+                            "grad_norm": grad_norm,
+                            "tokens": step_tokens_global,
+                            "trained_tokens": int(n_global),
+                            "tokens_per_s": speed.tokens_per_s,
+                            "elapsed_s": time.perf_counter() - t_start,
+                        }
+                    )
+                if not math.isfinite(loss_value):
+                    raise FloatingPointError(
+                        f"loss is {loss_value} at step {done}; lower train.lr or check the data (see metrics.jsonl)"
+                    )
+                if cfg.eval.every_steps and (done % cfg.eval.every_steps == 0 or done == self.total_steps):
+                    eval_loss = self.evaluate_loss()
+                    if eval_loss is not None:
+                        self.metrics.write({"step": done, "eval_loss": eval_loss})
+                        progress.write(f"step {done}: eval_loss {eval_loss:.4f}")
+                if cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0 and done < self.total_steps:
+                    acc.wait_for_everyone()
+                    if acc.is_main_process:
+                        save_checkpoint(
+                            self.out,
+                            done,
+                            acc.unwrap_model(model),
+                            self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer,
+                            self.scheduler,
+                            {
+                                "tokens": tokens_total,
+                                "trained_tokens": trained_total,
+                                "elapsed_s": time.perf_counter() - t_start,
+                                "total_steps": self.total_steps,
+                            },
+                            keep_last=cfg.checkpoint.keep_last,
+                        )
+                    acc.wait_for_everyone()
+        finally:
+            progress.close()
+            self.metrics.close()
+
+        if eval_loss is None and self.data.eval and not cfg.eval.every_steps:
+            eval_loss = self.evaluate_loss()
+            if eval_loss is not None:
+                self.metrics.write({"step": self.total_steps, "eval_loss": eval_loss})
+                self.metrics.close()
+        acc.wait_for_everyone()
+        adapter_dir = self.out / "adapter"
+        unwrapped = acc.unwrap_model(model)
+        if acc.is_main_process:
+            if cfg.lora is not None:
+                save_adapter(unwrapped, adapter_dir, self.tokenizer)
+            else:
+                save_adapter(unwrapped, self.out / "model", self.tokenizer)
+                adapter_dir = self.out / "model"
+        em_after = self.run_exact_match(em_records, "after training") if em_records else None
+        elapsed = time.perf_counter() - t_start
+        result = TrainResult(
+            final_loss=loss_value,
+            steps=self.total_steps,
+            tokens=tokens_total,
+            trained_tokens=trained_total,
+            elapsed_s=elapsed,
+            peak_memory_bytes=peak_memory_bytes(acc.device),
+            output_dir=self.out,
+            adapter_dir=adapter_dir,
+            metrics_path=self.out / "metrics.jsonl",
+            exact_match_before=em_before,
+            exact_match_after=em_after,
+            eval_loss=eval_loss,
+        )
+        self.say(self.summary(result))
+        return result
+
+    def summary(self, r: TrainResult) -> str:
+        mem_kind = "GPU memory" if self.accelerator.device.type == "cuda" else "RSS"
+        lines = [
+            "done.",
+            f"  steps        {r.steps}",
+            f"  final loss   {r.final_loss:.4f}" + (f"   eval loss {r.eval_loss:.4f}" if r.eval_loss is not None else ""),
+            f"  tokens       {r.tokens:,} ({r.trained_tokens:,} trained)",
+            f"  time         {human_duration(r.elapsed_s)}",
+            f"  peak {mem_kind:<8}{human_bytes(r.peak_memory_bytes)}",
+        ]
+        if r.exact_match_before is not None or r.exact_match_after is not None:
+            before = f"{100 * r.exact_match_before.accuracy:.1f}%" if r.exact_match_before else "-"
+            after = f"{100 * r.exact_match_after.accuracy:.1f}%" if r.exact_match_after else "-"
+            lines.append(f"  exact match  {before} -> {after}")
+        lines.append(f"  adapter      {r.adapter_dir}")
+        lines.append(f"  metrics      {r.metrics_path}")
+        return "\n".join(lines)
+

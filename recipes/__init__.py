@@ -1,0 +1,1 @@
+"""Shipped recipes (installed as finetune.recipes). Run `finetune ls` to list them."""

@@ -1,0 +1,142 @@
+"""Shared fixtures: a tiny Llama-shaped model and a character-level tokenizer, built
+locally (no network, no hub).
+
+The tokenizer maps every character to one token, so golden label masks can be
+worked out by hand: a prompt of n characters is exactly n tokens (plus BOS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
+PAD_ID, BOS_ID, EOS_ID, UNK_ID, IM_START_ID, IM_END_ID = range(6)
+CHARS = list(string.printable)  # digits, letters, punctuation, whitespace incl. \n
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def char_token_id(ch: str) -> int:
+    return len(SPECIALS) + CHARS.index(ch)
+
+
+def build_char_tokenizer(out_dir: Path, chat_template: str | None = CHATML_TEMPLATE):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", BOS_ID)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    if chat_template:
+        fast.chat_template = chat_template
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def build_tiny_llama(out_dir: Path, vocab_size: int, seed: int = 0, hidden: int = 64, layers: int = 2):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        tie_word_embeddings=False,
+        # A wider init than the default 0.02 lets a frozen random head express
+        # confident predictions, so LoRA alone can visibly lower the loss.
+        initializer_range=0.1,
+    )
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(out_dir)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("char_tokenizer")
+    build_char_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A random tiny Llama (hidden 64, 2 layers) with the char tokenizer saved beside it."""
+    d = tmp_path_factory.mktemp("tiny_llama")
+    tok = build_char_tokenizer(d)
+    build_tiny_llama(d, vocab_size=len(tok))
+    return d
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+ALPACA_ROWS = [
+    {"instruction": "Add the numbers.", "input": f"{a} + {b}", "output": str(a + b)}
+    for a in range(1, 9)
+    for b in range(1, 9)
+]
+
+
+@pytest.fixture
+def alpaca_file(tmp_path) -> Path:
+    return write_jsonl(tmp_path / "train.jsonl", ALPACA_ROWS)
+
+
+@pytest.fixture
+def recipe_dict(tiny_model_dir, alpaca_file, tmp_path) -> dict:
+    """A small valid recipe (as a dict) on the tiny model; tests tweak it."""
+    return {
+        "description": "test recipe",
+        "model": {"path": str(tiny_model_dir)},
+        "data": {"path": str(alpaca_file), "format": "alpaca", "max_seq_len": 256},
+        "output_dir": str(tmp_path / "run"),
+        "seed": 0,
+        "precision": "fp32",
+        "quant": {"bits": None},
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+        "train": {"max_steps": 4, "batch_size": 4, "lr": 1e-3, "gradient_checkpointing": False},
+    }

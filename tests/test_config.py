@@ -1,0 +1,140 @@
+"""Recipe schema: every problem listed at once, typos suggested, shipped recipes valid."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from finetune.config import build_recipe, load_recipe, parse_overrides, resolve_path, shipped_recipes
+from finetune.errors import ConfigError
+
+MINIMAL = {"model": {"path": "m"}, "data": {"path": "d.jsonl"}, "output_dir": "out"}
+
+
+def problems_of(data: dict) -> list[str]:
+    with pytest.raises(ConfigError) as err:
+        build_recipe(data)
+    return err.value.problems
+
+
+def test_defaults_live_in_schema():
+    cfg = build_recipe(MINIMAL)
+    assert cfg.quant.bits == 4 and cfg.quant.quant_type == "nf4" and cfg.quant.double_quant
+    assert cfg.lora.r == 16 and cfg.lora.alpha == 32 and cfg.lora.target == "all-linear"
+    assert cfg.train.batch_size == 1 and cfg.train.grad_accum == 1 and cfg.train.max_steps is None
+    assert cfg.precision == "auto" and cfg.resume is None and cfg.seed == 42
+
+
+def test_all_problems_listed_with_did_you_mean():
+    data = {
+        "model": {"path": "m"},
+        "data": {"path": "d", "formatt": "alpaca"},
+        "output_dir": "o",
+        "trian": {"lr": 1},
+        "train": {"lr": "abc", "batch_size": 0, "gradient_checkpoint": True},
+        "precision": "bf32",
+    }
+    problems = problems_of(data)
+    assert len(problems) == 6, problems
+    text = "\n".join(problems)
+    assert "data.formatt: unknown key; did you mean 'data.format'?" in text
+    assert "trian: unknown key; did you mean 'train'?" in text
+    assert "train.gradient_checkpoint: unknown key; did you mean 'train.gradient_checkpointing'?" in text
+    assert "train.lr:" in text and "'abc'" in text
+    assert "train.batch_size:" in text and "(got 0)" in text
+    assert "precision:" in text and "'bf32'" in text
+
+
+def test_missing_required_keys_named():
+    problems = problems_of({"data": {"path": "d"}})
+    assert any(p.startswith("model: required key is missing") for p in problems)
+    assert any(p.startswith("output_dir: required key is missing") for p in problems)
+
+
+def test_unknown_key_without_close_match_lists_known_keys():
+    (p,) = problems_of({**MINIMAL, "lora": {"zzz": 1}})
+    assert p.startswith("lora.zzz: unknown key; known keys under lora: r, alpha, dropout, target, dora")
+
+
+@pytest.mark.parametrize(
+    "patch, fragment",
+    [
+        ({"quant": {"bits": 4}, "lora": None}, "quant.bits=4 needs an adapter"),
+        ({"eval": {"every_steps": 10}}, "eval.every_steps is set but there is no eval data"),
+        ({"train": {"max_steps": 5, "warmup_steps": 10}}, "train.warmup_steps=10 exceeds train.max_steps=5"),
+        ({"resume": "auto", "overwrite": True}, "resume and overwrite=true contradict"),
+        ({"quant": {"bits": 8}, "lora": {"dora": True}}, "lora.dora=true is not supported with quant.bits=8"),
+    ],
+)
+def test_cross_field_rules(patch, fragment):
+    problems = problems_of({**MINIMAL, **patch})
+    assert any(fragment in p for p in problems), problems
+
+
+def test_full_finetune_without_quant_is_allowed():
+    cfg = build_recipe({**MINIMAL, "quant": {"bits": None}, "lora": None})
+    assert cfg.lora is None and cfg.quant.bits is None
+
+
+def test_overrides_parse_yaml_values():
+    tree = parse_overrides(["train.lr=1e-3", "lora.target=[q_proj,v_proj]", "quant.bits=null", "model.path=a/b"])
+    assert tree == {
+        "train": {"lr": 1e-3},
+        "lora": {"target": ["q_proj", "v_proj"]},
+        "quant": {"bits": None},
+        "model": {"path": "a/b"},
+    }
+    with pytest.raises(ConfigError) as err:
+        parse_overrides(["train.lr"])
+    assert "expected key=value" in err.value.problems[0]
+
+
+def test_load_recipe_applies_overrides_and_reports_unknown_override(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(MINIMAL))
+    cfg = load_recipe(path, ["train.lr=0.5", "lora.r=4"])
+    assert cfg.train.lr == 0.5 and cfg.lora.r == 4 and cfg.model.path == "m"
+    with pytest.raises(ConfigError) as err:
+        load_recipe(path, ["train.lrr=0.5"])
+    assert err.value.problems == ["train.lrr: unknown key; did you mean 'train.lr'?"]
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {path: m\n")
+    with pytest.raises(ConfigError) as err:
+        load_recipe(bad)
+    assert "not valid YAML at line" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_recipe(tmp_path / "nope.yaml")
+    assert "not found (cwd:" in str(err.value) and "finetune ls" in str(err.value)
+
+
+def test_yaml_is_loaded_safely(tmp_path):
+    evil = tmp_path / "evil.yaml"
+    evil.write_text("model: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(ConfigError) as err:
+        load_recipe(evil)
+    assert "not valid YAML" in str(err.value)
+
+
+def test_asset_paths_resolve_into_package():
+    from finetune.config import ASSETS_DIR
+
+    assert resolve_path("asset:tiny-llama") == str(ASSETS_DIR / "tiny-llama")
+    assert resolve_path("/abs/x") == "/abs/x"
+
+
+def test_every_shipped_recipe_validates_and_documents_every_key():
+    recipes = shipped_recipes()
+    assert {"demo-cpu", "qlora-1x24gb"} <= set(recipes)
+    for name, path in recipes.items():
+        text = path.read_text()
+        assert text.startswith("# finetune run"), f"{name}: first line must be the command that runs it"
+        cfg = load_recipe(path)
+        assert cfg.description, name
+        # Every key line carries a comment saying what it trades.
+        for line in text.splitlines():
+            stripped = line.strip()
+            if ":" in stripped and not stripped.startswith("#") and not stripped.endswith(":") and not stripped.startswith("description"):
+                assert "#" in stripped, f"{name}: key without a comment: {line!r}"

@@ -1,0 +1,172 @@
+"""Training loop on the tiny model: learning, grad-accum equivalence, output layout, peft round trip, resume."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from finetune.config import build_recipe
+from finetune.metrics import read_metrics
+from finetune.trainer import Trainer, lr_factor
+
+
+def make_cfg(recipe_dict, **sections):
+    data = json.loads(json.dumps(recipe_dict))
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            data.setdefault(key, {}).update(value)
+        else:
+            data[key] = value
+    return build_recipe(data)
+
+
+def train_losses(path):
+    return [r["loss"] for r in read_metrics(path) if "loss" in r]
+
+
+def lora_state(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_lr_schedule_values():
+    # warmup 2 over 10 steps: 1/3, 2/3, then cosine from 1 down to 0 at step 10.
+    got = [lr_factor(s, 2, 10, "cosine") for s in range(10)]
+    assert got[0] == pytest.approx(1 / 3) and got[1] == pytest.approx(2 / 3)
+    assert got[2] == pytest.approx(1.0)
+    assert got[6] == pytest.approx(0.5)  # halfway through the decay
+    assert lr_factor(10, 2, 10, "cosine") == pytest.approx(0.0)
+    assert [lr_factor(s, 0, 4, "linear") for s in range(4)] == pytest.approx([1, 0.75, 0.5, 0.25])
+    assert lr_factor(3, 0, 4, "constant") == 1.0
+
+
+def test_loss_decreases(recipe_dict, tmp_path):
+    from conftest import write_jsonl
+
+    rows = [{"text": f"{i} little cats sat on {i} mats."} for i in range(64)]
+    path = write_jsonl(tmp_path / "text.jsonl", rows)
+    cfg = make_cfg(
+        recipe_dict,
+        data={"path": str(path), "format": "text"},
+        train={"max_steps": 40, "lr": 3e-2, "batch_size": 8, "scheduler": "constant"},
+    )
+    result = Trainer(cfg, progress=False).train()
+    losses = train_losses(result.metrics_path)
+    assert len(losses) == 40
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.6 * first, (first, last)
+    assert result.final_loss == losses[-1]
+    assert result.steps == 40 and result.trained_tokens > 0
+
+
+def window_grads(recipe_dict, batch_size, grad_accum):
+    cfg = make_cfg(
+        recipe_dict,
+        train={"max_steps": 1, "batch_size": batch_size, "grad_accum": grad_accum},
+        lora={"r": 4, "alpha": 8, "dropout": 0.0},
+    )
+    trainer = Trainer(cfg, progress=False)
+    trainer.setup()
+    loss_sum, n_global, _ = trainer.accumulate_gradients(0)
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    return grads, loss_sum / n_global, trainer
+
+
+def test_grad_accum_equals_full_batch_on_variable_length_data(recipe_dict, tmp_path):
+    recipe_dict = {**recipe_dict, "output_dir": str(tmp_path / "a")}
+    full, loss_full, t_full = window_grads(recipe_dict, 8, 1)
+    recipe_dict = {**recipe_dict, "output_dir": str(tmp_path / "b")}
+    accum, loss_accum, t_accum = window_grads(recipe_dict, 2, 4)
+    assert loss_full == pytest.approx(loss_accum, rel=1e-6)
+    assert full.keys() == accum.keys() and len(full) > 0
+    for name in full:
+        torch.testing.assert_close(accum[name], full[name], rtol=1e-5, atol=1e-7)
+    # The data really is variable-length: per-micro-batch averaging (the 2024 bug) would differ.
+    counts = [int((b["labels"][:, 1:] != -100).sum()) for b in t_accum.step_batches(0)]
+    assert len(set(counts)) > 1, counts
+
+
+def test_qlora_run_writes_exact_layout_and_peft_reloads_it(recipe_dict, tiny_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    cfg = make_cfg(
+        recipe_dict,
+        quant={"bits": 4},
+        train={"max_steps": 4, "batch_size": 4},
+        checkpoint={"every_steps": 2, "keep_last": 2},
+        data={"eval_fraction": 0.1},
+        eval={"every_steps": 2},
+    )
+    trainer = Trainer(cfg, progress=False)
+    result = trainer.train()
+    out = result.output_dir
+    assert sorted(p.name for p in out.iterdir()) == ["adapter", "checkpoints", "metrics.jsonl", "recipe.yaml"]
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-2"]
+    ckpt = out / "checkpoints" / "step-2"
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "adapter", "manifest.json", "optimizer.json", "optimizer.safetensors",
+        "rng.safetensors", "scheduler.json", "trainer_state.json",
+    ]
+    rows = read_metrics(out / "metrics.jsonl")
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
+    assert set(train_rows[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "trained_tokens", "tokens_per_s", "elapsed_s"}
+    assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4]
+    assert build_recipe(__import__("yaml").safe_load((out / "recipe.yaml").read_text())) == cfg
+
+    # Vanilla transformers + peft load the adapter and reproduce our logits exactly.
+    ids = torch.tensor([trainer.data.train[0]["input_ids"]])
+    ours = trainer.accelerator.unwrap_model(trainer.model)
+    ours.eval()
+    with torch.no_grad():
+        expected = ours(input_ids=ids).logits
+    q = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32
+    )
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=q, dtype=torch.float32, device_map={"": "cpu"})
+    with torch.no_grad():
+        base_logits = base(input_ids=ids).logits
+    vanilla = PeftModel.from_pretrained(base, out / "adapter").eval()
+    with torch.no_grad():
+        got = vanilla(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert (got - base_logits).abs().max() > 1e-3  # the adapter is not a no-op
+
+
+def test_same_seed_same_run(recipe_dict, tmp_path):
+    a = Trainer(make_cfg(recipe_dict, output_dir=str(tmp_path / "a"), lora={"dropout": 0.1}), progress=False).train()
+    b = Trainer(make_cfg(recipe_dict, output_dir=str(tmp_path / "b"), lora={"dropout": 0.1}), progress=False).train()
+    assert train_losses(a.metrics_path) == train_losses(b.metrics_path)
+
+
+def test_resume_from_checkpoint_continues_the_same_run(recipe_dict, tmp_path):
+    common = {"train": {"max_steps": 6, "batch_size": 4}, "lora": {"dropout": 0.1}, "checkpoint": {"every_steps": 3}}
+    straight = Trainer(make_cfg(recipe_dict, output_dir=str(tmp_path / "a"), **common), progress=False)
+    ra = straight.train()
+    resumed = Trainer(
+        make_cfg(recipe_dict, output_dir=str(tmp_path / "b"), resume=str(tmp_path / "a" / "checkpoints" / "step-3"), **common),
+        progress=False,
+    )
+    rb = resumed.train()
+    assert train_losses(rb.metrics_path) == train_losses(ra.metrics_path)[3:]
+    a_w = lora_state(straight.accelerator.unwrap_model(straight.model))
+    b_w = lora_state(resumed.accelerator.unwrap_model(resumed.model))
+    for name in a_w:
+        assert torch.equal(a_w[name], b_w[name]), name
+
+
+def test_output_dir_of_another_run_is_refused(recipe_dict):
+    from finetune.errors import OutputDirError
+
+    cfg = make_cfg(recipe_dict, train={"max_steps": 1})
+    Trainer(cfg, progress=False).train()
+    with pytest.raises(OutputDirError) as err:
+        Trainer(cfg, progress=False).train()
+    assert "holds another run" in str(err.value) and "resume=auto" in str(err.value)
+    again = make_cfg(recipe_dict, train={"max_steps": 1}, overwrite=True)
+    assert math.isfinite(Trainer(again, progress=False).train().final_loss)
