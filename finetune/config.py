@@ -222,6 +222,42 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     return model
 
 
+# Names users bring from peft / HF Trainer / axolotl, mapped to ours.
+_SYNONYMS = {
+    "rank": "r",
+    "lora_r": "r",
+    "lora_alpha": "alpha",
+    "lora_dropout": "dropout",
+    "target_modules": "target",
+    "use_dora": "dora",
+    "learning_rate": "lr",
+    "num_train_epochs": "epochs",
+    "num_epochs": "epochs",
+    "micro_batch_size": "batch_size",
+    "per_device_train_batch_size": "batch_size",
+    "gradient_accumulation_steps": "grad_accum",
+    "lr_scheduler_type": "scheduler",
+    "lr_scheduler": "scheduler",
+    "max_length": "max_seq_len",
+    "sequence_len": "max_seq_len",
+    "max_seq_length": "max_seq_len",
+    "load_in_4bit": "bits",
+    "bnb_4bit_quant_type": "quant_type",
+    "bnb_4bit_use_double_quant": "double_quant",
+    "base_model": "path",
+    "model_name_or_path": "path",
+    "dataset": "path",
+}
+
+
+def _suggest(key: str, known: list[str]) -> str | None:
+    alias = _SYNONYMS.get(key)
+    if alias in known:
+        return alias
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def _describe(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -236,10 +272,10 @@ def format_validation_error(err: ValidationError) -> list[str]:
         if etype == "extra_forbidden":
             owner = _model_at(loc[:-1])
             known = list(owner.model_fields) if owner else []
-            close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+            close = _suggest(str(loc[-1]), known)
             prefix = ".".join(str(p) for p in loc[:-1])
             if close:
-                hint = f"did you mean '{prefix + '.' if prefix else ''}{close[0]}'?"
+                hint = f"did you mean '{prefix + '.' if prefix else ''}{close}'?"
             else:
                 hint = f"known keys{' under ' + prefix if prefix else ''}: {', '.join(known)}"
             problems.append(f"{dotted}: unknown key; {hint}")

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.checkpoint import output_dir_problem
-from finetune.config import RecipeConfig, resolve_path
-from finetune.data import check_data_source, load_records
+from finetune.config import RecipeConfig
+from finetune.data import check_data_source
 from finetune.errors import FinetuneError
 from finetune.hardware import resolve_precision
 from finetune.model import check_model_source, load_tokenizer, looks_like_hub_id, tokenizer_source
@@ -61,12 +61,7 @@ def preflight(cfg: RecipeConfig) -> PreflightReport:
             "Use a chat/instruct model's tokenizer, or data.format=alpaca|completion."
         )
 
-    report.problems += check_data_source(cfg)
-    if cfg.eval.exact_match_path:
-        try:
-            load_records(resolve_path(cfg.eval.exact_match_path), cfg.data)
-        except FinetuneError as exc:
-            report.problems.append(f"eval.exact_match_path: {exc}")
+    report.problems += check_data_source(cfg)  # data.path, data.eval_path, eval.exact_match_path
 
     problem = output_dir_problem(cfg)
     if problem:

@@ -259,7 +259,7 @@ class Trainer:
         path = self.cfg.eval.exact_match_path
         if not path:
             return None
-        records = load_records(resolve_path(path), self.cfg.data)
+        records = load_records(resolve_path(path), self.cfg.data, key="eval.exact_match_path")
         return records[: self.cfg.eval.exact_match_limit] if self.cfg.eval.exact_match_limit else records
 
     def run_exact_match(self, records: list[dict], when: str) -> ExactMatch:

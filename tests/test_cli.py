@@ -1,0 +1,118 @@
+"""CLI in-process: exit codes and messages of run / validate / ls / cp."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from conftest import write_jsonl
+from finetune.cli import main
+from finetune.hardware import cpu_has_native_bf16
+
+
+def write_recipe(tmp_path, data: dict, name="r.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_ls_lists_shipped_recipes(capsys):
+    assert main(["ls"]) == 0
+    out = capsys.readouterr().out
+    assert "demo-cpu" in out and "CPU demo" in out
+    assert "qlora-1x24gb" in out and "24 GB" in out
+
+
+def test_cp_copies_and_refuses_to_clobber(tmp_path, capsys):
+    dest = tmp_path / "mine.yaml"
+    assert main(["cp", "qlora-1x24gb", str(dest)]) == 0
+    assert dest.read_text().startswith("# finetune run")
+    assert main(["cp", "qlora-1x24gb", str(dest)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main(["cp", "qlora-1x24gb", str(dest), "--force"]) == 0
+    assert main(["cp", "demo-cpo", str(tmp_path / "x.yaml")]) == 2
+    assert "did you mean 'demo-cpu'" in capsys.readouterr().err
+
+
+def test_validate_valid_recipe(recipe_dict, tmp_path, capsys):
+    assert main(["validate", write_recipe(tmp_path, recipe_dict)]) == 0
+    assert "valid (precision fp32)" in capsys.readouterr().out
+
+
+def test_validate_lists_all_problems_at_once(recipe_dict, tmp_path, capsys):
+    wrong_cols = write_jsonl(tmp_path / "qa.jsonl", [{"question": "q", "answer": "a"}])
+    bad = {
+        **recipe_dict,
+        "model": {"path": str(tmp_path / "no-such-model")},
+        "data": {"path": str(wrong_cols), "format": "alpaca", "eval_path": str(tmp_path / "missing.jsonl")},
+    }
+    assert main(["validate", write_recipe(tmp_path, bad)]) == 2
+    err = capsys.readouterr().err
+    assert "3 problems" in err, err
+    assert "model.path:" in err and "no-such-model" in err
+    assert "data.path:" in err and "found columns: question, answer" in err
+    assert "data.eval_path:" in err and "missing.jsonl" in err and "cwd" in err
+
+
+def test_validate_schema_errors_exit_2_with_suggestion(recipe_dict, tmp_path, capsys):
+    rc = main(["validate", write_recipe(tmp_path, recipe_dict), "train.lrr=1", "lora.rank=4"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "train.lrr: unknown key; did you mean 'train.lr'?" in err
+    assert "lora.rank: unknown key; did you mean 'lora.r'?" in err
+    assert "Traceback" not in err
+
+
+def test_validate_4bit_without_adapter(recipe_dict, tmp_path, capsys):
+    assert main(["validate", write_recipe(tmp_path, recipe_dict), "quant.bits=4", "lora=null"]) == 2
+    assert "quant.bits=4 needs an adapter" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(cpu_has_native_bf16(), reason="this CPU has native bf16")
+def test_bf16_on_cpu_without_it_is_refused(recipe_dict, tmp_path, capsys):
+    assert main(["validate", write_recipe(tmp_path, recipe_dict), "precision=bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "precision: precision=bf16 requested but this CPU has no native bf16" in err and "precision=auto" in err
+
+
+def test_empty_dataset_and_malformed_file(recipe_dict, tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["validate", write_recipe(tmp_path, recipe_dict), f"data.path={empty}"]) == 2
+    assert "empty" in capsys.readouterr().err
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"instruction": "a", "output": "b"}\n{"instruction": \n')
+    assert main(["validate", write_recipe(tmp_path, recipe_dict), f"data.path={broken}"]) == 2
+    assert "line 2" in capsys.readouterr().err
+
+
+def test_run_then_refuse_to_clobber_then_overwrite(recipe_dict, tmp_path, capsys):
+    recipe = write_recipe(tmp_path, recipe_dict)
+    assert main(["run", recipe, "--no-progress", "train.max_steps=2"]) == 0
+    out = capsys.readouterr().out
+    assert "done." in out and "adapter" in out
+    run_dir = tmp_path / "run"
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+
+    assert main(["run", recipe, "train.max_steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert "holds another run" in err and "resume=auto" in err and "overwrite=true" in err
+    assert main(["run", recipe, "train.max_steps=1", "overwrite=true", "--no-progress"]) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]
+
+
+def test_debug_shows_traceback(tmp_path, capsys):
+    assert main(["--debug", "validate", str(tmp_path / "nope.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "not found" in err
+
+
+def test_missing_recipe_file(tmp_path, capsys):
+    assert main(["run", str(tmp_path / "nope.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "recipe file" in err and "not found (cwd:" in err and "Traceback" not in err

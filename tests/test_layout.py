@@ -1,0 +1,49 @@
+"""The data flow of DESIGN.md, enforced: no module imports one that stands later."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import finetune
+
+# Import order (a module may import only those before it). checkpoint is a library
+# the trainer calls, so it stands before trainer.
+ORDER = [
+    "errors", "config", "hardware", "metrics", "model", "data", "evaluate",
+    "checkpoint", "preflight", "trainer", "cli",
+]
+PKG = Path(finetune.__file__).parent
+
+
+def imported_modules(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("finetune."):
+            found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("finetune."):
+                    found.add(alias.name.split(".")[1])
+    return found
+
+
+def test_every_module_is_placed():
+    modules = {p.stem for p in PKG.glob("*.py")} - {"__init__", "__main__"}
+    assert modules <= set(ORDER), f"add {modules - set(ORDER)} to ORDER"
+
+
+def test_imports_flow_one_way():
+    for name in ORDER:
+        path = PKG / f"{name}.py"
+        if not path.exists():
+            continue
+        later = set(ORDER[ORDER.index(name) :])
+        bad = imported_modules(path) & later
+        assert not bad, f"finetune.{name} imports {bad}, which stand at or after it"
+
+
+def test_public_api():
+    for name in ("load_recipe", "Trainer", "load_model", "load_tokenizer", "build_datasets", "TrainResult"):
+        assert name in finetune.__all__
+        assert getattr(finetune, name) is not None
