@@ -54,3 +54,7 @@ class OutputDirError(FinetuneError):
 
 class CheckpointError(FinetuneError):
     """A checkpoint is missing, incomplete or corrupt."""
+
+
+class TrainingError(FinetuneError):
+    """Training cannot continue meaningfully (e.g. the loss became NaN/inf)."""

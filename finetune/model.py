@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,6 @@ import torch
 from finetune.config import RecipeConfig, resolve_path
 from finetune.errors import ModelError
 from finetune.hardware import resolve_precision, torch_dtype
-
-log = logging.getLogger("finetune")
 
 
 def model_source(cfg: RecipeConfig) -> str:
@@ -106,6 +103,11 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+# Unlike peft.prepare_model_for_kbit_training we do not upcast every non-quantized
+# weight (embeddings, head, norms) to fp32: on a 7B model with a 150k vocabulary
+# that costs ~2 GB of a 24 GB card for no measurable gain (norms already compute
+# in fp32 inside Llama-style RMSNorm). We freeze, enable checkpointing, and let
+# peft keep the adapters themselves in fp32.
 def load_base_model(cfg: RecipeConfig, precision: str | None = None, device: torch.device | None = None):
     """The (quantized) base model on `device`, frozen, without adapters."""
     from transformers import AutoModelForCausalLM
@@ -194,6 +196,4 @@ def load_model(cfg: RecipeConfig, precision: str | None = None, device: torch.de
     else:
         for p in model.parameters():
             p.requires_grad_(True)
-    trainable, total = count_parameters(model)
-    log.info("trainable parameters: %s of %s (%.3f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / max(total, 1))
     return model

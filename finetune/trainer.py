@@ -34,11 +34,11 @@ from finetune.checkpoint import (
 )
 from finetune.config import RecipeConfig, resolve_path
 from finetune.data import IGNORE_INDEX, Collator, DataBundle, build_datasets, load_records
-from finetune.errors import CheckpointError, DataError
+from finetune.errors import CheckpointError, DataError, TrainingError
 from finetune.evaluate import ExactMatch, exact_match
 from finetune.hardware import resolve_precision
 from finetune.metrics import MetricsWriter, Progress, Throughput, human_bytes, human_duration, peak_memory_bytes, read_metrics
-from finetune.model import load_model, load_tokenizer
+from finetune.model import count_parameters, load_model, load_tokenizer
 
 
 @dataclass
@@ -174,6 +174,11 @@ class Trainer:
         if self.model is None:
             torch.manual_seed(cfg.seed)  # LoRA init is drawn from the global RNG
             self.model = load_model(cfg, precision=self.precision, device=acc.device)
+        trainable, total = count_parameters(self.model)
+        quant = f"{cfg.quant.bits}-bit {cfg.quant.quant_type if cfg.quant.bits == 4 else 'int8'}" if cfg.quant.bits else "unquantized"
+        self.say(
+            f"model: {total:,} parameters ({quant} base), {trainable:,} trainable ({100 * trainable / max(total, 1):.2f}%)"
+        )
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -364,8 +369,10 @@ class Trainer:
                         }
                     )
                 if not math.isfinite(loss_value):
-                    raise FloatingPointError(
-                        f"loss is {loss_value} at step {done}; lower train.lr or check the data (see metrics.jsonl)"
+                    raise TrainingError(
+                        f"loss is {loss_value} at step {done} (see {self.out / 'metrics.jsonl'})",
+                        hint="lower train.lr, keep train.max_grad_norm set, or check the data of this step; "
+                        "resume=auto restarts from the last checkpoint",
                     )
                 if cfg.eval.every_steps and (done % cfg.eval.every_steps == 0 or done == self.total_steps):
                     eval_loss = self.evaluate_loss()

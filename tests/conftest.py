@@ -140,3 +140,15 @@ def recipe_dict(tiny_model_dir, alpaca_file, tmp_path) -> dict:
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
         "train": {"max_steps": 4, "batch_size": 4, "lr": 1e-3, "gradient_checkpointing": False},
     }
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA; on CPU-only machines they are skipped, visibly."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
