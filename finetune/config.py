@@ -263,10 +263,33 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _field_path(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The part of an error location that names recipe keys (drops pydantic's union-branch tags)."""
+    model: type[BaseModel] | None = RecipeConfig
+    for i, part in enumerate(loc):
+        if model is None or str(part) not in model.model_fields:
+            return loc[:i] if i else loc
+        model = _model_at(loc[: i + 1])
+    return loc
+
+
 def format_validation_error(err: ValidationError) -> list[str]:
     problems = []
+    union_seen: set[tuple[Any, ...]] = set()
     for e in err.errors():
         loc = tuple(e["loc"])
+        field = _field_path(loc)
+        if e["type"] != "extra_forbidden" and field != loc and field:
+            # A value that matches none of a union's types: one problem, not one per branch.
+            if field in union_seen:
+                continue
+            union_seen.add(field)
+            owner = _model_at(field[:-1])
+            ann = owner.model_fields[str(field[-1])].annotation if owner else None
+            expected = str(ann).replace("typing.", "").replace(" | None", " or null") if ann else "another type"
+            dotted = ".".join(str(p) for p in field)
+            problems.append(f"{dotted}: expected {expected} (got {_describe(e.get('input'))})")
+            continue
         dotted = ".".join(str(p) for p in loc)
         etype = e["type"]
         if etype == "extra_forbidden":

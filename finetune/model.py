@@ -50,6 +50,41 @@ def check_model_source(cfg: RecipeConfig, key: str = "model.path") -> list[str]:
     ]
 
 
+def linear_layer_names(model) -> list[str]:
+    """Short names (q_proj, ...) of the model's linear layers, as lora.target takes them."""
+    return sorted(
+        {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) or "Linear" in type(m).__name__}
+    )
+
+
+def check_lora_targets(cfg: RecipeConfig) -> list[str]:
+    """lora.target names that match no module, found on a meta-device copy (no weights read)."""
+    if cfg.lora is None or cfg.lora.target == "all-linear" or not Path(model_source(cfg)).is_dir():
+        return []
+    import re
+
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_source(cfg), trust_remote_code=cfg.model.trust_remote_code)
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+    except Exception:  # loading will report the real problem with the model itself
+        return []
+    names = [n for n, _ in model.named_modules()]
+    if isinstance(cfg.lora.target, str):  # peft treats a string as a regex over full module names
+        missing = [] if any(re.fullmatch(cfg.lora.target, n) for n in names) else [cfg.lora.target]
+    else:
+        missing = [t for t in cfg.lora.target if not any(n == t or n.endswith("." + t) for n in names)]
+    if not missing:
+        return []
+    return [
+        f"lora.target: {', '.join(map(repr, missing))} match no module of '{cfg.model.path}'. "
+        f"Use all-linear or names from: {', '.join(linear_layer_names(model))}"
+    ]
+
+
 def load_tokenizer(cfg: RecipeConfig):
     """The tokenizer, with a pad token guaranteed (labels are masked by position, so pad == eos is harmless here)."""
     from transformers import AutoTokenizer
@@ -166,7 +201,7 @@ def wrap_lora(cfg: RecipeConfig, model):
     try:
         return get_peft_model(model, peft_cfg)
     except ValueError as exc:
-        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) or "Linear" in type(m).__name__})
+        names = linear_layer_names(model)
         raise ModelError(
             f"lora.target={cfg.lora.target!r}: {str(exc).splitlines()[0]}",
             hint=f"use 'all-linear' or a list of module names; this model's linear layers: {', '.join(names)}",

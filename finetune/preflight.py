@@ -16,7 +16,7 @@ from finetune.config import RecipeConfig
 from finetune.data import check_data_source
 from finetune.errors import FinetuneError
 from finetune.hardware import resolve_precision
-from finetune.model import check_model_source, load_tokenizer, looks_like_hub_id, tokenizer_source
+from finetune.model import check_lora_targets, check_model_source, load_tokenizer, looks_like_hub_id, tokenizer_source
 
 
 @dataclass
@@ -43,6 +43,7 @@ def preflight(cfg: RecipeConfig) -> PreflightReport:
         report.problems.append(f"precision: {exc}")
 
     report.problems += check_model_source(cfg)
+    report.problems += check_lora_targets(cfg)
     src = tokenizer_source(cfg)
     if _tokenizer_is_local(cfg):
         try:

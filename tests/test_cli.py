@@ -116,3 +116,12 @@ def test_missing_recipe_file(tmp_path, capsys):
     assert main(["run", str(tmp_path / "nope.yaml")]) == 2
     err = capsys.readouterr().err
     assert "recipe file" in err and "not found (cwd:" in err and "Traceback" not in err
+
+
+def test_validate_finds_unknown_lora_target_without_loading_weights(recipe_dict, tmp_path, capsys):
+    recipe = write_recipe(tmp_path, recipe_dict)
+    assert main(["validate", recipe, "lora.target=[q_proj,qkv_proj]"]) == 2
+    err = capsys.readouterr().err
+    assert "lora.target: 'qkv_proj' match no module" in err
+    assert "names from: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj" in err
+    assert main(["validate", recipe, "lora.target=[q_proj,v_proj]"]) == 0

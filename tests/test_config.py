@@ -138,3 +138,8 @@ def test_every_shipped_recipe_validates_and_documents_every_key():
             stripped = line.strip()
             if ":" in stripped and not stripped.startswith("#") and not stripped.endswith(":") and not stripped.startswith("description"):
                 assert "#" in stripped, f"{name}: key without a comment: {line!r}"
+
+
+def test_union_type_error_is_one_problem():
+    (p,) = problems_of({**MINIMAL, "lora": {"target": 5}})
+    assert p == "lora.target: expected str | list[str] (got 5)"
