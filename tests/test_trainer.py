@@ -61,10 +61,12 @@ def test_loss_decreases(recipe_dict, tmp_path):
     assert result.steps == 40 and result.trained_tokens > 0
 
 
-def window_grads(recipe_dict, batch_size, grad_accum):
+def window_grads(recipe_dict, batch_size, grad_accum, **sections):
+    train = {"max_steps": 1, "batch_size": batch_size, "grad_accum": grad_accum, **sections.pop("train", {})}
     cfg = make_cfg(
         recipe_dict,
-        train={"max_steps": 1, "batch_size": batch_size, "grad_accum": grad_accum},
+        **sections,
+        train=train,
         lora={"r": 4, "alpha": 8, "dropout": 0.0},
     )
     trainer = Trainer(cfg, progress=False)
@@ -86,6 +88,16 @@ def test_grad_accum_equals_full_batch_on_variable_length_data(recipe_dict, tmp_p
     # The data really is variable-length: per-micro-batch averaging (the 2024 bug) would differ.
     counts = [int((b["labels"][:, 1:] != -100).sum()) for b in t_accum.step_batches(0)]
     assert len(set(counts)) > 1, counts
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(recipe_dict, tmp_path):
+    grads = {}
+    for gc in (False, True):
+        d = {**recipe_dict, "output_dir": str(tmp_path / f"gc{gc}")}
+        grads[gc], _, trainer = window_grads(d, 4, 1, quant={"bits": 4}, train={"gradient_checkpointing": gc})
+        assert trainer.accelerator.unwrap_model(trainer.model).is_gradient_checkpointing == gc
+    for name in grads[False]:
+        torch.testing.assert_close(grads[True][name], grads[False][name], rtol=1e-5, atol=1e-7)
 
 
 def test_qlora_run_writes_exact_layout_and_peft_reloads_it(recipe_dict, tiny_model_dir):
