@@ -199,6 +199,11 @@ def save_checkpoint(
     keep_last: int | None = None,
 ) -> Path:
     final = checkpoint_dir(output_dir, step)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    bad = [n for n, p in trainable.items() if not torch.isfinite(p.detach()).all()]
+    if bad:
+        # A checkpoint is a promise of a good state: never write NaN/inf weights into one.
+        raise CheckpointError(f"refusing to write checkpoint step-{step}: non-finite values in {bad[0]} (+{len(bad) - 1} more)")
     with atomic_dir(final) as tmp:
         model.save_pretrained(tmp / "adapter", safe_serialization=True)
         tensors, meta = _optimizer_to_tensors(optimizer)

@@ -86,6 +86,10 @@ class TrainConfig(_Section):
     max_grad_norm: float | None = Field(1.0, gt=0)
     gradient_checkpointing: bool = True
     log_every_steps: int = Field(1, ge=1)
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="non-finite loss/grad: stop (checkpoint of the last good state + error) or skip the update"
+    )
+    loss_spike_factor: float = Field(3.0, gt=1.0, description="log a warning when loss > factor x its recent mean")
 
 
 class EvalConfig(_Section):

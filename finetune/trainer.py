@@ -308,6 +308,28 @@ class Trainer:
             mpath.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
         return state
 
+    def save_checkpoint(self, step: int, tokens: int, trained_tokens: int, elapsed_s: float) -> None:
+        """Checkpoint after `step` completed optimizer steps (all ranks call this)."""
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            save_checkpoint(
+                self.out,
+                step,
+                acc.unwrap_model(self.model),
+                getattr(self.optimizer, "optimizer", self.optimizer),
+                self.scheduler,
+                {
+                    "tokens": tokens,
+                    "trained_tokens": trained_tokens,
+                    "elapsed_s": elapsed_s,
+                    "total_steps": self.total_steps,
+                    "skipped_steps": self.skipped_steps,
+                },
+                keep_last=self.cfg.checkpoint.keep_last,
+            )
+        acc.wait_for_everyone()
+
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> TrainResult:
@@ -338,6 +360,8 @@ class Trainer:
         loss_value = float("nan")
         eval_loss = None
         model = self.model
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.loss_ema: float | None = None
         try:
             for step in range(start_step, self.total_steps):
                 speed.start()
@@ -345,58 +369,62 @@ class Trainer:
                 max_norm = cfg.train.max_grad_norm or float("inf")
                 grad_norm = float(acc.clip_grad_norm_(self.params, max_norm))
                 lr = self.scheduler.get_last_lr()[0]
-                self.optimizer.step()
+                loss_value = self._global_sum(loss_total) / max(n_global, 1)
+                done = step + 1
+                # A non-finite loss or gradient must never reach the weights or the
+                # optimizer state. (fp16: an inf gradient is the GradScaler's business;
+                # it skips that step itself and lowers the scale.)
+                finite = math.isfinite(loss_value) and (math.isfinite(grad_norm) or self.precision == "fp16")
+                if finite:
+                    self.optimizer.step()
+                else:
+                    self.skipped_steps += 1
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 step_tokens_global = int(self._global_sum(step_tokens))
                 speed.stop(step_tokens_global, int(n_global))
-                loss_value = self._global_sum(loss_total) / max(n_global, 1)
                 tokens_total += step_tokens_global
                 trained_total += int(n_global)
-                done = step + 1
                 progress.update(loss_value, speed.tokens_per_s, lr)
-                if done % cfg.train.log_every_steps == 0 or done == self.total_steps:
-                    self.metrics.write(
-                        {
-                            "step": done,
-                            "loss": loss_value,
-                            "lr": lr,
-                            "grad_norm": grad_norm,
-                            "tokens": step_tokens_global,
-                            "trained_tokens": int(n_global),
-                            "tokens_per_s": speed.tokens_per_s,
-                            "elapsed_s": time.perf_counter() - t_start,
-                        }
-                    )
-                if not math.isfinite(loss_value):
-                    raise TrainingError(
-                        f"loss is {loss_value} at step {done} (see {self.out / 'metrics.jsonl'})",
-                        hint="lower train.lr, keep train.max_grad_norm set, or check the data of this step; "
-                        "resume=auto restarts from the last checkpoint",
-                    )
+                row = {
+                    "step": done,
+                    "loss": loss_value,
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "tokens": step_tokens_global,
+                    "trained_tokens": int(n_global),
+                    "tokens_per_s": speed.tokens_per_s,
+                    "elapsed_s": time.perf_counter() - t_start,
+                }
+                spike = finite and self.loss_ema is not None and loss_value > cfg.train.loss_spike_factor * self.loss_ema
+                if spike:
+                    row["spike"] = True
+                    progress.write(f"step {done}: loss spike {loss_value:.4f} (> {cfg.train.loss_spike_factor} x recent mean {self.loss_ema:.4f})")
+                if finite:
+                    self.loss_ema = loss_value if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss_value
+                if not finite:
+                    row["skipped"] = True
+                if done % cfg.train.log_every_steps == 0 or done == self.total_steps or not finite or spike:
+                    self.metrics.write(row)
+                if not finite:
+                    where = f"step {done}: loss {loss_value}, grad_norm {grad_norm}"
+                    if cfg.train.on_nonfinite == "stop":
+                        # The weights are still those of the last good step: keep them.
+                        self.save_checkpoint(step, tokens_total, trained_total, time.perf_counter() - t_start)
+                        raise TrainingError(
+                            f"non-finite {where}; the update was not applied. Checkpoint of the last good state: "
+                            f"{self.out / 'checkpoints' / f'step-{step}'}",
+                            hint="lower train.lr, keep train.max_grad_norm set, check this step's data, "
+                            "or set train.on_nonfinite=skip; resume=auto continues from the checkpoint",
+                        )
+                    progress.write(f"{where}: non-finite, update skipped ({self.skipped_steps} so far)")
                 if cfg.eval.every_steps and (done % cfg.eval.every_steps == 0 or done == self.total_steps):
                     eval_loss = self.evaluate_loss()
                     if eval_loss is not None:
                         self.metrics.write({"step": done, "eval_loss": eval_loss})
                         progress.write(f"step {done}: eval_loss {eval_loss:.4f}")
                 if cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0 and done < self.total_steps:
-                    acc.wait_for_everyone()
-                    if acc.is_main_process:
-                        save_checkpoint(
-                            self.out,
-                            done,
-                            acc.unwrap_model(model),
-                            self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer,
-                            self.scheduler,
-                            {
-                                "tokens": tokens_total,
-                                "trained_tokens": trained_total,
-                                "elapsed_s": time.perf_counter() - t_start,
-                                "total_steps": self.total_steps,
-                            },
-                            keep_last=cfg.checkpoint.keep_last,
-                        )
-                    acc.wait_for_everyone()
+                    self.save_checkpoint(done, tokens_total, trained_total, time.perf_counter() - t_start)
         finally:
             progress.close()
             self.metrics.close()

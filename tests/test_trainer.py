@@ -182,3 +182,56 @@ def test_output_dir_of_another_run_is_refused(recipe_dict):
     assert "holds another run" in str(err.value) and "resume=auto" in str(err.value)
     again = make_cfg(recipe_dict, train={"max_steps": 1}, overwrite=True)
     assert math.isfinite(Trainer(again, progress=False).train().final_loss)
+
+
+class NaNAtStep(Trainer):
+    """Returns a NaN loss for the micro-batches of one optimizer step."""
+
+    bad_step = 2
+
+    def accumulate_gradients(self, step):
+        self._current = step
+        return super().accumulate_gradients(step)
+
+    def compute_loss(self, model, batch):
+        loss, n = super().compute_loss(model, batch)
+        return (loss * float("nan"), n) if self._current == self.bad_step else (loss, n)
+
+
+def test_nonfinite_loss_stops_without_touching_weights(recipe_dict):
+    from finetune.errors import TrainingError
+
+    cfg = make_cfg(recipe_dict, train={"max_steps": 4, "batch_size": 4})
+    trainer = NaNAtStep(cfg, progress=False)
+    trainer.setup()
+    snapshots = []
+    original_step = trainer.optimizer.step
+
+    def recording_step(*a, **k):
+        out = original_step(*a, **k)
+        snapshots.append(lora_state(trainer.accelerator.unwrap_model(trainer.model)))
+        return out
+
+    trainer.optimizer.step = recording_step
+    with pytest.raises(TrainingError) as err:
+        trainer.train()
+    assert "non-finite step 3" in str(err.value) and "step-2" in str(err.value)
+    assert len(snapshots) == 2  # steps 1 and 2 updated; step 3 (0-based 2) did not
+    now = lora_state(trainer.accelerator.unwrap_model(trainer.model))
+    assert all(torch.equal(now[k], snapshots[-1][k]) for k in now)
+    ckpt = trainer.out / "checkpoints" / "step-2"
+    from safetensors.torch import load_file
+
+    saved = load_file(str(ckpt / "adapter" / "adapter_model.safetensors"))
+    assert saved and all(torch.isfinite(t).all() for t in saved.values())
+    rows = read_metrics(trainer.out / "metrics.jsonl")
+    assert rows[-1]["step"] == 3 and rows[-1]["skipped"] is True and rows[-1]["loss"] is None
+
+
+def test_nonfinite_loss_skip_policy_continues(recipe_dict):
+    cfg = make_cfg(recipe_dict, train={"max_steps": 4, "batch_size": 4, "on_nonfinite": "skip"})
+    result = NaNAtStep(cfg, progress=False).train()
+    rows = read_metrics(result.metrics_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r.get("skipped", False) for r in rows] == [False, False, True, False]
+    assert math.isfinite(result.final_loss)
