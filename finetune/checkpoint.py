@@ -15,10 +15,11 @@ unpickled from disk.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -119,10 +120,18 @@ def write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def write_manifest(directory: Path, extra: dict[str, Any]) -> None:
-    """Written last: lists every file with its size, so truncation is detectable."""
+    """Written last: every file with its size and sha256, so truncation and bit rot are caught."""
     files = {
-        str(p.relative_to(directory)): p.stat().st_size
+        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
         for p in sorted(directory.rglob("*"))
         if p.is_file() and p.name != MANIFEST
     }
@@ -138,15 +147,52 @@ def verify_manifest(directory: Path) -> dict[str, Any]:
         manifest = json.loads(mpath.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"checkpoint '{directory}': {MANIFEST} is corrupt ({exc})") from None
-    for name, size in manifest.get("files", {}).items():
+    for name, meta in manifest.get("files", {}).items():
         f = directory / name
         if not f.is_file():
             raise CheckpointError(f"checkpoint '{directory}': file '{name}' listed in the manifest is missing")
-        if f.stat().st_size != size:
+        if f.stat().st_size != meta["bytes"]:
             raise CheckpointError(
-                f"checkpoint '{directory}': file '{name}' has {f.stat().st_size} bytes, manifest says {size} (truncated or corrupt)"
+                f"checkpoint '{directory}': file '{name}' has {f.stat().st_size} bytes, manifest says {meta['bytes']} (truncated)"
             )
+        if _sha256(f) != meta["sha256"]:
+            raise CheckpointError(f"checkpoint '{directory}': file '{name}' is corrupt (sha256 differs from the manifest)")
     return manifest
+
+
+# --------------------------------------------------------------------------- resume compatibility
+
+# Keys whose change keeps a resumed run the same run (what is logged, evaluated,
+# saved, or how long it goes). Everything else changes the numbers.
+HARMLESS_CHANGES = (
+    "description", "output_dir", "resume", "resume_ignore_changes", "overwrite",
+    "train.max_steps", "train.epochs", "train.log_every_steps", "train.on_nonfinite",
+    "train.loss_spike_factor", "eval.", "checkpoint.",
+)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def recipe_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(changes that break an exact resume, harmless changes), each 'key: old -> new'."""
+    a, b = _flatten(old), _flatten(new)
+    breaking, harmless = [], []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) == b.get(key):
+            continue
+        text = f"{key}: {a.get(key)!r} -> {b.get(key)!r}"
+        is_harmless = any(key == h or (h.endswith(".") and key.startswith(h)) for h in HARMLESS_CHANGES)
+        (harmless if is_harmless else breaking).append(text)
+    return breaking, harmless
 
 
 # --------------------------------------------------------------------------- adapter
@@ -256,8 +302,12 @@ def latest_checkpoint(output_dir: Path) -> tuple[Path | None, list[str]]:
     return None, notes
 
 
-def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict[str, Any]:
-    """Restore adapter weights, optimizer, scheduler and RNG from `path`; return trainer_state."""
+def load_checkpoint(path: Path, model, optimizer, scheduler, check: Callable[[Path, dict], None] | None = None) -> dict[str, Any]:
+    """Restore adapter weights, optimizer, scheduler and RNG from `path`; return trainer_state.
+
+    `check(path, trainer_state)` runs after every file is read and before anything
+    is assigned; it may raise to refuse the checkpoint.
+    """
     from peft import set_peft_model_state_dict
 
     path = Path(path)
@@ -272,6 +322,8 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict[str, Any]:
         state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
     except Exception as exc:  # safetensors raises its own error types
         raise CheckpointError(f"checkpoint '{path}' cannot be read: {exc}") from None
+    if check is not None:
+        check(path, state)
     result = set_peft_model_state_dict(model, weights)
     unexpected = getattr(result, "unexpected_keys", None)
     if unexpected:

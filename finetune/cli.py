@@ -7,7 +7,8 @@
     finetune cp qlora-1x24gb my.yaml                   # copy one to edit
 
 Exit codes: 0 success, 2 a problem with the input (message says what and how
-to fix; --debug adds the traceback), 1 a bug (traceback), 130 interrupted.
+to fix; --debug adds the traceback), 1 a bug (traceback), 75 preempted
+(SIGTERM/SIGUSR1: a checkpoint was saved; rerun with resume=auto), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import warnings
 from pathlib import Path
 
 from finetune.config import find_recipe, load_recipe, recipe_description, shipped_recipes
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, Preempted
 from finetune.preflight import preflight
 
 EXIT_OK, EXIT_BUG, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_PREEMPTED = Preempted.exit_code  # 75: checkpoint saved after SIGTERM/SIGUSR1; rerun with resume=auto
 
 
 def _quiet_libraries() -> None:
@@ -145,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     try:
         return args.func(args)
+    except Preempted as exc:
+        print(f"preempted: {exc}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except FinetuneError as exc:
         if args.debug:
             traceback.print_exc()

@@ -121,6 +121,9 @@ class RecipeConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     resume: str | None = Field(None, description="null | auto | path to a checkpoint directory")
+    resume_ignore_changes: bool = Field(
+        False, description="resume even though seed/batch/data/model/LoRA changed (the run is then not exact)"
+    )
     overwrite: bool = False
 
     @model_validator(mode="after")

@@ -58,3 +58,13 @@ class CheckpointError(FinetuneError):
 
 class TrainingError(FinetuneError):
     """Training cannot continue meaningfully (e.g. the loss became NaN/inf)."""
+
+
+class Preempted(FinetuneError):
+    """SIGTERM/SIGUSR1 arrived: a checkpoint was saved and the run stopped cleanly.
+
+    The CLI exits with EXIT_PREEMPTED so a scheduler (Slurm, Kubernetes) can tell
+    "requeue me and resume=auto" apart from success and from failure.
+    """
+
+    exit_code = 75  # EX_TEMPFAIL: temporary failure, try again

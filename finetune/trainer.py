@@ -14,8 +14,12 @@ bug that hit HF Trainer and others in 2024 averaged per micro-batch instead).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import signal
+import threading
+from array import array
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -26,15 +30,16 @@ import torch
 import torch.nn.functional as F
 
 from finetune.checkpoint import (
-    latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
     prepare_output_dir,
+    recipe_changes,
     save_adapter,
     save_checkpoint,
 )
 from finetune.config import RecipeConfig, resolve_path
 from finetune.data import IGNORE_INDEX, Collator, DataBundle, build_datasets, load_records
-from finetune.errors import CheckpointError, DataError, TrainingError
+from finetune.errors import CheckpointError, DataError, Preempted, TrainingError
 from finetune.evaluate import ExactMatch, exact_match
 from finetune.hardware import resolve_precision
 from finetune.metrics import MetricsWriter, Progress, Throughput, human_bytes, human_duration, peak_memory_bytes, read_metrics
@@ -279,26 +284,70 @@ class Trainer:
 
     # ------------------------------------------------------------------ resume
 
-    def maybe_resume(self) -> dict[str, Any]:
+    def data_fingerprint(self) -> str:
+        """Hash of the tokenized train set: resuming on different data would not be the same run."""
+        h = hashlib.sha256()
+        for ex in self.data.train:
+            h.update(array("i", ex["input_ids"]).tobytes())
+            h.update(array("i", ex["labels"]).tobytes())
+        return h.hexdigest()[:16]
+
+    def resume_candidates(self) -> list[Path]:
         cfg = self.cfg
-        if cfg.resume is None:
-            return {}
         if cfg.resume == "auto":
-            path, notes = latest_checkpoint(self.out)
-            for n in notes:
-                self.say(f"resume: {n}")
-            if path is None:
-                self.say(f"resume=auto: no complete checkpoint in {self.out / 'checkpoints'}; starting from step 0")
-                return {}
-        else:
-            path = Path(cfg.resume)
-            if not path.is_dir():
-                raise CheckpointError(
-                    f"resume: checkpoint directory '{cfg.resume}' not found",
-                    hint=f"use resume=auto or one of {self.out / 'checkpoints'}/step-N",
-                )
+            found = list(reversed(list_checkpoints(self.out)))
+            if not found:
+                self.say(f"resume=auto: no checkpoint in {self.out / 'checkpoints'}; starting from step 0")
+            return found
+        path = Path(cfg.resume)
+        if not path.is_dir():
+            raise CheckpointError(
+                f"resume: checkpoint directory '{cfg.resume}' not found",
+                hint=f"use resume=auto or one of {self.out / 'checkpoints'}/step-N",
+            )
+        return [path]
+
+    def check_resume_compatible(self, path: Path, state: dict[str, Any]) -> None:
+        """Refuse a resume that could not continue the same run, listing every difference."""
+        if "recipe" not in state:
+            return
+        breaking, harmless = recipe_changes(state["recipe"], self.cfg.to_dict())
+        if state.get("data_fingerprint") not in (None, self.fingerprint):
+            breaking.append("the tokenized training data differs (file contents, tokenizer or formatting changed)")
+        for change in harmless:
+            self.say(f"resume: allowed change {change}")
+        if breaking and not self.cfg.resume_ignore_changes:
+            raise CheckpointError(
+                f"resume: the recipe differs from the one that wrote {path} in ways that change the run:\n"
+                + "\n".join(f"    {c}" for c in breaking),
+                hint="undo these changes, start a new output_dir, or set resume_ignore_changes=true to continue anyway",
+            )
+        for change in breaking:
+            self.say(f"resume: continuing despite {change} (resume_ignore_changes=true)")
+
+    def maybe_resume(self) -> dict[str, Any]:
+        """Load the checkpoint to continue from (resume=auto: the newest readable one)."""
+        if self.cfg.resume is None:
+            return {}
         model = self.accelerator.unwrap_model(self.model)
-        state = load_checkpoint(path, model, self.optimizer, self.scheduler)
+        for path in self.resume_candidates():
+            try:
+                # All files are read and checked before anything is assigned, so a
+                # corrupt checkpoint leaves the model and optimizer untouched.
+                state = load_checkpoint(path, model, self.optimizer, self.scheduler, check=self.check_resume_compatible)
+            except CheckpointError as exc:
+                if self.cfg.resume != "auto" or "differs from the one" in exc.message:
+                    raise
+                self.say(f"resume: skipping {path.name}: {exc.message}; trying the previous checkpoint")
+                continue
+            break
+        else:
+            if self.cfg.resume == "auto" and list_checkpoints(self.out):
+                raise CheckpointError(
+                    f"resume=auto: no checkpoint in {self.out / 'checkpoints'} could be read (see above)",
+                    hint="remove the broken checkpoints/step-N directories to start over, or set resume=null",
+                )
+            return {}
         self.say(f"resumed from {path} at step {state['step']}")
         # Rows logged after the checkpoint will be logged again: drop them.
         mpath = self.out / "metrics.jsonl"
@@ -325,10 +374,36 @@ class Trainer:
                     "elapsed_s": elapsed_s,
                     "total_steps": self.total_steps,
                     "skipped_steps": self.skipped_steps,
+                    "recipe": self.cfg.to_dict(),
+                    "data_fingerprint": self.fingerprint,
                 },
                 keep_last=self.cfg.checkpoint.keep_last,
             )
         acc.wait_for_everyone()
+
+    # ------------------------------------------------------------------ preemption
+
+    STOP_SIGNALS = ("SIGTERM", "SIGUSR1")  # what Slurm (--signal) and Kubernetes send before killing
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        """Turn SIGTERM/SIGUSR1 into a request to checkpoint and stop at the next step boundary."""
+        self._stop_signal: str | None = None
+        previous: dict[int, Any] = {}
+        if threading.current_thread() is not threading.main_thread():
+            return previous  # signal handlers can only be set from the main thread
+
+        def request_stop(signum, frame):
+            self._stop_signal = signal.Signals(signum).name
+
+        for name in self.STOP_SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                previous[sig] = signal.signal(sig, request_stop)
+        return previous
+
+    def _stop_requested(self) -> bool:
+        # Every rank must agree, or one would wait forever in the next collective.
+        return self._global_sum(1.0 if self._stop_signal else 0.0) > 0
 
     # ------------------------------------------------------------------ the loop
 
@@ -339,6 +414,7 @@ class Trainer:
         if acc.is_main_process:
             (self.out / "recipe.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
 
+        self.fingerprint = self.data_fingerprint()
         state = self.maybe_resume()
         start_step = int(state.get("step", 0))
         em_records = self.exact_match_records()
@@ -362,6 +438,7 @@ class Trainer:
         model = self.model
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.loss_ema: float | None = None
+        previous_handlers = self._install_signal_handlers()
         try:
             for step in range(start_step, self.total_steps):
                 speed.start()
@@ -423,11 +500,23 @@ class Trainer:
                     if eval_loss is not None:
                         self.metrics.write({"step": done, "eval_loss": eval_loss})
                         progress.write(f"step {done}: eval_loss {eval_loss:.4f}")
+                saved = False
                 if cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0 and done < self.total_steps:
                     self.save_checkpoint(done, tokens_total, trained_total, time.perf_counter() - t_start)
+                    saved = True
+                if done < self.total_steps and self._stop_requested():
+                    if not saved:
+                        self.save_checkpoint(done, tokens_total, trained_total, time.perf_counter() - t_start)
+                    raise Preempted(
+                        f"{self._stop_signal or 'stop signal'} received: saved {self.out / 'checkpoints' / f'step-{done}'} "
+                        f"and stopped after step {done} of {self.total_steps}",
+                        hint="run the same command with resume=auto to continue exactly where it stopped",
+                    )
         finally:
             progress.close()
             self.metrics.close()
+            for sig, handler in previous_handlers.items():
+                signal.signal(sig, handler)
 
         if eval_loss is None and self.data.eval and not cfg.eval.every_steps:
             eval_loss = self.evaluate_loss()

@@ -46,11 +46,18 @@ def make_checkpoint(root: Path, step: int, payload: bytes = b"weights") -> Path:
 
 def test_manifest_catches_truncation_and_missing_files(tmp_path):
     d = make_checkpoint(tmp_path, 5)
-    assert verify_manifest(d)["files"] == {"w.safetensors": 7}
+    import hashlib
+
+    assert verify_manifest(d)["files"] == {"w.safetensors": {"bytes": 7, "sha256": hashlib.sha256(b"weights").hexdigest()}}
+    (d / "w.safetensors").write_bytes(b"weighs")
+    (d / "w.safetensors").write_bytes(b"weightz")  # same size, other bytes
+    with pytest.raises(CheckpointError) as err:
+        verify_manifest(d)
+    assert "'w.safetensors' is corrupt (sha256" in str(err.value)
     (d / "w.safetensors").write_bytes(b"wei")
     with pytest.raises(CheckpointError) as err:
         verify_manifest(d)
-    assert "w.safetensors" in str(err.value) and "3 bytes, manifest says 7" in str(err.value)
+    assert "w.safetensors" in str(err.value) and "3 bytes, manifest says 7 (truncated)" in str(err.value)
     (d / "manifest.json").unlink()
     with pytest.raises(CheckpointError) as err:
         verify_manifest(d)

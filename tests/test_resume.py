@@ -1,0 +1,181 @@
+"""A resumed run is the same run: bitwise-equal losses, learning rates, data order,
+LoRA weights and optimizer state on CPU fp32, across preemptions, epoch boundaries,
+corrupt checkpoints and changed recipes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from conftest import write_jsonl
+from finetune.config import build_recipe
+from finetune.errors import CheckpointError, Preempted
+from finetune.metrics import read_metrics
+from finetune.trainer import Trainer
+
+
+def cfg_for(recipe_dict, out, **changes):
+    data = json.loads(json.dumps(recipe_dict))
+    data["output_dir"] = str(out)
+    # 64 examples, window 4 x 2 = 8 -> 8 steps per epoch; 20 steps cross two epoch boundaries.
+    data["train"].update({"max_steps": 20, "batch_size": 4, "grad_accum": 2, "warmup_steps": 3})
+    data["lora"]["dropout"] = 0.1  # resume must restore the dropout RNG too
+    data["checkpoint"] = {"every_steps": 5, "keep_last": 3}
+    for key, value in changes.items():
+        node = data
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return build_recipe(data)
+
+
+class Recording(Trainer):
+    """Records each step's data (hash of the token ids) and can send itself a stop signal at one step."""
+
+    signal_at: int | None = None
+
+    def step_batches(self, step):
+        batches = super().step_batches(step)
+        digest = hashlib.sha256(b"".join(b["input_ids"].numpy().tobytes() for b in batches)).hexdigest()[:12]
+        self.seen = getattr(self, "seen", []) + [(step, digest)]
+        if step == self.signal_at:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return batches
+
+
+def lora(trainer):
+    m = trainer.accelerator.unwrap_model(trainer.model)
+    return {n: p.detach().clone() for n, p in m.named_parameters() if p.requires_grad}
+
+
+def optimizer_tensors(trainer):
+    sd = trainer.optimizer.state_dict()["state"]
+    return {(i, k): v.clone() for i, st in sd.items() for k, v in st.items() if torch.is_tensor(v)}
+
+
+def rows(out):
+    return [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+
+
+def test_preempted_twice_then_resumed_equals_straight_run(recipe_dict, tmp_path):
+    straight = Recording(cfg_for(recipe_dict, tmp_path / "a"), progress=False)
+    straight.train()
+
+    out = tmp_path / "b"
+    first = Recording(cfg_for(recipe_dict, out), progress=False)
+    first.signal_at = 6  # mid first epoch
+    with pytest.raises(Preempted) as err:
+        first.train()
+    assert "SIGUSR1 received" in str(err.value) and "step-7" in str(err.value)
+
+    second = Recording(cfg_for(recipe_dict, out, resume="auto"), progress=False)
+    second.signal_at = 9  # second epoch, after the boundary at step 8; checkpoint step-10 is periodic
+    with pytest.raises(Preempted):
+        second.train()
+
+    third = Recording(cfg_for(recipe_dict, out, resume="auto"), progress=False)
+    third.train()
+
+    assert [s for s, _ in first.seen] == list(range(0, 7))
+    assert [s for s, _ in second.seen] == list(range(7, 10))  # restored position, no replay
+    assert [s for s, _ in third.seen] == list(range(10, 20))
+    assert first.seen + second.seen + third.seen == straight.seen  # same examples, same order
+    assert rows(out) == rows(tmp_path / "a")  # losses, lrs and grad norms bitwise equal
+    a, b = lora(straight), lora(third)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    oa, ob = optimizer_tensors(straight), optimizer_tensors(third)
+    assert oa.keys() == ob.keys() and all(torch.equal(oa[k], ob[k]) for k in oa)
+
+
+def test_changed_recipe_is_refused_with_every_difference(recipe_dict, tmp_path):
+    out = tmp_path / "run"
+    first = Recording(cfg_for(recipe_dict, out), progress=False)
+    first.signal_at = 6
+    with pytest.raises(Preempted):
+        first.train()
+    changed = cfg_for(recipe_dict, out, resume="auto", seed=7, **{"lora.r": 8, "train.batch_size": 2})
+    with pytest.raises(CheckpointError) as err:
+        Trainer(changed, progress=False).train()
+    text = str(err.value)
+    assert "lora.r: 4 -> 8" in text and "seed: 0 -> 7" in text and "train.batch_size: 4 -> 2" in text
+    assert "resume_ignore_changes=true" in text
+
+    # Harmless changes are allowed, and said.
+    harmless = cfg_for(recipe_dict, out, resume="auto", **{"eval.max_new_tokens": 8, "train.log_every_steps": 2})
+    trainer = Trainer(harmless, progress=False)
+    result = trainer.train()
+    assert result.steps == 20
+
+
+def test_changed_data_is_refused(recipe_dict, tmp_path):
+    out = tmp_path / "run"
+    first = Recording(cfg_for(recipe_dict, out), progress=False)
+    first.signal_at = 2
+    with pytest.raises(Preempted):
+        first.train()
+    path = recipe_dict["data"]["path"]
+    rows_ = [json.loads(line) for line in open(path)]
+    rows_[0]["output"] = "999"
+    write_jsonl(tmp_path / "train.jsonl", rows_)
+    with pytest.raises(CheckpointError) as err:
+        Trainer(cfg_for(recipe_dict, out, resume="auto"), progress=False).train()
+    assert "tokenized training data differs" in str(err.value)
+
+
+def test_corrupt_newest_checkpoint_falls_back_under_auto(recipe_dict, tmp_path, capsys):
+    out = tmp_path / "run"
+    first = Recording(cfg_for(recipe_dict, out), progress=False)
+    first.signal_at = 11  # checkpoints step-5, step-10, then step-12 on the signal
+    with pytest.raises(Preempted):
+        first.train()
+    newest = out / "checkpoints" / "step-12"
+    f = newest / "optimizer.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF  # same size, flipped bits
+    f.write_bytes(bytes(data))
+
+    with pytest.raises(CheckpointError) as err:
+        Trainer(cfg_for(recipe_dict, out, resume=str(newest)), progress=False).train()
+    assert "optimizer.safetensors' is corrupt" in str(err.value)
+
+    capsys.readouterr()
+    resumed = Recording(cfg_for(recipe_dict, out, resume="auto"), progress=False)
+    resumed.train()
+    said = capsys.readouterr().out
+    assert "skipping step-12" in said and "optimizer.safetensors' is corrupt" in said
+    assert "resumed from" in said and "step-10" in said
+    assert resumed.seen[0][0] == 10
+
+
+def test_malicious_pickle_in_a_checkpoint_never_executes(recipe_dict, tmp_path):
+    import pickle
+
+    from finetune.checkpoint import write_manifest
+
+    out = tmp_path / "run"
+    first = Recording(cfg_for(recipe_dict, out), progress=False)
+    first.signal_at = 6
+    with pytest.raises(Preempted):
+        first.train()
+    ckpt = out / "checkpoints" / "step-7"
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    for name in ("optimizer.safetensors", "rng.safetensors"):
+        (ckpt / name).write_bytes(pickle.dumps(Evil()))
+    (ckpt / "optimizer.pt").write_bytes(pickle.dumps(Evil()))
+    write_manifest(ckpt, {"step": 7})  # a forged, self-consistent manifest
+    with pytest.raises(CheckpointError) as err:
+        Trainer(cfg_for(recipe_dict, out, resume=str(ckpt)), progress=False).train()
+    assert "cannot be read" in str(err.value)
+    assert not marker.exists()
