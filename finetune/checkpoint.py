@@ -259,8 +259,7 @@ def save_checkpoint(
         save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
         write_json(tmp / "trainer_state.json", {"step": step, **trainer_state})
         write_manifest(tmp, {"step": step})
-    if keep_last:
-        prune_checkpoints(output_dir, keep_last)
+    prune_checkpoints(output_dir, keep_last)
     return final
 
 
@@ -273,7 +272,8 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def prune_checkpoints(output_dir: Path, keep_last: int) -> None:
+def prune_checkpoints(output_dir: Path, keep_last: int | None) -> None:
+    """Delete complete checkpoints beyond the newest keep_last, and leftovers of interrupted saves."""
     complete = []
     for p in list_checkpoints(output_dir):
         try:
@@ -281,7 +281,7 @@ def prune_checkpoints(output_dir: Path, keep_last: int) -> None:
             complete.append(p)
         except CheckpointError:
             continue
-    for p in complete[:-keep_last]:
+    for p in complete[:-keep_last] if keep_last else []:
         shutil.rmtree(p, ignore_errors=True)
     # Leftovers of interrupted saves (this or an earlier process).
     root = Path(output_dir) / "checkpoints"

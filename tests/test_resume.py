@@ -64,33 +64,33 @@ def rows(out):
     return [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
 
 
-def test_preempted_twice_then_resumed_equals_straight_run(recipe_dict, tmp_path):
+def test_preempted_three_times_then_resumed_equals_straight_run(recipe_dict, tmp_path):
     straight = Recording(cfg_for(recipe_dict, tmp_path / "a"), progress=False)
     straight.train()
 
     out = tmp_path / "b"
-    first = Recording(cfg_for(recipe_dict, out), progress=False)
-    first.signal_at = 6  # mid first epoch
-    with pytest.raises(Preempted) as err:
-        first.train()
-    assert "SIGUSR1 received" in str(err.value) and "step-7" in str(err.value)
+    # Stop after step 3 (epoch 0), 10 (epoch 1, right after the periodic step-10 checkpoint),
+    # and 12 (epoch 1 again: a second resume within the same epoch); then finish.
+    segments = []
+    for i, signal_at in enumerate([2, 9, 11, None]):
+        run = Recording(cfg_for(recipe_dict, out, resume="auto" if i else None), progress=False)
+        run.signal_at = signal_at
+        if signal_at is None:
+            run.train()
+        else:
+            with pytest.raises(Preempted) as err:
+                run.train()
+            assert "SIGUSR1 received" in str(err.value) and f"step-{signal_at + 1}" in str(err.value)
+        segments.append(run)
 
-    second = Recording(cfg_for(recipe_dict, out, resume="auto"), progress=False)
-    second.signal_at = 9  # second epoch, after the boundary at step 8; checkpoint step-10 is periodic
-    with pytest.raises(Preempted):
-        second.train()
-
-    third = Recording(cfg_for(recipe_dict, out, resume="auto"), progress=False)
-    third.train()
-
-    assert [s for s, _ in first.seen] == list(range(0, 7))
-    assert [s for s, _ in second.seen] == list(range(7, 10))  # restored position, no replay
-    assert [s for s, _ in third.seen] == list(range(10, 20))
-    assert first.seen + second.seen + third.seen == straight.seen  # same examples, same order
+    assert [[s for s, _ in r.seen] for r in segments] == [
+        list(range(0, 3)), list(range(3, 10)), list(range(10, 12)), list(range(12, 20))
+    ]  # each resume restored the position: nothing replayed, nothing skipped
+    assert sum((r.seen for r in segments), []) == straight.seen  # same examples, same order
     assert rows(out) == rows(tmp_path / "a")  # losses, lrs and grad norms bitwise equal
-    a, b = lora(straight), lora(third)
+    a, b = lora(straight), lora(segments[-1])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    oa, ob = optimizer_tensors(straight), optimizer_tensors(third)
+    oa, ob = optimizer_tensors(straight), optimizer_tensors(segments[-1])
     assert oa.keys() == ob.keys() and all(torch.equal(oa[k], ob[k]) for k in oa)
 
 
