@@ -256,7 +256,10 @@ def save_checkpoint(
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         write_json(tmp / "optimizer.json", meta)
         write_json(tmp / "scheduler.json", scheduler.state_dict())
-        save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
+        rng = {"torch_cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():  # dropout on the GPU draws from the CUDA generator
+            rng["torch_cuda"] = torch.cuda.get_rng_state()
+        save_file(rng, str(tmp / "rng.safetensors"))
         write_json(tmp / "trainer_state.json", {"step": step, **trainer_state})
         write_manifest(tmp, {"step": step})
     prune_checkpoints(output_dir, keep_last)
@@ -308,13 +311,18 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, check: Callable[[Pa
     `check(path, trainer_state)` runs after every file is read and before anything
     is assigned; it may raise to refuse the checkpoint.
     """
-    from peft import set_peft_model_state_dict
+    from peft import PeftModel, set_peft_model_state_dict
 
     path = Path(path)
     verify_manifest(path)
-    adapter_file = path / "adapter" / "adapter_model.safetensors"
+    is_peft = isinstance(model, PeftModel)
     try:
-        weights = load_file(str(adapter_file))
+        if is_peft:
+            weights = load_file(str(path / "adapter" / "adapter_model.safetensors"))
+        else:  # full fine-tuning: the whole model, possibly in shards
+            weights = {}
+            for f in sorted((path / "adapter").glob("*.safetensors")):
+                weights.update(load_file(str(f)))
         opt_tensors = load_file(str(path / "optimizer.safetensors"))
         rng = load_file(str(path / "rng.safetensors"))
         opt_meta = json.loads((path / "optimizer.json").read_text(encoding="utf-8"))
@@ -324,15 +332,24 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, check: Callable[[Pa
         raise CheckpointError(f"checkpoint '{path}' cannot be read: {exc}") from None
     if check is not None:
         check(path, state)
-    result = set_peft_model_state_dict(model, weights)
-    unexpected = getattr(result, "unexpected_keys", None)
+    if is_peft:
+        result = set_peft_model_state_dict(model, weights)
+        unexpected = list(getattr(result, "unexpected_keys", None) or [])
+    else:
+        result = model.load_state_dict(weights, strict=False)
+        unexpected = list(result.unexpected_keys)
+        tied = {k for k in result.missing_keys if "lm_head" in k or "embed" in k}  # tied weights are saved once
+        if set(result.missing_keys) - tied:
+            unexpected += [f"missing {k}" for k in sorted(set(result.missing_keys) - tied)]
     if unexpected:
         raise CheckpointError(
-            f"checkpoint '{path}': adapter has {len(unexpected)} weights this model does not ({unexpected[0]}, ...)",
+            f"checkpoint '{path}': weights do not match this model ({len(unexpected)} differ, e.g. {unexpected[0]})",
             hint="the recipe's LoRA shape or base model changed since the checkpoint was written",
         )
     # Optimizer.load_state_dict moves state to each parameter's device itself.
     optimizer.load_state_dict(_optimizer_from_tensors(opt_tensors, opt_meta))
     scheduler.load_state_dict(sched)
     torch.set_rng_state(rng["torch_cpu"])
+    if "torch_cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["torch_cuda"])
     return state

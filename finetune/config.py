@@ -159,6 +159,11 @@ def cross_field_problems(cfg: RecipeConfig) -> list[str]:
             f"train.warmup_steps={cfg.train.warmup_steps} exceeds train.max_steps={cfg.train.max_steps}; "
             "lower warmup_steps."
         )
+    if cfg.eval.exact_match_path and cfg.data.format == "text":
+        out.append(
+            "eval.exact_match_path needs prompts and answers, but data.format=text has none. "
+            "Use alpaca, completion or messages data, or set eval.exact_match_path=null."
+        )
     if cfg.resume is not None and cfg.overwrite:
         out.append("resume and overwrite=true contradict each other: resume continues a run, overwrite deletes it. Set one.")
     if cfg.lora is not None and cfg.lora.dora and cfg.quant.bits == 8:

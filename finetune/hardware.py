@@ -48,7 +48,8 @@ def detect_device() -> Device:
         return Device(
             kind="cuda",
             name=torch.cuda.get_device_name(0),
-            supports_bf16=torch.cuda.is_bf16_supported(),
+            # Native bf16 only (Ampere+); torch otherwise reports emulated bf16 as supported.
+            supports_bf16=torch.cuda.is_bf16_supported(including_emulation=False),
             supports_fp16=True,
         )
     # fp16 on CPU has no fast kernels and no GradScaler benefit: never offer it.

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +29,8 @@ def tokenizer_source(cfg: RecipeConfig) -> str:
 
 
 def looks_like_hub_id(value: str) -> bool:
-    """'org/name' (one slash, no leading ./ or /) that is not an existing local path."""
-    parts = value.split("/")
-    return len(parts) == 2 and all(parts) and not value.startswith((".", "/", "~")) and not Path(value).exists()
+    """'org/name' or 'name' (e.g. gpt2) that is not an existing local path."""
+    return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", value)) and not value.startswith(".") and not Path(value).exists()
 
 
 def check_model_source(cfg: RecipeConfig, key: str = "model.path") -> list[str]:
@@ -149,6 +149,10 @@ def load_base_model(cfg: RecipeConfig, precision: str | None = None, device: tor
 
     precision = precision or resolve_precision(cfg.precision)
     dtype = torch_dtype(precision)
+    if precision == "fp16" and cfg.lora is None and cfg.quant.bits is None:
+        # Full fine-tuning under fp16: the GradScaler cannot unscale fp16 gradients,
+        # so trained weights stay fp32 and autocast runs the matmuls in fp16.
+        dtype = torch.float32
     device = device or default_device()
     src = model_source(cfg)
     try:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from finetune.checkpoint import (
     list_checkpoints,
     load_checkpoint,
+    output_dir_problem,
     prepare_output_dir,
     recipe_changes,
     save_adapter,
@@ -39,7 +40,7 @@ from finetune.checkpoint import (
 )
 from finetune.config import RecipeConfig, resolve_path
 from finetune.data import IGNORE_INDEX, Collator, DataBundle, build_datasets, load_records
-from finetune.errors import CheckpointError, DataError, Preempted, TrainingError
+from finetune.errors import CheckpointError, DataError, OutputDirError, Preempted, TrainingError
 from finetune.evaluate import ExactMatch, exact_match
 from finetune.hardware import resolve_precision
 from finetune.metrics import MetricsWriter, Progress, Throughput, human_bytes, human_duration, peak_memory_bytes, read_metrics
@@ -152,9 +153,9 @@ class Trainer:
         self.accelerator = Accelerator(mixed_precision=mixed, cpu=not torch.cuda.is_available())
         acc = self.accelerator
         self.out = Path(cfg.output_dir)
-        if acc.is_main_process:
-            prepare_output_dir(cfg)
-        acc.wait_for_everyone()
+        problem = output_dir_problem(cfg)  # refuse early; delete an old run (overwrite) only once loading worked
+        if problem:
+            raise OutputDirError(problem)
 
         torch.manual_seed(cfg.seed)
         if self.tokenizer is None:
@@ -184,6 +185,9 @@ class Trainer:
         self.say(
             f"model: {total:,} parameters ({quant} base), {trainable:,} trainable ({100 * trainable / max(total, 1):.2f}%)"
         )
+        if acc.is_main_process:
+            prepare_output_dir(cfg)
+        acc.wait_for_everyone()
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -254,14 +258,17 @@ class Trainer:
         batches = [self.data.eval[i : i + bs] for i in range(0, len(self.data.eval), bs)]
         if self.cfg.eval.max_batches:
             batches = batches[: self.cfg.eval.max_batches]
-        self.model.eval()
+        # The unwrapped model: a DDP forward joins collectives (buffer broadcast), and a
+        # process with fewer eval batches than the others would leave them waiting.
+        model = acc.unwrap_model(self.model)
+        model.eval()
         total = count = 0.0
         for rows in batches[acc.process_index :: acc.num_processes]:
             batch = {k: v.to(acc.device) for k, v in self.collate(rows).items()}
-            loss, n = self.compute_loss(self.model, batch)
+            loss, n = self.compute_loss(model, batch)
             total += float(loss)
             count += n
-        self.model.train()
+        model.train()
         total, count = self._global_sum(total), self._global_sum(count)
         return total / count if count else None
 
@@ -347,6 +354,11 @@ class Trainer:
                     f"resume=auto: no checkpoint in {self.out / 'checkpoints'} could be read (see above)",
                     hint="remove the broken checkpoints/step-N directories to start over, or set resume=null",
                 )
+            # Starting from step 0: rows of an earlier attempt would be read as this run's.
+            mpath = self.out / "metrics.jsonl"
+            if self.accelerator.is_main_process and mpath.exists():
+                self.metrics.close()
+                mpath.unlink()
             return {}
         self.say(f"resumed from {path} at step {state['step']}")
         # Rows logged after the checkpoint will be logged again: drop them.
@@ -452,16 +464,18 @@ class Trainer:
                 # optimizer state. (fp16: an inf gradient is the GradScaler's business;
                 # it skips that step itself and lowers the scale.)
                 finite = math.isfinite(loss_value) and (math.isfinite(grad_norm) or self.precision == "fp16")
+                step_tokens_global = int(self._global_sum(step_tokens))
                 if finite:
                     self.optimizer.step()
+                    # The schedule follows applied updates: not a step the GradScaler skipped.
+                    if not acc.optimizer_step_was_skipped:
+                        self.scheduler.step()
+                    tokens_total += step_tokens_global
+                    trained_total += int(n_global)
                 else:
                     self.skipped_steps += 1
-                self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
-                step_tokens_global = int(self._global_sum(step_tokens))
                 speed.stop(step_tokens_global, int(n_global))
-                tokens_total += step_tokens_global
-                trained_total += int(n_global)
                 progress.update(loss_value, speed.tokens_per_s, lr)
                 row = {
                     "step": done,

@@ -179,3 +179,29 @@ def test_malicious_pickle_in_a_checkpoint_never_executes(recipe_dict, tmp_path):
         Trainer(cfg_for(recipe_dict, out, resume=str(ckpt)), progress=False).train()
     assert "cannot be read" in str(err.value)
     assert not marker.exists()
+
+
+def test_full_finetune_resumes_exactly(recipe_dict, tmp_path):
+    full = {"lora": None, "quant.bits": None, "train.max_steps": 8}
+    straight = Recording(cfg_for({**recipe_dict, "lora": {"r": 4}}, tmp_path / "a", **full), progress=False)
+    straight.train()
+    out = tmp_path / "b"
+    first = Recording(cfg_for({**recipe_dict, "lora": {"r": 4}}, out, **full), progress=False)
+    first.signal_at = 3
+    with pytest.raises(Preempted):
+        first.train()
+    second = Recording(cfg_for({**recipe_dict, "lora": {"r": 4}}, out, resume="auto", **full), progress=False)
+    result = second.train()
+    assert result.adapter_dir.name == "model" and (result.adapter_dir / "model.safetensors").is_file()
+    assert rows(out) == rows(tmp_path / "a")
+    a, b = lora(straight), lora(second)  # every parameter is trainable here
+    assert len(a) > 10 and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_auto_without_checkpoint_starts_clean(recipe_dict, tmp_path, capsys):
+    out = tmp_path / "run"
+    Trainer(cfg_for(recipe_dict, out, **{"train.max_steps": 3, "checkpoint.every_steps": None}), progress=False).train()
+    again = cfg_for(recipe_dict, out, resume="auto", **{"train.max_steps": 3, "checkpoint.every_steps": None})
+    Trainer(again, progress=False).train()
+    assert "no checkpoint" in capsys.readouterr().out
+    assert [r[0] for r in rows(out)] == [1, 2, 3]  # not 1 2 3 1 2 3
