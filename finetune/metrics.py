@@ -92,9 +92,10 @@ class Throughput:
 class Progress:
     """A tqdm bar on rank 0 showing loss, tokens/s and ETA; silent elsewhere."""
 
-    def __init__(self, total: int, initial: int = 0, enabled: bool = True):
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True, is_main: bool = True):
         self._bar = None
-        if enabled:
+        self._is_main = is_main
+        if enabled and is_main:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
@@ -105,8 +106,11 @@ class Progress:
             self._bar.update(1)
 
     def write(self, text: str) -> None:
+        """A message that must not be lost: above the bar, or plainly when the bar is off."""
         if self._bar is not None:
             self._bar.write(text)
+        elif self._is_main:
+            print(text, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -441,7 +441,7 @@ class Trainer:
         )
         self.model.train()
         speed = Throughput()
-        progress = Progress(self.total_steps, initial=start_step, enabled=self.progress_enabled and acc.is_main_process)
+        progress = Progress(self.total_steps, initial=start_step, enabled=self.progress_enabled, is_main=acc.is_main_process)
         t_start = time.perf_counter() - float(state.get("elapsed_s", 0.0))
         tokens_total = int(state.get("tokens", 0))
         trained_total = int(state.get("trained_tokens", 0))

@@ -235,3 +235,17 @@ def test_nonfinite_loss_skip_policy_continues(recipe_dict):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r.get("skipped", False) for r in rows] == [False, False, True, False]
     assert math.isfinite(result.final_loss)
+
+
+class SpikeAtStep(NaNAtStep):
+    def compute_loss(self, model, batch):
+        loss, n = Trainer.compute_loss(self, model, batch)
+        return (loss * 50.0, n) if self._current == self.bad_step else (loss, n)
+
+
+def test_loss_spike_is_logged(recipe_dict, capsys):
+    cfg = make_cfg(recipe_dict, train={"max_steps": 4, "batch_size": 4, "loss_spike_factor": 3.0})
+    result = SpikeAtStep(cfg, progress=False).train()
+    rows = read_metrics(result.metrics_path)
+    assert [r.get("spike", False) for r in rows] == [False, False, True, False]
+    assert "step 3: loss spike" in capsys.readouterr().out  # said even without a progress bar
