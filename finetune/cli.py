@@ -21,7 +21,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-from finetune.config import find_recipe, load_recipe, recipe_description, shipped_recipes
+from finetune.config import check_recipe_dict, find_recipe, read_recipe, recipe_description, shipped_recipes
 from finetune.errors import FinetuneError, Preempted
 from finetune.preflight import preflight
 
@@ -49,13 +49,24 @@ def _print_problems(title: str, problems: list[str]) -> None:
         print(f"  - {p}", file=sys.stderr)
 
 
+def check_all(args: argparse.Namespace):
+    """Schema, cross-field and preflight problems of a recipe, all of them; None when there are any."""
+    data, source = read_recipe(args.recipe, args.overrides)
+    cfg, problems = check_recipe_dict(data, source)
+    report = preflight(cfg) if cfg is not None else None
+    if report is not None:
+        for note in report.notes:
+            print(f"note: {note}")
+        problems += [p for p in report.problems if p not in problems]
+    if problems:
+        _print_problems(source, problems)
+        return None, None
+    return cfg, report
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
-    cfg = load_recipe(args.recipe, args.overrides)
-    report = preflight(cfg)
-    for note in report.notes:
-        print(f"note: {note}")
-    if not report.ok:
-        _print_problems(str(find_recipe(args.recipe)), report.problems)
+    cfg, report = check_all(args)
+    if cfg is None:
         return EXIT_INPUT
     print(f"{find_recipe(args.recipe)}: valid (precision {report.precision})")
     return EXIT_OK
@@ -64,12 +75,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from finetune.trainer import Trainer
 
-    cfg = load_recipe(args.recipe, args.overrides)
-    report = preflight(cfg)
-    for note in report.notes:
-        print(f"note: {note}")
-    if not report.ok:
-        _print_problems(str(find_recipe(args.recipe)), report.problems)
+    cfg, report = check_all(args)
+    if cfg is None:
         return EXIT_INPUT
     print(f"recipe {find_recipe(args.recipe)} -> {cfg.output_dir}")
     Trainer(cfg, tokenizer=report.tokenizer, progress=not args.no_progress).train()

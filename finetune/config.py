@@ -12,13 +12,14 @@ objects to import.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 from finetune.errors import ConfigError
 
@@ -127,7 +128,9 @@ class RecipeConfig(_Section):
     overwrite: bool = False
 
     @model_validator(mode="after")
-    def _cross_field_rules(self) -> RecipeConfig:
+    def _cross_field_rules(self, info: ValidationInfo) -> RecipeConfig:
+        if info.context and info.context.get("skip_cross_field"):
+            return self
         problems = cross_field_problems(self)
         if problems:
             # Raised as ValueError so pydantic merges it with other problems.
@@ -334,6 +337,50 @@ def build_recipe(data: dict[str, Any], source: str | None = None) -> RecipeConfi
         raise ConfigError(format_validation_error(err), source) from None
 
 
+def _drop(tree: dict[str, Any], loc: tuple[Any, ...]) -> bool:
+    """Remove the key at loc from a nested dict; False if it is not there."""
+    node: Any = tree
+    for part in loc[:-1]:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    if isinstance(node, dict) and loc and loc[-1] in node:
+        del node[loc[-1]]
+        return True
+    return False
+
+
+def check_recipe_dict(data: dict[str, Any], source: str | None = None) -> tuple[RecipeConfig | None, list[str]]:
+    """(config, problems): every schema problem, plus the cross-field ones.
+
+    Pydantic skips cross-field rules when a field is invalid; to still list every
+    problem at once, the invalid keys are dropped (defaults take their place) and
+    the rest is validated again. The config returned then is that stand-in, good
+    for further checks (files, tokenizer) but not for training.
+    """
+    try:
+        return build_recipe(data, source), []
+    except ConfigError as first:
+        problems = list(first.problems)
+    if not isinstance(data, dict):
+        return None, problems
+    pruned = json.loads(json.dumps(data, default=str))
+    try:
+        RecipeConfig.model_validate(data)
+    except ValidationError as err:
+        for e in err.errors():
+            field = _field_path(tuple(e["loc"]))
+            if e["type"] == "missing" or not field:
+                return None, problems  # nothing sensible to check the rest against
+            _drop(pruned, field)
+    try:
+        stand_in = RecipeConfig.model_validate(pruned, context={"skip_cross_field": True})
+    except ValidationError as err:
+        extra = [p for p in format_validation_error(err) if p not in problems]
+        return None, problems + extra
+    return stand_in, problems + [p for p in cross_field_problems(stand_in) if p not in problems]
+
+
 def read_recipe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
@@ -349,16 +396,22 @@ def read_recipe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data if data is not None else {}
 
 
+def read_recipe(path: str | os.PathLike[str], overrides: list[str] | None = None) -> tuple[dict[str, Any], str]:
+    """The raw recipe dict with overrides applied, and where it came from."""
+    resolved = find_recipe(str(path))
+    data = read_recipe_file(resolved)
+    if isinstance(data, dict):
+        data = _deep_merge(data, parse_overrides(overrides))
+    return data, str(resolved)
+
+
 def load_recipe(path: str | os.PathLike[str], overrides: list[str] | None = None) -> RecipeConfig:
     """Read a recipe YAML, apply dotted key=value overrides, validate.
 
     `path` may also name a shipped recipe ('demo-cpu'); see `shipped_recipes()`.
     """
-    resolved = find_recipe(str(path))
-    data = read_recipe_file(resolved)
-    if isinstance(data, dict):
-        data = _deep_merge(data, parse_overrides(overrides))
-    return build_recipe(data, source=str(resolved))
+    data, source = read_recipe(path, overrides)
+    return build_recipe(data, source=source)
 
 
 # --------------------------------------------------------------------------- shipped recipes

@@ -125,3 +125,15 @@ def test_validate_finds_unknown_lora_target_without_loading_weights(recipe_dict,
     assert "lora.target: 'qkv_proj' match no module" in err
     assert "names from: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj" in err
     assert main(["validate", recipe, "lora.target=[q_proj,v_proj]"]) == 0
+
+
+def test_validate_lists_schema_cross_field_and_file_problems_together(recipe_dict, tmp_path, capsys):
+    recipe = write_recipe(tmp_path, recipe_dict)
+    rc = main(["validate", recipe, "train.lr=abc", "trian.x=1", "quant.bits=4", "lora=null", f"data.path={tmp_path / 'nope.jsonl'}"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "4 problems" in err, err
+    assert "train.lr:" in err and "'abc'" in err  # schema
+    assert "did you mean 'train'" in err  # unknown key
+    assert "quant.bits=4 needs an adapter" in err  # cross-field, although a field was invalid
+    assert "nope.jsonl' not found" in err  # files, checked on a stand-in config
