@@ -138,8 +138,12 @@ def write_manifest(directory: Path, extra: dict[str, Any]) -> None:
     write_json(directory / MANIFEST, {"format": FORMAT_VERSION, "files": files, **extra})
 
 
-def verify_manifest(directory: Path) -> dict[str, Any]:
-    """The manifest of a complete checkpoint; CheckpointError naming the bad file otherwise."""
+def verify_manifest(directory: Path, hash_files: bool = True) -> dict[str, Any]:
+    """The manifest of a complete checkpoint; CheckpointError naming the bad file otherwise.
+
+    hash_files=False checks presence and sizes only: enough to tell a finished
+    save from an interrupted one, without reading every byte again.
+    """
     mpath = directory / MANIFEST
     if not mpath.is_file():
         raise CheckpointError(f"checkpoint '{directory}' is incomplete: {MANIFEST} is missing (interrupted save?)")
@@ -155,7 +159,7 @@ def verify_manifest(directory: Path) -> dict[str, Any]:
             raise CheckpointError(
                 f"checkpoint '{directory}': file '{name}' has {f.stat().st_size} bytes, manifest says {meta['bytes']} (truncated)"
             )
-        if _sha256(f) != meta["sha256"]:
+        if hash_files and _sha256(f) != meta["sha256"]:
             raise CheckpointError(f"checkpoint '{directory}': file '{name}' is corrupt (sha256 differs from the manifest)")
     return manifest
 
@@ -280,7 +284,7 @@ def prune_checkpoints(output_dir: Path, keep_last: int | None) -> None:
     complete = []
     for p in list_checkpoints(output_dir):
         try:
-            verify_manifest(p)
+            verify_manifest(p, hash_files=False)
             complete.append(p)
         except CheckpointError:
             continue

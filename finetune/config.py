@@ -337,17 +337,15 @@ def build_recipe(data: dict[str, Any], source: str | None = None) -> RecipeConfi
         raise ConfigError(format_validation_error(err), source) from None
 
 
-def _drop(tree: dict[str, Any], loc: tuple[Any, ...]) -> bool:
-    """Remove the key at loc from a nested dict; False if it is not there."""
+def _drop(tree: dict[str, Any], loc: tuple[Any, ...]) -> None:
+    """Remove the key at loc from a nested dict, if it is there."""
     node: Any = tree
     for part in loc[:-1]:
         if not isinstance(node, dict) or part not in node:
-            return False
+            return
         node = node[part]
     if isinstance(node, dict) and loc and loc[-1] in node:
         del node[loc[-1]]
-        return True
-    return False
 
 
 def check_recipe_dict(data: dict[str, Any], source: str | None = None) -> tuple[RecipeConfig | None, list[str]]:
@@ -358,17 +356,16 @@ def check_recipe_dict(data: dict[str, Any], source: str | None = None) -> tuple[
     the rest is validated again. The config returned then is that stand-in, good
     for further checks (files, tokenizer) but not for training.
     """
-    try:
-        return build_recipe(data, source), []
-    except ConfigError as first:
-        problems = list(first.problems)
     if not isinstance(data, dict):
-        return None, problems
-    pruned = json.loads(json.dumps(data, default=str))
+        build_recipe(data, source)  # raises the "must be a mapping" ConfigError
     try:
-        RecipeConfig.model_validate(data)
+        return RecipeConfig.model_validate(data), []
     except ValidationError as err:
+        problems = format_validation_error(err)
+        pruned = json.loads(json.dumps(data, default=str))
         for e in err.errors():
+            if not e["loc"]:
+                continue  # a cross-field rule: nothing to drop, the stand-in is checked again below
             field = _field_path(tuple(e["loc"]))
             if e["type"] == "missing" or not field:
                 return None, problems  # nothing sensible to check the rest against

@@ -56,6 +56,10 @@ class CheckpointError(FinetuneError):
     """A checkpoint is missing, incomplete or corrupt."""
 
 
+class ResumeMismatch(CheckpointError):
+    """The checkpoint belongs to a run with another recipe or other data."""
+
+
 class TrainingError(FinetuneError):
     """Training cannot continue meaningfully (e.g. the loss became NaN/inf)."""
 

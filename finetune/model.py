@@ -61,8 +61,6 @@ def check_lora_targets(cfg: RecipeConfig) -> list[str]:
     """lora.target names that match no module, found on a meta-device copy (no weights read)."""
     if cfg.lora is None or cfg.lora.target == "all-linear" or not Path(model_source(cfg)).is_dir():
         return []
-    import re
-
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 

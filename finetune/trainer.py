@@ -22,6 +22,7 @@ import threading
 from array import array
 import time
 from contextlib import nullcontext
+from functools import cached_property
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from finetune.checkpoint import (
 )
 from finetune.config import RecipeConfig, resolve_path
 from finetune.data import IGNORE_INDEX, Collator, DataBundle, build_datasets, load_records
-from finetune.errors import CheckpointError, DataError, OutputDirError, Preempted, TrainingError
+from finetune.errors import CheckpointError, DataError, OutputDirError, Preempted, ResumeMismatch, TrainingError
 from finetune.evaluate import ExactMatch, exact_match
 from finetune.hardware import resolve_precision
 from finetune.metrics import MetricsWriter, Progress, Throughput, human_bytes, human_duration, peak_memory_bytes, read_metrics
@@ -202,12 +203,22 @@ class Trainer:
     # ------------------------------------------------------------------ data order
 
     def epoch_order(self, epoch: int) -> list[int]:
-        """Example order of an epoch: a pure function of (seed, epoch), so resume needs no replay."""
+        """Example order of an epoch: a pure function of (seed, epoch), so resume needs no replay.
+
+        Kept for the current epoch: step_batches asks for it every step, and a
+        permutation of a large dataset is not free.
+        """
+        cached = getattr(self, "_order_cache", None)
+        if cached is not None and cached[0] == epoch:
+            return cached[1]
         n = len(self.data.train)
         if not self.cfg.data.shuffle:
-            return list(range(n))
-        g = torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch)
-        return torch.randperm(n, generator=g).tolist()
+            order = list(range(n))
+        else:
+            g = torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch)
+            order = torch.randperm(n, generator=g).tolist()
+        self._order_cache = (epoch, order)
+        return order
 
     def step_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         """The grad_accum micro-batches this process trains on at optimizer step `step`."""
@@ -291,8 +302,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ resume
 
-    def data_fingerprint(self) -> str:
-        """Hash of the tokenized train set: resuming on different data would not be the same run."""
+    @cached_property
+    def fingerprint(self) -> str:
+        """Hash of the tokenized train set: resuming on different data would not be the same run.
+
+        Computed on first use (a checkpoint written or read), not at every start.
+        """
         h = hashlib.sha256()
         for ex in self.data.train:
             h.update(array("i", ex["input_ids"]).tobytes())
@@ -324,7 +339,7 @@ class Trainer:
         for change in harmless:
             self.say(f"resume: allowed change {change}")
         if breaking and not self.cfg.resume_ignore_changes:
-            raise CheckpointError(
+            raise ResumeMismatch(
                 f"resume: the recipe differs from the one that wrote {path} in ways that change the run:\n"
                 + "\n".join(f"    {c}" for c in breaking),
                 hint="undo these changes, start a new output_dir, or set resume_ignore_changes=true to continue anyway",
@@ -343,8 +358,8 @@ class Trainer:
                 # corrupt checkpoint leaves the model and optimizer untouched.
                 state = load_checkpoint(path, model, self.optimizer, self.scheduler, check=self.check_resume_compatible)
             except CheckpointError as exc:
-                if self.cfg.resume != "auto" or "differs from the one" in exc.message:
-                    raise
+                if self.cfg.resume != "auto" or isinstance(exc, ResumeMismatch):
+                    raise  # an older checkpoint of a different run is no fallback
                 self.say(f"resume: skipping {path.name}: {exc.message}; trying the previous checkpoint")
                 continue
             break
@@ -426,7 +441,6 @@ class Trainer:
         if acc.is_main_process:
             (self.out / "recipe.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
 
-        self.fingerprint = self.data_fingerprint()
         state = self.maybe_resume()
         start_step = int(state.get("step", 0))
         em_records = self.exact_match_records()
@@ -493,7 +507,7 @@ class Trainer:
                     progress.write(f"step {done}: loss spike {loss_value:.4f} (> {cfg.train.loss_spike_factor} x recent mean {self.loss_ema:.4f})")
                 if finite:
                     self.loss_ema = loss_value if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss_value
-                if not finite:
+                else:
                     row["skipped"] = True
                 if done % cfg.train.log_every_steps == 0 or done == self.total_steps or not finite or spike:
                     self.metrics.write(row)

@@ -50,6 +50,15 @@ class Recording(Trainer):
         return batches
 
 
+def preempt(cfg, at_step: int) -> Recording:
+    """Run cfg until a SIGUSR1 sent during step `at_step` stops it (Preempted)."""
+    run = Recording(cfg, progress=False)
+    run.signal_at = at_step
+    with pytest.raises(Preempted):
+        run.train()
+    return run
+
+
 def lora(trainer):
     m = trainer.accelerator.unwrap_model(trainer.model)
     return {n: p.detach().clone() for n, p in m.named_parameters() if p.requires_grad}
@@ -96,10 +105,7 @@ def test_preempted_three_times_then_resumed_equals_straight_run(recipe_dict, tmp
 
 def test_changed_recipe_is_refused_with_every_difference(recipe_dict, tmp_path):
     out = tmp_path / "run"
-    first = Recording(cfg_for(recipe_dict, out), progress=False)
-    first.signal_at = 6
-    with pytest.raises(Preempted):
-        first.train()
+    preempt(cfg_for(recipe_dict, out), 6)
     changed = cfg_for(recipe_dict, out, resume="auto", seed=7, **{"lora.r": 8, "train.batch_size": 2})
     with pytest.raises(CheckpointError) as err:
         Trainer(changed, progress=False).train()
@@ -116,10 +122,7 @@ def test_changed_recipe_is_refused_with_every_difference(recipe_dict, tmp_path):
 
 def test_changed_data_is_refused(recipe_dict, tmp_path):
     out = tmp_path / "run"
-    first = Recording(cfg_for(recipe_dict, out), progress=False)
-    first.signal_at = 2
-    with pytest.raises(Preempted):
-        first.train()
+    preempt(cfg_for(recipe_dict, out), 2)
     path = recipe_dict["data"]["path"]
     rows_ = [json.loads(line) for line in open(path)]
     rows_[0]["output"] = "999"
@@ -131,10 +134,7 @@ def test_changed_data_is_refused(recipe_dict, tmp_path):
 
 def test_corrupt_newest_checkpoint_falls_back_under_auto(recipe_dict, tmp_path, capsys):
     out = tmp_path / "run"
-    first = Recording(cfg_for(recipe_dict, out), progress=False)
-    first.signal_at = 11  # checkpoints step-5, step-10, then step-12 on the signal
-    with pytest.raises(Preempted):
-        first.train()
+    preempt(cfg_for(recipe_dict, out), 11)  # checkpoints step-5, step-10, then step-12 on the signal
     newest = out / "checkpoints" / "step-12"
     f = newest / "optimizer.safetensors"
     data = bytearray(f.read_bytes())
@@ -160,10 +160,7 @@ def test_malicious_pickle_in_a_checkpoint_never_executes(recipe_dict, tmp_path):
     from finetune.checkpoint import write_manifest
 
     out = tmp_path / "run"
-    first = Recording(cfg_for(recipe_dict, out), progress=False)
-    first.signal_at = 6
-    with pytest.raises(Preempted):
-        first.train()
+    preempt(cfg_for(recipe_dict, out), 6)
     ckpt = out / "checkpoints" / "step-7"
     marker = tmp_path / "pwned"
 
@@ -186,10 +183,7 @@ def test_full_finetune_resumes_exactly(recipe_dict, tmp_path):
     straight = Recording(cfg_for({**recipe_dict, "lora": {"r": 4}}, tmp_path / "a", **full), progress=False)
     straight.train()
     out = tmp_path / "b"
-    first = Recording(cfg_for({**recipe_dict, "lora": {"r": 4}}, out, **full), progress=False)
-    first.signal_at = 3
-    with pytest.raises(Preempted):
-        first.train()
+    preempt(cfg_for({**recipe_dict, "lora": {"r": 4}}, out, **full), 3)
     second = Recording(cfg_for({**recipe_dict, "lora": {"r": 4}}, out, resume="auto", **full), progress=False)
     result = second.train()
     assert result.adapter_dir.name == "model" and (result.adapter_dir / "model.safetensors").is_file()
