@@ -1,8 +1,10 @@
-"""Command line: finetune run | validate | ls | cp.
+"""Command line: finetune run | validate | data | preprocess | ls | cp.
 
     finetune run recipes/demo-cpu.yaml                 # the CPU demo
     finetune run RECIPE model.path=Qwen/Qwen2.5-7B data.path=mine.jsonl train.lr=1e-4
     finetune validate RECIPE [key=value ...]           # every check short of loading weights
+    finetune data RECIPE [--examples 3]                # examples with trained tokens marked, statistics
+    finetune preprocess RECIPE                         # tokenize into the cache now; `run` then starts at once
     finetune ls                                        # shipped recipes
     finetune cp qlora-1x24gb my.yaml                   # copy one to edit
 
@@ -83,6 +85,35 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    """`data` and `preprocess`: build the tokenized data (through the cache), then describe it."""
+    import time
+
+    from finetune.data import build_datasets
+    from finetune.data.cache import cache_root
+    from finetune.data.show import report
+
+    cfg, checked = check_all(args)
+    if cfg is None:
+        return EXIT_INPUT
+    t0 = time.perf_counter()
+    bundle = build_datasets(cfg, checked.tokenizer)
+    took = time.perf_counter() - t0
+    if args.command == "preprocess":
+        how = "already in the cache" if bundle.from_cache else f"tokenized in {took:.1f}s"
+        print(f"train: {bundle.train_stats.summary()}")
+        if bundle.eval_stats is not None:
+            print(f"eval: {bundle.eval_stats.summary()}")
+        for line in bundle.train_stats.warnings:
+            print(f"warning: {line}")
+        where = f"cache {cache_root(cfg)}" if cfg.data.cache else "nothing cached (data.cache=false)"
+        print(f"{how}; {where}. `finetune run {args.recipe}` with the same data settings starts training at once.")
+        return EXIT_OK
+    color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    print(report(bundle, checked.tokenizer, cfg.data.max_seq_len, examples=args.examples, color=color))
+    return EXIT_OK
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     recipes = shipped_recipes()
     width = max((len(n) for n in recipes), default=0)
@@ -129,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="check a recipe without loading weights; lists every problem")
     with_recipe(val)
     val.set_defaults(func=cmd_validate)
+
+    data = sub.add_parser("data", help="show tokenized examples (trained tokens marked) and dataset statistics")
+    with_recipe(data)
+    data.add_argument("--examples", type=int, default=3, help="how many examples to print (default 3)")
+    data.set_defaults(func=cmd_data)
+
+    pre = sub.add_parser("preprocess", help="tokenize a recipe's data into the cache ahead of training")
+    with_recipe(pre)
+    pre.set_defaults(func=cmd_data)
 
     ls = sub.add_parser("ls", help="list shipped recipes")
     ls.set_defaults(func=cmd_ls)

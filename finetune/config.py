@@ -48,16 +48,42 @@ class ModelConfig(_Section):
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
 
 
+class MixSource(_Section):
+    """One more dataset mixed into the training data (data.mix)."""
+
+    path: str = Field(description="local file/folder or hub dataset name")
+    weight: float = Field(1.0, gt=0, description="examples drawn per epoch = weight x its size (0.5: a seeded half)")
+    format: Literal["alpaca", "messages", "sharegpt", "completion", "text"] | None = None  # None: data.format
+    columns: dict[str, str] = Field(default_factory=dict)
+    split: str | None = None  # None: data.split
+
+
 class DataConfig(_Section):
     path: str = Field(description="local JSON/JSONL/CSV/Parquet file or hub dataset name")
-    format: Literal["alpaca", "messages", "completion", "text"] = "alpaca"
+    format: Literal["alpaca", "messages", "sharegpt", "completion", "text"] = "alpaca"
     split: str = "train"
+    weight: float = Field(1.0, gt=0, description="like data.mix[].weight, for data.path")
+    mix: list[MixSource] = Field(default_factory=list, description="more datasets, each with its own weight")
     eval_path: str | None = None
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     max_seq_len: int = Field(2048, ge=8)
     columns: dict[str, str] = Field(
         default_factory=dict, description="map our column names to the dataset's, e.g. {output: answer}"
     )
+    template: Literal["auto", "chatml", "llama3", "mistral", "alpaca"] = Field(
+        "auto", description="chat template for messages/sharegpt: auto = the tokenizer's own"
+    )
+    train_on: Literal["assistant", "last", "all"] = Field(
+        "assistant", description="assistant: every reply; last: the last reply only; all: every token"
+    )
+    truncation: Literal["truncate", "drop"] = "truncate"
+    skip_bad_rows: bool = Field(False, description="skip (and count) malformed rows instead of stopping")
+    mask_check: Literal["error", "warn", "off"] = "error"
+    packing: bool = Field(False, description="concatenate examples into rows of max_seq_len (no cross-attention)")
+    group_by_length: bool = Field(False, description="batch examples of similar length (less padding)")
+    num_proc: int = Field(1, ge=1, description="processes that tokenize")
+    cache: bool = Field(True, description="reuse tokenized data from an earlier run with the same inputs")
+    cache_dir: str | None = None  # None: $FINETUNE_CACHE or ~/.cache/finetune
     shuffle: bool = True
 
 
@@ -167,6 +193,13 @@ def cross_field_problems(cfg: RecipeConfig) -> list[str]:
             "eval.exact_match_path needs prompts and answers, but data.format=text has none. "
             "Use alpaca, completion or messages data, or set eval.exact_match_path=null."
         )
+    if cfg.data.packing and cfg.data.group_by_length:
+        out.append(
+            "data.packing and data.group_by_length both set: packed rows have no padding to save. "
+            "Set data.group_by_length=false (or packing=false)."
+        )
+    if cfg.data.train_on != "assistant" and cfg.data.format == "text":
+        out.append("data.train_on applies to prompt/response data; data.format=text trains every token. Remove it.")
     if cfg.resume is not None and cfg.overwrite:
         out.append("resume and overwrite=true contradict each other: resume continues a run, overwrite deletes it. Set one.")
     if cfg.lora is not None and cfg.lora.dora and cfg.quant.bits == 8:
@@ -262,6 +295,12 @@ _SYNONYMS = {
     "base_model": "path",
     "model_name_or_path": "path",
     "dataset": "path",
+    "datasets": "mix",
+    "sample_packing": "packing",
+    "chat_template": "template",
+    "train_on_inputs": "train_on",
+    "dataset_num_proc": "num_proc",
+    "dataset_prepared_path": "cache_dir",
 }
 
 

@@ -40,7 +40,16 @@ from finetune.checkpoint import (
     save_checkpoint,
 )
 from finetune.config import RecipeConfig, resolve_path
-from finetune.data import IGNORE_INDEX, Collator, DataBundle, build_datasets, load_records
+from finetune.data import (
+    IGNORE_INDEX,
+    Collator,
+    DataBundle,
+    build_datasets,
+    count_tokens,
+    length_grouped,
+    load_records,
+    use_template,
+)
 from finetune.errors import CheckpointError, DataError, OutputDirError, Preempted, ResumeMismatch, TrainingError
 from finetune.evaluate import ExactMatch, exact_match
 from finetune.hardware import resolve_precision
@@ -133,7 +142,12 @@ class Trainer:
 
     def compute_loss(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         """(summed loss over target tokens, number of target tokens) for one micro-batch."""
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        # Packed rows carry position_ids and no attention_mask: the model then keeps each
+        # packed example's attention to itself (see finetune.data.dataset.Collator), but
+        # only without a KV cache (use_cache=False), which transformers would otherwise
+        # take as a sign of generation and ignore the packing.
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+        out = model(**inputs, use_cache=False)
         return loss_sum_and_count(out.logits, batch["labels"])
 
     def _global_sum(self, value: float) -> float:
@@ -161,9 +175,16 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(cfg)
+        if cfg.data.template != "auto":  # also when data is passed in: the saved tokenizer carries the template
+            use_template(self.tokenizer, cfg.data.template)
         if self.data is None:
+            t0 = time.perf_counter()
             self.data = build_datasets(cfg, self.tokenizer)
+            how = "read from the tokenized cache" if self.data.from_cache else "tokenized"
+            self.say(f"data: {how} in {time.perf_counter() - t0:.1f}s")
         self.say(f"data: {self.data.train_stats.summary()}")
+        for line in self.data.train_stats.warnings:
+            self.say(f"warning: {line}")
         if self.data.eval_stats is not None:
             self.say(f"eval data: {self.data.eval_stats.summary()}")
 
@@ -172,7 +193,7 @@ class Trainer:
         self.steps_per_epoch = len(self.data.train) // self.window
         if self.steps_per_epoch == 0:
             raise DataError(
-                f"data.path: the train set has {len(self.data.train)} examples, fewer than one optimizer step needs "
+                f"data.path: the train set has {len(self.data.train)} {self.unit}, fewer than one optimizer step needs "
                 f"(train.batch_size {cfg.train.batch_size} x train.grad_accum {cfg.train.grad_accum} x {world} processes = {self.window})",
                 hint="lower train.batch_size or train.grad_accum, or add data",
             )
@@ -202,6 +223,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ data order
 
+    @property
+    def unit(self) -> str:
+        """What one item of the train set is: an example, or a packed row of several."""
+        return "packed rows" if getattr(self.data.train, "packed", False) else "examples"
+
     def epoch_order(self, epoch: int) -> list[int]:
         """Example order of an epoch: a pure function of (seed, epoch), so resume needs no replay.
 
@@ -217,6 +243,10 @@ class Trainer:
         else:
             g = torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch)
             order = torch.randperm(n, generator=g).tolist()
+        if self.cfg.data.group_by_length:
+            # Groups of 64 micro-batches: wide enough to find similar lengths, narrow enough to stay random.
+            lengths = [len(self.data.train[i]["input_ids"]) for i in range(n)] if not hasattr(self.data.train, "lengths") else self.data.train.lengths()
+            order = length_grouped(order, lengths, 64 * self.cfg.train.batch_size)
         self._order_cache = (epoch, order)
         return order
 
@@ -255,7 +285,7 @@ class Trainer:
                 loss_sum, _ = self.compute_loss(model, batch)
                 acc.backward(loss_sum * scale)
             loss_total += float(loss_sum.detach())
-        tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+        tokens = sum(count_tokens(b) for b in batches)
         return loss_total, n_global, tokens
 
     # ------------------------------------------------------------------ eval
@@ -308,6 +338,8 @@ class Trainer:
 
         Computed on first use (a checkpoint written or read), not at every start.
         """
+        if hasattr(self.data.train, "fingerprint"):
+            return self.data.train.fingerprint()
         h = hashlib.sha256()
         for ex in self.data.train:
             h.update(array("i", ex["input_ids"]).tobytes())
@@ -450,7 +482,7 @@ class Trainer:
 
         self.say(
             f"training {self.total_steps} steps ({self.steps_per_epoch} per epoch; "
-            f"{cfg.train.batch_size} x {cfg.train.grad_accum} accum x {acc.num_processes} proc = {self.window} examples/step), "
+            f"{cfg.train.batch_size} x {cfg.train.grad_accum} accum x {acc.num_processes} proc = {self.window} {self.unit}/step), "
             f"precision {self.precision}"
         )
         self.model.train()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import string
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The tokenized-data cache of the whole test session goes to a temp dir, never ~/.cache.
+os.environ.setdefault("FINETUNE_CACHE", tempfile.mkdtemp(prefix="finetune-test-cache-"))
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
 PAD_ID, BOS_ID, EOS_ID, UNK_ID, IM_START_ID, IM_END_ID = range(6)

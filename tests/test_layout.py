@@ -31,19 +31,27 @@ def imported_modules(path: Path) -> set[str]:
     return found
 
 
+def module_files(name: str) -> list[Path]:
+    """The file of a module, or every file of a package (finetune/data/)."""
+    if (PKG / name).is_dir():
+        return sorted((PKG / name).glob("*.py"))
+    return [PKG / f"{name}.py"] if (PKG / f"{name}.py").exists() else []
+
+
 def test_every_module_is_placed():
     modules = {p.stem for p in PKG.glob("*.py")} - {"__init__", "__main__"}
+    modules |= {p.parent.name for p in PKG.glob("*/__init__.py")} - {"assets"}  # assets: files, no code
     assert modules <= set(ORDER), f"add {modules - set(ORDER)} to ORDER"
 
 
 def test_imports_flow_one_way():
     for name in ORDER:
-        path = PKG / f"{name}.py"
-        if not path.exists():
-            continue
-        later = set(ORDER[ORDER.index(name) :])
-        bad = imported_modules(path) & later
-        assert not bad, f"finetune.{name} imports {bad}, which stand at or after it"
+        later = set(ORDER[ORDER.index(name) + 1 :])
+        for path in module_files(name):
+            bad = imported_modules(path) & later
+            assert not bad, f"finetune.{name} ({path.name}) imports {bad}, which stand after it"
+            # A module importing itself is only legal inside a package (finetune.data.x imports finetune.data.y).
+            assert name not in imported_modules(path) or path.parent.name == name, f"{path} imports itself"
 
 
 def test_public_api():

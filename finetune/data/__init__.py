@@ -1,0 +1,47 @@
+"""Data: load -> check records -> format/template -> tokenize -> mask labels -> check masks -> truncate -> pack -> collate.
+
+    from finetune.data import build_datasets, Collator
+    bundle = build_datasets(cfg, tokenizer)
+    print(bundle.train_stats.summary())
+    batch = Collator(pad_token_id=tokenizer.pad_token_id)(bundle.train[:4])
+
+Every example is {"input_ids": [...], "labels": [...]} (packed rows add
+"position_ids"). A label of IGNORE_INDEX (-100) means "not trained".
+
+Modules, in the order data flows through them:
+    sources    read files / folders / hub datasets, mix them with weights
+    records    what each data.format needs; ShareGPT -> messages; `validate`'s checks
+    templates  built-in chat templates (data.template) and end-of-turn tokens
+    tokenize   records -> (input_ids, labels) for every format and data.train_on
+    masks      the mask checker (data.mask_check)
+    packing    bin packing (data.packing) and length grouping (data.group_by_length)
+    dataset    flat-array storage, statistics, the collator
+    cache      tokenized data on disk, keyed by everything that shapes it
+    pipeline   build_datasets, which runs the above
+    show       `finetune data`: examples with trained tokens marked, statistics
+"""
+
+from finetune.data.dataset import Collator, DataBundle, DataStats, TokenizedData, count_tokens
+from finetune.data.packing import length_grouped, pack_rows
+from finetune.data.pipeline import build_datasets
+from finetune.data.records import check_data_source
+from finetune.data.sources import load_records
+from finetune.data.templates import BUILTIN_TEMPLATES, use_template
+from finetune.data.tokenize import IGNORE_INDEX, prompt_and_answer
+
+__all__ = [
+    "BUILTIN_TEMPLATES",
+    "Collator",
+    "DataBundle",
+    "DataStats",
+    "IGNORE_INDEX",
+    "TokenizedData",
+    "build_datasets",
+    "check_data_source",
+    "count_tokens",
+    "length_grouped",
+    "load_records",
+    "pack_rows",
+    "prompt_and_answer",
+    "use_template",
+]

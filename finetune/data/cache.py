@@ -1,0 +1,108 @@
+"""Never tokenize twice: tokenized data cached on disk, keyed by everything that shapes it.
+
+The key hashes the data files' bytes (or a hub dataset's fingerprint), the
+tokenizer (its full serialized state, special tokens and chat template), and every
+setting that changes tokens, labels or rows (format, columns, weights, template,
+train_on, max_seq_len, truncation, packing, eval split, seed). Change any of them
+and the key changes; nothing is ever invalidated by hand. Layout:
+
+    <cache_dir>/data/<key>/train.safetensors   flat int32 ids/labels + int64 offsets (see dataset.py)
+                           eval.safetensors    (when there is eval data)
+                           meta.json           stats and mask-check findings; written last
+
+A directory is written under a temporary name and renamed into place, so a crash
+mid-write leaves nothing that looks like a cache entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from finetune.config import RecipeConfig
+from finetune.data.dataset import DataStats, TokenizedData
+
+CACHE_VERSION = 1  # bump when tokenization or the stored layout changes
+_FILES = ("train", "eval")
+
+
+def cache_root(cfg: RecipeConfig) -> Path:
+    base = cfg.data.cache_dir or os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune"
+    return Path(base).expanduser() / "data"
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    h = hashlib.sha256(type(tokenizer).__name__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:  # slow tokenizers: the vocabulary is what they map
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    h.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    return h.hexdigest()
+
+
+def cache_key(cfg: RecipeConfig, tokenizer: Any, content_ids: list[str]) -> str:
+    d = cfg.data
+    material = {
+        "version": CACHE_VERSION,
+        "content": content_ids,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "data": d.model_dump(
+            exclude={"path", "eval_path", "cache", "cache_dir", "num_proc", "mask_check", "shuffle", "group_by_length"}
+        ),
+        "seed": cfg.seed,  # picks the eval split and weighted subsets
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def read_cache(path: Path) -> tuple[dict[str, TokenizedData | None], dict[str, DataStats | None], list[dict]] | None:
+    """(data, stats, findings) of a complete cache entry, or None (absent or unreadable: rebuild)."""
+    try:
+        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+        if meta.get("version") != CACHE_VERSION:
+            return None
+        from safetensors.numpy import load_file
+
+        data, stats = {}, {}
+        for name in _FILES:
+            if meta["stats"].get(name) is None:
+                data[name] = stats[name] = None
+                continue
+            arrays = load_file(str(path / f"{name}.safetensors"))
+            data[name] = TokenizedData(**arrays)
+            stats[name] = DataStats(**meta["stats"][name])
+        return data, stats, meta["findings"]
+    except Exception:  # noqa: BLE001 - any unreadable entry (truncated file, bad header, old layout) is rebuilt
+        return None
+
+
+def write_cache(path: Path, data: dict[str, TokenizedData | None], stats: dict[str, DataStats | None], findings: list[dict]) -> None:
+    """Write an entry atomically; a concurrent writer of the same key (another rank) is harmless."""
+    from safetensors.numpy import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        for name in _FILES:
+            if data.get(name) is not None:
+                save_file(data[name].arrays(), str(tmp / f"{name}.safetensors"))
+        meta = {
+            "version": CACHE_VERSION,
+            "stats": {k: (v.to_dict() if v is not None else None) for k, v in stats.items()},
+            "findings": findings,
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+        try:
+            os.rename(tmp, path)
+        except OSError:  # another process got there first: its entry is as good as ours
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,88 @@
+"""Chat templates: the tokenizer's own, or a built-in one chosen by data.template.
+
+A built-in template is installed as `tokenizer.chat_template`, so the tokenizer
+saved with the adapter carries exactly the template the model was trained with,
+and generation, eval and export render prompts the same way.
+
+Rendered conversation [system "S", user "Q", assistant "A"] (bos "<s>", eos "</s>"):
+    chatml   <|im_start|>system\\nS<|im_end|>\\n<|im_start|>user\\nQ<|im_end|>\\n<|im_start|>assistant\\nA<|im_end|>\\n
+    llama3   <s><|start_header_id|>system<|end_header_id|>\\n\\nS<|eot_id|><|start_header_id|>user<|end_header_id|>\\n\\n
+             Q<|eot_id|><|start_header_id|>assistant<|end_header_id|>\\n\\nA<|eot_id|>
+    mistral  <s>[INST] S\\n\\nQ [/INST]A</s>
+    alpaca   S\\n\\n### Instruction:\\nQ\\n\\n### Response:\\nA</s>
+(llama3 and mistral write bos themselves; the tokenizer then adds none.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetune.errors import DataError
+
+BUILTIN_TEMPLATES: dict[str, str] = {
+    "chatml": (
+        "{% for m in messages %}"
+        "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
+    "llama3": (
+        "{{ bos_token }}"
+        "{% for m in messages %}"
+        "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] + '<|eot_id|>' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    ),
+    # Mistral-instruct / Llama-2-chat style; a system message is folded into the first user turn.
+    "mistral": (
+        "{{ bos_token }}"
+        "{% set ns = namespace(system='') %}"
+        "{% for m in messages %}"
+        "{% if m['role'] == 'system' %}{% set ns.system = m['content'] + '\n\n' %}"
+        "{% elif m['role'] == 'user' %}{{ '[INST] ' + ns.system + m['content'] + ' [/INST]' }}{% set ns.system = '' %}"
+        "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}"
+        "{% endif %}"
+        "{% endfor %}"
+    ),
+    "alpaca": (
+        "{% for m in messages %}"
+        "{% if m['role'] == 'system' %}{{ m['content'] + '\n\n' }}"
+        "{% elif m['role'] == 'user' %}{{ ('\n\n' if not loop.first and messages[loop.index0 - 1]['role'] != 'system' else '')"
+        " + '### Instruction:\n' + m['content'] + '\n\n### Response:\n' }}"
+        "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}"
+        "{% endif %}"
+        "{% endfor %}"
+    ),
+}
+
+# Tokens that end an assistant turn in common templates: a reply must train one of them
+# (or eos), or the model never learns to stop.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>")
+
+
+def use_template(tokenizer: Any, name: str) -> str:
+    """Make `tokenizer` render conversations with data.template=`name`; returns which template is used.
+
+    auto: the tokenizer's own, or an error when it has none (naming the built-ins).
+    """
+    if name == "auto":
+        if not getattr(tokenizer, "chat_template", None):
+            raise DataError(
+                "chat data (data.format=messages/sharegpt) needs a chat template, but the tokenizer has none",
+                hint=f"set data.template to one of {', '.join(BUILTIN_TEMPLATES)} (chatml for base models), "
+                "use a chat/instruct model's tokenizer (model.tokenizer=...), or convert to data.format=completion",
+            )
+        return "tokenizer"
+    tokenizer.chat_template = BUILTIN_TEMPLATES[name]
+    return name
+
+
+def end_of_turn_ids(tokenizer: Any) -> set[int]:
+    """Token ids that can end an assistant reply for this tokenizer: eos, and end-of-turn specials it has."""
+    ids = set()
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None:
+        ids.add(int(eos))
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+    return ids

@@ -1,0 +1,200 @@
+"""Records -> (input_ids, labels): format, tokenize and mask, for every data.format and data.train_on.
+
+A label of IGNORE_INDEX (-100) means "not trained": the model shifts labels by one
+inside its loss, so labels[t] is the target predicted from positions < t. The first
+token of an example is never trained (nothing precedes it), which also keeps packed
+examples from learning to predict one example's start from another's end.
+
+prompt/response formats (alpaca, completion, text) tokenize prompt + response as one
+text and mask the prompt's tokens, so the response is tokenized exactly as it would
+be in running text (tokenizing it alone would give SentencePiece tokenizers a
+spurious leading space). If tokenizing the prompt alone does not give a prefix of
+the joint tokens, a token straddles the boundary: generation would start from
+different tokens than training saw. That is recorded as a `boundary` problem for
+the mask checker. Char tokenizer, completion prompt "Q: 2+2=", completion "4":
+    input_ids = [<s>, Q, :, ' ', 2, +, 2, =, 4, </s>]
+    labels    = [-100] * 8                + [4, </s>]
+text "hi": input_ids = [<s>, h, i, </s>], labels = [-100, h, i, </s>].
+
+chat formats (messages, sharegpt) render the conversation with the chat template and
+find each assistant reply by rendering prefixes: reply i spans tokens
+[len(tok(render(msgs[:i], add_generation_prompt))), len(tok(render(msgs[:i+1])))),
+which works for any Jinja template, with or without generation tags. ChatML,
+[user "hi", assistant "yo"] (char tokenizer; <|im_end|> is the reply's end token):
+    input_ids = [<s>, <|im_start|>, u,s,e,r,\\n, h,i, <|im_end|>, \\n, <|im_start|>, a,s,s,i,s,t,a,n,t,\\n,
+                 y, o, <|im_end|>, \\n]
+    labels    = [-100] * 22 + [y, o, <|im_end|>, \\n]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from finetune.data.records import record_problem, to_messages
+from finetune.errors import DataError
+
+IGNORE_INDEX = -100
+
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+
+CHAT_FORMATS = ("messages", "sharegpt")
+
+
+@dataclass
+class Encoded:
+    """One tokenized record, with what the mask checker needs to judge it."""
+
+    input_ids: list[int]
+    labels: list[int]
+    spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each trained reply
+    boundary: str | None = None  # how prompt and response tokenization disagree, if they do
+
+
+def _encode_many(tokenizer: Any, texts: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
+    # One batched call: for short texts the per-call overhead costs more than the tokenizing.
+    if not texts:
+        return []
+    return [list(x) for x in tokenizer(list(texts), add_special_tokens=add_special_tokens)["input_ids"]]
+
+
+def encode_rendered(tokenizer: Any, text: str) -> list[int]:
+    """Tokenize chat-template output without a double BOS: templates like Llama 3's already write it."""
+    bos = getattr(tokenizer, "bos_token", None)
+    has_bos = bool(bos) and text.startswith(bos)
+    return list(tokenizer(text, add_special_tokens=not has_bos)["input_ids"])
+
+
+def render(tokenizer: Any, messages: list[dict], where: str, add_generation_prompt: bool = False) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:
+        raise DataError(
+            f"{where}: the chat template failed on this conversation: {type(exc).__name__}: {exc}",
+            hint="check the roles and their order (many templates require user/assistant alternation)",
+        ) from None
+
+
+def alpaca_prompt(rec: dict) -> str:
+    inp = rec.get("input") or ""
+    if inp.strip():
+        return ALPACA_PROMPT.format(instruction=rec["instruction"], input=inp)
+    return ALPACA_PROMPT_NO_INPUT.format(instruction=rec["instruction"])
+
+
+def split_text(rec: dict, fmt: str) -> tuple[str, str]:
+    """(prompt, response) text; text trains all of itself, so its prompt is empty (BOS only)."""
+    if fmt == "alpaca":
+        return alpaca_prompt(rec), rec["output"]
+    if fmt == "completion":
+        return rec["prompt"], rec["completion"]
+    return "", rec["text"]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _show(tokenizer: Any, ids: list[int]) -> str:
+    return repr(tokenizer.convert_ids_to_tokens(ids))
+
+
+def encode_prompt_response(records: list[dict], fmt: str, tokenizer: Any, train_on: str) -> list[Encoded | None]:
+    """alpaca, completion, text. None for a record with an empty response (nothing to learn)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise DataError("the tokenizer has no eos_token, so the model could not learn to stop", hint="use one that has")
+    texts = [split_text(r, fmt) for r in records]
+    prompts = _encode_many(tokenizer, [p for p, _ in texts], True)
+    joints = _encode_many(tokenizer, [p + r for p, r in texts], True)
+    out: list[Encoded | None] = []
+    for (prompt_text, response), p, j in zip(texts, prompts, joints):
+        if not response.strip():
+            out.append(None)
+            continue
+        if p and j and p[-1] == eos and j[-1] == eos:  # tokenizers that append eos themselves
+            p, j = p[:-1], j[:-1]
+        boundary = None
+        k = len(p)
+        if j[:k] != p:
+            k = _common_prefix(p, j)
+            boundary = (
+                f"the prompt alone ends in tokens {_show(tokenizer, p[k:][-4:])} but prompt + response has "
+                f"{_show(tokenizer, j[k:k + 4])} there: a token straddles the end of the prompt "
+                f"(prompt ends with {prompt_text[-12:]!r}, response starts with {response[:12]!r})"
+            )
+        ids = j + [eos]
+        labels = ([IGNORE_INDEX] * k + ids[k:]) if train_on != "all" else list(ids)
+        labels[0] = IGNORE_INDEX
+        out.append(Encoded(ids, labels, [(k, len(ids))], boundary))
+    return out
+
+
+def encode_chat(rec: dict, fmt: str, tokenizer: Any, train_on: str, where: str) -> Encoded | None:
+    """messages, sharegpt. None when the conversation has no non-empty assistant reply."""
+    msgs = to_messages(rec, fmt)
+    replies = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    if not any(msgs[i]["content"].strip() for i in replies):
+        return None
+    ids = encode_rendered(tokenizer, render(tokenizer, msgs, where))
+    labels = [IGNORE_INDEX] * len(ids) if train_on != "all" else list(ids)
+    spans, boundary = [], None
+    for i in replies[-1:] if train_on == "last" else replies:
+        start = encode_rendered(tokenizer, render(tokenizer, msgs[:i], where, add_generation_prompt=True))
+        upto = encode_rendered(tokenizer, render(tokenizer, msgs[: i + 1], where))
+        a, b = _common_prefix(ids, start), _common_prefix(ids, upto)
+        if (a, b) != (len(start), len(upto)) and boundary is None:
+            # Templates that rewrite earlier turns (e.g. strip reasoning from all but the
+            # last reply) render a prefix unlike the start of the whole: no exact mask exists.
+            boundary = (
+                f"the chat template renders the conversation up to message {i} differently from the start of "
+                "the whole conversation, so the reply's tokens cannot be located exactly"
+            )
+        spans.append((a, b))
+        labels[a:b] = ids[a:b]
+    labels[0] = IGNORE_INDEX
+    return Encoded(ids, labels, spans, boundary)
+
+
+def encode_records(records: list[dict], fmt: str, tokenizer: Any, train_on: str, wheres: list[str]) -> list[Encoded | None]:
+    """Records of one format (already checked by record_problem) -> Encoded, or None to drop."""
+    if fmt in CHAT_FORMATS:
+        return [encode_chat(r, fmt, tokenizer, train_on, w) for r, w in zip(records, wheres)]
+    return encode_prompt_response(records, fmt, tokenizer, train_on)
+
+
+def prompt_and_answer(record: dict, fmt: str, tokenizer: Any) -> tuple[list[int], str]:
+    """The prompt ids exactly as training saw them, and the expected answer, for generation-based eval.
+
+    alpaca: (tok(alpaca prompt), output); completion: (tok(prompt), completion);
+    messages/sharegpt: (tok(render(turns before the last assistant reply, add_generation_prompt)),
+    that reply's content). `record` is one of load_records' (data.columns already applied).
+    """
+    if fmt == "text":
+        raise DataError(
+            f"data.format={fmt} has no prompt/answer split, so exact-match eval cannot score it",
+            hint="use eval.exact_match_path with alpaca, completion or messages data, or set eval.exact_match_path=null",
+        )
+    problem = record_problem(record, fmt, {})
+    if problem:
+        raise DataError(f"record {problem[0]}", hint=problem[1])
+    if fmt in ("alpaca", "completion"):
+        prompt, answer = split_text(record, fmt)
+        return _encode_many(tokenizer, [prompt], True)[0], answer
+    msgs = to_messages(record, fmt)
+    last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
+    if last is None:
+        hint = "each conversation needs an assistant turn after a user turn"
+        raise DataError("record has no assistant reply after a prompt to score", hint)
+    text = render(tokenizer, msgs[:last], "record", add_generation_prompt=True)
+    return encode_rendered(tokenizer, text), msgs[last]["content"]
