@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from finetune.data import prompt_and_answer
+from finetune.data.templates import end_of_turn_ids
 
 
 @dataclass
@@ -31,16 +32,6 @@ class ExactMatch:
         return f"exact match {self.correct}/{self.total} = {100 * self.accuracy:.1f}%"
 
 
-def stop_token_ids(tokenizer) -> list[int]:
-    """EOS plus a chat template's end-of-turn token when the tokenizer has one as a single special token."""
-    ids = [tokenizer.eos_token_id]
-    for name in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>"):
-        tid = tokenizer.convert_tokens_to_ids(name)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid not in ids and name in tokenizer.all_special_tokens:
-            ids.append(tid)
-    return ids
-
-
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations (token ids, stop tokens removed) of a batch of tokenized prompts."""
@@ -50,7 +41,7 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) ->
     # Left padding keeps every prompt's last token in the last column, where generation starts.
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    stops = stop_token_ids(tokenizer)
+    stops = end_of_turn_ids(tokenizer)  # eos, <|im_end|>, <|eot_id|>, ... as this tokenizer has them
     out = model.generate(
         input_ids=input_ids,
         attention_mask=attention,

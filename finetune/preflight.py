@@ -13,7 +13,7 @@ from pathlib import Path
 
 from finetune.checkpoint import output_dir_problem
 from finetune.config import RecipeConfig
-from finetune.data import check_data_source
+from finetune.data import check_data_source, check_sample
 from finetune.errors import FinetuneError
 from finetune.hardware import resolve_precision
 from finetune.model import check_lora_targets, check_model_source, load_tokenizer, looks_like_hub_id, tokenizer_source
@@ -55,14 +55,11 @@ def preflight(cfg: RecipeConfig) -> PreflightReport:
     elif cfg.model.tokenizer:
         report.problems.append(f"model.tokenizer: '{cfg.model.tokenizer}' is neither a local directory nor a hub id")
 
-    tok = report.tokenizer
-    if tok is not None and cfg.data.format == "messages" and not getattr(tok, "chat_template", None):
-        report.problems.append(
-            f"data.format=messages needs a chat template, but the tokenizer at '{src}' has none. "
-            "Use a chat/instruct model's tokenizer, or data.format=alpaca|completion."
-        )
-
-    report.problems += check_data_source(cfg)  # data.path, data.eval_path, eval.exact_match_path
+    data_problems = check_data_source(cfg)  # data.path, data.mix, data.eval_path, eval.exact_match_path
+    report.problems += data_problems
+    if report.tokenizer is not None and not data_problems:
+        # Template and label masks of the first records: a wrong template fails here, not after loading 70B.
+        report.problems += check_sample(cfg, report.tokenizer)
 
     problem = output_dir_problem(cfg)
     if problem:

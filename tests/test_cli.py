@@ -137,3 +137,29 @@ def test_validate_lists_schema_cross_field_and_file_problems_together(recipe_dic
     assert "did you mean 'train'" in err  # unknown key
     assert "quant.bits=4 needs an adapter" in err  # cross-field, although a field was invalid
     assert "nope.jsonl' not found" in err  # files, checked on a stand-in config
+
+
+def test_validate_runs_the_mask_check_on_a_sample(recipe_dict, tmp_path, capsys):
+    # The tiny model's char tokenizer has no <|eot_id|>: the llama3 template would never train a stop token.
+    convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": convo}] * 3)
+    data = {**recipe_dict, "data": {"path": str(path), "format": "messages", "template": "llama3"}}
+    assert main(["validate", write_recipe(tmp_path, data)]) == 2
+    err = capsys.readouterr().err
+    assert "mask check on the first 3 records: end_untrained: 3 examples" in err, err
+    assert main(["validate", write_recipe(tmp_path, data), "data.template=chatml"]) == 0
+
+
+def test_data_command_marks_trained_tokens_and_preprocess_fills_the_cache(recipe_dict, tmp_path, capsys):
+    rows = [{"prompt": "Q:", "completion": "4"}, {"prompt": "Q:", "completion": "42"}]
+    path = write_jsonl(tmp_path / "c.jsonl", rows)
+    data = {**recipe_dict, "data": {"path": str(path), "format": "completion", "cache_dir": str(tmp_path / "cache")}}
+    recipe = write_recipe(tmp_path, data)
+    assert main(["data", recipe, "--examples", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "train: 2 examples, 11 tokens (45.5% trained), 0 truncated, 0 dropped" in out
+    assert "--- 0: 5 tokens, 2 trained\n<s>Q:[[4</s>]]" in out
+    assert "--- 1: 6 tokens, 3 trained\n<s>Q:[[42</s>]]" in out
+    assert "tokenized data built" in out
+    assert main(["preprocess", recipe]) == 0
+    assert "already in the cache" in capsys.readouterr().out

@@ -249,3 +249,21 @@ def test_loss_spike_is_logged(recipe_dict, capsys):
     rows = read_metrics(result.metrics_path)
     assert [r.get("spike", False) for r in rows] == [False, False, True, False]
     assert "step 3: loss spike" in capsys.readouterr().out  # said even without a progress bar
+
+
+@pytest.mark.parametrize("data", [{"packing": True, "max_seq_len": 512}, {"group_by_length": True}])
+def test_packing_and_length_grouping_train(recipe_dict, tmp_path, data):
+    cfg = make_cfg(recipe_dict, data=data, train={"max_steps": 12, "lr": 3e-2, "batch_size": 2, "scheduler": "constant"})
+    trainer = Trainer(cfg, progress=False)
+    result = trainer.train()
+    losses = train_losses(result.metrics_path)
+    assert len(losses) == 12 and all(math.isfinite(x) for x in losses)
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
+    longest = max(len(ex["input_ids"]) for ex in trainer.data.train)
+    steps = [r for r in read_metrics(result.metrics_path) if "loss" in r]
+    if data.get("packing"):
+        # Rows of 512 hold 2-3 of these ~170-token examples: a step (2 rows) sees more than 2 examples' tokens.
+        stats = trainer.data.train_stats
+        assert trainer.unit == "packed rows" and stats.rows == len(trainer.data.train) < stats.examples
+        assert min(r["tokens"] for r in steps) > 2 * stats.tokens / stats.examples
+        assert longest <= 512

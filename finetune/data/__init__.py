@@ -23,7 +23,7 @@ Modules, in the order data flows through them:
 
 from finetune.data.dataset import Collator, DataBundle, DataStats, TokenizedData, count_tokens
 from finetune.data.packing import length_grouped, pack_rows
-from finetune.data.pipeline import build_datasets
+from finetune.data.pipeline import build_datasets, check_sample
 from finetune.data.records import check_data_source
 from finetune.data.sources import load_records
 from finetune.data.templates import BUILTIN_TEMPLATES, use_template
@@ -38,6 +38,7 @@ __all__ = [
     "TokenizedData",
     "build_datasets",
     "check_data_source",
+    "check_sample",
     "count_tokens",
     "length_grouped",
     "load_records",

@@ -9,17 +9,18 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import random
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from finetune.config import RecipeConfig
+from finetune.config import RecipeConfig, resolve_path
 from finetune.data.cache import cache_key, cache_root, read_cache, write_cache
 from finetune.data.dataset import DataBundle, DataStats, TokenizedData
-from finetune.data.masks import Finding, enforce, example_findings, merge_findings
+from finetune.data.masks import FIXES, Finding, enforce, example_findings, merge_findings
 from finetune.data.packing import pack_rows
 from finetune.data.records import usable_records
-from finetune.data.sources import Source, content_id, load_sources, source_specs, weighted_indices
+from finetune.data.sources import Source, _load, content_id, load_sources, looks_like_hub_name, source_specs, weighted_indices
 from finetune.data.templates import end_of_turn_ids, use_template
 from finetune.data.tokenize import CHAT_FORMATS, IGNORE_INDEX, Encoded, encode_records
 from finetune.errors import DataError
@@ -77,7 +78,7 @@ def _finish(
     """Mask-check, truncate (or drop) and count the encoded items, then store (and pack) them."""
     d = cfg.data
     bos = getattr(tokenizer, "bos_token_id", None)
-    ends = end_of_turn_ids(tokenizer)
+    ends = set(end_of_turn_ids(tokenizer))
     stats = DataStats(0, 0, 0, 0, 0, skipped=skipped)
     examples: list[tuple[list[int], list[int]]] = []
     checked: set[Item] = set()
@@ -217,3 +218,34 @@ def build_datasets(cfg: RecipeConfig, tokenizer: Any, *, use_cache: bool | None 
     train_stats.warnings += enforce(findings, d.mask_check)
     return DataBundle(train, evals, train_stats, eval_stats)
 
+
+
+def check_sample(cfg: RecipeConfig, tokenizer: Any, limit: int = 64) -> list[str]:
+    """The mask checker on the first `limit` records of each local source: what `validate` can say in a second.
+
+    Record-shape problems are check_data_source's to report; rows it would refuse are skipped here.
+    """
+    d = cfg.data
+    formats = {fmt for _, _, fmt, _, _, _ in source_specs(cfg)}
+    try:
+        if formats & set(CHAT_FORMATS) or d.template != "auto":
+            use_template(tokenizer, d.template)
+    except DataError as exc:
+        return [f"{exc.message}. {exc.hint}"]
+    problems = []
+    for key, path, fmt, columns, split, _ in source_specs(cfg):
+        if not os.path.exists(resolve_path(path)) and looks_like_hub_name(resolve_path(path)):
+            continue  # hub: validate does not fetch
+        try:
+            records, origins = _load(path, d, key, limit=limit, columns=columns, skipped=[])
+            src = Source(key, records, origins, fmt, columns=columns)
+            keep, _ = usable_records(src, columns, skip_bad=True)
+            encoded = _encode_items([(0, i) for i in keep], [src], tokenizer, d.train_on, 1)
+            findings: dict[str, Finding] = {}
+            _finish([(0, i) for i in keep], encoded, [src], cfg, tokenizer, findings, 0, False)
+        except DataError as exc:
+            problems.append(f"{exc.message}. {exc.hint}" if exc.hint else exc.message)
+            continue
+        if d.mask_check == "error":
+            problems += [f"{key}: mask check on the first {len(keep)} records: {f.describe()}. {FIXES[f.kind]}" for f in findings.values()]
+    return problems

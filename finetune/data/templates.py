@@ -77,12 +77,16 @@ def use_template(tokenizer: Any, name: str) -> str:
     return name
 
 
-def end_of_turn_ids(tokenizer: Any) -> set[int]:
-    """Token ids that can end an assistant reply for this tokenizer: eos, and end-of-turn specials it has."""
-    ids = set()
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is not None:
-        ids.add(int(eos))
-    vocab = tokenizer.get_vocab()
-    ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+def end_of_turn_ids(tokenizer: Any) -> list[int]:
+    """Token ids that can end an assistant reply: eos, then the end-of-turn specials this tokenizer has.
+
+    Only special tokens count: a "</s>" that the tokenizer splits into pieces ends nothing.
+    """
+    ids = [] if getattr(tokenizer, "eos_token_id", None) is None else [int(tokenizer.eos_token_id)]
+    specials = set(tokenizer.all_special_tokens)
+    for name in END_OF_TURN_TOKENS:
+        if name in specials:
+            tid = tokenizer.convert_tokens_to_ids(name)
+            if isinstance(tid, int) and tid not in ids:
+                ids.append(tid)
     return ids
