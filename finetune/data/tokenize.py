@@ -64,14 +64,15 @@ def _encode_many(tokenizer: Any, texts: Sequence[str], add_special_tokens: bool)
     # One batched call: for short texts the per-call overhead costs more than the tokenizing.
     if not texts:
         return []
-    return [list(x) for x in tokenizer(list(texts), add_special_tokens=add_special_tokens)["input_ids"]]
+    # verbose=False: long examples are expected here (truncation comes later); no "longer than maximum" warning.
+    return [list(x) for x in tokenizer(list(texts), add_special_tokens=add_special_tokens, verbose=False)["input_ids"]]
 
 
 def encode_rendered(tokenizer: Any, text: str) -> list[int]:
     """Tokenize chat-template output without a double BOS: templates like Llama 3's already write it."""
     bos = getattr(tokenizer, "bos_token", None)
     has_bos = bool(bos) and text.startswith(bos)
-    return list(tokenizer(text, add_special_tokens=not has_bos)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=not has_bos, verbose=False)["input_ids"])
 
 
 def render(tokenizer: Any, messages: list[dict], where: str, add_generation_prompt: bool = False) -> str:
