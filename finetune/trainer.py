@@ -179,7 +179,9 @@ class Trainer:
             use_template(self.tokenizer, cfg.data.template)
         if self.data is None:
             t0 = time.perf_counter()
-            self.data = build_datasets(cfg, self.tokenizer)
+            # Rank 0 tokenizes (and fills the cache) while the others wait, then they read its cache.
+            with acc.main_process_first():
+                self.data = build_datasets(cfg, self.tokenizer)
             how = "read from the tokenized cache" if self.data.from_cache else "tokenized"
             self.say(f"data: {how} in {time.perf_counter() - t0:.1f}s")
         self.say(f"data: {self.data.train_stats.summary()}")

@@ -265,6 +265,9 @@ def test_parquet_nested_messages(tmp_path, tokenizer):
 def test_hub_name_goes_through_datasets(tmp_path, monkeypatch, tokenizer):
     import datasets
 
+    from finetune.data.sources import _hub_dataset
+
+    _hub_dataset.cache_clear()  # loads are memoized per process; this test counts them
     calls = []
 
     def fake_load_dataset(name, split):
@@ -275,7 +278,8 @@ def test_hub_name_goes_through_datasets(tmp_path, monkeypatch, tokenizer):
     columns = {"prompt": "question", "completion": "answer"}
     cfg = recipe(tmp_path, "someone/qa", format="completion", split="test", columns=columns)
     assert build_datasets(cfg, tokenizer).train[0]["input_ids"] == [BOS_ID] + ids("QA") + [EOS_ID]
-    assert calls == [("someone/qa", "test")]
+    assert calls == [("someone/qa", "test")]  # the cache key's fingerprint and the records share one load
+    _hub_dataset.cache_clear()
 
 
 def test_hub_name_unavailable_offline(tmp_path):

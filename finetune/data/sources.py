@@ -194,7 +194,7 @@ def _load(
             records.extend(_read_file(f, key, None if limit is None else limit - len(records), skipped))
     elif looks_like_hub_name(resolved):
         origins = [(0, resolved)]
-        records = _load_hub(resolved, split or data_cfg.split, key)[0]
+        records = _load_hub(resolved, split or data_cfg.split, key)
     else:
         raise DataError(
             f"{key}: file '{path}' not found (cwd: {os.getcwd()})",
@@ -210,20 +210,20 @@ def content_id(path: str, split: str, key: str) -> str:
     if p.exists():
         return ";".join(f"{f.name}:{file_digest(f)}" for f in _files_of(p, key))
     if looks_like_hub_name(resolved):
-        return f"hub:{resolved}:{split}:{_load_hub(resolved, split, key)[1]}"
+        return f"hub:{resolved}:{split}:{_hub_fingerprint(resolved, split, key)}"
     raise DataError(
         f"{key}: file '{path}' not found (cwd: {os.getcwd()})",
         hint=f"pass an absolute path or {key}=..., or a hub dataset id such as 'tatsu-lab/alpaca'",
     )
 
 
-@functools.lru_cache(maxsize=8)  # the cache key and the records both need it; load once per process
-def _load_hub(name: str, split: str, key: str) -> tuple[list[dict], str]:
+@functools.lru_cache(maxsize=8)  # the cache key and the records both need it: one load per process
+def _hub_dataset(name: str, split: str, key: str) -> Any:
+    """The hub dataset (Arrow, memory-mapped: holding it costs little heap)."""
     try:
         import datasets  # lazily: a slow import, and only hub datasets need it
 
-        ds = datasets.load_dataset(name, split=split)
-        rows = ds.to_list()
+        return datasets.load_dataset(name, split=split)
     except Exception as exc:
         first_line = (str(exc).splitlines() or [""])[0]
         raise DataError(
@@ -232,10 +232,19 @@ def _load_hub(name: str, split: str, key: str) -> tuple[list[dict], str]:
             hint=f"pass an existing file or folder, or a hub dataset id and split (data.split={split}); "
             "hub datasets need network access unless already cached",
         ) from None
+
+
+def _load_hub(name: str, split: str, key: str) -> list[dict]:
+    rows = _hub_dataset(name, split, key).to_list()
     if not rows:
         raise DataError(f"{key}: hub dataset '{name}' split '{split}' is empty", hint="choose another data.split")
-    # datasets' own fingerprint changes with the downloaded revision: our cache follows it.
-    return rows, str(getattr(ds, "_fingerprint", "")) or hashlib.sha256(repr(rows[:100]).encode()).hexdigest()
+    return rows
+
+
+def _hub_fingerprint(name: str, split: str, key: str) -> str:
+    """Changes with the downloaded revision, so our tokenized cache follows it."""
+    ds = _hub_dataset(name, split, key)
+    return str(getattr(ds, "_fingerprint", "")) or hashlib.sha256(repr(ds[:100]).encode()).hexdigest()
 
 
 def _remap(record: dict, columns: dict[str, str]) -> dict:
