@@ -236,9 +236,11 @@ class Recipe:
     lora_dropout: float
     dora: bool
     compute_bytes: int  # 2 for bf16/fp16, 4 for fp32
+    # CUDA's fused dropout keeps a bool mask; the CPU kernel keeps a mask tensor of the input's dtype.
+    dropout_mask_bytes: int = 1
 
     @classmethod
-    def from_config(cls, cfg: RecipeConfig, precision: str) -> Recipe:
+    def from_config(cls, cfg: RecipeConfig, precision: str, on_gpu: bool = True) -> Recipe:
         lora = cfg.lora
         target = lora.target if lora is None or isinstance(lora.target, str) else tuple(lora.target)
         return cls(
@@ -249,6 +251,7 @@ class Recipe:
             lora_dropout=lora.dropout if lora else 0.0,
             dora=bool(lora and lora.dora),
             compute_bytes=4 if precision == "fp32" else 2,
+            dropout_mask_bytes=1 if on_gpu else (4 if precision == "fp32" else 2),
         )
 
 
@@ -369,9 +372,10 @@ def layer_saved_bytes_per_token(shape: ModelShape, recipe: Recipe, batch_size: i
                          every head before SDPA (no GQA kernel under a mask), so k and v cost h each
       gated MLP          gate (SiLU input), SiLU output, up: three intermediate-sized tensors
       base linears       nothing: a frozen (quantized) weight needs only itself for the input grad
-      LoRA               each wrapped linear's input: with dropout a fresh copy plus a bool mask per
+      LoRA               each wrapped linear's input: with dropout a fresh copy plus its mask per
                          linear; without, the shared input once (q/k/v share one, gate/up one); the
-                         o_proj input is a contiguous copy of the attention output
+                         o_proj input is a contiguous copy of the attention output; and lora_A's
+                         r-wide output, which lora_B keeps
     """
     b = recipe.compute_bytes
     h, f, lse = shape.hidden, shape.intermediate, shape.heads * 4
@@ -390,8 +394,9 @@ def layer_saved_bytes_per_token(shape: ModelShape, recipe: Recipe, batch_size: i
     for g in lora_targets(shape, recipe.lora_target):
         source, width = inputs.get(g.name, (g.name, g.in_features))
         per_layer = g.count / shape.layers
+        total += int(b * recipe.lora_r * per_layer)
         if recipe.lora_dropout > 0:
-            total += int((b + 1) * width * per_layer)  # dropout output + its bool mask, per wrapped linear
+            total += int((b + recipe.dropout_mask_bytes) * width * per_layer)  # dropout output + mask, per wrapped linear
         else:
             shared[source] = width
     return total + b * sum(shared.values())
@@ -478,6 +483,7 @@ def estimate(
     else:
         saved = L * tokens * per_layer
         recompute = 0
+    saved += 2 * T * shape.head_dim * b  # RoPE cos and sin, shared by the layers
     final_norm = tokens * 4 * shape.hidden
     logits_bytes = unq_bytes if impl.loss != "chunked" else b
     loss = loss_peak_bytes(tokens, shape.vocab, logits_bytes, impl)
@@ -614,7 +620,7 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
 
 def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Setup | None = None) -> Estimate:
     shape = model_shape_of(cfg)
-    recipe = Recipe.from_config(cfg, plan_precision(cfg, gpu))
+    recipe = Recipe.from_config(cfg, plan_precision(cfg, gpu), on_gpu=gpu is not None)
     return estimate(
         shape, recipe, setup or setup_of(cfg, gpus), gpu,
         keep_checkpoints=cfg.checkpoint.keep_last or 1,
