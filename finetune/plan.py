@@ -773,3 +773,92 @@ def report(e: Estimate) -> str:
         )
     lines += [f"note       {n}" for n in e.notes]
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- writing the recipe
+
+
+def _yaml_value(value: Any) -> str:
+    import yaml
+
+    text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
+    return text[: -len("...")].strip() if text.endswith("...") else text
+
+
+def rewrite_recipe(text: str, values: dict[str, Any], comments: dict[str, str], command: str, header: list[str]) -> str:
+    """The recipe `text` with dotted `values` set in place, each changed line commented.
+
+    Keys keep their position and their own comment unless `comments` has a new
+    one; missing keys are added under their section (missing sections at the
+    end). The first line becomes `# {command}`, followed by `header` lines.
+    """
+    lines = text.splitlines()
+    if lines and lines[0].startswith("#"):
+        lines = lines[1:]
+    for dotted, value in values.items():
+        parts = dotted.split(".")
+        comment = comments.get(dotted)
+        start, indent = 0, ""
+        if len(parts) == 2:
+            sec = next((i for i, ln in enumerate(lines) if ln.rstrip().split("#")[0].rstrip() == f"{parts[0]}:"), None)
+            if sec is None:
+                lines += ["", f"{parts[0]}:"]
+                sec = len(lines) - 1
+            start, indent = sec + 1, "  "
+        end = len(lines)
+        if indent:  # the section's block ends at the next line that starts at column 0
+            end = next((i for i in range(start, len(lines)) if lines[i].strip() and not lines[i][0].isspace()), len(lines))
+        key = parts[-1]
+        at = next((i for i in range(start, end) if lines[i].startswith(f"{indent}{key}:")), None)
+        if at is None:  # insert at the end of the section's key lines
+            last = max((i for i in range(start, end) if lines[i].strip() and not lines[i].lstrip().startswith("#")), default=start - 1)
+            at = last + 1
+            lines.insert(at, "")
+            old_comment = comment or "set by finetune plan"
+        else:
+            old_comment = lines[at].split("#", 1)[1].strip() if "#" in lines[at] else "set by finetune plan"
+            # a block-style value (list items on the following lines) is replaced by a flow-style one
+            while at + 1 < len(lines) and lines[at + 1].startswith(indent + "  - "):
+                del lines[at + 1]
+        body = f"{indent}{key}: {_yaml_value(value)}"
+        lines[at] = f"{body:<32} # {comment or old_comment}"
+    return "\n".join([f"# {command}", *[f"# {h}" for h in header], *lines]) + "\n"
+
+
+# ----------------------------------------------------------------------------- preflight
+
+
+def preflight_memory(cfg: RecipeConfig, refuse: bool = True) -> tuple[list[str], list[str]]:
+    """(problems, notes) of the memory estimate before weights are loaded.
+
+    On CUDA a predicted peak above REFUSE_FACTOR x the device's memory is a
+    problem (with the fitting setup the search finds), unless `refuse` is off.
+    On a CPU the estimate is only a note.
+    """
+    from finetune.gpus import gpu_for_device
+    from finetune.hardware import detect_device
+
+    try:
+        model_shape_of(cfg)
+    except PlanError as exc:
+        return [], [f"memory estimate skipped: {exc.message}"]
+    if detect_device().kind != "cuda":
+        e = plan_recipe(cfg, None)
+        return [], [f"memory estimate: peak {gib(e.peak_allocated_bytes)} for tensors ({e.peak_phase} phase); checked only on CUDA"]
+    import torch
+
+    gpu = gpu_for_device(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    e = plan_recipe(cfg, gpu, gpus=world)
+    line = f"memory estimate: peak {gib(e.peak_bytes)} per GPU of {gib(gpu.memory_bytes)} ({gpu.name}, {world} process{'es' if world > 1 else ''})"
+    if e.peak_bytes <= REFUSE_FACTOR * gpu.memory_bytes:
+        return [], [line + ("" if e.fits else "; tight: it may run out of memory")]
+    shape = model_shape_of(cfg)
+    recipe = Recipe.from_config(cfg, plan_precision(cfg, gpu))
+    best, _ = search(shape, recipe, e.setup, gpu, max_gpus=world)
+    if best is not None and best.setup.gpus == world:
+        fix = "fits as: " + " ".join(f"{k}={_yaml_value(v)}" for k, v in changes_of(best, e.setup).items())
+    else:
+        fix = f"no batch/checkpointing setup fits; see `finetune plan RECIPE --gpu-mem {gpu.memory_bytes // GiB}GB --fit`"
+    problem = f"{line}: more than {REFUSE_FACTOR:g} x the device memory. {fix}. Pass --skip-memory-check to try anyway."
+    return ([problem], []) if refuse else ([], [problem])

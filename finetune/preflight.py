@@ -17,6 +17,7 @@ from finetune.data import check_data_source
 from finetune.errors import FinetuneError
 from finetune.hardware import resolve_precision
 from finetune.model import check_lora_targets, check_model_source, load_tokenizer, looks_like_hub_id, tokenizer_source
+from finetune.plan import preflight_memory
 
 
 @dataclass
@@ -35,7 +36,8 @@ def _tokenizer_is_local(cfg: RecipeConfig) -> bool:
     return Path(tokenizer_source(cfg)).is_dir()
 
 
-def preflight(cfg: RecipeConfig) -> PreflightReport:
+def preflight(cfg: RecipeConfig, memory_check: bool = True) -> PreflightReport:
+    """Every check short of loading weights. memory_check=False turns a predicted out-of-memory into a note."""
     report = PreflightReport()
     try:
         report.precision = resolve_precision(cfg.precision)
@@ -63,6 +65,10 @@ def preflight(cfg: RecipeConfig) -> PreflightReport:
         )
 
     report.problems += check_data_source(cfg)  # data.path, data.eval_path, eval.exact_match_path
+
+    problems, notes = preflight_memory(cfg, refuse=memory_check)  # an unreadable model is a note here, a problem above
+    report.problems += problems
+    report.notes += notes
 
     problem = output_dir_problem(cfg)
     if problem:
