@@ -34,6 +34,7 @@ from finetune.model import model_source
 
 CUDA_CONTEXT_BYTES = 512 * 1024**2  # CUDA context + cuBLAS workspace: ~0.3-0.6 GiB on Ampere/Hopper drivers
 ALLOCATOR_SLACK = 0.10  # caching-allocator reserved / allocated - 1: block rounding and fragmentation
+FIT_HEADROOM = 0.10  # --fit keeps 10% of the card free: the model's error on published runs reaches ~15%
 REFUSE_FACTOR = 1.10  # `finetune run` refuses when the predicted peak exceeds 1.1 x device memory
 MATMUL_EFFICIENCY = 0.45  # fraction of dense bf16 peak that LoRA training matmuls reach (MFU of tuned 7B runs: 0.35-0.55)
 BANDWIDTH_EFFICIENCY = 0.75  # fraction of spec memory bandwidth reached by the NF4 dequantize kernels
@@ -668,9 +669,10 @@ def candidates(base: Setup, max_gpus: int) -> list[Setup]:
 
 
 def search(shape: ModelShape, recipe: Recipe, base: Setup, gpu: GpuSpec, max_gpus: int, **kw) -> tuple[Estimate | None, list[Estimate]]:
-    """(fastest setup that fits or None, every estimate made). Ties go to fewer GPUs, then more headroom."""
+    """(fastest setup that fits with FIT_HEADROOM to spare, or None; every estimate made).
+    Ties go to fewer GPUs, then more headroom."""
     estimates = [estimate(shape, recipe, s, gpu, **kw) for s in candidates(base, max_gpus)]
-    fitting = [e for e in estimates if e.fits]
+    fitting = [e for e in estimates if e.peak_bytes <= (1 - FIT_HEADROOM) * gpu.memory_bytes]
     best = min(fitting, key=lambda e: (round(e.step_time_s, 6), e.setup.gpus, -e.headroom_bytes), default=None)
     return best, estimates
 
@@ -681,7 +683,7 @@ def longest_fitting_seq(shape: ModelShape, recipe: Recipe, base: Setup, gpu: Gpu
     probe = replace(base, batch_size=1, grad_accum=1, gradient_checkpointing=True)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if estimate(shape, recipe, replace(probe, seq_len=mid), gpu, **kw).fits:
+        if estimate(shape, recipe, replace(probe, seq_len=mid), gpu, **kw).peak_bytes <= (1 - FIT_HEADROOM) * gpu.memory_bytes:
             lo = mid
         else:
             hi = mid - 1
@@ -700,13 +702,14 @@ def fit(cfg: RecipeConfig, gpu: GpuSpec, max_gpus: int = 1, gpus: int | None = N
         smallest = min(estimates, key=lambda e: e.peak_bytes)
         seq = longest_fitting_seq(shape, recipe, replace(base, gpus=max_gpus), gpu, **kw)
         static = sum(c.bytes for c in smallest.components if c.key.startswith(("weights", "quant")))
-        how = [f"a GPU with at least {gib(smallest.peak_bytes)} (--gpu-mem {math.ceil(smallest.peak_bytes / GiB)}GB)"]
+        need = smallest.peak_bytes / (1 - FIT_HEADROOM)
+        how = [f"a GPU with at least {gib(need)} (--gpu-mem {math.ceil(need / GiB)}GB)"]
         if seq:
             how.append(f"data.max_seq_len={seq} (fits at batch 1 with checkpointing)")
         how.append("a smaller lora.r or fewer lora.target modules" if cfg.lora else "LoRA (lora.r=16) instead of full fine-tuning")
         raise PlanError(
             f"no setup of '{cfg.model.path}' at data.max_seq_len={base.seq_len} fits {max_gpus} x {gpu.name} "
-            f"({gib(gpu.memory_bytes)} each): the smallest needs {gib(smallest.peak_bytes)} per GPU "
+            f"({gib(gpu.memory_bytes)} each, {FIT_HEADROOM:.0%} kept free): the smallest needs {gib(smallest.peak_bytes)} per GPU "
             f"(batch 1, checkpointing on; the weights alone take {gib(static)})",
             hint="; or ".join(how),
         )

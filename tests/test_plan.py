@@ -143,9 +143,10 @@ def test_unreadable_model_config_says_path_and_fix(tmp_path):
 
 
 def test_cli_bad_input_exits_2(tmp_path, capsys):
-    assert main(["plan", "qlora-1x24gb", "--gpu", "rtx9090"]) == 2
+    shipped = str(Path(__file__).parents[1] / "recipes" / "qlora-1x24gb.yaml")
+    assert main(["plan", shipped, "--gpu", "rtx9090"]) == 2
     assert "unknown GPU 'rtx9090'" in capsys.readouterr().err
-    assert main(["plan", "qlora-1x24gb", "--gpu", "rtx4090"]) == 2  # Qwen/Qwen2.5-7B: no network, not cached
+    assert main(["plan", shipped, "--gpu", "rtx4090"]) == 2  # Qwen/Qwen2.5-7B: no network, not cached
     assert "cannot read config.json of 'Qwen/Qwen2.5-7B'" in capsys.readouterr().err
 
 

@@ -173,3 +173,19 @@ def test_prediction_matches_measured_cpu_allocations(which, checkpointing, dropo
     for key in ("weights", "lora_state", "activations"):
         err = predicted[key] / measured[key] - 1
         assert abs(err) <= TOLERANCE, f"{key}: predicted {predicted[key]:,} measured {measured[key]:,} ({err:+.1%})"
+
+
+if __name__ == "__main__":  # print the table of docs/plan.md: python tests/test_plan_measured.py
+    import tempfile
+    from pathlib import Path
+
+    tmp = Path(tempfile.mkdtemp())
+    dirs = {"small": build_model_dir(tmp / "small", hidden=512, layers=4, vocab=8000),
+            "tiny": build_model_dir(tmp / "tiny", hidden=128, layers=2, vocab=1000, heads=4, kv_heads=4)}
+    print("| model | checkpointing | LoRA dropout | batch x seq | what | measured | predicted | error |")
+    print("|---|---|---|---|---|---|---|---|")
+    for which, ck, dr, b, s in CASES:
+        cfg, m = measure(dirs[which], tmp, checkpointing=ck, dropout=dr, batch=b, seq=s)
+        _, p = predict(cfg, b, s, ck)
+        for key in ("weights", "lora_state", "activations"):
+            print(f"| {which} | {'on' if ck else 'off'} | {dr} | {b} x {s} | {key} | {m[key]:,} B | {p[key]:,} B | {100 * (p[key] / m[key] - 1):+.1f}% |")
