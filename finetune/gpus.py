@@ -110,15 +110,18 @@ def find_gpu(name: str | None, memory: str | int | None = None) -> GpuSpec:
     return spec
 
 
+# Substrings of torch.cuda.get_device_name() -> catalogue name; the first match wins.
+_DEVICE_NAMES = [
+    ("rtx 3060", "rtx3060"), ("rtx 3090", "rtx3090"), ("rtx 4090", "rtx4090"), ("a10g", "a10g"), ("l40s", "l40s"),
+    ("l4", "l4"), ("rtx a6000", "a6000"), ("h100 pcie", "h100-pcie"), ("h100", "h100"), ("h200", "h200"),
+    ("a100-sxm4-80gb", "a100-80gb"), ("a100 80gb", "a100-80gb"), ("a100-pcie-80gb", "a100-80gb"), ("a100", "a100-40gb"), ("t4", "t4"),
+]
+
+
 def gpu_for_device(device_name: str, total_memory: int) -> GpuSpec:
     """The spec of a GPU torch reports ('NVIDIA GeForce RTX 4090', bytes): catalogue speed when known, real memory."""
     low = device_name.lower()
-    for key in sorted(CATALOGUE, key=len, reverse=True):
-        spec = CATALOGUE[key]
-        words = spec.description.lower().split()
-        model = key.replace("rtx", "rtx ") if key.startswith("rtx") else key.split("-")[0]
-        if model in low or (len(words) > 2 and " ".join(words[1:3]) in low):
-            if key.startswith("a100") and ("80" in low) != key.endswith("80gb"):
-                continue
-            return replace(spec, memory_bytes=total_memory)
+    for part, key in _DEVICE_NAMES:
+        if part in low:
+            return replace(CATALOGUE[key], memory_bytes=total_memory)
     return replace(_GENERIC, name=device_name, memory_bytes=total_memory)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from finetune.config import RecipeConfig
-from finetune.errors import PlanError
+from finetune.errors import FinetuneError, PlanError
 from finetune.gpus import GiB, GpuSpec
 from finetune.model import model_source
 
@@ -243,12 +243,12 @@ class Recipe:
     @classmethod
     def from_config(cls, cfg: RecipeConfig, precision: str, on_gpu: bool = True) -> Recipe:
         lora = cfg.lora
-        target = lora.target if lora is None or isinstance(lora.target, str) else tuple(lora.target)
+        target = "all-linear" if lora is None else lora.target if isinstance(lora.target, str) else tuple(lora.target)
         return cls(
             quant_bits=cfg.quant.bits,
             double_quant=cfg.quant.double_quant,
             lora_r=lora.r if lora else None,
-            lora_target=target if lora else "all-linear",
+            lora_target=target,
             lora_dropout=lora.dropout if lora else 0.0,
             dora=bool(lora and lora.dora),
             compute_bytes=4 if precision == "fp32" else 2,
@@ -838,13 +838,17 @@ def preflight_memory(cfg: RecipeConfig, refuse: bool = True) -> tuple[list[str],
     problem (with the fitting setup the search finds), unless `refuse` is off.
     On a CPU the estimate is only a note.
     """
+    try:
+        return _preflight_memory(cfg, refuse)
+    except FinetuneError as exc:  # a stand-in config of an invalid recipe, an unreadable model: reported elsewhere
+        return [], [f"memory estimate skipped: {exc.message}"]
+
+
+def _preflight_memory(cfg: RecipeConfig, refuse: bool) -> tuple[list[str], list[str]]:
     from finetune.gpus import gpu_for_device
     from finetune.hardware import detect_device
 
-    try:
-        model_shape_of(cfg)
-    except PlanError as exc:
-        return [], [f"memory estimate skipped: {exc.message}"]
+    model_shape_of(cfg)
     if detect_device().kind != "cuda":
         e = plan_recipe(cfg, None)
         return [], [f"memory estimate: peak {gib(e.peak_allocated_bytes)} for tensors ({e.peak_phase} phase); checked only on CUDA"]

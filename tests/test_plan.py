@@ -130,6 +130,17 @@ def test_unknown_gpu_lists_known_and_suggests_the_closest():
     assert find_gpu(None, "11GB").memory_bytes == 11 * GiB and parse_bytes("1.5 GiB") == int(1.5 * GiB)
 
 
+def test_device_names_map_to_the_catalogue():
+    from finetune.gpus import gpu_for_device
+
+    for name, key in [("NVIDIA GeForce RTX 4090", "rtx4090"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100-pcie"),
+                      ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA L4", "l4"),
+                      ("NVIDIA A10G", "a10g"), ("Tesla T4", "t4")]:
+        assert gpu_for_device(name, 5 * GiB).name == key, name
+    other = gpu_for_device("Some New GPU", 7 * GiB)
+    assert other.memory_bytes == 7 * GiB and other.name == "Some New GPU"
+
+
 def test_unreadable_model_config_says_path_and_fix(tmp_path):
     bad = tmp_path / "m"
     bad.mkdir()
