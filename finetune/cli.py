@@ -1,10 +1,11 @@
-"""Command line: finetune run | validate | data | preprocess | ls | cp.
+"""Command line: finetune run | validate | data | preprocess | plan | ls | cp.
 
     finetune run recipes/demo-cpu.yaml                 # the CPU demo
     finetune run RECIPE model.path=Qwen/Qwen2.5-7B data.path=mine.jsonl train.lr=1e-4
     finetune validate RECIPE [key=value ...]           # every check short of loading weights
     finetune data RECIPE [--examples 3]                # examples with trained tokens marked, statistics
     finetune preprocess RECIPE                         # tokenize into the cache now; `run` then starts at once
+    finetune plan RECIPE --gpu rtx4090 [--gpus 2] [--json] [--fit --out my.yaml]   # memory before weights
     finetune ls                                        # shipped recipes
     finetune cp qlora-1x24gb my.yaml                   # copy one to edit
 
@@ -51,11 +52,15 @@ def _print_problems(title: str, problems: list[str]) -> None:
         print(f"  - {p}", file=sys.stderr)
 
 
-def check_all(args: argparse.Namespace):
-    """Schema, cross-field and preflight problems of a recipe, all of them; None when there are any."""
+def check_all(args: argparse.Namespace, training: bool = True):
+    """Schema, cross-field and preflight problems of a recipe, all of them; None when there are any.
+
+    training=False (data, preprocess) skips what only a training run needs: output_dir and memory.
+    """
     data, source = read_recipe(args.recipe, args.overrides)
     cfg, problems = check_recipe_dict(data, source)
-    report = preflight(cfg) if cfg is not None else None
+    memory_check = not getattr(args, "skip_memory_check", False)
+    report = preflight(cfg, memory_check=memory_check, training=training) if cfg is not None else None
     if report is not None:
         for note in report.notes:
             print(f"note: {note}")
@@ -93,7 +98,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     from finetune.data.cache import cache_root
     from finetune.data.show import report
 
-    cfg, checked = check_all(args)
+    cfg, checked = check_all(args, training=False)
     if cfg is None:
         return EXIT_INPUT
     t0 = time.perf_counter()
@@ -112,6 +117,75 @@ def cmd_data(args: argparse.Namespace) -> int:
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     print(report(bundle, checked.tokenizer, cfg.data.max_seq_len, examples=args.examples, color=color))
     return EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from finetune.config import build_recipe, parse_overrides
+    from finetune.gpus import find_gpu, parse_bytes
+    from finetune.plan import changes_of, describe_setup, fit, gib, plan_recipe, report, rewrite_recipe
+
+    data, source = read_recipe(args.recipe, args.overrides)
+    cfg = build_recipe(data, source)  # planning needs no data file or output_dir: schema only
+    gpu = find_gpu(args.gpu, args.gpu_mem)
+    host_ram = parse_bytes(args.host_ram, "--host-ram") if args.host_ram else None
+    if not args.fit:
+        est = plan_recipe(cfg, gpu, gpus=args.gpus)
+        host_ok = host_ram is None or est.host_ram_bytes <= host_ram
+        if args.json:
+            print(json.dumps({**est.to_dict(), "host_ram_fits": host_ok}, indent=2))
+        else:
+            print(report(est))
+            if host_ram is not None:
+                print(f"host RAM   {'enough' if host_ok else 'NOT enough'}: {gib(est.host_ram_bytes)} needed of {gib(host_ram)}")
+            if not est.fits:
+                print(f"\nfind a setup that fits: finetune plan {args.recipe} --gpu {args.gpu or 'custom'} --fit --out my.yaml")
+        return EXIT_OK
+
+    current, best = fit(cfg, gpu, max_gpus=args.gpus)
+    changes = changes_of(best, current.setup)
+    out = Path(args.out or f"{Path(source).stem}-{best.setup.gpus}x{gpu.name}.yaml")
+    if out.exists() and not args.force:
+        raise FinetuneError(f"'{out}' already exists; not overwriting it.", hint="choose another --out or pass --force")
+    overrides = _flatten(parse_overrides(args.overrides))
+    n = best.setup.gpus
+    command = f"finetune run {out}" if n == 1 else f"accelerate launch --num_processes {n} -m finetune run {out}"
+    why = f"finetune plan --fit: {describe_setup(best.setup)}"
+    header = [
+        f"Written by `finetune plan {args.recipe} --gpu {gpu.name} --gpus {args.gpus} --fit` from {source}:",
+        f"{n} x {gpu.name}, predicted peak {gib(best.peak_bytes)} of {gib(gpu.memory_bytes)} per GPU, ~{best.step_time_s:.1f} s/step.",
+        "#",
+    ]
+    text = rewrite_recipe(Path(source).read_text(encoding="utf-8"), {**overrides, **changes}, {k: why for k in changes}, command, header)
+    out.write_text(text, encoding="utf-8")
+    written = build_recipe(_read_yaml(out), str(out))  # the file must load back as the setup chosen
+    assert (written.train.batch_size, written.train.grad_accum) == (best.setup.batch_size, best.setup.grad_accum), out
+    if args.json:
+        print(json.dumps({"current": current.to_dict(), "best": best.to_dict(), "changes": changes, "out": str(out), "command": command}, indent=2))
+        return EXIT_OK
+    print(f"as written: {describe_setup(current.setup)}: peak {gib(current.peak_bytes)} "
+          f"({'fits' if current.fits else 'does not fit'}), ~{current.step_time_s:.1f} s/step")
+    print(f"fastest that fits: {describe_setup(best.setup)}\n")
+    print(report(best))
+    print(f"\nwrote {out} ({', '.join(f'{k}={v}' for k, v in changes.items()) or 'no changes needed'})\nrun it: {command}")
+    return EXIT_OK
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _read_yaml(path: Path) -> dict:
+    from finetune.config import read_recipe_file
+
+    return read_recipe_file(path)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -155,10 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="train a recipe")
     with_recipe(run)
     run.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to metrics.jsonl)")
+    run.add_argument("--skip-memory-check", action="store_true", help="run even when the planner predicts the GPU runs out of memory")
     run.set_defaults(func=cmd_run)
 
     val = sub.add_parser("validate", help="check a recipe without loading weights; lists every problem")
     with_recipe(val)
+    val.add_argument("--skip-memory-check", action="store_true", help="report a predicted out-of-memory as a note, not a problem")
     val.set_defaults(func=cmd_validate)
 
     data = sub.add_parser("data", help="show tokenized examples (trained tokens marked) and dataset statistics")
@@ -169,6 +245,17 @@ def build_parser() -> argparse.ArgumentParser:
     pre = sub.add_parser("preprocess", help="tokenize a recipe's data into the cache ahead of training")
     with_recipe(pre)
     pre.set_defaults(func=cmd_data)
+    plan = sub.add_parser("plan", help="predict per-GPU memory and step time before loading weights; --fit writes a recipe that fits")
+    with_recipe(plan)
+    plan.add_argument("--gpu", help="GPU name (rtx3060, rtx3090, rtx4090, a10g, l4, a6000, l40s, a100-40gb, a100-80gb, h100, h100-pcie, h200, t4)")
+    plan.add_argument("--gpu-mem", help="memory per GPU, e.g. 11GB (any other card, or to override the catalogue)")
+    plan.add_argument("--gpus", type=int, default=1, help="GPUs available (the search may use fewer); default 1")
+    plan.add_argument("--host-ram", help="host RAM, e.g. 64GB, checked against what loading needs")
+    plan.add_argument("--json", action="store_true", help="print one JSON object (every component in bytes)")
+    plan.add_argument("--fit", action="store_true", help="search batch/accumulation/checkpointing/GPUs for the fastest setup that fits and write it")
+    plan.add_argument("--out", help="recipe file --fit writes (default RECIPE-NxGPU.yaml here)")
+    plan.add_argument("--force", action="store_true", help="overwrite --out")
+    plan.set_defaults(func=cmd_plan)
 
     ls = sub.add_parser("ls", help="list shipped recipes")
     ls.set_defaults(func=cmd_ls)

@@ -72,3 +72,11 @@ class Preempted(FinetuneError):
     """
 
     exit_code = 75  # EX_TEMPFAIL: temporary failure, try again
+
+
+class PlanError(FinetuneError):
+    """A memory plan cannot be made (unreadable model config, unknown GPU), or nothing fits."""
+
+
+class GpuError(PlanError):
+    """An unknown GPU name or an unreadable memory size."""

@@ -17,6 +17,7 @@ from finetune.data import check_data_source, check_sample
 from finetune.errors import FinetuneError
 from finetune.hardware import resolve_precision
 from finetune.model import check_lora_targets, check_model_source, load_tokenizer, looks_like_hub_id, tokenizer_source
+from finetune.plan import preflight_memory
 
 
 @dataclass
@@ -35,7 +36,11 @@ def _tokenizer_is_local(cfg: RecipeConfig) -> bool:
     return Path(tokenizer_source(cfg)).is_dir()
 
 
-def preflight(cfg: RecipeConfig) -> PreflightReport:
+def preflight(cfg: RecipeConfig, memory_check: bool = True, training: bool = True) -> PreflightReport:
+    """Every check short of loading weights. memory_check=False turns a predicted out-of-memory into a note.
+
+    training=False leaves out what only a training run needs (memory, output_dir, resume): for `finetune data`.
+    """
     report = PreflightReport()
     try:
         report.precision = resolve_precision(cfg.precision)
@@ -60,6 +65,12 @@ def preflight(cfg: RecipeConfig) -> PreflightReport:
     if report.tokenizer is not None and not data_problems:
         # Template and label masks of the first records: a wrong template fails here, not after loading 70B.
         report.problems += check_sample(cfg, report.tokenizer)
+
+    if not training:
+        return report
+    problems, notes = preflight_memory(cfg, refuse=memory_check)  # an unreadable model is a note here, a problem above
+    report.problems += problems
+    report.notes += notes
 
     problem = output_dir_problem(cfg)
     if problem:

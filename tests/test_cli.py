@@ -163,3 +163,13 @@ def test_data_command_marks_trained_tokens_and_preprocess_fills_the_cache(recipe
     assert "tokenized data built" in out
     assert main(["preprocess", recipe]) == 0
     assert "already in the cache" in capsys.readouterr().out
+
+
+def test_data_command_works_on_a_finished_run(recipe_dict, tmp_path, capsys):
+    # `finetune data` reads; an existing output_dir (a run already trained) must not block it.
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "recipe.yaml").write_text("x: 1\n")
+    recipe = write_recipe(tmp_path, recipe_dict)
+    assert main(["validate", recipe]) == 2
+    assert main(["data", recipe, "--examples", "1"]) == 0
+    assert "train: 64 examples" in capsys.readouterr().out
