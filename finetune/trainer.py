@@ -133,6 +133,7 @@ class Trainer:
         self.data = data
         self.progress_enabled = progress
         self.accelerator = None
+        self._head_on_targets_only = True  # see compute_loss; cleared if the model lacks logits_to_keep
 
     # ------------------------------------------------------------------ helpers
 
@@ -147,8 +148,28 @@ class Trainer:
         # only without a KV cache (use_cache=False), which transformers would otherwise
         # take as a sign of generation and ignore the packing.
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+        labels = batch["labels"]
+        if self._head_on_targets_only:
+            # The LM head runs only where a target is predicted (a boolean logits_to_keep
+            # gives flat (n_targets, vocab) logits): masked prompt positions cost no head
+            # matmul and no logits memory, which for a 150k vocabulary is most of the
+            # activation peak. Models without this argument take the full path below.
+            keep = torch.zeros_like(labels, dtype=torch.bool)
+            keep[:, :-1] = shifted_targets(labels) != IGNORE_INDEX
+            try:
+                out = model(**inputs, use_cache=False, logits_to_keep=keep)
+            except TypeError:
+                out = None
+            if out is not None and out.logits.dim() == 2:
+                n = int(keep.sum())
+                if n == 0:
+                    return out.logits.sum() * 0.0, 0
+                return F.cross_entropy(out.logits.float(), labels[:, 1:][keep[:, :-1]], reduction="sum"), n
+            self._head_on_targets_only = False  # this model ignores or rejects it: full logits from now on
+            if out is not None:
+                return loss_sum_and_count(out.logits, labels)
         out = model(**inputs, use_cache=False)
-        return loss_sum_and_count(out.logits, batch["labels"])
+        return loss_sum_and_count(out.logits, labels)
 
     def _global_sum(self, value: float) -> float:
         acc = self.accelerator

@@ -267,3 +267,31 @@ def test_packing_and_length_grouping_train(recipe_dict, tmp_path, data):
         assert trainer.unit == "packed rows" and stats.rows == len(trainer.data.train) < stats.examples
         assert min(r["tokens"] for r in steps) > 2 * stats.tokens / stats.examples
         assert longest <= 512
+
+
+def test_head_on_targets_only_equals_full_logits_loss_and_gradients(recipe_dict, tmp_path):
+    # compute_loss asks the model for logits at target positions only; loss and LoRA
+    # gradients must equal those from the full logits.
+    from finetune.trainer import loss_sum_and_count
+
+    cfg = make_cfg(recipe_dict, lora={"dropout": 0.0})
+    trainer = Trainer(cfg, progress=False)
+    trainer.setup()
+    batch = trainer.step_batches(0)[0]
+    model = trainer.model
+
+    def grads_of(loss):
+        model.zero_grad()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    fast, n_fast = trainer.compute_loss(model, batch)
+    assert trainer._head_on_targets_only is True  # the fast path was taken, not the fallback
+    g_fast = grads_of(fast)
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    full, n_full = loss_sum_and_count(out.logits, batch["labels"])
+    g_full = grads_of(full)
+    assert n_fast == n_full > 0
+    torch.testing.assert_close(fast, full, rtol=1e-6, atol=1e-5)
+    for name in g_full:
+        torch.testing.assert_close(g_fast[name], g_full[name], rtol=1e-5, atol=1e-7)
