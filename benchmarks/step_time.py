@@ -1,7 +1,8 @@
-"""python benchmarks/step_time.py [--steps 5] [recipe overrides ...]
+"""python benchmarks/step_time.py [--steps 5] [--recipe demo-cpu] [recipe overrides ...]
 
-Time one optimizer step (forward + backward + AdamW) of the demo recipe's model
-and data, outside the trainer. Prints seconds per step and tokens per step.
+Time optimizer steps (forward + backward over the accumulation window + AdamW) of a
+recipe through the trainer's own code path (packing, target-only LM head and all),
+after one warm-up step. Prints seconds and tokens per step.
 Used for the thread-oversubscription table in benchmarks/README.md:
 run it alone, with OMP_NUM_THREADS=1, and beside another training process.
 """
@@ -9,14 +10,13 @@ run it alone, with OMP_NUM_THREADS=1, and beside another training process.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
 
 from finetune.config import load_recipe
-from finetune.data import Collator, build_datasets
-from finetune.model import load_model, load_tokenizer
-from finetune.trainer import loss_sum_and_count
+from finetune.trainer import Trainer
 
 
 def main() -> None:
@@ -25,21 +25,21 @@ def main() -> None:
     parser.add_argument("--recipe", default="demo-cpu")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    cfg = load_recipe(args.recipe, ["output_dir=/tmp/step_time"] + args.overrides)
-    tok = load_tokenizer(cfg)
-    data = build_datasets(cfg, tok)
-    model = load_model(cfg, "fp32", torch.device("cpu"))
-    batch = Collator(tok.pad_token_id)(data.train[: cfg.train.batch_size])
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    print(f"threads {torch.get_num_threads()}, batch {tuple(batch['input_ids'].shape)}")
-    for i in range(args.steps):
+    cfg = load_recipe(args.recipe, ["output_dir=/tmp/step_time", "overwrite=true"] + args.overrides)
+    trainer = Trainer(cfg, progress=False)
+    trainer.setup()
+    print(f"threads {torch.get_num_threads()}, {trainer.window} {trainer.unit}/step")
+    times = []
+    for step in range(args.steps + 1):
         t0 = time.perf_counter()
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        loss, n = loss_sum_and_count(logits, batch["labels"])
-        (loss / n).backward()
-        opt.step()
-        opt.zero_grad()
-        print(f"step {i}: {time.perf_counter() - t0:.3f} s")
+        _, targets, tokens = trainer.accumulate_gradients(step)
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        if step:  # step 0 warms up allocator and kernels
+            times.append(dt)
+        print(f"step {step}: {dt:.3f} s, {tokens} tokens ({int(targets)} trained){'  (warm-up)' if not step else ''}")
+    print(f"median {statistics.median(times):.3f} s/step")
 
 
 if __name__ == "__main__":

@@ -101,8 +101,16 @@ def cmd_data(args: argparse.Namespace) -> int:
     cfg, checked = check_all(args, training=False)
     if cfg is None:
         return EXIT_INPUT
+    tokenizer = checked.tokenizer
+    if tokenizer is None:  # a hub model: preflight does not fetch, but showing tokens needs its tokenizer
+        from finetune.model import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg)
+    if args.command == "data" and cfg.data.mask_check == "error":
+        # Show the examples a failing mask check is about instead of stopping before them.
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"mask_check": "warn"})})
     t0 = time.perf_counter()
-    bundle = build_datasets(cfg, checked.tokenizer)
+    bundle = build_datasets(cfg, tokenizer)
     took = time.perf_counter() - t0
     if args.command == "preprocess":
         how = "already in the cache" if bundle.from_cache else f"tokenized in {took:.1f}s"
@@ -115,7 +123,7 @@ def cmd_data(args: argparse.Namespace) -> int:
         print(f"{how}; {where}. `finetune run {args.recipe}` with the same data settings starts training at once.")
         return EXIT_OK
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-    print(report(bundle, checked.tokenizer, cfg.data.max_seq_len, examples=args.examples, color=color))
+    print(report(bundle, tokenizer, cfg.data.max_seq_len, examples=args.examples, color=color))
     return EXIT_OK
 
 

@@ -54,14 +54,16 @@ class MixSource(_Section):
     path: str = Field(description="local file/folder or hub dataset name")
     weight: float = Field(1.0, gt=0, description="examples drawn per epoch = weight x its size (0.5: a seeded half)")
     format: Literal["alpaca", "messages", "sharegpt", "completion", "text"] | None = None  # None: data.format
-    columns: dict[str, str] = Field(default_factory=dict)
+    columns: dict[str, str] | None = None  # None: data.columns
     split: str | None = None  # None: data.split
+    subset: str | None = None  # hub dataset configuration name (load_dataset's second argument)
 
 
 class DataConfig(_Section):
     path: str = Field(description="local JSON/JSONL/CSV/Parquet file or hub dataset name")
     format: Literal["alpaca", "messages", "sharegpt", "completion", "text"] = "alpaca"
     split: str = "train"
+    subset: str | None = Field(None, description="hub dataset configuration, e.g. 'main' for openai/gsm8k")
     weight: float = Field(1.0, gt=0, description="like data.mix[].weight, for data.path")
     mix: list[MixSource] = Field(default_factory=list, description="more datasets, each with its own weight")
     eval_path: str | None = None
@@ -78,7 +80,9 @@ class DataConfig(_Section):
     )
     truncation: Literal["truncate", "drop"] = "truncate"
     skip_bad_rows: bool = Field(False, description="skip (and count) malformed rows instead of stopping")
-    mask_check: Literal["error", "warn", "off"] = "error"
+    mask_check: Literal["error", "warn", "drop", "off"] = Field(
+        "error", description="examples whose label mask looks wrong: error stops, warn trains them, drop leaves them out"
+    )
     packing: bool = Field(False, description="concatenate examples into rows of max_seq_len (no cross-attention)")
     group_by_length: bool = Field(False, description="batch examples of similar length (less padding)")
     num_proc: int = Field(1, ge=1, description="processes that tokenize")

@@ -62,7 +62,7 @@ def preflight(cfg: RecipeConfig, memory_check: bool = True, training: bool = Tru
 
     data_problems = check_data_source(cfg)  # data.path, data.mix, data.eval_path, eval.exact_match_path
     report.problems += data_problems
-    if report.tokenizer is not None and not data_problems:
+    if report.tokenizer is not None and not data_problems and training:
         # Template and label masks of the first records: a wrong template fails here, not after loading 70B.
         report.problems += check_sample(cfg, report.tokenizer)
 

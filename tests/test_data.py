@@ -141,7 +141,7 @@ def test_messages_inconsistent_template_names_example(tmp_path, tokenizer):
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = "{{ messages|length }}" + tok.chat_template  # every prefix renders a different header
     no_reply = {"messages": CONVO[:2]}  # dropped before rendering, so record 1 is the first one checked
-    with pytest.raises(DataError, match=r"boundary: 1 example, first .*train\.jsonl' record 1 \(0-based\).*up to message 2 differently"):
+    with pytest.raises(DataError, match=r"boundary: 1 example, first .*train\.jsonl' line 2: the chat template renders the conversation up to message 2 differently"):
         build(tmp_path, tok, [no_reply, {"messages": CONVO}], format="messages")
 
 
@@ -332,16 +332,16 @@ def test_missing_column_lists_found_columns(tmp_path, tokenizer):
     with pytest.raises(DataError) as e:
         build(tmp_path, tokenizer, rows)
     msg = str(e.value)
-    assert "train.jsonl' record 1 (0-based) has no column 'output'" in msg
+    assert "train.jsonl' line 2 has no column 'output'" in msg
     assert "found columns: instruction, answer" in msg
     assert e.value.hint == "set data.columns.output=answer"
 
 
 def test_wrong_type_names_record(tmp_path, tokenizer):
-    with pytest.raises(DataError, match=r"record 2 \(0-based\) column 'completion' is int 4, expected a string"):
+    with pytest.raises(DataError, match=r"line 3 column 'completion' is int 4, expected a string"):
         rows = [{"prompt": "a", "completion": "b"}] * 2 + [{"prompt": "a", "completion": 4}]
         build(tmp_path, tokenizer, rows, format="completion")
-    with pytest.raises(DataError, match=r"record 0 \(0-based\) messages\[1\]"):
+    with pytest.raises(DataError, match=r"line 1 messages\[1\]"):
         sharegpt = [{"role": "user", "content": "a"}, {"from": "gpt", "value": "b"}]
         build(tmp_path, tokenizer, [{"messages": sharegpt}], format="messages")
 
@@ -351,7 +351,7 @@ def test_folder_error_names_file(tmp_path, tokenizer):
     folder.mkdir()
     write_jsonl(folder / "a.jsonl", [{"text": "x"}] * 2)
     write_jsonl(folder / "b.jsonl", [{"text": "x"}, {"txt": "y"}])
-    with pytest.raises(DataError, match=r"b\.jsonl' record 1 \(0-based\) has no column 'text'"):
+    with pytest.raises(DataError, match=r"b\.jsonl' line 2 has no column 'text'"):
         build_datasets(recipe(tmp_path, folder, format="text"), tokenizer)
 
 
@@ -365,7 +365,7 @@ def test_check_data_source(tmp_path):
 
     chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVO}])
     assert check_data_source(recipe(tmp_path, chat)) == [
-        f"data.path: '{chat}' record 0 (0-based) has no column 'instruction' needed by data.format=alpaca "
+        f"data.path: '{chat}' line 1 has no column 'instruction' needed by data.format=alpaca "
         "(found columns: messages); set data.format=messages"
     ]
     qa = write_jsonl(tmp_path / "qa.jsonl", [{"instruction": "a", "answer": "b"}])

@@ -112,7 +112,7 @@ def test_builtin_llama3_golden_with_its_special_tokens(tmp_path, plain_tok):
 def test_llama3_template_without_its_end_token_is_refused(tmp_path, plain_tok):
     # The char tokenizer has no <|eot_id|> token: replies would end in plain characters the
     # model never learns to stop on. The mask checker says so, naming the record.
-    with pytest.raises(DataError, match=r"end_untrained: 1 example, first .*record 0.*none of them eos") as err:
+    with pytest.raises(DataError, match=r"end_untrained: 1 example, first .*train\.jsonl' line 1: reply ends in tokens .*none of them eos") as err:
         build(tmp_path, plain_tok, [{"messages": CONVO[1:3]}], format="messages", template="llama3")
     assert "data.template=chatml" in err.value.hint
 
@@ -133,7 +133,7 @@ def test_sharegpt_column_remap_and_unknown_speaker(tmp_path, tokenizer):
     b = build(tmp_path, tokenizer, [{"chat": SHAREGPT}], format="sharegpt", columns={"conversations": "chat"})
     assert b.train_stats.examples == 1
     bad = [{"from": "narrator", "value": "x"}] + SHAREGPT[1:]
-    with pytest.raises(DataError, match=r"record 0 .*conversations\[0\] has speaker 'narrator'"):
+    with pytest.raises(DataError, match=r"bad\.jsonl' line 1 conversations\[0\] has speaker 'narrator'"):
         build(tmp_path, tokenizer, [{"conversations": bad}], name="bad.jsonl", format="sharegpt")
 
 
@@ -171,16 +171,16 @@ def test_template_without_end_token_refused_then_warned(tmp_path, tokenizer):
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
     rows = [{"messages": CONVO[1:3]}] * 3
-    with pytest.raises(DataError, match=r"end_untrained: 3 examples, first .*record 0 \(0-based\)"):
+    with pytest.raises(DataError, match=r"end_untrained: 3 examples, first .*train\.jsonl' line 1"):
         build(tmp_path, tok, rows, format="messages")
     b = build(tmp_path, tok, rows, format="messages", mask_check="warn")
-    assert [w.split(",")[0] for w in b.train_stats.warnings] == ["mask check: end_untrained: 3 examples"]
+    assert [w.split(",")[0] for w in b.train_stats.warnings] == ["mask check (kept): end_untrained: 3 examples"]
     assert build(tmp_path, tok, rows, format="messages", mask_check="off").train_stats.warnings == []
 
 
 def test_double_bos_refused(tmp_path, tokenizer):
     # Data that already starts with the BOS string, tokenized by a tokenizer that adds BOS.
-    with pytest.raises(DataError, match=r"double_bos: 1 example, first .*record 1 .*'<s>', '<s>'"):
+    with pytest.raises(DataError, match=r"double_bos: 1 example, first .*train\.jsonl' line 2: tokens \['<s>', '<s>'"):
         build(tmp_path, tokenizer, [{"prompt": "Q:", "completion": "1"}, {"prompt": "<s>Q:", "completion": "4"}], format="completion")
 
 
@@ -212,18 +212,55 @@ def test_prompt_response_boundary_found_with_a_bpe_tokenizer(tmp_path):
 # --------------------------------------------------------------------------- bad input
 
 
-def test_role_order_problems_name_the_record(tmp_path, tokenizer):
+def test_role_problems_name_the_record(tmp_path, tokenizer):
     cases = {
-        "a second user turn in a row": [CONVO[1], CONVO[1], CONVO[2]],
-        "system message after the first turn": [CONVO[1], CONVO[0], CONVO[2]],
-        "assistant reply with no user turn before it": [CONVO[0], CONVO[2]],
         "role 'robot'": [CONVO[1], {"role": "robot", "content": "x"}],
+        "tool result that follows user": [CONVO[1], {"role": "tool", "content": "42"}, CONVO[2]],
     }
     for i, (what, msgs) in enumerate(cases.items()):
         rows = [{"messages": CONVO}, {"messages": msgs}]
-        with pytest.raises(DataError, match=rf"train{i}\.jsonl' record 1 \(0-based\) .*{what}") as err:
+        with pytest.raises(DataError, match=rf"train{i}\.jsonl' line 2 .*{what}") as err:
             build(tmp_path, tokenizer, rows, name=f"train{i}.jsonl", format="messages")
         assert "skip_bad_rows" in err.value.hint
+    # What a template may accept is left to it: two user turns in a row render fine in ChatML.
+    ok = build(tmp_path, tokenizer, [{"messages": [CONVO[1], CONVO[3], CONVO[2]]}], name="ok.jsonl", format="messages")
+    assert ok.train_stats.examples == 1
+
+
+def test_greeting_and_empty_replies_are_not_trained(tmp_path, tokenizer):
+    greeting = {"role": "assistant", "content": "Hi!"}
+    empty = {"role": "assistant", "content": ""}
+    msgs = [CONVO[0], greeting, CONVO[1], empty, CONVO[3], CONVO[4]]
+    ex = build(tmp_path, tokenizer, [{"messages": msgs}], format="messages").train[0]
+    trained = [t for t in ex["labels"] if t != M]
+    assert trained == ids("B") + [IM_END_ID] + ids("\n")  # only the one reply with text
+    last_empty = build(tmp_path, tokenizer, [{"messages": CONVO[1:3] + [CONVO[3], empty]}], name="e.jsonl",
+                       format="messages", train_on="last")
+    assert [t for t in last_empty.train[0]["labels"] if t != M] == ids("A") + [IM_END_ID] + ids("\n")
+
+
+TOOL_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] }}"
+    "{% if m['tool_calls'] is defined %}{% for c in m['tool_calls'] %}{{ 'CALL ' + c['function']['name'] }}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TOOL_CONVO = [
+    {"role": "user", "content": "Q"},
+    {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+    {"role": "tool", "content": "7", "tool_call_id": "1"},
+    {"role": "assistant", "content": "A"},
+]
+
+
+def test_tool_calls_reach_the_template_and_are_trained(tmp_path, tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = TOOL_TEMPLATE
+    ex = build(tmp_path, tok, [{"messages": TOOL_CONVO}], format="messages").train[0]
+    trained = [t for t in ex["labels"] if t != M]
+    assert trained == ids("CALL f") + [IM_END_ID] + ids("\n") + ids("A") + [IM_END_ID] + ids("\n")
+    # A built-in template would drop the call without a word: it refuses, naming the record.
+    with pytest.raises(DataError, match=r"train2\.jsonl' line 1: the chat template failed.*cannot render tool calls"):
+        build(tmp_path, tok, [{"messages": TOOL_CONVO}], name="train2.jsonl", format="messages", template="chatml")
 
 
 def test_skip_bad_rows_counts_them(tmp_path, tokenizer):
@@ -387,6 +424,24 @@ def test_cache_keeps_mask_findings_and_survives_corruption(tmp_path, tokenizer):
     (entry / "train.safetensors").write_bytes(b"garbage")
     rebuilt = build_datasets(warn, tok)
     assert rebuilt.from_cache is False and rebuilt.train_stats.examples == 1
+    assert build_datasets(warn, tok).from_cache is True  # the torn entry was replaced, not left to fail forever
+
+
+def test_cache_key_ignores_tokenizer_call_state_but_follows_code(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    import finetune.data.cache as cache
+    from finetune.config import resolve_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_path("asset:tiny-llama"))  # its tokenizer.json stores padding
+    before = cache.tokenizer_fingerprint(tok)
+    tok(["a", "bb cc"], padding=True)
+    assert cache.tokenizer_fingerprint(tok) == before
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "Q:", "completion": " 4"}])
+    cfg = recipe(tmp_path, path, format="completion")
+    assert build_datasets(cfg, tok).from_cache is False and build_datasets(cfg, tok).from_cache is True
+    monkeypatch.setattr(cache, "CACHE_VERSION", cache.CACHE_VERSION + 1)  # stands for any change to the data code
+    assert build_datasets(cfg, tok).from_cache is False
 
 
 def test_num_proc_gives_identical_data(tmp_path, tokenizer, monkeypatch):

@@ -20,6 +20,8 @@ import hashlib
 import json
 import os
 import shutil
+import socket
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -39,23 +41,45 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     h = hashlib.sha256(type(tokenizer).__name__.encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        h.update(backend.to_str().encode())
+        state = json.loads(backend.to_str())
+        # Padding/truncation are call-time state the tokenizer keeps from its last call, not what it maps.
+        state.pop("padding", None)
+        state.pop("truncation", None)
+        h.update(json.dumps(state, sort_keys=True).encode())
     else:  # slow tokenizers: the vocabulary is what they map
         h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
     h.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    for attr in ("split_special_tokens", "add_bos_token", "add_eos_token", "add_prefix_space", "legacy"):
+        h.update(f"{attr}={getattr(tokenizer, attr, None)};".encode())
+    return h.hexdigest()
+
+
+def code_fingerprint() -> str:
+    """Our data code and the libraries that shape tokens: a change to either is a different cache."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    h = hashlib.sha256(str(CACHE_VERSION).encode())
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(path.read_bytes())
+    for lib in ("transformers", "tokenizers", "jinja2"):
+        try:
+            h.update(f"{lib}={version(lib)};".encode())
+        except PackageNotFoundError:
+            h.update(f"{lib}=none;".encode())
     return h.hexdigest()
 
 
 def cache_key(cfg: RecipeConfig, tokenizer: Any, content_ids: list[str]) -> str:
     d = cfg.data
     material = {
-        "version": CACHE_VERSION,
+        "code": code_fingerprint(),
         "content": content_ids,
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "data": d.model_dump(
             exclude={"path", "eval_path", "cache", "cache_dir", "num_proc", "mask_check", "shuffle", "group_by_length"}
         ),
+        "drop_flagged": d.mask_check == "drop",  # the only mask-check policy that changes which examples are kept
         "seed": cfg.seed,  # picks the eval split and weighted subsets
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:24]
@@ -77,9 +101,23 @@ def read_cache(path: Path) -> tuple[dict[str, TokenizedData | None], dict[str, D
             arrays = load_file(str(path / f"{name}.safetensors"))
             data[name] = TokenizedData(**arrays)
             stats[name] = DataStats(**meta["stats"][name])
+            if not _consistent(data[name], stats[name]):
+                return None
         return data, stats, meta["findings"]
     except Exception:  # noqa: BLE001 - any unreadable entry (truncated file, bad header, old layout) is rebuilt
         return None
+
+
+def _consistent(data: TokenizedData, stats: DataStats) -> bool:
+    """Arrays that agree with each other and with the stats written beside them (a torn or edited entry does not)."""
+    offsets = data.offsets
+    ok = len(data.input_ids) == len(data.labels) == int(offsets[-1]) == stats.tokens and int(offsets[0]) == 0
+    ok = ok and bool((offsets[1:] >= offsets[:-1]).all())
+    if data.starts is not None:
+        ok = ok and len(data.starts) == stats.examples and len(data) == stats.rows
+    else:
+        ok = ok and len(data) == stats.examples
+    return ok
 
 
 def write_cache(path: Path, data: dict[str, TokenizedData | None], stats: dict[str, DataStats | None], findings: list[dict]) -> None:
@@ -87,8 +125,8 @@ def write_cache(path: Path, data: dict[str, TokenizedData | None], stats: dict[s
     from safetensors.numpy import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    # Unique per writer, even across hosts sharing the cache directory (pids repeat between containers).
+    tmp = path.parent / f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         for name in _FILES:
@@ -100,6 +138,8 @@ def write_cache(path: Path, data: dict[str, TokenizedData | None], stats: dict[s
             "findings": findings,
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+        if path.exists() and read_cache(path) is None:
+            shutil.rmtree(path, ignore_errors=True)  # a torn or stale entry: ours replaces it
         try:
             os.rename(tmp, path)
         except OSError:  # another process got there first: its entry is as good as ours

@@ -33,6 +33,7 @@ class DataStats:
     trained_tokens: int  # tokens with a label != IGNORE_INDEX
     skipped: int = 0  # malformed rows skipped (data.skip_bad_rows)
     too_long: int = 0  # dropped for exceeding max_seq_len (data.truncation=drop)
+    mask_dropped: int = 0  # left out by the mask check (data.mask_check=drop)
     rows: int = 0  # packed rows (0 when not packing)
     row_capacity: int = 0  # tokens a packed row holds (data.max_seq_len)
     warnings: list[str] = field(default_factory=list)
@@ -50,6 +51,8 @@ class DataStats:
         )
         if self.too_long:
             text += f", {self.too_long} too long (dropped)"
+        if self.mask_dropped:
+            text += f", {self.mask_dropped} failed the mask check (left out)"
         if self.skipped:
             text += f", {self.skipped} malformed (skipped)"
         if self.rows:

@@ -10,7 +10,8 @@ many examples have it, and the first one, with the file and record:
     double_bos      the example starts with two BOS tokens (template writes one, tokenizer adds another)
     boundary        prompt and response tokenize differently apart than together (see tokenize.py)
 
-data.mask_check=error (default) raises on any finding, warn prints them, off skips.
+data.mask_check=error (default) raises on any finding, warn prints them, drop leaves the
+flagged examples out (counted), off skips the check.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def merge_findings(into: dict[str, Finding], kinds: list[str], tokenizer: Any, e
 
 
 def enforce(findings: dict[str, Finding], policy: str, key: str = "data") -> list[str]:
-    """Apply data.mask_check: raise (error), or return warning lines (warn), or nothing (off)."""
+    """Apply data.mask_check: raise (error), or return warning lines (warn, drop), or nothing (off)."""
     if not findings or policy == "off":
         return []
     lines = [f.describe() for f in findings.values()]
@@ -84,9 +85,10 @@ def enforce(findings: dict[str, Finding], policy: str, key: str = "data") -> lis
             f"{key}: the label-mask check failed, so training would learn the wrong tokens:\n    "
             + "\n    ".join(lines),
             hint=f"{fixes}. `finetune data RECIPE` shows the examples with trained tokens marked; "
-            "data.mask_check=warn trains anyway",
+            "data.mask_check=drop leaves the flagged examples out, warn trains them anyway",
         )
-    return [f"mask check: {line}" for line in lines]
+    verb = "left out" if policy == "drop" else "kept"
+    return [f"mask check ({verb}): {line}" for line in lines]
 
 
 def _detail(kind: str, tokenizer: Any, enc: Encoded) -> str:

@@ -20,7 +20,17 @@ from finetune.data.dataset import DataBundle, DataStats, TokenizedData
 from finetune.data.masks import FIXES, Finding, enforce, example_findings, merge_findings
 from finetune.data.packing import pack_rows
 from finetune.data.records import usable_records
-from finetune.data.sources import Source, _load, content_id, load_sources, looks_like_hub_name, source_specs, weighted_indices
+from finetune.data.sources import (
+    Source,
+    Spec,
+    _load,
+    content_id,
+    eval_spec,
+    load_source,
+    looks_like_hub_name,
+    source_specs,
+    weighted_indices,
+)
 from finetune.data.templates import end_of_turn_ids, use_template
 from finetune.data.tokenize import CHAT_FORMATS, IGNORE_INDEX, Encoded, encode_records
 from finetune.errors import DataError
@@ -35,12 +45,14 @@ def _init_worker(tokenizer: Any) -> None:
     _worker_tokenizer = tokenizer
 
 
-def _encode_task(args: tuple[list[dict], str, str, list[str]]) -> list[Encoded | None]:
-    records, fmt, train_on, wheres = args
-    return encode_records(records, fmt, _worker_tokenizer, train_on, wheres)
+def _encode_task(args: tuple[list[dict], str, str, list[str], int]) -> list[Encoded | None]:
+    records, fmt, train_on, wheres, max_len = args
+    return encode_records(records, fmt, _worker_tokenizer, train_on, wheres, max_len)
 
 
-def _encode_items(items: list[Item], sources: list[Source], tokenizer: Any, train_on: str, num_proc: int) -> dict[Item, Encoded | None]:
+def _encode_items(
+    items: list[Item], sources: list[Source], tokenizer: Any, train_on: str, num_proc: int, max_len: int
+) -> dict[Item, Encoded | None]:
     """Tokenize each distinct item once, in chunks of one source (one format), on num_proc processes."""
     tasks, keys = [], []
     by_source: dict[int, list[int]] = {}
@@ -51,7 +63,7 @@ def _encode_items(items: list[Item], sources: list[Source], tokenizer: Any, trai
         for c in range(0, len(idx), _CHUNK):
             chunk = idx[c : c + _CHUNK]
             wheres = [src.where(i) for i in chunk] if src.format in CHAT_FORMATS else [src.key] * len(chunk)
-            tasks.append(([src.records[i] for i in chunk], src.format, train_on, wheres))
+            tasks.append(([src.records[i] for i in chunk], src.format, train_on, wheres, max_len))
             keys.append([(s, i) for i in chunk])
     if num_proc > 1 and len(tasks) > 1:
         # fork: workers inherit the tokenizer instead of unpickling one each.
@@ -82,6 +94,7 @@ def _finish(
     stats = DataStats(0, 0, 0, 0, 0, skipped=skipped)
     examples: list[tuple[list[int], list[int]]] = []
     checked: set[Item] = set()
+    flagged: set[Item] = set()
     for item in items:
         enc = encoded[item]
         if enc is None:  # empty reply: nothing to learn
@@ -92,6 +105,10 @@ def _finish(
             kinds = example_findings(enc, sources[item[0]].format in CHAT_FORMATS, d.train_on, bos, ends)
             if kinds:
                 merge_findings(findings, kinds, tokenizer, enc, sources[item[0]].where(item[1]))
+                flagged.add(item)
+        if item in flagged and d.mask_check == "drop":
+            stats.mask_dropped += 1
+            continue
         ids, labels = enc.input_ids, enc.labels
         if len(ids) > d.max_seq_len:
             if d.truncation == "drop":
@@ -129,10 +146,14 @@ def _split_eval(cfg: RecipeConfig, pool: list[Item]) -> tuple[list[Item], list[I
 
 
 def _content_ids(cfg: RecipeConfig) -> list[str]:
-    ids = [content_id(path, split, key) for key, path, _, _, split, _ in source_specs(cfg)]
-    if cfg.data.eval_path:
-        ids.append("eval:" + content_id(cfg.data.eval_path, cfg.data.split, "data.eval_path"))
-    return ids
+    specs = source_specs(cfg) + [s for s in [eval_spec(cfg)] if s is not None]
+    return [f"{spec.key}={content_id(spec)}" for spec in specs]
+
+
+def _chat_template_needed(cfg: RecipeConfig, tokenizer: Any) -> None:
+    formats = {spec.format for spec in source_specs(cfg)}
+    if formats & set(CHAT_FORMATS) or cfg.data.template != "auto":
+        use_template(tokenizer, cfg.data.template)
 
 
 def build_datasets(cfg: RecipeConfig, tokenizer: Any, *, use_cache: bool | None = None) -> DataBundle:
@@ -146,10 +167,7 @@ def build_datasets(cfg: RecipeConfig, tokenizer: Any, *, use_cache: bool | None 
     use_cache defaults to data.cache.
     """
     d = cfg.data
-    formats = {fmt for _, _, fmt, _, _, _ in source_specs(cfg)}
-    if formats & set(CHAT_FORMATS) or d.template != "auto":
-        use_template(tokenizer, d.template)
-
+    _chat_template_needed(cfg, tokenizer)
     use_cache = d.cache if use_cache is None else use_cache
     entry = cache_root(cfg) / cache_key(cfg, tokenizer, _content_ids(cfg)) if use_cache else None
     cached = read_cache(entry) if entry is not None else None
@@ -159,25 +177,33 @@ def build_datasets(cfg: RecipeConfig, tokenizer: Any, *, use_cache: bool | None 
         stats["train"].warnings += enforce(findings, d.mask_check)
         return DataBundle(data["train"], data["eval"], stats["train"], stats["eval"], from_cache=True)
 
-    sources = load_sources(cfg)
+    sources: list[Source] = []
     skipped = {"train": [], "eval": []}
     usable: list[list[int]] = []
-    for src in sources:
+    for spec in source_specs(cfg):
+        src = load_source(spec, d.skip_bad_rows)
         keep, bad = usable_records(src, src.columns, d.skip_bad_rows)
+        if not keep:
+            raise DataError(
+                f"{spec.key}: every one of its {len(src.records) + len(src.skipped)} records is malformed; "
+                f"first: {(src.skipped + bad)[0]}",
+                hint="fix the data, or check this source's format and columns",
+            )
+        sources.append(src)
         usable.append(keep)
         skipped["train"] += src.skipped + bad
     pool = [(s, i) for s, keep in enumerate(usable) for i in keep]
-    if not pool:
-        raise DataError(
-            f"data: every record was skipped as malformed ({len(skipped['train'])}); first: {skipped['train'][0]}",
-            hint="fix the data, or check data.format and data.columns",
-        )
     eval_items: list[Item] = []
-    if d.eval_path:  # loaded before any tokenizing, so a wrong path fails at once
-        eval_cfg = cfg.model_copy(update={"data": d.model_copy(update={"path": d.eval_path, "mix": [], "weight": 1.0})})
-        ev = load_sources(eval_cfg)[0]
-        ev.key = "data.eval_path"
-        keep, bad = usable_records(ev, d.columns, d.skip_bad_rows)
+    ev_spec = eval_spec(cfg)
+    if ev_spec is not None:  # loaded before any tokenizing, so a wrong path fails at once
+        ev = load_source(ev_spec, d.skip_bad_rows)
+        keep, bad = usable_records(ev, ev.columns, d.skip_bad_rows)
+        if not keep:
+            raise DataError(
+                f"data.eval_path: every one of its {len(ev.records) + len(ev.skipped)} records is malformed; "
+                f"first: {(ev.skipped + bad)[0]}",
+                hint="fix the eval data, or check data.format and data.columns",
+            )
         skipped["eval"] += ev.skipped + bad
         sources.append(ev)
         eval_items = [(len(sources) - 1, i) for i in keep]
@@ -192,32 +218,36 @@ def build_datasets(cfg: RecipeConfig, tokenizer: Any, *, use_cache: bool | None 
         mine = [i for src, i in train_pool if src == s]
         train_items += [(s, mine[j]) for j in weighted_indices(len(mine), sources[s].weight, cfg.seed + s)]
 
-    encoded = _encode_items(train_items + eval_items, sources, tokenizer, d.train_on, d.num_proc)
+    encoded = _encode_items(train_items + eval_items, sources, tokenizer, d.train_on, d.num_proc, d.max_seq_len)
     findings: dict[str, Finding] = {}
     train, train_stats = _finish(train_items, encoded, sources, cfg, tokenizer, findings, len(skipped["train"]), d.packing)
     if not len(train):
         raise DataError(
             f"data.path: no training examples left: {train_stats.dropped} of {len(train_items)} dropped "
             f"(empty response, or nothing trained within data.max_seq_len={d.max_seq_len})"
-            + (f", {train_stats.too_long} longer than data.max_seq_len" if train_stats.too_long else ""),
+            + (f", {train_stats.too_long} longer than data.max_seq_len" if train_stats.too_long else "")
+            + (f", {train_stats.mask_dropped} failed the mask check" if train_stats.mask_dropped else ""),
             hint="raise data.max_seq_len (or data.truncation=truncate), or check that the response column holds the answers",
         )
     evals, eval_stats = None, None
-    if eval_items or d.eval_path:
+    if eval_items:
         evals, eval_stats = _finish(eval_items, encoded, sources, cfg, tokenizer, findings, len(skipped["eval"]), False)
         if not len(evals):
-            key = "data.eval_path" if d.eval_path else "data.path"
+            key = "data.eval_path" if ev_spec is not None else "data.path"
+            lost = eval_stats.dropped + eval_stats.too_long + eval_stats.mask_dropped
             raise DataError(
-                f"{key}: no eval examples left: all {eval_stats.dropped + eval_stats.too_long} were dropped",
+                f"{key}: no eval examples left: all {lost} were dropped (empty response, too long, or failed the mask check)",
                 hint="raise data.max_seq_len, or check the eval data's response column",
             )
     train_stats.warnings = [f"skipped: {s}" for s in (skipped["train"] + skipped["eval"])[:5]]
     if entry is not None:  # findings are stored, not enforced, so a later data.mask_check still applies
-        write_cache(entry, {"train": train, "eval": evals}, {"train": train_stats, "eval": eval_stats},
-                    [f.__dict__ for f in findings.values()])
+        try:
+            write_cache(entry, {"train": train, "eval": evals}, {"train": train_stats, "eval": eval_stats},
+                        [f.__dict__ for f in findings.values()])
+        except OSError as exc:  # a full disk or read-only cache must not cost the tokenizing just done
+            train_stats.warnings.append(f"could not write the tokenized cache at {entry.parent}: {exc}")
     train_stats.warnings += enforce(findings, d.mask_check)
     return DataBundle(train, evals, train_stats, eval_stats)
-
 
 
 def check_sample(cfg: RecipeConfig, tokenizer: Any, limit: int = 64) -> list[str]:
@@ -226,26 +256,26 @@ def check_sample(cfg: RecipeConfig, tokenizer: Any, limit: int = 64) -> list[str
     Record-shape problems are check_data_source's to report; rows it would refuse are skipped here.
     """
     d = cfg.data
-    formats = {fmt for _, _, fmt, _, _, _ in source_specs(cfg)}
     try:
-        if formats & set(CHAT_FORMATS) or d.template != "auto":
-            use_template(tokenizer, d.template)
+        _chat_template_needed(cfg, tokenizer)
     except DataError as exc:
         return [f"{exc.message}. {exc.hint}"]
+    if d.mask_check in ("off", "drop"):
+        return []
     problems = []
-    for key, path, fmt, columns, split, _ in source_specs(cfg):
-        if not os.path.exists(resolve_path(path)) and looks_like_hub_name(resolve_path(path)):
+    for spec in source_specs(cfg):
+        if not os.path.exists(resolve_path(spec.path)) and looks_like_hub_name(resolve_path(spec.path)):
             continue  # hub: validate does not fetch
         try:
-            records, origins = _load(path, d, key, limit=limit, columns=columns, skipped=[])
-            src = Source(key, records, origins, fmt, columns=columns)
-            keep, _ = usable_records(src, columns, skip_bad=True)
-            encoded = _encode_items([(0, i) for i in keep], [src], tokenizer, d.train_on, 1)
+            records, origins = _load(spec, limit=limit, skipped=[])
+            src = Source(spec.key, records, origins, spec.format, columns=spec.columns)
+            keep, _ = usable_records(src, spec.columns, skip_bad=True)
+            encoded = _encode_items([(0, i) for i in keep], [src], tokenizer, d.train_on, 1, d.max_seq_len)
             findings: dict[str, Finding] = {}
             _finish([(0, i) for i in keep], encoded, [src], cfg, tokenizer, findings, 0, False)
         except DataError as exc:
             problems.append(f"{exc.message}. {exc.hint}" if exc.hint else exc.message)
             continue
         if d.mask_check == "error":
-            problems += [f"{key}: mask check on the first {len(keep)} records: {f.describe()}. {FIXES[f.kind]}" for f in findings.values()]
+            problems += [f"{spec.key}: mask check on the first {len(keep)} records: {f.describe()}. {FIXES[f.kind]}" for f in findings.values()]
     return problems

@@ -14,7 +14,7 @@ import os
 import reprlib
 
 from finetune.config import RecipeConfig, resolve_path
-from finetune.data.sources import Source, _load, looks_like_hub_name
+from finetune.data.sources import Source, Spec, _load, eval_spec, looks_like_hub_name, source_specs
 from finetune.errors import DataError
 
 # Columns each format reads (after data.columns is applied). alpaca's "input" is optional.
@@ -51,8 +51,12 @@ SHAREGPT_ROLES = {
     "tool": "tool",
     "observation": "tool",
     "function_response": "tool",
+    "function": "tool",
 }
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+_TOOL_ROLES = ("tool", "function")
+# Message keys besides role/content that chat templates read (tool calling); passed through to them.
+PASSED_KEYS = ("tool_calls", "name", "tool_call_id", "reasoning_content")
 
 
 def _column_hint(missing: str, found: list[str], fmt: str, columns: dict[str, str]) -> str:
@@ -75,12 +79,16 @@ def _turn_problem(turns: object, col: str, fmt: str) -> tuple[str, str] | None:
         return what, f"store each conversation as a list such as [{example}, ...]"
     role_key, text_key = ("role", "content") if fmt == "messages" else ("from", "value")
     for j, m in enumerate(turns):
-        if not (isinstance(m, dict) and isinstance(m.get(role_key), str) and isinstance(m.get(text_key), str)):
+        # An assistant turn that only calls tools has content null (OpenAI's format).
+        calls_only = isinstance(m, dict) and m.get(text_key) is None and bool(m.get("tool_calls"))
+        if not (isinstance(m, dict) and isinstance(m.get(role_key), str) and (isinstance(m.get(text_key), str) or calls_only)):
             what = f"{col}[{j}] is {reprlib.repr(m)}, expected {{{role_key!r}: str, {text_key!r}: str}}"
             if fmt == "messages" and isinstance(m, dict) and "from" in m and "value" in m:
                 return what, "these are ShareGPT turns: set data.format=sharegpt"
             if fmt == "sharegpt" and isinstance(m, dict) and "role" in m and "content" in m:
                 return what, "these are OpenAI-style turns: set data.format=messages"
+            if isinstance(m, dict) and isinstance(m.get(text_key), list):
+                return what, "content given as a list of parts (multimodal) is not supported: join the text parts"
             return what, f"give every turn a string {role_key!r} and a string {text_key!r}"
         if fmt == "sharegpt" and m[role_key].lower() not in SHAREGPT_ROLES:
             what = f"{col}[{j}] has speaker {m[role_key]!r}"
@@ -91,23 +99,18 @@ def _turn_problem(turns: object, col: str, fmt: str) -> tuple[str, str] | None:
 def role_order_problem(messages: list[dict]) -> str | None:
     """Why this conversation cannot be a training example, or None.
 
-    Allowed: an optional system message first, then user and assistant alternating
-    (tool results may follow an assistant turn and precede the next assistant turn).
-    Templates disagree on anything else, and most raise on it.
+    Only what no template can make sense of: an unknown role, or a tool result that
+    answers nothing (no assistant turn before it). Anything else a template dislikes
+    (a second user turn in a row, a late system message) is the template's to refuse,
+    and its error is reported with the record.
     """
     prev = None
     for j, m in enumerate(messages):
         role = m["role"]
         if role not in ROLES:
             return f"messages[{j}] has role {role!r}; expected one of {', '.join(ROLES)}"
-        if role == "system" and j != 0:
-            return f"messages[{j}] is a system message after the first turn"
-        if role == "assistant" and prev in (None, "system"):
-            return f"messages[{j}] is an assistant reply with no user turn before it"
-        if role == "tool" and prev not in ("assistant", "tool"):
+        if role in _TOOL_ROLES and prev not in ("assistant", *_TOOL_ROLES):
             return f"messages[{j}] is a tool result that follows {prev or 'nothing'}, not an assistant turn"
-        if role in ("user", "assistant") and role == prev:
-            return f"messages[{j}] is a second {role} turn in a row (roles must alternate)"
         prev = role
     return None
 
@@ -135,10 +138,23 @@ def record_problem(rec: dict, fmt: str, columns: dict[str, str]) -> tuple[str, s
 
 
 def to_messages(rec: dict, fmt: str) -> list[dict]:
-    """The conversation of a messages or sharegpt record as [{"role", "content"}, ...]."""
+    """The conversation of a messages or sharegpt record as [{"role", "content", ...}, ...].
+
+    Tool-calling keys (tool_calls, name, tool_call_id) pass through to the template.
+    """
     if fmt == "sharegpt":
         return [{"role": SHAREGPT_ROLES[t["from"].lower()], "content": t["value"]} for t in rec["conversations"]]
-    return [{"role": m["role"], "content": m["content"]} for m in rec["messages"]]
+    out = []
+    for m in rec["messages"]:
+        msg = {"role": m["role"], "content": m["content"] if m.get("content") is not None else ""}
+        msg.update({k: m[k] for k in PASSED_KEYS if m.get(k) is not None})
+        out.append(msg)
+    return out
+
+
+def has_reply(message: dict) -> bool:
+    """An assistant turn with something to learn: text, or tool calls."""
+    return message["role"] == "assistant" and (bool(message["content"].strip()) or bool(message.get("tool_calls")))
 
 
 def usable_records(source: Source, columns: dict[str, str], skip_bad: bool) -> tuple[list[int], list[str]]:
@@ -167,24 +183,22 @@ def check_data_source(cfg: RecipeConfig) -> list[str]:
     """
     problems = []
     d = cfg.data
-    sources = [("data.path", d.path, d.format, d.columns), ("data.eval_path", d.eval_path, d.format, d.columns)]
-    sources += [(f"data.mix[{i}].path", m.path, m.format or d.format, m.columns) for i, m in enumerate(d.mix)]
-    sources.append(("eval.exact_match_path", cfg.eval.exact_match_path, d.format, d.columns))
-    for key, path, fmt, columns in sources:
-        if not path:
-            continue
-        resolved = resolve_path(path)
+    specs = source_specs(cfg) + [s for s in [eval_spec(cfg)] if s is not None]
+    if cfg.eval.exact_match_path:
+        specs.append(Spec("eval.exact_match_path", cfg.eval.exact_match_path, d.format, d.columns, d.split, d.subset))
+    for spec in specs:
+        resolved = resolve_path(spec.path)
         if not os.path.exists(resolved) and looks_like_hub_name(resolved):
             continue  # a hub id: checking it needs the network, which validate must not need
         try:
             # 100 records catch a wrong column or type and stay cheap on a multi-GB file.
-            records, origins = _load(path, d, key, limit=100, columns=columns, skipped=[] if d.skip_bad_rows else None)
+            records, origins = _load(spec, limit=100, skipped=[] if d.skip_bad_rows else None)
         except DataError as exc:
             problems.append(f"{exc.message}. {exc.hint}" if exc.hint else exc.message)
             continue
-        source = Source(key, records, origins, fmt)
+        source = Source(spec.key, records, origins, spec.format)
         for i, rec in enumerate(records):
-            problem = record_problem(rec, fmt, columns)
+            problem = record_problem(rec, spec.format, spec.columns)
             if problem and not d.skip_bad_rows:
                 # One problem per source: the same mistake usually repeats in every record.
                 problems.append(f"{source.where(i)} {problem[0]}; {problem[1]}")

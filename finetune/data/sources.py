@@ -8,6 +8,7 @@ names go through `datasets.load_dataset`.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import csv
 import functools
@@ -29,7 +30,8 @@ SUPPORTED_EXTENSIONS = (".json", ".jsonl", ".csv", ".parquet")
 # "owner/name" or "name": what a hub dataset id looks like (a file path usually does not).
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
-Origins = list[tuple[int, str]]  # (index of a file's first record, file): lets errors name file and record
+# (index of a file's first record, file, line of each record or None): lets errors name file and line/record.
+Origins = list[tuple[int, str, "list[int] | None"]]
 
 
 @dataclass
@@ -45,7 +47,17 @@ class Source:
     columns: dict[str, str] = field(default_factory=dict)  # its data.columns (already applied; kept for hints)
 
     def where(self, i: int) -> str:
-        start, file = next((o for o in reversed(self.origins) if o[0] <= i), (0, "?"))
+        """'data.path: 'train.jsonl' line 12' (JSONL) or '... record 11 (0-based)' (other files)."""
+        if len(self.origins) > 1:
+            starts = self.__dict__.get("_starts")
+            if starts is None or len(starts) != len(self.origins):
+                starts = self.__dict__["_starts"] = [o[0] for o in self.origins]
+            k = bisect.bisect_right(starts, i) - 1
+        else:
+            k = 0
+        start, file, lines = self.origins[k] if self.origins else (0, "?", None)
+        if lines is not None:
+            return f"{self.key}: '{file}' line {lines[i - start]}"
         return f"{self.key}: '{file}' record {i - start} (0-based)"
 
 
@@ -54,7 +66,7 @@ def looks_like_hub_name(path: str) -> bool:
     return bool(_HUB_NAME.match(path)) and not path.lower().endswith(SUPPORTED_EXTENSIONS)
 
 
-def _read_json(path: Path, limit: int | None, skipped: list[str] | None) -> Any:
+def _read_json(path: Path, limit: int | None, skipped: list[str] | None, lines: list[int] | None = None) -> Any:
     with path.open(encoding="utf-8-sig") as f:
         head = f.read(4096)
         if not head.strip():
@@ -77,6 +89,8 @@ def _read_json(path: Path, limit: int | None, skipped: list[str] | None) -> Any:
                 continue
             try:
                 rows.append(json.loads(line))
+                if lines is not None:
+                    lines.append(lineno)
             except json.JSONDecodeError as exc:
                 if not rows and path.suffix.lower() == ".json":
                     # Perhaps one pretty-printed object ({"data": [...]}): parse it whole so the
@@ -95,7 +109,7 @@ def _read_json(path: Path, limit: int | None, skipped: list[str] | None) -> Any:
         return rows
 
 
-def _read_csv(path: Path, limit: int | None, skipped: list[str] | None) -> list[dict]:
+def _read_csv(path: Path, limit: int | None, skipped: list[str] | None, lines: list[int] | None = None) -> list[dict]:
     with path.open(encoding="utf-8-sig", newline="") as f:
         rows = list(itertools.islice(csv.DictReader(f), limit))
     for row in rows:
@@ -103,7 +117,7 @@ def _read_csv(path: Path, limit: int | None, skipped: list[str] | None) -> list[
     return rows
 
 
-def _read_parquet(path: Path, limit: int | None, skipped: list[str] | None) -> list[dict]:
+def _read_parquet(path: Path, limit: int | None, skipped: list[str] | None, lines: list[int] | None = None) -> list[dict]:
     import pyarrow.parquet as pq  # lazily: only parquet users pay for the import
 
     if limit is None:
@@ -115,7 +129,10 @@ def _read_parquet(path: Path, limit: int | None, skipped: list[str] | None) -> l
 _READERS = {".json": _read_json, ".jsonl": _read_json, ".csv": _read_csv, ".parquet": _read_parquet}
 
 
-def _read_file(path: Path, key: str, limit: int | None, skipped: list[str] | None = None) -> list[dict]:
+def _read_file(
+    path: Path, key: str, limit: int | None, skipped: list[str] | None = None, lines: list[int] | None = None
+) -> list[dict]:
+    """Records of one file; `lines` (JSONL only) receives each record's line number."""
     reader = _READERS.get(path.suffix.lower())
     if reader is None:
         raise DataError(
@@ -123,7 +140,7 @@ def _read_file(path: Path, key: str, limit: int | None, skipped: list[str] | Non
             hint=f"convert it to one of {', '.join(SUPPORTED_EXTENSIONS)}",
         )
     try:
-        rows = reader(path, limit, skipped)
+        rows = reader(path, limit, skipped, lines)
     except DataError as exc:
         raise DataError(f"{key}: {exc.message}", exc.hint) from None
     except Exception as exc:  # OSError, UnicodeDecodeError, csv.Error, pyarrow's own types for corrupt files
@@ -135,11 +152,15 @@ def _read_file(path: Path, key: str, limit: int | None, skipped: list[str] | Non
         raise DataError(f"{key}: '{path}' holds {found}, not a list of records", hint)
     bad = [i for i, row in enumerate(rows) if not isinstance(row, dict)]
     if bad and skipped is not None:
-        skipped.extend(f"'{path}' record {i} (0-based) is a {type(rows[i]).__name__}, not an object" for i in bad)
+        at = (lambda i: f"line {lines[i]}") if lines else (lambda i: f"record {i} (0-based)")
+        skipped.extend(f"'{path}' {at(i)} is a {type(rows[i]).__name__}, not an object" for i in bad)
+        if lines:
+            lines[:] = [n for n, row in zip(lines, rows) if isinstance(row, dict)]
         rows = [row for row in rows if isinstance(row, dict)]
     elif bad:
+        at = f"line {lines[bad[0]]}" if lines else f"record {bad[0]} (0-based)"
         raise DataError(
-            f"{key}: '{path}' record {bad[0]} (0-based) is a {type(rows[bad[0]]).__name__}, not an object",
+            f"{key}: '{path}' {at} is a {type(rows[bad[0]]).__name__}, not an object",
             hint='each record must be an object such as {"instruction": ..., "output": ...}',
         )
     if not rows:
@@ -170,81 +191,85 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def _load(
-    path: str,
-    data_cfg: DataConfig,
-    key: str,
-    limit: int | None = None,
-    *,
-    columns: dict[str, str] | None = None,
-    split: str | None = None,
-    skipped: list[str] | None = None,
-) -> tuple[list[dict], Origins]:
+@dataclass
+class Spec:
+    """Where one source comes from and how to read it: data.path, a data.mix entry, or data.eval_path."""
+
+    key: str
+    path: str
+    format: str
+    columns: dict[str, str]
+    split: str
+    subset: str | None = None
+    weight: float = 1.0
+
+
+def _load(spec: Spec, limit: int | None = None, skipped: list[str] | None = None) -> tuple[list[dict], Origins]:
     """(records with columns remapped, origins)."""
-    columns = data_cfg.columns if columns is None else columns
-    resolved = resolve_path(path)
+    resolved = resolve_path(spec.path)
     p = Path(resolved)
     records: list[dict] = []
     origins: Origins = []
     if p.exists():
-        for f in _files_of(p, key):
+        for f in _files_of(p, spec.key):
             if limit is not None and len(records) >= limit:
                 break
-            origins.append((len(records), str(f)))
-            records.extend(_read_file(f, key, None if limit is None else limit - len(records), skipped))
+            lines: list[int] = []
+            start = len(records)
+            records.extend(_read_file(f, spec.key, None if limit is None else limit - len(records), skipped, lines))
+            # JSON lists and non-JSON files have no lines per record: name records by index there.
+            origins.append((start, str(f), lines if len(lines) == len(records) - start else None))
     elif looks_like_hub_name(resolved):
-        origins = [(0, resolved)]
-        records = _load_hub(resolved, split or data_cfg.split, key)
+        origins = [(0, resolved, None)]
+        records = _load_hub(resolved, spec.subset, spec.split, spec.key)[:limit]
     else:
-        raise DataError(
-            f"{key}: file '{path}' not found (cwd: {os.getcwd()})",
-            hint=f"pass an absolute path or {key}=..., or a hub dataset id such as 'tatsu-lab/alpaca'",
-        )
-    return [_remap(r, columns) for r in records], origins
+        raise _not_found(spec)
+    return [_remap(r, spec.columns) for r in records], origins
 
 
-def content_id(path: str, split: str, key: str) -> str:
-    """What identifies a source's content without parsing it: its files' sha256, or a hub fingerprint."""
-    resolved = resolve_path(path)
-    p = Path(resolved)
-    if p.exists():
-        return ";".join(f"{f.name}:{file_digest(f)}" for f in _files_of(p, key))
-    if looks_like_hub_name(resolved):
-        return f"hub:{resolved}:{split}:{_hub_fingerprint(resolved, split, key)}"
-    raise DataError(
-        f"{key}: file '{path}' not found (cwd: {os.getcwd()})",
-        hint=f"pass an absolute path or {key}=..., or a hub dataset id such as 'tatsu-lab/alpaca'",
+def _not_found(spec: Spec) -> DataError:
+    return DataError(
+        f"{spec.key}: file '{spec.path}' not found (cwd: {os.getcwd()})",
+        hint=f"pass an absolute path or {spec.key}=..., or a hub dataset id such as 'tatsu-lab/alpaca'",
     )
 
 
+def content_id(spec: Spec) -> str:
+    """What identifies a source's content without parsing it: its files' sha256, or a hub fingerprint."""
+    resolved = resolve_path(spec.path)
+    p = Path(resolved)
+    if p.exists():
+        return ";".join(f"{f.name}:{file_digest(f)}" for f in _files_of(p, spec.key))
+    if looks_like_hub_name(resolved):
+        ds = _hub_dataset(resolved, spec.subset, spec.split, spec.key)
+        # datasets' fingerprint changes with the downloaded revision, so our tokenized cache follows it.
+        fingerprint = str(getattr(ds, "_fingerprint", "")) or hashlib.sha256(repr(ds[:100]).encode()).hexdigest()
+        return f"hub:{resolved}:{spec.subset}:{spec.split}:{fingerprint}"
+    raise _not_found(spec)
+
+
 @functools.lru_cache(maxsize=8)  # the cache key and the records both need it: one load per process
-def _hub_dataset(name: str, split: str, key: str) -> Any:
+def _hub_dataset(name: str, subset: str | None, split: str, key: str) -> Any:
     """The hub dataset (Arrow, memory-mapped: holding it costs little heap)."""
     try:
         import datasets  # lazily: a slow import, and only hub datasets need it
 
-        return datasets.load_dataset(name, split=split)
+        return datasets.load_dataset(name, subset, split=split) if subset else datasets.load_dataset(name, split=split)
     except Exception as exc:
         first_line = (str(exc).splitlines() or [""])[0]
         raise DataError(
             f"{key}: '{name}' is not a local path (cwd: {os.getcwd()}) and could not be loaded as a hub dataset: "
             f"{type(exc).__name__}: {first_line}",
-            hint=f"pass an existing file or folder, or a hub dataset id and split (data.split={split}); "
-            "hub datasets need network access unless already cached",
+            hint=f"pass an existing file or folder, or a hub dataset id with its split (data.split={split}) and, "
+            "for datasets with several configurations, data.subset=NAME; hub datasets need network access unless cached",
         ) from None
 
 
-def _load_hub(name: str, split: str, key: str) -> list[dict]:
-    rows = _hub_dataset(name, split, key).to_list()
+def _load_hub(name: str, subset: str | None, split: str, key: str) -> list[dict]:
+    rows = _hub_dataset(name, subset, split, key).to_list()
     if not rows:
         raise DataError(f"{key}: hub dataset '{name}' split '{split}' is empty", hint="choose another data.split")
     return rows
-
-
-def _hub_fingerprint(name: str, split: str, key: str) -> str:
-    """Changes with the downloaded revision, so our tokenized cache follows it."""
-    ds = _hub_dataset(name, split, key)
-    return str(getattr(ds, "_fingerprint", "")) or hashlib.sha256(repr(ds[:100]).encode()).hexdigest()
 
 
 def _remap(record: dict, columns: dict[str, str]) -> dict:
@@ -262,28 +287,29 @@ def load_records(path: str, data_cfg: DataConfig, *, key: str = "data.path") -> 
     data_cfg.columns is applied to every record. `key` names the recipe key in error
     messages (data.eval_path, eval.exact_match_path, ...).
     """
-    return _load(path, data_cfg, key)[0]
+    spec = Spec(key, path, data_cfg.format, data_cfg.columns, data_cfg.split, data_cfg.subset)
+    return _load(spec)[0]
 
 
-def source_specs(cfg: RecipeConfig) -> list[tuple[str, str, str, dict[str, str], str, float]]:
-    """(key, path, format, columns, split, weight) of data.path and each data.mix entry."""
+def source_specs(cfg: RecipeConfig) -> list[Spec]:
+    """data.path and each data.mix entry (a mix entry inherits format, columns, split and subset it leaves unset)."""
     d = cfg.data
-    specs = [("data.path", d.path, d.format, d.columns, d.split, d.weight)]
-    specs += [
-        (f"data.mix[{i}].path", m.path, m.format or d.format, m.columns, m.split or d.split, m.weight)
-        for i, m in enumerate(d.mix)
-    ]
+    specs = [Spec("data.path", d.path, d.format, d.columns, d.split, d.subset, d.weight)]
+    for i, m in enumerate(d.mix):
+        columns = d.columns if m.columns is None else m.columns
+        specs.append(Spec(f"data.mix[{i}].path", m.path, m.format or d.format, columns, m.split or d.split, m.subset, m.weight))
     return specs
 
 
-def load_sources(cfg: RecipeConfig) -> list[Source]:
-    """data.path and every data.mix entry, read (not yet tokenized)."""
-    sources = []
-    for key, path, fmt, columns, split, weight in source_specs(cfg):
-        skipped: list[str] | None = [] if cfg.data.skip_bad_rows else None
-        records, origins = _load(path, cfg.data, key, columns=columns, split=split, skipped=skipped)
-        sources.append(Source(key, records, origins, fmt, weight, skipped or [], columns))
-    return sources
+def eval_spec(cfg: RecipeConfig) -> Spec | None:
+    d = cfg.data
+    return Spec("data.eval_path", d.eval_path, d.format, d.columns, d.split, d.subset) if d.eval_path else None
+
+
+def load_source(spec: Spec, skip_bad_rows: bool) -> Source:
+    skipped: list[str] | None = [] if skip_bad_rows else None
+    records, origins = _load(spec, skipped=skipped)
+    return Source(spec.key, records, origins, spec.format, spec.weight, skipped or [], spec.columns)
 
 
 def weighted_indices(n: int, weight: float, seed: int) -> list[int]:

@@ -19,16 +19,22 @@ from typing import Any
 
 from finetune.errors import DataError
 
+# Built-ins render role + content only: a tool call would be dropped without a word, so they refuse it.
+_NO_TOOL_CALLS = (
+    "{% if m['tool_calls'] is defined %}{{ raise_exception('built-in templates cannot render tool calls: "
+    "use a tokenizer whose own chat template can (data.template=auto)') }}{% endif %}"
+)
+
 BUILTIN_TEMPLATES: dict[str, str] = {
     "chatml": (
-        "{% for m in messages %}"
+        "{% for m in messages %}" + _NO_TOOL_CALLS +
         "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
         "{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
     ),
     "llama3": (
         "{{ bos_token }}"
-        "{% for m in messages %}"
+        "{% for m in messages %}" + _NO_TOOL_CALLS +
         "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] + '<|eot_id|>' }}"
         "{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
@@ -37,19 +43,21 @@ BUILTIN_TEMPLATES: dict[str, str] = {
     "mistral": (
         "{{ bos_token }}"
         "{% set ns = namespace(system='') %}"
-        "{% for m in messages %}"
+        "{% for m in messages %}" + _NO_TOOL_CALLS +
         "{% if m['role'] == 'system' %}{% set ns.system = m['content'] + '\n\n' %}"
         "{% elif m['role'] == 'user' %}{{ '[INST] ' + ns.system + m['content'] + ' [/INST]' }}{% set ns.system = '' %}"
         "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}"
+        "{% else %}{{ raise_exception('the mistral template has no place for role ' + m['role']) }}"
         "{% endif %}"
         "{% endfor %}"
     ),
     "alpaca": (
-        "{% for m in messages %}"
+        "{% for m in messages %}" + _NO_TOOL_CALLS +
         "{% if m['role'] == 'system' %}{{ m['content'] + '\n\n' }}"
         "{% elif m['role'] == 'user' %}{{ ('\n\n' if not loop.first and messages[loop.index0 - 1]['role'] != 'system' else '')"
         " + '### Instruction:\n' + m['content'] + '\n\n### Response:\n' }}"
         "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}"
+        "{% else %}{{ raise_exception('the alpaca template has no place for role ' + m['role']) }}"
         "{% endif %}"
         "{% endfor %}"
     ),

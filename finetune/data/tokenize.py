@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from finetune.data.records import record_problem, to_messages
+from finetune.data.records import has_reply, record_problem, to_messages
 from finetune.errors import DataError
 
 IGNORE_INDEX = -100
@@ -68,11 +68,29 @@ def _encode_many(tokenizer: Any, texts: Sequence[str], add_special_tokens: bool)
     return [list(x) for x in tokenizer(list(texts), add_special_tokens=add_special_tokens, verbose=False)["input_ids"]]
 
 
+def _appends_eos(tokenizer: Any) -> bool:
+    """Whether add_special_tokens=True also appends eos (some tokenizers do; a rendered prefix must not end in it)."""
+    cached = getattr(tokenizer, "_finetune_appends_eos", None)
+    if cached is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+        ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+        cached = eos is not None and len(ids) > 0 and ids[-1] == eos
+        try:
+            tokenizer._finetune_appends_eos = cached
+        except AttributeError:  # a tokenizer that refuses attributes: ask again next time
+            pass
+    return cached
+
+
 def encode_rendered(tokenizer: Any, text: str) -> list[int]:
-    """Tokenize chat-template output without a double BOS: templates like Llama 3's already write it."""
+    """Tokenize chat-template output as the template wrote it: no second BOS (templates like Llama 3's
+    write one), and no eos appended by the tokenizer (the template decides where turns end)."""
     bos = getattr(tokenizer, "bos_token", None)
     has_bos = bool(bos) and text.startswith(bos)
-    return list(tokenizer(text, add_special_tokens=not has_bos, verbose=False)["input_ids"])
+    ids = list(tokenizer(text, add_special_tokens=not has_bos, verbose=False)["input_ids"])
+    if not has_bos and ids and _appends_eos(tokenizer) and not text.endswith(tokenizer.eos_token or "\0"):
+        ids.pop()
+    return ids
 
 
 def render(tokenizer: Any, messages: list[dict], where: str, add_generation_prompt: bool = False) -> str:
@@ -133,6 +151,8 @@ def encode_prompt_response(records: list[dict], fmt: str, tokenizer: Any, train_
                 f"the prompt alone ends in tokens {_show(tokenizer, p[k:][-4:])} but prompt + response has "
                 f"{_show(tokenizer, j[k:k + 4])} there: a token straddles the end of the prompt "
                 f"(prompt ends with {prompt_text[-12:]!r}, response starts with {response[:12]!r})"
+                + ("; strip the response's leading whitespace" if response[:1].isspace() else "")
+                + ("; move the prompt's trailing whitespace to the response" if prompt_text[-1:] in (" ", "\t") else "")
             )
         ids = j + [eos]
         labels = ([IGNORE_INDEX] * k + ids[k:]) if train_on != "all" else list(ids)
@@ -141,36 +161,59 @@ def encode_prompt_response(records: list[dict], fmt: str, tokenizer: Any, train_
     return out
 
 
-def encode_chat(rec: dict, fmt: str, tokenizer: Any, train_on: str, where: str) -> Encoded | None:
-    """messages, sharegpt. None when the conversation has no non-empty assistant reply."""
+def encode_chat(rec: dict, fmt: str, tokenizer: Any, train_on: str, where: str, max_len: int | None = None) -> Encoded | None:
+    """messages, sharegpt. None when the conversation has no assistant reply to learn from.
+
+    Replies with neither text nor tool calls are not trained (learning to say nothing
+    teaches nothing); neither are assistant turns before the first user turn (a greeting
+    has nothing to answer). Prefixes past max_len are not rendered: truncation drops them.
+    """
     msgs = to_messages(rec, fmt)
-    replies = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
-    if not any(msgs[i]["content"].strip() for i in replies):
+    first_user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), len(msgs))
+    trainable = [i for i, m in enumerate(msgs) if i > first_user and has_reply(m)]
+    if not trainable:
         return None
-    ids = encode_rendered(tokenizer, render(tokenizer, msgs, where))
+    full_text = render(tokenizer, msgs, where)
+    ids = encode_rendered(tokenizer, full_text)
     labels = [IGNORE_INDEX] * len(ids) if train_on != "all" else list(ids)
     spans, boundary = [], None
-    for i in replies[-1:] if train_on == "last" else replies:
-        start = encode_rendered(tokenizer, render(tokenizer, msgs[:i], where, add_generation_prompt=True))
-        upto = encode_rendered(tokenizer, render(tokenizer, msgs[: i + 1], where))
+    for i in trainable[-1:] if train_on == "last" else trainable:
+        start_text = render(tokenizer, msgs[:i], where, add_generation_prompt=True)
+        start = encode_rendered(tokenizer, start_text)
+        if max_len is not None and len(start) >= max_len:
+            break  # this reply (and every later one) lies beyond the truncation point
+        upto_text = render(tokenizer, msgs[: i + 1], where)
+        upto = encode_rendered(tokenizer, upto_text)
         a, b = _common_prefix(ids, start), _common_prefix(ids, upto)
         if (a, b) != (len(start), len(upto)) and boundary is None:
-            # Templates that rewrite earlier turns (e.g. strip reasoning from all but the
-            # last reply) render a prefix unlike the start of the whole: no exact mask exists.
-            boundary = (
-                f"the chat template renders the conversation up to message {i} differently from the start of "
-                "the whole conversation, so the reply's tokens cannot be located exactly"
-            )
+            if full_text.startswith(start_text) and full_text.startswith(upto_text):
+                # The text is consistent; the tokens are not: the reply's first characters
+                # merge with the template's text before them (e.g. a reply starting with "\n").
+                k = a
+                boundary = (
+                    f"reply {i} starts with {msgs[i]['content'][:12]!r}, which merges with the template's "
+                    f"{start_text[-12:]!r} into token(s) {_show(tokenizer, ids[k:k + 2])}: the prompt the model "
+                    "sees at generation ends differently than in training"
+                )
+            else:
+                # Templates that rewrite earlier turns (e.g. strip reasoning from all but the
+                # last reply) render a prefix unlike the start of the whole: no exact mask exists.
+                boundary = (
+                    f"the chat template renders the conversation up to message {i} differently from the start of "
+                    "the whole conversation, so the reply's tokens cannot be located exactly"
+                )
         spans.append((a, b))
         labels[a:b] = ids[a:b]
     labels[0] = IGNORE_INDEX
     return Encoded(ids, labels, spans, boundary)
 
 
-def encode_records(records: list[dict], fmt: str, tokenizer: Any, train_on: str, wheres: list[str]) -> list[Encoded | None]:
+def encode_records(
+    records: list[dict], fmt: str, tokenizer: Any, train_on: str, wheres: list[str], max_len: int | None = None
+) -> list[Encoded | None]:
     """Records of one format (already checked by record_problem) -> Encoded, or None to drop."""
     if fmt in CHAT_FORMATS:
-        return [encode_chat(r, fmt, tokenizer, train_on, w) for r, w in zip(records, wheres)]
+        return [encode_chat(r, fmt, tokenizer, train_on, w, max_len) for r, w in zip(records, wheres)]
     return encode_prompt_response(records, fmt, tokenizer, train_on)
 
 
