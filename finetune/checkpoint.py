@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from finetune.config import RecipeConfig
+from finetune.distributed import is_sharded, load_full_trainable_state, shard_optimizer_state
 from finetune.errors import CheckpointError, OutputDirError
 
 RUN_MARKERS = ("recipe.yaml", "metrics.jsonl", "adapter", "checkpoints")
@@ -202,10 +203,13 @@ def recipe_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str],
 # --------------------------------------------------------------------------- adapter
 
 
-def save_adapter(model, dest: Path, tokenizer=None) -> Path:
-    """The trained adapter in vanilla PEFT format (adapter_config.json + adapter_model.safetensors)."""
+def save_adapter(model, dest: Path, tokenizer=None, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """The trained adapter in vanilla PEFT format (adapter_config.json + adapter_model.safetensors).
+
+    state_dict: the trained weights gathered whole, when the model holds only a shard (FSDP).
+    """
     with atomic_dir(Path(dest)) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict else {}))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return Path(dest)
@@ -214,8 +218,7 @@ def save_adapter(model, dest: Path, tokenizer=None) -> Path:
 # --------------------------------------------------------------------------- periodic checkpoints
 
 
-def _optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    sd = optimizer.state_dict()
+def _optimizer_to_tensors(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, Any] = {}
     for idx, state in sd["state"].items():
@@ -247,16 +250,19 @@ def save_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     trainer_state: dict[str, Any],
     keep_last: int | None = None,
+    model_state: dict[str, torch.Tensor] | None = None,
+    optimizer_state: dict[str, Any] | None = None,
 ) -> Path:
+    """model_state / optimizer_state: full (gathered) states when the model and optimizer hold shards (FSDP)."""
     final = checkpoint_dir(output_dir, step)
-    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    trainable = model_state or {n: p for n, p in model.named_parameters() if p.requires_grad}
     bad = [n for n, p in trainable.items() if not torch.isfinite(p.detach()).all()]
     if bad:
         # A checkpoint is a promise of a good state: never write NaN/inf weights into one.
         raise CheckpointError(f"refusing to write checkpoint step-{step}: non-finite values in {bad[0]} (+{len(bad) - 1} more)")
     with atomic_dir(final) as tmp:
-        model.save_pretrained(tmp / "adapter", safe_serialization=True)
-        tensors, meta = _optimizer_to_tensors(optimizer)
+        model.save_pretrained(tmp / "adapter", safe_serialization=True, **({"state_dict": model_state} if model_state else {}))
+        tensors, meta = _optimizer_to_tensors(optimizer_state or optimizer.state_dict())
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         write_json(tmp / "optimizer.json", meta)
         write_json(tmp / "scheduler.json", scheduler.state_dict())
@@ -315,7 +321,7 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, check: Callable[[Pa
     `check(path, trainer_state)` runs after every file is read and before anything
     is assigned; it may raise to refuse the checkpoint.
     """
-    from peft import PeftModel, set_peft_model_state_dict
+    from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 
     path = Path(path)
     verify_manifest(path)
@@ -336,7 +342,14 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, check: Callable[[Pa
         raise CheckpointError(f"checkpoint '{path}' cannot be read: {exc}") from None
     if check is not None:
         check(path, state)
-    if is_peft:
+    if is_peft and is_sharded(model):
+        # FSDP: the file holds full tensors; each rank keeps its shard. peft's own state-dict
+        # view names every adapter tensor as the file does and shares the parameters' storage.
+        view = get_peft_model_state_dict(model)
+        unexpected = sorted(set(weights) ^ set(view))
+        if not unexpected:
+            load_full_trainable_state(model, weights, view)
+    elif is_peft:
         result = set_peft_model_state_dict(model, weights)
         unexpected = list(getattr(result, "unexpected_keys", None) or [])
     else:
@@ -350,8 +363,9 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, check: Callable[[Pa
             f"checkpoint '{path}': weights do not match this model ({len(unexpected)} differ, e.g. {unexpected[0]})",
             hint="the recipe's LoRA shape or base model changed since the checkpoint was written",
         )
-    # Optimizer.load_state_dict moves state to each parameter's device itself.
-    optimizer.load_state_dict(_optimizer_from_tensors(opt_tensors, opt_meta))
+    # Optimizer.load_state_dict moves state to each parameter's device itself; sharded
+    # parameters get their state sharded the same way first.
+    optimizer.load_state_dict(shard_optimizer_state(optimizer, _optimizer_from_tensors(opt_tensors, opt_meta)))
     scheduler.load_state_dict(sched)
     torch.set_rng_state(rng["torch_cpu"])
     if "torch_cuda" in rng and torch.cuda.is_available():

@@ -2,6 +2,7 @@
 
     finetune run recipes/demo-cpu.yaml                 # the CPU demo
     finetune run RECIPE model.path=Qwen/Qwen2.5-7B data.path=mine.jsonl train.lr=1e-4
+    finetune run RECIPE --nproc 4 [--max-restarts 2]   # 4 processes (GPUs) via torchrun; DDP or FSDP per distributed.*
     finetune validate RECIPE [key=value ...]           # every check short of loading weights
     finetune data RECIPE [--examples 3]                # examples with trained tokens marked, statistics
     finetune preprocess RECIPE                         # tokenize into the cache now; `run` then starts at once
@@ -79,12 +80,48 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def launch_command(args: argparse.Namespace) -> list[str]:
+    """The torchrun command that runs this recipe on args.nproc processes (per node).
+
+    torchrun (torch.distributed.run) does the rendezvous, sets RANK/WORLD_SIZE for
+    accelerate, and with --max-restarts restarts every worker when one dies; the
+    restarted workers continue from the newest complete checkpoint (resume=auto).
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc)]
+    cmd += ["--nnodes", str(args.nnodes), "--max_restarts", str(args.max_restarts)]
+    if args.nnodes > 1:
+        # Static rendezvous: node 0 hosts it at --master-addr:--master-port, the others join.
+        cmd += ["--node_rank", str(args.node_rank), "--master_addr", args.master_addr, "--master_port", str(args.master_port)]
+    else:
+        cmd += ["--master_addr", args.master_addr, "--master_port", str(args.master_port)]
+    cmd += ["-m", "finetune", "run", args.recipe, *args.overrides]
+    cmd += ["--no-progress"] if args.no_progress else []
+    cmd += ["--skip-memory-check"] if args.skip_memory_check else []
+    return cmd
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from finetune.trainer import Trainer
 
+    launching = args.nproc > 1 or args.nnodes > 1 or args.max_restarts > 0
+    if launching and "LOCAL_RANK" in os.environ:
+        raise FinetuneError(
+            "--nproc/--nnodes/--max-restarts were given to a process that torchrun/accelerate already launched",
+            hint="either launch with `finetune run RECIPE --nproc N` or with `torchrun ... -m finetune run RECIPE`, not both",
+        )
+    if args.max_restarts > 0 and not any(o.split("=", 1)[0].strip() == "resume" for o in args.overrides):
+        # A restarted worker must continue from the last checkpoint, not start over or refuse the output_dir.
+        args.overrides = [*args.overrides, "resume=auto"]
     cfg, report = check_all(args)
     if cfg is None:
         return EXIT_INPUT
+    if launching:
+        import subprocess
+
+        cmd = launch_command(args)
+        print(f"launching {args.nproc} process{'es' if args.nproc > 1 else ''} x {args.nnodes} node(s): {' '.join(cmd[2:])}", flush=True)
+        # torchrun forwards SIGTERM/SIGINT to the workers, which checkpoint and exit 75.
+        return subprocess.run(cmd).returncode
     print(f"recipe {find_recipe(args.recipe)} -> {cfg.output_dir}")
     Trainer(cfg, tokenizer=report.tokenizer, progress=not args.no_progress).train()
     return EXIT_OK
@@ -238,6 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
     with_recipe(run)
     run.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to metrics.jsonl)")
     run.add_argument("--skip-memory-check", action="store_true", help="run even when the planner predicts the GPU runs out of memory")
+    dist = run.add_argument_group("multi-process (through torchrun)")
+    dist.add_argument("--nproc", type=int, default=1, help="processes on this node, one per GPU (default 1)")
+    dist.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
+    dist.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1")
+    dist.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (rendezvous host)")
+    dist.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0")
+    dist.add_argument("--max-restarts", type=int, default=0, help="restart all workers this often when one fails; they resume from the last checkpoint")
     run.set_defaults(func=cmd_run)
 
     val = sub.add_parser("validate", help="check a recipe without loading weights; lists every problem")

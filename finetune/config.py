@@ -139,6 +139,14 @@ class CheckpointConfig(_Section):
     keep_last: int | None = Field(2, ge=1)
 
 
+class DistributedConfig(_Section):
+    strategy: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto", description="ddp: a full replica per process; fsdp: weights and optimizer state sharded over processes"
+    )
+    cpu_offload: bool = Field(False, description="fsdp: sharded parameters, gradients and optimizer state live in CPU RAM")
+    reshard_after_forward: bool = Field(True, description="fsdp: free gathered layers after forward (less memory, one more all-gather)")
+
+
 class RecipeConfig(_Section):
     description: str = ""
     model: ModelConfig
@@ -151,6 +159,7 @@ class RecipeConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     resume: str | None = Field(None, description="null | auto | path to a checkpoint directory")
     resume_ignore_changes: bool = Field(
         False, description="resume even though seed/batch/data/model/LoRA changed (the run is then not exact)"
@@ -204,6 +213,15 @@ def cross_field_problems(cfg: RecipeConfig) -> list[str]:
         )
     if cfg.data.train_on != "assistant" and cfg.data.format == "text":
         out.append("data.train_on applies to prompt/response data; data.format=text trains every token. Remove it.")
+    if cfg.distributed.cpu_offload and cfg.distributed.strategy != "fsdp":
+        out.append("distributed.cpu_offload needs distributed.strategy=fsdp (DDP keeps a full replica per GPU).")
+    if cfg.distributed.strategy == "fsdp" and cfg.quant.bits == 8:
+        out.append("distributed.strategy=fsdp cannot shard 8-bit (int8) weights; use quant.bits=4 or null.")
+    if cfg.distributed.strategy == "fsdp" and cfg.lora is None:
+        out.append(
+            "distributed.strategy=fsdp with full fine-tuning (lora: null) is not supported yet; "
+            "use LoRA, or distributed.strategy=ddp."
+        )
     if cfg.resume is not None and cfg.overwrite:
         out.append("resume and overwrite=true contradict each other: resume continues a run, overwrite deletes it. Set one.")
     if cfg.lora is not None and cfg.lora.dora and cfg.quant.bits == 8:

@@ -141,8 +141,13 @@ def default_device() -> torch.device:
 # that costs ~2 GB of a 24 GB card for no measurable gain (norms already compute
 # in fp32 inside Llama-style RMSNorm). We freeze, enable checkpointing, and let
 # peft keep the adapters themselves in fp32.
-def load_base_model(cfg: RecipeConfig, precision: str | None = None, device: torch.device | None = None):
-    """The (quantized) base model on `device`, frozen, without adapters."""
+def load_base_model(
+    cfg: RecipeConfig, precision: str | None = None, device: torch.device | None = None, shardable: bool = False
+):
+    """The (quantized) base model on `device`, frozen, without adapters.
+
+    shardable: 4-bit weights stored in the compute dtype (bnb_4bit_quant_storage), which FSDP needs.
+    """
     from transformers import AutoModelForCausalLM
 
     precision = precision or resolve_precision(cfg.precision)
@@ -158,7 +163,7 @@ def load_base_model(cfg: RecipeConfig, precision: str | None = None, device: tor
             src,
             revision=cfg.model.revision,
             dtype=dtype,
-            quantization_config=quantization_config(cfg, dtype),
+            quantization_config=quantization_config(cfg, dtype, storage_dtype=dtype if shardable else None),
             device_map={"": device},
             attn_implementation=cfg.model.attn_implementation,
             trust_remote_code=cfg.model.trust_remote_code,
@@ -223,9 +228,11 @@ def count_parameters(model) -> tuple[int, int]:
     return trainable, total
 
 
-def load_model(cfg: RecipeConfig, precision: str | None = None, device: torch.device | None = None):
+def load_model(
+    cfg: RecipeConfig, precision: str | None = None, device: torch.device | None = None, shardable: bool = False
+):
     """Base model -> frozen, quantized per cfg.quant -> checkpointing -> LoRA. Ready for the trainer."""
-    model = load_base_model(cfg, precision=precision, device=device)
+    model = load_base_model(cfg, precision=precision, device=device, shardable=shardable)
     if cfg.train.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if cfg.lora is not None:

@@ -52,8 +52,9 @@ from finetune.data import (
 )
 from finetune.errors import CheckpointError, DataError, OutputDirError, Preempted, ResumeMismatch, TrainingError
 from finetune.evaluate import ExactMatch, exact_match
-from finetune.hardware import resolve_precision
+from finetune.hardware import resolve_precision, torch_dtype
 from finetune.metrics import MetricsWriter, Progress, Throughput, human_bytes, human_duration, peak_memory_bytes, read_metrics
+from finetune.distributed import check_strategy, full_optimizer_state, full_trainable_state, resolve_strategy, shard_model
 from finetune.model import count_parameters, load_model, load_tokenizer
 
 
@@ -134,6 +135,7 @@ class Trainer:
         self.progress_enabled = progress
         self.accelerator = None
         self._head_on_targets_only = True  # see compute_loss; cleared if the model lacks logits_to_keep
+        self.strategy = "single"  # set by setup(): single | ddp | fsdp
 
     # ------------------------------------------------------------------ helpers
 
@@ -222,9 +224,11 @@ class Trainer:
             )
         self.total_steps = cfg.train.max_steps or cfg.train.epochs * self.steps_per_epoch
 
+        self.strategy = resolve_strategy(cfg, acc.num_processes, acc.device)
+        check_strategy(cfg, self.strategy)
         if self.model is None:
-            torch.manual_seed(cfg.seed)  # LoRA init is drawn from the global RNG
-            self.model = load_model(cfg, precision=self.precision, device=acc.device)
+            torch.manual_seed(cfg.seed)  # LoRA init is drawn from the global RNG: the same on every rank
+            self.model = load_model(cfg, precision=self.precision, device=acc.device, shardable=self.strategy == "fsdp")
         trainable, total = count_parameters(self.model)
         quant = f"{cfg.quant.bits}-bit {cfg.quant.quant_type if cfg.quant.bits == 4 else 'int8'}" if cfg.quant.bits else "unquantized"
         self.say(
@@ -233,13 +237,21 @@ class Trainer:
         if acc.is_main_process:
             prepare_output_dir(cfg)
         acc.wait_for_everyone()
+        if self.strategy == "fsdp":
+            # Sharded before the optimizer exists: its state is then sharded too.
+            shard_model(self.model, cfg, torch_dtype(self.precision))
+        if self.strategy != "single":
+            self.say(f"parallel: {self.strategy} over {acc.num_processes} processes")
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer,
             lambda s: lr_factor(s, cfg.train.warmup_steps, self.total_steps, cfg.train.scheduler),
         )
-        self.model, self.optimizer = acc.prepare(self.model, optimizer)
+        if self.strategy == "fsdp":
+            self.optimizer = acc.prepare(optimizer)  # the model is FSDP already; prepare() would wrap it in DDP
+        else:
+            self.model, self.optimizer = acc.prepare(self.model, optimizer)
         self.params = params
         self.collate = Collator(pad_token_id=self.tokenizer.pad_token_id)
         self.metrics = MetricsWriter(self.out / "metrics.jsonl", enabled=acc.is_main_process)
@@ -302,8 +314,13 @@ class Trainer:
         scale = acc.num_processes / max(n_global, 1)
         loss_total = 0.0
         for i, batch in enumerate(batches):
-            # Only the last micro-batch of the window all-reduces gradients.
-            ctx = acc.no_sync(model) if i < len(batches) - 1 else nullcontext()
+            # Only the last micro-batch of the window all-reduces (DDP) or reduce-scatters (FSDP) gradients.
+            last = i == len(batches) - 1
+            if self.strategy == "fsdp":
+                model.set_requires_gradient_sync(last)
+                ctx = nullcontext()
+            else:
+                ctx = acc.no_sync(model) if not last else nullcontext()
             with ctx:
                 loss_sum, _ = self.compute_loss(model, batch)
                 acc.backward(loss_sum * scale)
@@ -327,11 +344,17 @@ class Trainer:
         model = acc.unwrap_model(self.model)
         model.eval()
         total = count = 0.0
-        for rows in batches[acc.process_index :: acc.num_processes]:
+        mine = batches[acc.process_index :: acc.num_processes]
+        # FSDP gathers weights inside every forward: all ranks must run as many forwards.
+        # Ranks with fewer batches repeat one and discard its loss.
+        rounds = math.ceil(len(batches) / acc.num_processes) if self.strategy == "fsdp" else len(mine)
+        for r in range(rounds):
+            rows = mine[r] if r < len(mine) else batches[0]
             batch = {k: v.to(acc.device) for k, v in self.collate(rows).items()}
             loss, n = self.compute_loss(model, batch)
-            total += float(loss)
-            count += n
+            if r < len(mine):
+                total += float(loss)
+                count += n
         model.train()
         total, count = self._global_sum(total), self._global_sum(count)
         return total / count if count else None
@@ -443,12 +466,17 @@ class Trainer:
         """Checkpoint after `step` completed optimizer steps (all ranks call this)."""
         acc = self.accelerator
         acc.wait_for_everyone()
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        model_state = optimizer_state = None
+        if self.strategy == "fsdp":  # gathering is a collective: every rank takes part, rank 0 writes
+            model_state = full_trainable_state(self.model)
+            optimizer_state = full_optimizer_state(optimizer)
         if acc.is_main_process:
             save_checkpoint(
                 self.out,
                 step,
                 acc.unwrap_model(self.model),
-                getattr(self.optimizer, "optimizer", self.optimizer),
+                optimizer,
                 self.scheduler,
                 {
                     "tokens": tokens,
@@ -460,6 +488,8 @@ class Trainer:
                     "data_fingerprint": self.fingerprint,
                 },
                 keep_last=self.cfg.checkpoint.keep_last,
+                model_state=model_state,
+                optimizer_state=optimizer_state,
             )
         acc.wait_for_everyone()
 
@@ -609,9 +639,11 @@ class Trainer:
         acc.wait_for_everyone()
         adapter_dir = self.out / "adapter"
         unwrapped = acc.unwrap_model(model)
+        # Under FSDP every rank holds a shard: gather the whole adapter (all ranks), rank 0 writes it.
+        full_state = full_trainable_state(unwrapped) if self.strategy == "fsdp" else None
         if acc.is_main_process:
             if cfg.lora is not None:
-                save_adapter(unwrapped, adapter_dir, self.tokenizer)
+                save_adapter(unwrapped, adapter_dir, self.tokenizer, state_dict=full_state)
             else:
                 save_adapter(unwrapped, self.out / "model", self.tokenizer)
                 adapter_dir = self.out / "model"

@@ -11,7 +11,7 @@ import finetune
 # trainer -> checkpoint as data flow (the trainer hands state to checkpoint); in
 # imports, checkpoint is a library the trainer calls, so it stands before trainer.
 ORDER = [
-    "errors", "config", "gpus", "hardware", "metrics", "model", "plan", "data", "evaluate",
+    "errors", "config", "gpus", "hardware", "metrics", "model", "plan", "distributed", "data", "evaluate",
     "checkpoint", "preflight", "trainer", "cli",
 ]
 PKG = Path(finetune.__file__).parent

@@ -1,0 +1,161 @@
+"""Data parallelism: which strategy a run uses, FSDP2 sharding, and full (gathered) state for checkpoints.
+
+    strategy = resolve_strategy(cfg, world_size)      # "single" | "ddp" | "fsdp"
+    shard_model(model, cfg)                           # FSDP2: each decoder layer, then the root
+    state = full_trainable_state(model)               # every rank calls; full tensors, names as unsharded
+
+DDP comes from accelerate's prepare(). FSDP2 is torch's own `fully_shard`, applied
+here rather than through accelerate's plugin because accelerate only offers FSDP on
+GPUs: one code path, the same on CPU (gloo, tested) and GPU (NCCL).
+
+QLoRA under FSDP stores the 4-bit weights in the compute dtype
+(bnb_4bit_quant_storage), so FSDP can shard and all-gather them like any other
+tensor; bitsandbytes re-attaches each weight's quantization state from its module
+after the all-gather.
+
+Checkpoints hold full tensors whatever the strategy: adapter and optimizer state
+are gathered on save (they are small for LoRA) and re-sharded on load, so a run
+saved on N processes resumes on M, with DDP, FSDP or neither.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from finetune.config import RecipeConfig
+from finetune.errors import ConfigError
+
+
+def resolve_strategy(cfg: RecipeConfig, world_size: int, device: torch.device | None = None) -> str:
+    """distributed.strategy for this launch: single process, DDP (replicas) or FSDP (shards).
+
+    auto: DDP, unless a CUDA device would not hold a full replica by the memory plan
+    (then FSDP, which divides weights and optimizer state by the number of processes).
+    """
+    if world_size <= 1:
+        return "single"
+    chosen = cfg.distributed.strategy
+    if chosen != "auto":
+        return chosen
+    if device is not None and device.type == "cuda":
+        try:
+            from finetune.gpus import gpu_for_device
+            from finetune.plan import plan_recipe
+
+            props = torch.cuda.get_device_properties(device)
+            estimate = plan_recipe(cfg, gpu_for_device(props.name, props.total_memory), gpus=1)
+            if not estimate.fits:
+                return "fsdp"
+        except Exception:  # noqa: BLE001 - a plan that cannot be made (custom model code) keeps the default
+            pass
+    return "ddp"
+
+
+def check_strategy(cfg: RecipeConfig, strategy: str) -> None:
+    """Refuse what FSDP cannot run when `auto` chose it (an explicit fsdp is refused by the recipe's own checks)."""
+    problems = []
+    if strategy == "fsdp" and cfg.quant.bits == 8:
+        problems.append("FSDP (chosen by distributed.strategy=auto) cannot shard 8-bit weights; use quant.bits=4")
+    if strategy == "fsdp" and cfg.lora is None:
+        problems.append("FSDP (chosen by distributed.strategy=auto) is not supported for full fine-tuning; use LoRA")
+    if problems:
+        raise ConfigError(problems)
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The repeated blocks to shard one by one (the model's own `_no_split_modules` classes)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ConfigError([
+            f"distributed.strategy=fsdp: found no decoder layers to shard in {type(base).__name__} "
+            "(it names no _no_split_modules); use distributed.strategy=ddp"
+        ])
+    return layers
+
+
+def shard_model(model, cfg: RecipeConfig, compute_dtype: torch.dtype) -> Any:
+    """FSDP2: shard each decoder layer, then the rest (embeddings, head, norms) as the root group.
+
+    One all-gather per layer keeps at most ~one layer unsharded at a time;
+    reshard_after_forward=false trades that memory for not gathering again in backward.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    d = cfg.distributed
+    mp = MixedPrecisionPolicy(
+        # Parameters are gathered in the compute dtype; gradients are reduced in fp32 so that
+        # summing N ranks' bf16 gradients loses nothing. (The 4-bit storage already is the
+        # compute dtype, so its bytes pass through uncast.)
+        param_dtype=compute_dtype if compute_dtype != torch.float32 else None,
+        reduce_dtype=torch.float32,
+    )
+    offload = CPUOffloadPolicy() if d.cpu_offload else OffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=d.reshard_after_forward, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, reshard_after_forward=d.reshard_after_forward, mp_policy=mp, offload_policy=offload)
+    return model
+
+
+def is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole (a collective: every rank must call), or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_trainable_state(model) -> dict[str, torch.Tensor]:
+    """{name: full tensor on CPU} of the trained parameters, as an unsharded model would name them."""
+    return {n: full_tensor(p.detach()).cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """optimizer.state_dict() with every sharded state tensor gathered whole, in a fixed order on all ranks."""
+    sd = optimizer.state_dict()
+    state = {
+        idx: {k: (full_tensor(v).cpu() if torch.is_tensor(v) else v) for k, v in sorted(s.items())}
+        for idx, s in sorted(sd["state"].items())
+    }
+    return {"state": state, "param_groups": sd["param_groups"]}
+
+
+def _like(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """`full` laid out like `target`: sharded the same way when target is a DTensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(target, DTensor) and full.shape == target.shape:
+        # Every rank read the same file: no data needs to travel (src_data_rank=None slices locally).
+        return distribute_tensor(full.to(target.device, target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+    return full
+
+
+def shard_optimizer_state(optimizer: torch.optim.Optimizer, full_state: dict[str, Any]) -> dict[str, Any]:
+    """A full optimizer state dict (as saved) re-laid out for this optimizer's (possibly sharded) parameters."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for idx, s in full_state["state"].items():
+        p = params[int(idx)]
+        state[idx] = {k: (_like(v, p) if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in s.items()}
+    return {"state": state, "param_groups": full_state["param_groups"]}
+
+
+def load_full_trainable_state(model, weights: dict[str, torch.Tensor], view: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors into (possibly sharded) parameters; `view` maps each key of `weights` to its parameter."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for key, full in weights.items():
+            target = view[key]
+            if isinstance(target, DTensor):
+                target.to_local().copy_(_like(full, target).to_local())
+            else:
+                target.copy_(full)
