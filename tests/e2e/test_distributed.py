@@ -80,3 +80,83 @@ def test_fsdp_qlora_two_processes_match_one(recipe_dict, tmp_path):
     # ...and so is the periodic checkpoint's, which vanilla peft reads on one process.
     ck = load_file(str(two / "checkpoints" / "step-2" / "adapter" / "adapter_model.safetensors"))
     assert {k: v.shape for k, v in ck.items()} == {k: v.shape for k, v in adapter(one).items()}
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_save_on_two_resume_on_one_and_two(recipe_dict, tmp_path, strategy):
+    # Uninterrupted on 2 processes; then stopped at step 3 (max_steps) and resumed to step 6 on 1 and on 2.
+    # Same global batch everywhere (2 x 2 processes = 4 x 1), so the losses must continue the same.
+    common = {"quant": {"bits": 4}, "train__grad_accum": 1, "checkpoint": {"every_steps": 3}, "train__scheduler": "constant"}
+    full_recipe, full = write(tmp_path, recipe_dict, "full", train__batch_size=2, train__max_steps=6,
+                              distributed={"strategy": strategy}, **common)
+    finetune(str(full_recipe), "--nproc", "2", cwd=tmp_path, port=29621)
+    reference = losses(full)
+    for nproc, batch, port in ((2, 2, 29622), (1, 4, 29623)):
+        recipe, out = write(tmp_path, recipe_dict, f"part{nproc}", train__batch_size=2, train__max_steps=3,
+                            distributed={"strategy": strategy}, **common)
+        finetune(str(recipe), "--nproc", "2", cwd=tmp_path, port=port)
+        # Continue the same run: six steps now, on nproc processes with the same global batch.
+        finetune(str(recipe), "--nproc", str(nproc), "train.max_steps=6", f"train.batch_size={batch}",
+                 "resume=auto", "resume_ignore_changes=true", cwd=tmp_path, port=port + 10)
+        got = losses(out)
+        assert len(got) == 6
+        assert got == pytest.approx(reference, rel=1e-4), (nproc, got, reference)
+        assert_adapters_close(adapter(full), adapter(out), atol=1e-5)
+
+
+def test_two_nodes_on_one_machine(recipe_dict, tmp_path):
+    # Two launchers (one per "node", one process each) rendezvous on 127.0.0.1 and run one job.
+    recipe, out = write(tmp_path, recipe_dict, "nodes", train__batch_size=2, train__max_steps=3)
+    ref_recipe, ref = write(tmp_path, recipe_dict, "ref", train__batch_size=4, train__max_steps=3)
+    finetune(str(ref_recipe), cwd=tmp_path, port=29631)
+    nodes = [finetune(str(recipe), "--nproc", "1", "--nnodes", "2", "--node-rank", str(r), cwd=tmp_path, port=29632, wait=False)
+             for r in (0, 1)]
+    outputs = [n.communicate(timeout=420)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "parallel: ddp over 2 processes" in outputs[0]
+    assert losses(out) == pytest.approx(losses(ref), rel=1e-5)
+    assert_adapters_close(adapter(ref), adapter(out))
+
+
+def _worker_pids(launcher_pid: int) -> dict[int, int]:
+    """{LOCAL_RANK: pid} of the training workers under a launcher (found through /proc, no test hooks in the code)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        rank = next((e.split(b"=", 1)[1] for e in env if e.startswith(b"LOCAL_RANK=")), None)
+        if rank is not None and b"finetune" in cmdline and b"torch.distributed.run" not in cmdline:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher_pid:  # workers are children of torchrun, itself a child of the launcher
+                found[int(rank)] = int(entry.name)
+    return found
+
+
+def test_killed_rank_restarts_and_finishes_like_an_uninterrupted_run(recipe_dict, tmp_path):
+    common = {"train__batch_size": 2, "train__max_steps": 12, "checkpoint": {"every_steps": 2}, "train__scheduler": "constant"}
+    ref_recipe, ref = write(tmp_path, recipe_dict, "ref", **common)
+    finetune(str(ref_recipe), "--nproc", "2", cwd=tmp_path, port=29641)
+    recipe, out = write(tmp_path, recipe_dict, "elastic", **common)
+    job = finetune(str(recipe), "--nproc", "2", "--max-restarts", "1", cwd=tmp_path, port=29642, wait=False)
+    deadline = time.time() + 300
+    killed = None
+    while time.time() < deadline and killed is None:
+        done = len(losses(out)) if (out / "metrics.jsonl").exists() else 0
+        ckpts = list((out / "checkpoints").glob("step-*/manifest.json")) if (out / "checkpoints").exists() else []
+        if done >= 5 and ckpts:
+            workers = {r: p for r, p in _worker_pids(0).items() if r == 1}
+            for pid in workers.values():
+                os.kill(pid, signal.SIGKILL)
+                killed = pid
+        time.sleep(0.05)
+    assert killed is not None, "never saw the job mid-run"
+    output = job.communicate(timeout=420)[0]
+    assert job.returncode == 0, output[-4000:]
+    assert "resumed from" in output
+    assert losses(out)[-1] == pytest.approx(losses(ref)[-1], rel=1e-4)
+    assert_adapters_close(adapter(ref), adapter(out), atol=1e-5)
