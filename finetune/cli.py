@@ -89,7 +89,12 @@ def launch_command(args: argparse.Namespace) -> list[str]:
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc)]
     cmd += ["--nnodes", str(args.nnodes), "--max_restarts", str(args.max_restarts)]
-    if args.nnodes > 1:
+    if args.max_restarts > 0:
+        # Elastic: the c10d rendezvous lets restarted workers (a new round) meet again; the
+        # static one can leave them unable to reconnect. Node 0 hosts it at --master-addr:--master-port.
+        cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{args.master_addr}:{args.master_port}", "--rdzv_id", "finetune"]
+        cmd += ["--node_rank", str(args.node_rank)] if args.nnodes > 1 else []
+    elif args.nnodes > 1:
         # Static rendezvous: node 0 hosts it at --master-addr:--master-port, the others join.
         cmd += ["--node_rank", str(args.node_rank), "--master_addr", args.master_addr, "--master_port", str(args.master_port)]
     else:

@@ -118,8 +118,8 @@ def test_two_nodes_on_one_machine(recipe_dict, tmp_path):
     assert_adapters_close(adapter(ref), adapter(out))
 
 
-def _worker_pids(launcher_pid: int) -> dict[int, int]:
-    """{LOCAL_RANK: pid} of the training workers under a launcher (found through /proc, no test hooks in the code)."""
+def _worker_pids(recipe: Path) -> dict[int, int]:
+    """{LOCAL_RANK: pid} of the training workers of `recipe` (found through /proc: no test hooks in the code)."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -130,10 +130,8 @@ def _worker_pids(launcher_pid: int) -> dict[int, int]:
         except OSError:
             continue
         rank = next((e.split(b"=", 1)[1] for e in env if e.startswith(b"LOCAL_RANK=")), None)
-        if rank is not None and b"finetune" in cmdline and b"torch.distributed.run" not in cmdline:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid != launcher_pid:  # workers are children of torchrun, itself a child of the launcher
-                found[int(rank)] = int(entry.name)
+        if rank is not None and str(recipe).encode() in cmdline and b"torch.distributed.run" not in cmdline:
+            found[int(rank)] = int(entry.name)
     return found
 
 
@@ -149,9 +147,9 @@ def test_killed_rank_restarts_and_finishes_like_an_uninterrupted_run(recipe_dict
         done = len(losses(out)) if (out / "metrics.jsonl").exists() else 0
         ckpts = list((out / "checkpoints").glob("step-*/manifest.json")) if (out / "checkpoints").exists() else []
         if done >= 5 and ckpts:
-            workers = {r: p for r, p in _worker_pids(0).items() if r == 1}
-            for pid in workers.values():
-                os.kill(pid, signal.SIGKILL)
+            pid = _worker_pids(recipe).get(1)
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)  # rank 1 dies mid-run; torchrun restarts both ranks
                 killed = pid
         time.sleep(0.05)
     assert killed is not None, "never saw the job mid-run"
