@@ -487,6 +487,22 @@ def _build(
     return examples, stats
 
 
+def held_out_indices(n_records: int, cfg: RecipeConfig) -> list[int]:
+    """Which of data.path's records form the eval split (sorted): the same ones in training and in `finetune eval`."""
+    n_eval = max(1, round(n_records * cfg.data.eval_fraction))
+    if n_eval >= n_records:
+        raise DataError(
+            f"data.eval_fraction={cfg.data.eval_fraction} of {n_records} records leaves nothing to train on",
+            hint="lower data.eval_fraction or pass data.eval_path=FILE",
+        )
+    return sorted(random.Random(cfg.seed).sample(range(n_records), n_eval))
+
+
+def build_examples(records: list[dict], cfg: RecipeConfig, tokenizer: Any, key: str) -> tuple[list[dict], DataStats]:
+    """Records formatted, tokenized, masked and truncated exactly as training does them (`key` names them in errors)."""
+    return _build(records, [(0, key)], list(range(len(records))), cfg, tokenizer, key)
+
+
 def build_datasets(cfg: RecipeConfig, tokenizer: Any) -> DataBundle:
     """load -> split off eval -> format -> tokenize -> mask labels -> truncate.
 
@@ -502,15 +518,9 @@ def build_datasets(cfg: RecipeConfig, tokenizer: Any) -> DataBundle:
         ev_records, ev_origins = _load(cfg.data.eval_path, cfg.data, "data.eval_path")
         eval_src = (ev_records, ev_origins, list(range(len(ev_records))), "data.eval_path")
     elif cfg.data.eval_fraction > 0:
-        n_eval = max(1, round(len(records) * cfg.data.eval_fraction))
-        if n_eval >= len(records):
-            raise DataError(
-                f"data.eval_fraction={cfg.data.eval_fraction} of {len(records)} records leaves nothing to train on",
-                hint="lower data.eval_fraction or pass data.eval_path=FILE",
-            )
-        chosen = set(random.Random(cfg.seed).sample(train_idx, n_eval))
-        train_idx = [i for i in train_idx if i not in chosen]
-        eval_src = (records, origins, sorted(chosen), "data.path")
+        chosen = held_out_indices(len(records), cfg)
+        train_idx = [i for i in train_idx if i not in set(chosen)]
+        eval_src = (records, origins, chosen, "data.path")
 
     train, train_stats = _build(records, origins, train_idx, cfg, tokenizer, "data.path")
     if not train:

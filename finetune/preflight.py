@@ -17,6 +17,7 @@ from finetune.data import check_data_source
 from finetune.errors import FinetuneError
 from finetune.hardware import resolve_precision
 from finetune.model import check_lora_targets, check_model_source, load_tokenizer, looks_like_hub_id, tokenizer_source
+from finetune.report import missing_extras, plot_available
 
 
 @dataclass
@@ -63,6 +64,10 @@ def preflight(cfg: RecipeConfig) -> PreflightReport:
         )
 
     report.problems += check_data_source(cfg)  # data.path, data.eval_path, eval.exact_match_path
+
+    report.problems += missing_extras(cfg)  # report.tensorboard / report.wandb without their package
+    if cfg.report.plot and not plot_available():
+        report.notes.append("report.plot: matplotlib is not installed, so no loss.png (pip install 'finetune[plot]')")
 
     problem = output_dir_problem(cfg)
     if problem:
