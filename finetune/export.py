@@ -190,7 +190,6 @@ def stream_merge(
     dtype: torch.dtype,
     loras: dict[str, Lora],
     quantized: dict[str, Quant4],
-    merge: Callable[[torch.Tensor, Lora | None, Quant4 | None], torch.Tensor] = merged_weight,
 ) -> dict[str, int]:
     """Write base + adapter to out_dir as safetensors shards mirroring the base's, one tensor in memory at a time."""
     files = weight_files(base_dir)
@@ -215,7 +214,7 @@ def stream_merge(
             for name in header.tensors:
                 tensor = read_tensor(fh, header, name)
                 if name in loras or name in quantized:
-                    tensor = merge(tensor, loras.get(name), quantized.get(name))
+                    tensor = merged_weight(tensor, loras.get(name), quantized.get(name))
                     merged += name in loras
                 writer.write(name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
                 del tensor  # before the next read: one weight in memory, not two
