@@ -6,7 +6,7 @@
     finetune ls                                        # shipped recipes
     finetune cp qlora-1x24gb my.yaml                   # copy one to edit
     finetune export RUN_DIR --out DIR [--merge] [--dtype bf16|fp16|fp32] [--overwrite]
-    finetune generate RUN_DIR|MODEL_DIR [--prompt TEXT] [--temperature T --top-p P --seed S] [--max-new-tokens N]
+    finetune generate RUN_DIR|MODEL_DIR [--prompt TEXT [--input TEXT]] [--temperature T --top-p P --seed S]
     finetune eval RUN_DIR [--data FILE] [--limit N] [--json FILE]   # base vs fine-tuned, side by side
 
 Exit codes: 0 success, 2 a problem with the input (message says what and how
@@ -117,7 +117,8 @@ def cmd_cp(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from finetune.export import export_run
 
-    export_run(args.run_dir, args.out, merge=args.merge, dtype=args.dtype, overwrite=args.overwrite)
+    budget = None if args.verify_memory_gib is None else int(args.verify_memory_gib * 2**30)
+    export_run(args.run_dir, args.out, merge=args.merge, dtype=args.dtype, overwrite=args.overwrite, verify_max_memory=budget)
     return EXIT_OK
 
 
@@ -153,11 +154,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise FinetuneError("; ".join(bad), hint="finetune generate --help lists the options")
     run = open_run(args.target, allow_model_dir=True)
     fmt = args.format or (run.cfg.data.format if run.has_recipe else "completion")
+    if args.input and fmt != "alpaca":
+        raise FinetuneError(f"--input is the alpaca prompt's input field; prompts here use data.format={fmt}", hint="drop --input")
     model, tokenizer = load_trained(run)
     mode = f"sampling (temperature {args.temperature}, top-p {args.top_p}, seed {args.seed})" if args.temperature > 0 else "greedy"
     print(f"{run.weights_dir}: prompts formatted as data.format={fmt}, {mode}", file=sys.stderr)
     for text in args.prompt if args.prompt else _prompts_from_stdin():
-        ids = prompt_ids(text, fmt, tokenizer)
+        ids = prompt_ids(text, fmt, tokenizer, context=args.input or "")
         out = generate(
             model, tokenizer, [ids], args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
         )[0]
@@ -223,12 +226,17 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--merge", action="store_true", help="merge the adapter into the base: a standalone model, verified")
     export.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="merged weights' dtype (default: the base's)")
     export.add_argument("--overwrite", action="store_true", help="replace a previous export at --out")
+    export.add_argument(
+        "--verify-memory-gib", type=float, metavar="GIB",
+        help="RAM the merge check may load the merged model into; beyond it layers stream from disk (default: half of free RAM)",
+    )
     export.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     export.set_defaults(func=cmd_export)
 
     gen = sub.add_parser("generate", help="generate from a run or model, with the training prompt format")
     gen.add_argument("target", metavar="RUN_DIR|MODEL_DIR", help="a finished run, an export, or a model directory")
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable); without it, prompts are read from stdin")
+    gen.add_argument("--input", help="alpaca only: the input field that goes with the instruction (--prompt)")
     gen.add_argument("--format", choices=["alpaca", "messages", "completion", "text"], help="prompt format (default: the run's data.format)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")

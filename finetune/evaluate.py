@@ -90,16 +90,17 @@ def stop_token_ids(tokenizer) -> list[int]:
     return ids
 
 
-def prompt_ids(text: str, fmt: str, tokenizer) -> list[int]:
+def prompt_ids(text: str, fmt: str, tokenizer, context: str = "") -> list[int]:
     """The tokens training put before a response, for a user's free text.
 
-    alpaca: the alpaca prompt with `text` as the instruction; messages: one user
+    alpaca: the alpaca prompt with `text` as the instruction (and `context` as its
+    input, the only format that has one); messages: one user
     turn rendered by the chat template with the assistant header appended;
     completion: `text` as the prompt; text: `text` itself, to be continued. The
     same code path as evaluation (prompt_and_answer), with an empty answer.
     """
     records = {
-        "alpaca": {"instruction": text, "output": ""},
+        "alpaca": {"instruction": text, "input": context, "output": ""},
         "completion": {"prompt": text, "completion": ""},
         "messages": {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]},
     }

@@ -238,8 +238,8 @@ def write_model_config(base_dir: Path, out_dir: Path, dtype_name: str) -> None:
 
 
 @torch.no_grad()
-def _logits(model, prompts: list[list[int]]) -> list[torch.Tensor]:
-    device = next(model.parameters()).device
+def _logits(model, prompts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    # `device` is passed, not read off a parameter: offloaded layers sit on the meta device until used.
     return [model(input_ids=torch.tensor([ids], device=device)).logits[0].float().cpu() for ids in prompts]
 
 
@@ -263,27 +263,53 @@ def reference(run: Run) -> Reference:
     precision = inference_precision(run.cfg)
     model, tokenizer = load_trained(run, precision=precision)
     prompts = [prompt_ids(p, run.cfg.data.format, tokenizer) for p in VERIFY_PROMPTS]
-    logits = _logits(model, prompts)
+    device = next(model.parameters()).device
+    logits = _logits(model, prompts, device)
     base_logits = None
     if run.is_adapter:
         with model.disable_adapter():
-            base_logits = _logits(model, prompts)
+            base_logits = _logits(model, prompts, device)
     quantized = quantized_weights(model)
     del model  # the merge that follows must not share memory with a whole model
     gc.collect()
     return Reference(prompts, logits, base_logits, quantized, precision, tokenizer)
 
 
-def verify(ref: Reference, merged_dir: Path, dtype_name: str) -> dict[str, Any]:
-    """Compare the merged model (loaded by vanilla transformers) with the model as trained; a dict for the metadata."""
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux): what can be allocated without swapping; None elsewhere."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def verify(ref: Reference, merged_dir: Path, dtype_name: str, max_memory: int | None = None) -> dict[str, Any]:
+    """Compare the merged model (loaded by vanilla transformers) with the model as trained; a dict for the metadata.
+
+    The merged model is loaded in the compute precision. When that would take more
+    than `max_memory` bytes of CPU RAM (default: half of what is available), its
+    layers stay on disk and accelerate loads each one as the forward reaches it:
+    the same logits (tested), a bounded footprint, slower.
+    """
+    import tempfile
+
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(merged_dir), dtype=torch_dtype(ref.precision), device_map={"": default_device()}
-    ).eval()
-    got = _logits(model, ref.prompts)
-    del model
-    gc.collect()
+    device = default_device()
+    weights = sum(f.stat().st_size for f in weight_files(merged_dir))
+    need = weights * torch_dtype(ref.precision).itemsize // DTYPES[dtype_name].itemsize
+    budget = max_memory if max_memory is not None else (available_memory_bytes() or need * 2) // 2
+    with tempfile.TemporaryDirectory(prefix="finetune-offload-") as offload:
+        placement: dict[str, Any] = {"device_map": {"": device}}
+        if device.type == "cpu" and need > budget:
+            placement = {"device_map": "auto", "max_memory": {"cpu": budget}, "offload_folder": offload}
+        model = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch_dtype(ref.precision), **placement).eval()
+        got = _logits(model, ref.prompts, device)
+        del model
+        gc.collect()
     coarsest = max((dtype_name, ref.precision), key=TOLERANCE.__getitem__)
     scale = max(1.0, max(float(x.abs().max()) for x in ref.logits))
     tolerance = TOLERANCE[coarsest] * scale
@@ -291,6 +317,7 @@ def verify(ref: Reference, merged_dir: Path, dtype_name: str) -> dict[str, Any]:
     effect = _max_diff(ref.base_logits, ref.logits) if ref.base_logits is not None else None
     return {
         "prompts": len(ref.prompts),
+        "offloaded": placement["device_map"] == "auto",  # layers streamed from disk to fit max_memory
         "compared": f"merged model ({dtype_name} weights, {ref.precision} compute) vs the run's model as trained",
         "max_abs_diff": max_diff,
         "tolerance": tolerance,
@@ -341,8 +368,13 @@ def export_run(
     dtype: str | None = None,
     overwrite: bool = False,
     say: Callable[[str], None] = print,
+    verify_max_memory: int | None = None,
 ) -> ExportResult:
-    """Adapter export (merge=False) or verified merged export of the finished run at run_dir. See the module doc."""
+    """Adapter export (merge=False) or verified merged export of the finished run at run_dir. See the module doc.
+
+    verify_max_memory: CPU bytes the verification may load the merged model into before
+    it streams layers from disk instead (default: half the available memory).
+    """
     from finetune import __version__
 
     run = open_run(run_dir)
@@ -400,11 +432,12 @@ def export_run(
         write_model_config(base_dir, tmp, dtype)
         ref.tokenizer.save_pretrained(tmp)
         shutil.copyfile(run.path / "recipe.yaml", tmp / "recipe.yaml")
-        check = verify(ref, tmp, dtype)
+        check = verify(ref, tmp, dtype, max_memory=verify_max_memory)
         verdict = "passed" if check["passed"] else "FAILED"
         say(
             f"merge check {verdict}: max |logit diff| {check['max_abs_diff']:.3g} vs tolerance {check['tolerance']:.3g} "
-            f"({check['prompts']} prompts; the adapter itself moves logits by up to {check['adapter_effect'] or 0:.3g})"
+            f"({check['prompts']} prompts; the adapter itself moves logits by up to {check['adapter_effect'] or 0:.3g}"
+            + ("; merged layers streamed from disk to stay within the memory budget)" if check["offloaded"] else ")")
         )
         if not check["distinguishes_unmerged"]:
             say("warning: the adapter changes the logits less than the tolerance, so this check cannot tell a merged model from the base")

@@ -203,6 +203,10 @@ def test_verifier_rejects_a_merged_file_corrupted_on_disk(lora_run, tmp_path):
     export_run(lora_run.path, out, merge=True, dtype="fp32", say=quiet)
     ref = reference(open_run(lora_run.path))
     assert verify(ref, out, "fp32")["passed"]
+    # With a memory budget below the model's size the layers stream from disk: same logits.
+    streamed = verify(ref, out, "fp32", max_memory=64 * 1024)
+    assert streamed["offloaded"] and not verify(ref, out, "fp32")["offloaded"]
+    assert streamed["max_abs_diff"] == verify(ref, out, "fp32")["max_abs_diff"]
     tensors = load_file(str(out / "model.safetensors"))
     tensors["model.layers.0.self_attn.q_proj.weight"] *= 1.05
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

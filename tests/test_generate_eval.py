@@ -12,7 +12,7 @@ import torch
 from conftest import BOS_ID, EOS_ID, SPECIALS, build_char_tokenizer, build_tiny_llama, char_token_id, write_jsonl
 from finetune.cli import main
 from finetune.config import build_recipe
-from finetune.data import ALPACA_PROMPT_NO_INPUT, build_datasets
+from finetune.data import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, build_datasets
 from finetune.evaluate import generate, prompt_ids, stop_token_ids
 from finetune.runs import eval_records, evaluate_run, load_trained, open_run
 
@@ -24,6 +24,8 @@ def test_prompt_ids_are_the_training_prompts(tokenizer):
     assert prompt_ids("hi", "completion", tokenizer) == [BOS_ID] + chars("hi")
     assert prompt_ids("hi", "text", tokenizer) == [BOS_ID] + chars("hi")
     assert prompt_ids("hi", "alpaca", tokenizer) == [BOS_ID] + chars(ALPACA_PROMPT_NO_INPUT.format(instruction="hi"))
+    with_input = ALPACA_PROMPT.format(instruction="hi", input="1 2")
+    assert prompt_ids("hi", "alpaca", tokenizer, context="1 2") == [BOS_ID] + chars(with_input)
     im_start, im_end = SPECIALS.index("<|im_start|>"), SPECIALS.index("<|im_end|>")
     expected = [BOS_ID, im_start] + chars("user\nhi") + [im_end] + chars("\n") + [im_start] + chars("assistant\n")
     assert prompt_ids("hi", "messages", tokenizer) == expected
