@@ -103,12 +103,33 @@ def phase(name: str, work: Path) -> dict:
             quantized = {k: q for f in weight_files(work / "base") for k in read_header(f).tensors if k.endswith("proj.weight")}
         result = export.stream_merge(work / "base", out, torch.bfloat16, loras, quantized)
     elif name in ("export", "export-offload"):
-        from finetune.cli import main
+        # What `finetune export RUN --out OUT --merge --dtype bf16 [--verify-memory-gib 0.25]` runs, with the
+        # resident set sampled every 5 ms and its peak kept per step (the steps are told by export's messages).
+        import threading
 
-        budget = ["--verify-memory-gib", "0.25"] if name == "export-offload" else []
-        assert main(["export", str(work / "run-4"), "--out", str(out), "--merge", "--dtype", "bf16", *budget]) == 0
-        check = json.loads((out / "finetune_export.json").read_text())["verification"]
+        step = {"name": "reference"}
+        peaks: dict[str, float] = {}
+
+        def sample() -> None:
+            while True:
+                rss = next(int(x.split()[1]) for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS:"))
+                peaks[step["name"]] = max(peaks.get(step["name"], 0), rss / 1024)
+                time.sleep(0.005)
+
+        def say(text: str) -> None:
+            if text.startswith("merge: streaming"):
+                step["name"] = "merge"
+            elif text.startswith("merge: loading the merged model"):
+                step["name"] = "check"
+            elif text.startswith("merge check"):
+                step["name"] = "done"
+
+        threading.Thread(target=sample, daemon=True).start()
+        budget = 2**28 if name == "export-offload" else None
+        meta = export.export_run(work / "run-4", out, merge=True, dtype="bf16", say=say, verify_max_memory=budget).metadata
+        check = meta["verification"]
         result = {k: check[k] for k in ("max_abs_diff", "tolerance", "passed", "offloaded", "adapter_effect")}
+        result["step_peaks_mib"] = {k: round(v) for k, v in peaks.items()}
     elif name == "peft":
         from peft import PeftModel
         from transformers import AutoModelForCausalLM

@@ -432,6 +432,7 @@ def export_run(
         write_model_config(base_dir, tmp, dtype)
         ref.tokenizer.save_pretrained(tmp)
         shutil.copyfile(run.path / "recipe.yaml", tmp / "recipe.yaml")
+        say("merge: loading the merged model with transformers to check its logits")
         check = verify(ref, tmp, dtype, max_memory=verify_max_memory)
         verdict = "passed" if check["passed"] else "FAILED"
         say(
