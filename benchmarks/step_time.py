@@ -16,7 +16,7 @@ import torch
 from finetune.config import load_recipe
 from finetune.data import Collator, build_datasets
 from finetune.model import load_model, load_tokenizer
-from finetune.trainer import loss_sum_and_count
+from finetune.evaluate import loss_sum_and_count
 
 
 def main() -> None:

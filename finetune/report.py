@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,15 @@ def install_hint(module: str) -> str:
     return f"pip install 'finetune[{EXTRAS[module]}]'"
 
 
+def installed(module: str) -> bool:
+    """Whether `import module` can work, without importing it (W&B and matplotlib take seconds)."""
+    if module in sys.modules:  # already imported, or blocked with None
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
+
+
 def plot_available() -> bool:
-    return importlib.util.find_spec("matplotlib") is not None
+    return installed("matplotlib")
 
 
 def missing_extras(cfg: RecipeConfig) -> list[str]:
@@ -43,8 +51,15 @@ def missing_extras(cfg: RecipeConfig) -> list[str]:
     return [
         f"report.{key}=true needs the '{key}' package, which is not installed. Run {install_hint(key)} or set report.{key}=false."
         for key, on in wanted.items()
-        if on and importlib.util.find_spec(key) is None
+        if on and not installed(key)
     ]
+
+
+def require_extras(cfg: RecipeConfig) -> None:
+    """ReportError for the first report.* sink whose package is missing: checked before any weight is loaded."""
+    problems = missing_extras(cfg)
+    if problems:
+        raise ReportError(" ".join(problems))
 
 
 def _require(module: str, key: str):

@@ -41,11 +41,11 @@ from finetune.checkpoint import (
 from finetune.config import RecipeConfig, resolve_path
 from finetune.data import IGNORE_INDEX, Collator, DataBundle, build_datasets, load_records
 from finetune.errors import CheckpointError, DataError, OutputDirError, Preempted, ResumeMismatch, TrainingError
-from finetune.evaluate import ExactMatch, exact_match, loss_sum_and_count, shifted_targets  # noqa: F401 (loss_sum_and_count re-exported)
+from finetune.evaluate import ExactMatch, exact_match, loss_sum_and_count, shifted_targets
 from finetune.hardware import resolve_precision
 from finetune.metrics import MetricsWriter, Progress, Throughput, human_bytes, human_duration, peak_memory_bytes, read_metrics
 from finetune.model import count_parameters, load_model, load_tokenizer
-from finetune.report import PLOT_NAME, open_sinks, plot_curves
+from finetune.report import PLOT_NAME, open_sinks, plot_curves, require_extras
 
 
 @dataclass
@@ -137,6 +137,7 @@ class Trainer:
         problem = output_dir_problem(cfg)  # refuse early; delete an old run (overwrite) only once loading worked
         if problem:
             raise OutputDirError(problem)
+        require_extras(cfg)  # a missing TensorBoard/W&B package must not surface after the model has loaded
 
         torch.manual_seed(cfg.seed)
         if self.tokenizer is None:

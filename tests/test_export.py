@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -270,4 +269,22 @@ def test_merged_export_keeps_the_training_prompt_format_for_generate(qlora_run, 
     from_export = capsys.readouterr()
     assert "data.format=alpaca" in from_export.err
     assert from_export.out == from_run.out and from_run.out.strip()
-    assert os.path.getsize(out / "model.safetensors") > 0
+    adapter_export = export_run(qlora_run.path, tmp_path / "adapter", say=quiet).out
+    assert main(["generate", str(adapter_export), *args]) == 0
+    assert capsys.readouterr().out == from_run.out
+
+
+def test_full_finetune_exports_as_a_verified_standalone_model(tiny_model_dir, runs_data, tmp_path):
+    from finetune.runs import evaluate_run, open_run
+
+    run = train_tiny_run(tmp_path / "run", tiny_model_dir, runs_data, lora=None, train={"max_steps": 2, "lr": 1e-3})
+    assert (run.path / "model" / "config.json").is_file()
+    with pytest.raises(ExportError, match="full fine-tune") as err:
+        export_run(run.path, tmp_path / "a", say=quiet)
+    assert "--merge" in err.value.hint
+    result = export_run(run.path, tmp_path / "m", merge=True, dtype="fp32", say=quiet)
+    assert result.metadata["kind"] == "full" and result.metadata["verification"]["max_abs_diff"] < 1e-5
+    assert (vanilla_logits(tmp_path / "m", run.ids) - run.logits).abs().max() < 1e-5
+    records = [{"instruction": "Add the numbers.", "input": "1 + 2", "output": "3"}]
+    scores = evaluate_run(open_run(run.path), records, "x").columns
+    assert scores["base"].loss != pytest.approx(scores["fine-tuned"].loss, abs=1e-4)  # base loaded apart from the trained model

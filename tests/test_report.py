@@ -86,7 +86,7 @@ def test_missing_extra_fails_before_training_with_the_install_hint(recipe_dict, 
     with pytest.raises(ReportError) as err:
         trainer.train()
     assert "pip install 'finetune[wandb]'" in str(err.value)
-    assert not (tmp_path / "run" / "adapter").exists()
+    assert trainer.model is None and not (tmp_path / "run").exists()  # refused before loading or writing anything
 
 
 class FakeWandb(types.ModuleType):
