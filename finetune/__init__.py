@@ -31,6 +31,9 @@ _EXPORTS = {
     "preflight": "finetune.preflight",
     "Trainer": "finetune.trainer",
     "TrainResult": "finetune.trainer",
+    "open_run": "finetune.runs",
+    "load_trained": "finetune.runs",
+    "export_run": "finetune.export",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -72,7 +72,7 @@ def prepare_output_dir(cfg: RecipeConfig) -> Path:
         raise OutputDirError(problem)
     out = Path(cfg.output_dir)
     if cfg.overwrite and out.exists():
-        for name in RUN_MARKERS + ("loss.png",):
+        for name in RUN_MARKERS + ("loss.png", "tensorboard", "wandb"):
             target = out / name
             if target.is_dir():
                 shutil.rmtree(target)
@@ -172,7 +172,7 @@ def verify_manifest(directory: Path, hash_files: bool = True) -> dict[str, Any]:
 HARMLESS_CHANGES = (
     "description", "output_dir", "resume", "resume_ignore_changes", "overwrite",
     "train.max_steps", "train.epochs", "train.log_every_steps", "train.on_nonfinite",
-    "train.loss_spike_factor", "eval.", "checkpoint.",
+    "train.loss_spike_factor", "eval.", "checkpoint.", "report.",
 )
 
 

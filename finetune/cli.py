@@ -1,4 +1,4 @@
-"""Command line: finetune run | validate | data | preprocess | plan | ls | cp.
+"""Command line: finetune run | validate | data | preprocess | plan | export | generate | eval | ls | cp.
 
     finetune run recipes/demo-cpu.yaml                 # the CPU demo
     finetune run RECIPE model.path=Qwen/Qwen2.5-7B data.path=mine.jsonl train.lr=1e-4
@@ -9,6 +9,9 @@
     finetune plan RECIPE --gpu rtx4090 [--gpus 2] [--json] [--fit --out my.yaml]   # memory before weights
     finetune ls                                        # shipped recipes
     finetune cp qlora-1x24gb my.yaml                   # copy one to edit
+    finetune export RUN_DIR --out DIR [--merge] [--dtype bf16|fp16|fp32] [--overwrite]
+    finetune generate RUN_DIR|MODEL_DIR [--prompt TEXT [--input TEXT]] [--temperature T --top-p P --seed S]
+    finetune eval RUN_DIR [--data FILE] [--limit N] [--json FILE]   # base vs fine-tuned, side by side
 
 Exit codes: 0 success, 2 a problem with the input (message says what and how
 to fix; --debug adds the traceback), 1 a bug (traceback), 75 preempted
@@ -266,6 +269,84 @@ def cmd_cp(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from finetune.export import export_run
+
+    budget = None if args.verify_memory_gib is None else int(args.verify_memory_gib * 2**30)
+    export_run(args.run_dir, args.out, merge=args.merge, dtype=args.dtype, overwrite=args.overwrite, verify_max_memory=budget)
+    return EXIT_OK
+
+
+def _prompts_from_stdin():
+    """One prompt per line; with a terminal, an interactive '> ' prompt until EOF (Ctrl-D)."""
+    if not sys.stdin.isatty():
+        yield from (line.rstrip("\n") for line in sys.stdin if line.strip())
+        return
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return
+        if line.strip():
+            yield line
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from finetune.evaluate import generate, prompt_ids
+    from finetune.runs import load_trained, open_run
+
+    bad = [
+        f"{flag} {value}: {rule}"
+        for flag, value, ok, rule in (
+            ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, "must be at least 1"),
+            ("--temperature", args.temperature, args.temperature >= 0, "must be 0 (greedy) or more"),
+            ("--top-p", args.top_p, 0 < args.top_p <= 1, "must be in (0, 1]"),
+        )
+        if not ok
+    ]
+    if bad:
+        raise FinetuneError("; ".join(bad), hint="finetune generate --help lists the options")
+    run = open_run(args.target, allow_model_dir=True)
+    fmt = args.format or (run.cfg.data.format if run.has_recipe else "completion")
+    if args.input and fmt != "alpaca":
+        raise FinetuneError(f"--input is the alpaca prompt's input field; prompts here use data.format={fmt}", hint="drop --input")
+    model, tokenizer = load_trained(run)
+    mode = f"sampling (temperature {args.temperature}, top-p {args.top_p}, seed {args.seed})" if args.temperature > 0 else "greedy"
+    print(f"{run.weights_dir}: prompts formatted as data.format={fmt}, {mode}", file=sys.stderr)
+    for text in args.prompt if args.prompt else _prompts_from_stdin():
+        ids = prompt_ids(text, fmt, tokenizer, context=args.input or "")
+        out = generate(
+            model, tokenizer, [ids], args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+        )[0]
+        print(tokenizer.decode(out, skip_special_tokens=True), flush=True)
+    return EXIT_OK
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from finetune.evaluate import comparison_table
+    from finetune.runs import eval_records, evaluate_run, open_run
+
+    run = open_run(args.run_dir)
+    records, source = eval_records(run, args.data)
+    result = evaluate_run(run, records, source, limit=args.limit, max_new_tokens=args.max_new_tokens)
+    print(f"{run.path}: {result.records} records from {result.source} (data.format={run.cfg.data.format})")
+    print(comparison_table(result.columns))
+    if args.json:
+        rows = {
+            name: {
+                "loss": s.loss, "perplexity": s.perplexity, "tokens": s.tokens,
+                "exact_match": s.match.accuracy if s.match else None,
+                "contains_match": s.match.contains_accuracy if s.match else None,
+            }
+            for name, s in result.columns.items()
+        }
+        Path(args.json).write_text(json.dumps({"source": result.source, "records": result.records, **rows}, indent=2) + "\n")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="finetune", description="Parameter-efficient fine-tuning (QLoRA) on the GPUs you own.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
@@ -322,6 +403,40 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("dest")
     cp.add_argument("--force", action="store_true", help="overwrite DEST")
     cp.set_defaults(func=cmd_cp)
+
+    export = sub.add_parser("export", help="export a finished run: the adapter, or a merged model checked against it")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="output_dir of a finished run")
+    export.add_argument("--out", required=True, metavar="DIR", help="export directory (must be new or empty)")
+    export.add_argument("--merge", action="store_true", help="merge the adapter into the base: a standalone model, verified")
+    export.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="merged weights' dtype (default: the base's)")
+    export.add_argument("--overwrite", action="store_true", help="replace a previous export at --out")
+    export.add_argument(
+        "--verify-memory-gib", type=float, metavar="GIB",
+        help="RAM the merge check may load the merged model into; beyond it layers stream from disk (default: half of free RAM)",
+    )
+    export.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    export.set_defaults(func=cmd_export)
+
+    gen = sub.add_parser("generate", help="generate from a run or model, with the training prompt format")
+    gen.add_argument("target", metavar="RUN_DIR|MODEL_DIR", help="a finished run, an export, or a model directory")
+    gen.add_argument("--prompt", action="append", help="prompt text (repeatable); without it, prompts are read from stdin")
+    gen.add_argument("--input", help="alpaca only: the input field that goes with the instruction (--prompt)")
+    gen.add_argument("--format", choices=["alpaca", "messages", "completion", "text"], help="prompt format (default: the run's data.format)")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text")
+    gen.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    gen.set_defaults(func=cmd_generate)
+
+    ev = sub.add_parser("eval", help="loss, perplexity, exact/contains match: base vs fine-tuned")
+    ev.add_argument("run_dir", metavar="RUN_DIR", help="output_dir of a finished run")
+    ev.add_argument("--data", metavar="FILE", help="records in the run's data.format (default: the run's eval data)")
+    ev.add_argument("--limit", type=int, help="score only the first N records")
+    ev.add_argument("--max-new-tokens", type=int, help="answer length limit (default: the recipe's eval.max_new_tokens)")
+    ev.add_argument("--json", metavar="FILE", help="also write the numbers as JSON")
+    ev.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    ev.set_defaults(func=cmd_eval)
     return parser
 
 

@@ -147,6 +147,18 @@ class DistributedConfig(_Section):
     reshard_after_forward: bool = Field(True, description="fsdp: free gathered layers after forward (less memory, one more all-gather)")
 
 
+class ReportConfig(_Section):
+    """Where metrics go besides metrics.jsonl. The extras are optional installs, checked by `finetune validate`."""
+
+    tensorboard: bool = Field(False, description="event files in output_dir/tensorboard (pip install 'finetune[tensorboard]')")
+    wandb: bool = Field(False, description="Weights & Biases run (pip install 'finetune[wandb]')")
+    wandb_project: str = Field("finetune", min_length=1, description="W&B project the run is logged to")
+    wandb_mode: Literal["online", "offline"] = Field(
+        "online", description="offline writes output_dir/wandb only (upload later with `wandb sync`)"
+    )
+    plot: bool = Field(True, description="output_dir/loss.png at the end of the run (pip install 'finetune[plot]')")
+
+
 class RecipeConfig(_Section):
     description: str = ""
     model: ModelConfig
@@ -160,6 +172,7 @@ class RecipeConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    report: ReportConfig = Field(default_factory=ReportConfig)
     resume: str | None = Field(None, description="null | auto | path to a checkpoint directory")
     resume_ignore_changes: bool = Field(
         False, description="resume even though seed/batch/data/model/LoRA changed (the run is then not exact)"

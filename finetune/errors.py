@@ -64,6 +64,22 @@ class TrainingError(FinetuneError):
     """Training cannot continue meaningfully (e.g. the loss became NaN/inf)."""
 
 
+class RunDirError(FinetuneError):
+    """A directory given as a finished run (or an export of one) lacks what that needs."""
+
+
+class ExportError(FinetuneError):
+    """An export cannot be written: bad destination, dtype, or an adapter/base it cannot merge."""
+
+
+class MergeCheckFailed(ExportError):
+    """The merged model's logits differ from base + adapter beyond the tolerance of the export dtype."""
+
+
+class ReportError(FinetuneError):
+    """A reporting sink (TensorBoard, Weights & Biases) was asked for but cannot start."""
+
+
 class Preempted(FinetuneError):
     """SIGTERM/SIGUSR1 arrived: a checkpoint was saved and the run stopped cleanly.
 

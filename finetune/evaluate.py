@@ -1,20 +1,23 @@
-"""Task evaluation by greedy generation: does the model answer held-out prompts exactly?
+"""Evaluation by loss and by generation: does the model answer held-out prompts?
 
-    from finetune.evaluate import exact_match
+    from finetune.evaluate import exact_match, score, comparison_table
     result = exact_match(model, tokenizer, records, fmt="alpaca")
-    result.accuracy  # 0.93
+    result.accuracy, result.contains_accuracy  # 0.93, 0.95
 
 Prompts are built by data.prompt_and_answer, so they are token-for-token what
-training saw before the response.
+training saw before the response; prompt_ids does the same for free text
+(`finetune generate`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
-from finetune.data import prompt_and_answer
+from finetune.data import IGNORE_INDEX, Collator, prompt_and_answer
 from finetune.data.templates import end_of_turn_ids
 
 
@@ -23,18 +26,95 @@ class ExactMatch:
     correct: int
     total: int
     samples: list[dict] = field(default_factory=list)  # a few (prompt, expected, got) for the log
+    contained: int = 0  # answers found anywhere in the output: credits a right answer wrapped in extra words
 
     @property
     def accuracy(self) -> float:
         return self.correct / self.total if self.total else 0.0
 
+    @property
+    def contains_accuracy(self) -> float:
+        return self.contained / self.total if self.total else 0.0
+
     def summary(self) -> str:
         return f"exact match {self.correct}/{self.total} = {100 * self.accuracy:.1f}%"
 
 
+# --------------------------------------------------------------------------- loss
+
+
+def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Labels aligned with logits: position t predicts token t+1."""
+    return labels[:, 1:]
+
+
+def loss_sum_and_count(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed cross-entropy over target tokens, and their number.
+
+    Only rows with a label are gathered before the fp32 upcast, so masked
+    prompt positions never cost an fp32 copy of the vocabulary row.
+    """
+    targets = shifted_targets(labels)
+    mask = targets != IGNORE_INDEX
+    picked = logits[:, :-1][mask]
+    n = int(mask.sum())
+    if n == 0:
+        return logits.sum() * 0.0, 0
+    return F.cross_entropy(picked.float(), targets[mask], reduction="sum"), n
+
+
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuations (token ids, stop tokens removed) of a batch of tokenized prompts."""
+def mean_loss(model, examples: list[dict], pad_token_id: int, batch_size: int = 8) -> tuple[float | None, int]:
+    """(mean cross-entropy per target token, number of target tokens) over tokenized examples."""
+    device = next(model.parameters()).device
+    collate = Collator(pad_token_id=pad_token_id)
+    total, count = 0.0, 0
+    for start in range(0, len(examples), batch_size):
+        batch = {k: v.to(device) for k, v in collate(examples[start : start + batch_size]).items()}
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        loss, n = loss_sum_and_count(logits, batch["labels"])
+        total += float(loss)
+        count += n
+    return (total / count if count else None), count
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def prompt_ids(text: str, fmt: str, tokenizer, context: str = "") -> list[int]:
+    """The tokens training put before a response, for a user's free text.
+
+    alpaca: the alpaca prompt with `text` as the instruction (and `context` as its
+    input, the only format that has one); messages: one user
+    turn rendered by the chat template with the assistant header appended;
+    completion: `text` as the prompt; text: `text` itself, to be continued. The
+    same code path as evaluation (prompt_and_answer), with an empty answer.
+    """
+    records = {
+        "alpaca": {"instruction": text, "input": context, "output": ""},
+        "completion": {"prompt": text, "completion": ""},
+        "messages": {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]},
+        "sharegpt": {"conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": ""}]},
+    }
+    if fmt == "text":
+        return list(tokenizer(text)["input_ids"])  # training saw BOS + text
+    return prompt_and_answer(records[fmt], fmt, tokenizer)[0]
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+) -> list[list[int]]:
+    """Continuations (token ids, stop tokens removed) of a batch of tokenized prompts.
+
+    temperature 0 is greedy decoding; above 0 samples (nucleus top_p), seeded by `seed`.
+    """
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     pad = tokenizer.pad_token_id
@@ -42,14 +122,19 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) ->
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     stops = end_of_turn_ids(tokenizer)  # eos, <|im_end|>, <|eot_id|>, ... as this tokenizer has them
+    sampling = {"do_sample": False}
+    if temperature > 0:
+        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+        if seed is not None:
+            torch.manual_seed(seed)  # generate draws from the global generator
     out = model.generate(
         input_ids=input_ids,
         attention_mask=attention,
         max_new_tokens=max_new_tokens,
-        do_sample=False,
         eos_token_id=stops,
         pad_token_id=pad,
         use_cache=True,
+        **sampling,
     )
     results = []
     for row in out[:, width:].tolist():
@@ -61,9 +146,10 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) ->
 def exact_match(
     model, tokenizer, records: list[dict], fmt: str, max_new_tokens: int = 32, batch_size: int = 32, keep_samples: int = 3
 ) -> ExactMatch:
+    """Greedy answers scored two ways: equal to the expected answer, and containing it (both stripped)."""
     was_training = model.training
     model.eval()
-    correct = 0
+    correct = contained = 0
     samples = []
     try:
         for start in range(0, len(records), batch_size):
@@ -72,10 +158,69 @@ def exact_match(
             outputs = generate(model, tokenizer, [p for p, _ in pairs], max_new_tokens)
             for (prompt, answer), out in zip(pairs, outputs):
                 got = tokenizer.decode(out, skip_special_tokens=True).strip()
-                ok = got == answer.strip()
+                expected = answer.strip()
+                ok = got == expected
                 correct += ok
+                contained += bool(expected) and expected in got
                 if len(samples) < keep_samples:
-                    samples.append({"expected": answer.strip(), "got": got, "correct": ok})
+                    samples.append({"expected": expected, "got": got, "correct": ok})
     finally:
         model.train(was_training)
-    return ExactMatch(correct=correct, total=len(records), samples=samples)
+    return ExactMatch(correct=correct, total=len(records), samples=samples, contained=contained)
+
+
+# --------------------------------------------------------------------------- side by side
+
+
+@dataclass
+class Scores:
+    loss: float | None  # mean cross-entropy per trained token
+    tokens: int  # trained tokens the loss averages over
+    match: ExactMatch | None  # None for data.format=text (no answers to match)
+
+    @property
+    def perplexity(self) -> float | None:
+        if self.loss is None:
+            return None
+        return math.exp(self.loss) if self.loss < 700 else math.inf  # exp overflows a float past ~709
+
+
+def score(
+    model, tokenizer, records: list[dict], examples: list[dict], fmt: str, max_new_tokens: int = 32, batch_size: int = 8
+) -> Scores:
+    """Loss/perplexity over tokenized `examples` and exact/contains match over `records`."""
+    was_training = model.training
+    model.eval()
+    try:
+        loss, tokens = mean_loss(model, examples, tokenizer.pad_token_id, batch_size) if examples else (None, 0)
+    finally:
+        model.train(was_training)
+    match = exact_match(model, tokenizer, records, fmt, max_new_tokens=max_new_tokens) if records and fmt != "text" else None
+    return Scores(loss=loss, tokens=tokens, match=match)
+
+
+def comparison_table(columns: dict[str, Scores]) -> str:
+    """Scores side by side, one column per model:
+
+        metric              base  fine-tuned
+        loss              2.3026      0.1054
+        perplexity         10.00        1.11
+        exact match         0.0%       98.7%
+        contains match      2.0%       99.3%
+    """
+    def num(v: float | None, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    def pct(m: ExactMatch | None, attr: str) -> str:
+        return "-" if m is None else f"{100 * getattr(m, attr):.1f}%"
+
+    rows = [
+        ("loss", [num(s.loss, ".4f") for s in columns.values()]),
+        ("perplexity", [num(s.perplexity, ".2f") for s in columns.values()]),
+        ("exact match", [pct(s.match, "accuracy") for s in columns.values()]),
+        ("contains match", [pct(s.match, "contains_accuracy") for s in columns.values()]),
+    ]
+    width = max(12, *(len(name) for name in columns))
+    lines = [f"{'metric':<16}" + "".join(f"{name:>{width}}" for name in columns)]
+    lines += [f"{label:<16}" + "".join(f"{v:>{width}}" for v in values) for label, values in rows]
+    return "\n".join(lines)

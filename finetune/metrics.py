@@ -38,11 +38,17 @@ def human_duration(seconds: float) -> str:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to metrics.jsonl, flushed per row so a crash loses nothing logged."""
+    """Appends one JSON object per line to metrics.jsonl, flushed per row so a crash loses nothing logged.
 
-    def __init__(self, path: Path, enabled: bool = True):
+    Each row also goes to `sinks` (finetune.report: TensorBoard, W&B), objects with
+    log(row) and close(). close() closes the file only (the trainer rewrites it on
+    resume); finish() also closes the sinks, once, when the run ends.
+    """
+
+    def __init__(self, path: Path, enabled: bool = True, sinks: list | None = None):
         self.path = path
         self.enabled = enabled
+        self.sinks = list(sinks or [])
         self._fh: TextIO | None = None
 
     def write(self, row: dict[str, Any]) -> None:
@@ -54,11 +60,19 @@ class MetricsWriter:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         self._fh.write(json.dumps(clean) + "\n")
         self._fh.flush()
+        for sink in self.sinks:
+            sink.log(clean)
 
     def close(self) -> None:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+
+    def finish(self) -> None:
+        self.close()
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ from finetune.errors import FinetuneError
 from finetune.hardware import resolve_precision
 from finetune.model import check_lora_targets, check_model_source, load_tokenizer, looks_like_hub_id, tokenizer_source
 from finetune.plan import preflight_memory
+from finetune.report import missing_extras, plot_available
 
 
 @dataclass
@@ -71,6 +72,10 @@ def preflight(cfg: RecipeConfig, memory_check: bool = True, training: bool = Tru
     problems, notes = preflight_memory(cfg, refuse=memory_check)  # an unreadable model is a note here, a problem above
     report.problems += problems
     report.notes += notes
+
+    report.problems += missing_extras(cfg)  # report.tensorboard / report.wandb without their package
+    if cfg.report.plot and not plot_available():
+        report.notes.append("report.plot: matplotlib is not installed, so no loss.png (pip install 'finetune[plot]')")
 
     problem = output_dir_problem(cfg)
     if problem:

@@ -51,11 +51,12 @@ from finetune.data import (
     use_template,
 )
 from finetune.errors import CheckpointError, DataError, OutputDirError, Preempted, ResumeMismatch, TrainingError
-from finetune.evaluate import ExactMatch, exact_match
+from finetune.evaluate import ExactMatch, exact_match, loss_sum_and_count, shifted_targets
 from finetune.hardware import resolve_precision, torch_dtype
 from finetune.metrics import MetricsWriter, Progress, Throughput, human_bytes, human_duration, peak_memory_bytes, read_metrics
 from finetune.distributed import check_strategy, full_optimizer_state, full_trainable_state, resolve_strategy, shard_model
 from finetune.model import count_parameters, load_model, load_tokenizer
+from finetune.report import PLOT_NAME, open_sinks, plot_curves, require_extras
 
 
 @dataclass
@@ -86,26 +87,6 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, kind: str) -> floa
     if kind == "linear":
         return 1.0 - progress
     return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
-    """Labels aligned with logits: position t predicts token t+1."""
-    return labels[:, 1:]
-
-
-def loss_sum_and_count(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Summed cross-entropy over target tokens, and their number.
-
-    Only rows with a label are gathered before the fp32 upcast, so masked
-    prompt positions never cost an fp32 copy of the vocabulary row.
-    """
-    targets = shifted_targets(labels)
-    mask = targets != IGNORE_INDEX
-    picked = logits[:, :-1][mask]
-    n = int(mask.sum())
-    if n == 0:
-        return logits.sum() * 0.0, 0
-    return F.cross_entropy(picked.float(), targets[mask], reduction="sum"), n
 
 
 def count_targets(batch: dict[str, torch.Tensor]) -> int:
@@ -194,6 +175,7 @@ class Trainer:
         problem = output_dir_problem(cfg)  # refuse early; delete an old run (overwrite) only once loading worked
         if problem:
             raise OutputDirError(problem)
+        require_extras(cfg)  # a missing TensorBoard/W&B package must not surface after the model has loaded
 
         torch.manual_seed(cfg.seed)
         if self.tokenizer is None:
@@ -254,7 +236,8 @@ class Trainer:
             self.model, self.optimizer = acc.prepare(self.model, optimizer)
         self.params = params
         self.collate = Collator(pad_token_id=self.tokenizer.pad_token_id)
-        self.metrics = MetricsWriter(self.out / "metrics.jsonl", enabled=acc.is_main_process)
+        sinks = open_sinks(cfg, self.out) if acc.is_main_process else []
+        self.metrics = MetricsWriter(self.out / "metrics.jsonl", enabled=acc.is_main_process, sinks=sinks)
 
     # ------------------------------------------------------------------ data order
 
@@ -520,6 +503,14 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> TrainResult:
+        try:
+            return self._train()
+        finally:
+            # TensorBoard/W&B are closed however the run ends (done, NaN stop, preempted).
+            if getattr(self, "metrics", None) is not None:
+                self.metrics.finish()
+
+    def _train(self) -> TrainResult:
         if self.accelerator is None:
             self.setup()
         cfg, acc = self.cfg, self.accelerator
@@ -648,6 +639,9 @@ class Trainer:
                 save_adapter(unwrapped, self.out / "model", self.tokenizer)
                 adapter_dir = self.out / "model"
         em_after = self.run_exact_match(em_records, "after training") if em_records else None
+        plot = None
+        if cfg.report.plot and acc.is_main_process:
+            plot = plot_curves(self.out / "metrics.jsonl", self.out / PLOT_NAME, title=f"{self.out.name}: {cfg.model.path}")
         elapsed = time.perf_counter() - t_start
         result = TrainResult(
             final_loss=loss_value,
@@ -662,6 +656,7 @@ class Trainer:
             exact_match_before=em_before,
             exact_match_after=em_after,
             eval_loss=eval_loss,
+            extra={"plot": plot} if plot else {},
         )
         self.say(self.summary(result))
         return result
@@ -682,5 +677,7 @@ class Trainer:
             lines.append(f"  exact match  {before} -> {after}")
         lines.append(f"  adapter      {r.adapter_dir}")
         lines.append(f"  metrics      {r.metrics_path}")
+        if r.extra.get("plot"):
+            lines.append(f"  loss curve   {r.extra['plot']}")
         return "\n".join(lines)
 

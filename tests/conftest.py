@@ -155,3 +155,59 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# --------------------------------------------------------------------------- finished runs (export, generate, eval)
+
+
+class TinyRun:
+    """A finished run on the tiny model, with the trained model's logits on `ids` kept for comparisons."""
+
+    def __init__(self, path: Path, ids, logits):
+        self.path, self.ids, self.logits = path, ids, logits
+
+
+def train_tiny_run(out: Path, model_dir: Path, data_file: Path, **sections) -> TinyRun:
+    """A 3-step run (lr 1e-2, so the adapter visibly moves the logits) with recipe sections patched."""
+    import torch
+
+    from finetune.config import build_recipe
+    from finetune.trainer import Trainer
+
+    recipe = {
+        "model": {"path": str(model_dir)},
+        "data": {"path": str(data_file), "format": "alpaca", "max_seq_len": 256},
+        "output_dir": str(out),
+        "seed": 0,
+        "precision": "fp32",
+        "quant": {"bits": None},
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+        "train": {"max_steps": 3, "batch_size": 4, "lr": 1e-2, "gradient_checkpointing": False},
+        "report": {"plot": False},
+    }
+    for key, value in sections.items():
+        recipe[key] = {**recipe.get(key, {}), **value} if isinstance(value, dict) else value
+    trainer = Trainer(build_recipe(recipe), progress=False)
+    trainer.train()
+    model = trainer.accelerator.unwrap_model(trainer.model).eval()
+    ids = torch.tensor([trainer.data.train[0]["input_ids"]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    return TinyRun(out, ids, logits)
+
+
+@pytest.fixture(scope="session")
+def runs_data(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("runs_data") / "train.jsonl", ALPACA_ROWS)
+
+
+@pytest.fixture(scope="session")
+def lora_run(tmp_path_factory, tiny_model_dir, runs_data) -> TinyRun:
+    """LoRA on the unquantized fp32 base."""
+    return train_tiny_run(tmp_path_factory.mktemp("lora_run") / "run", tiny_model_dir, runs_data)
+
+
+@pytest.fixture(scope="session")
+def qlora_run(tmp_path_factory, tiny_model_dir, runs_data) -> TinyRun:
+    """QLoRA: LoRA trained against the 4-bit NF4 (double-quant) base."""
+    return train_tiny_run(tmp_path_factory.mktemp("qlora_run") / "run", tiny_model_dir, runs_data, quant={"bits": 4})

@@ -10,6 +10,7 @@ import torch
 
 from finetune.config import build_recipe
 from finetune.metrics import read_metrics
+from finetune.report import plot_available
 from finetune.trainer import Trainer, lr_factor
 
 
@@ -115,7 +116,9 @@ def test_qlora_run_writes_exact_layout_and_peft_reloads_it(recipe_dict, tiny_mod
     trainer = Trainer(cfg, progress=False)
     result = trainer.train()
     out = result.output_dir
-    assert sorted(p.name for p in out.iterdir()) == ["adapter", "checkpoints", "metrics.jsonl", "recipe.yaml"]
+    # loss.png: report.plot is on by default and written when the optional matplotlib is installed.
+    plot = ["loss.png"] if plot_available() else []
+    assert sorted(p.name for p in out.iterdir()) == ["adapter", "checkpoints"] + plot + ["metrics.jsonl", "recipe.yaml"]
     assert (out / "adapter" / "adapter_config.json").is_file()
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-2"]

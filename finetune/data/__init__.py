@@ -23,13 +23,15 @@ Modules, in the order data flows through them:
 
 from finetune.data.dataset import Collator, DataBundle, DataStats, TokenizedData, count_tokens
 from finetune.data.packing import length_grouped, pack_rows
-from finetune.data.pipeline import build_datasets, check_sample
+from finetune.data.pipeline import build_datasets, build_examples, check_sample, held_out_indices
 from finetune.data.records import check_data_source
 from finetune.data.sources import load_records
 from finetune.data.templates import BUILTIN_TEMPLATES, use_template
-from finetune.data.tokenize import IGNORE_INDEX, prompt_and_answer
+from finetune.data.tokenize import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, IGNORE_INDEX, prompt_and_answer
 
 __all__ = [
+    "ALPACA_PROMPT",
+    "ALPACA_PROMPT_NO_INPUT",
     "BUILTIN_TEMPLATES",
     "Collator",
     "DataBundle",
@@ -37,9 +39,11 @@ __all__ = [
     "IGNORE_INDEX",
     "TokenizedData",
     "build_datasets",
+    "build_examples",
     "check_data_source",
     "check_sample",
     "count_tokens",
+    "held_out_indices",
     "length_grouped",
     "load_records",
     "pack_rows",

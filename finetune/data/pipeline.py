@@ -133,16 +133,34 @@ def _finish(
     return TokenizedData.from_examples(examples, rows), stats
 
 
-def _split_eval(cfg: RecipeConfig, pool: list[Item]) -> tuple[list[Item], list[Item]]:
-    """(train, eval) items: eval is max(1, round(n * eval_fraction)) items chosen with random.Random(seed)."""
-    n_eval = max(1, round(len(pool) * cfg.data.eval_fraction))
-    if n_eval >= len(pool):
+def held_out_indices(n_records: int, cfg: RecipeConfig) -> list[int]:
+    """Which of n usable records form the eval split (sorted): max(1, round(n * eval_fraction)), seeded.
+
+    The same function picks them in training and in `finetune eval` (runs.py).
+    """
+    n_eval = max(1, round(n_records * cfg.data.eval_fraction))
+    if n_eval >= n_records:
         raise DataError(
-            f"data.eval_fraction={cfg.data.eval_fraction} of {len(pool)} records leaves nothing to train on",
+            f"data.eval_fraction={cfg.data.eval_fraction} of {n_records} records leaves nothing to train on",
             hint="lower data.eval_fraction or pass data.eval_path=FILE",
         )
-    chosen = set(random.Random(cfg.seed).sample(range(len(pool)), n_eval))
+    return sorted(random.Random(cfg.seed).sample(range(n_records), n_eval))
+
+
+def _split_eval(cfg: RecipeConfig, pool: list[Item]) -> tuple[list[Item], list[Item]]:
+    """(train, eval) items of the pool of usable records of all sources."""
+    chosen = set(held_out_indices(len(pool), cfg))
     return [x for j, x in enumerate(pool) if j not in chosen], [x for j, x in enumerate(pool) if j in chosen]
+
+
+def build_examples(records: list[dict], cfg: RecipeConfig, tokenizer: Any, key: str) -> tuple[TokenizedData, DataStats]:
+    """Records (data.columns already applied) formatted, tokenized, masked and truncated as training does them."""
+    _chat_template_needed(cfg, tokenizer)
+    src = Source(key, records, [(0, key, None)], cfg.data.format)
+    keep, _ = usable_records(src, {}, skip_bad=False)
+    items = [(0, i) for i in keep]
+    encoded = _encode_items(items, [src], tokenizer, cfg.data.train_on, 1, cfg.data.max_seq_len)
+    return _finish(items, encoded, [src], cfg, tokenizer, {}, 0, False)
 
 
 def _content_ids(cfg: RecipeConfig) -> list[str]:

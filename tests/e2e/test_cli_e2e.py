@@ -10,6 +10,8 @@ from pathlib import Path
 
 import yaml
 
+from finetune.report import plot_available
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -28,7 +30,8 @@ def test_qlora_run_from_a_clean_process(recipe_dict, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     out = Path(data["output_dir"])
-    assert sorted(p.name for p in out.iterdir()) == ["adapter", "checkpoints", "metrics.jsonl", "recipe.yaml"]
+    plot = ["loss.png"] if plot_available() else []  # report.plot defaults on; matplotlib is optional
+    assert sorted(p.name for p in out.iterdir()) == ["adapter", "checkpoints"] + plot + ["metrics.jsonl", "recipe.yaml"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert "done." in proc.stdout and str(out / "adapter") in proc.stdout

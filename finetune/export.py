@@ -1,0 +1,463 @@
+"""Export a finished run: the adapter alone, or a merged standalone model checked against the adapter.
+
+    finetune export runs/demo-cpu --out exports/demo                 # adapter + tokenizer + recipe
+    finetune export runs/demo-cpu --out exports/demo-merged --merge --dtype bf16
+
+    from finetune.export import export_run
+    result = export_run("runs/demo-cpu", "exports/demo-merged", merge=True, dtype="bf16")
+    result.metadata["verification"]["max_abs_diff"]
+
+A merge streams the base checkpoint tensor by tensor (finetune.shards): each
+weight is read, merged (W + scale * B @ A in fp32) when it has a LoRA, cast to
+the export dtype and written, so memory holds one tensor at a time, never the
+model. When the run was QLoRA the adapter was trained against the 4-bit base,
+that is against dequantize(quantize(W)), not W: every weight that was quantized
+in training is round-tripped through bitsandbytes' quantize_4bit/dequantize_4bit
+with the settings the loaded base really used, then the adapter is added.
+
+Every merge is verified: logits of the merged model, loaded by vanilla
+transformers, against the model as trained (base quantized as in the recipe +
+adapter) on a few prompts. The largest difference and the tolerance go into
+finetune_export.json; beyond it the export fails and leaves nothing at --out.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.checkpoint import atomic_dir, write_json
+from finetune.data import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT
+from finetune.errors import ExportError, MergeCheckFailed
+from finetune.evaluate import prompt_ids
+from finetune.hardware import DTYPES, torch_dtype
+from finetune.model import default_device, model_source
+from finetune.runs import Run, inference_precision, load_trained, open_run
+from finetune.shards import DTYPES as FILE_DTYPES
+from finetune.shards import NAMES, ShardWriter, read_header, read_tensor, weight_files, write_index
+
+METADATA = "finetune_export.json"
+EXPORT_DTYPES = tuple(DTYPES)  # bf16, fp16, fp32
+
+# Largest |merged - as-trained| logit difference allowed, as a fraction of the largest
+# |logit|, by the coarsest dtype involved (export dtype or compute precision). fp32:
+# only summation order differs (measured ~1e-6 on the tiny model, 4-bit base included).
+# fp16/bf16: one rounding of every merged weight, 2^-11 / 2^-8 relative, compounded
+# over the layers (measured in benchmarks/README.md).
+TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 5e-2}
+
+# Plain prompts, rendered in the run's data.format like any training prompt.
+VERIFY_PROMPTS = (
+    "Write one sentence about the sea.",
+    "List three prime numbers, then add them up.",
+    "def fibonacci(n):",
+)
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- the adapter, read for merging
+
+
+@dataclass
+class Lora:
+    A: torch.Tensor  # (r, in)
+    B: torch.Tensor  # (out, r)
+    scale: float
+    magnitude: torch.Tensor | None = None  # DoRA: per-output-row norm the merged row is rescaled to
+
+
+_LORA_KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.(?P<part>lora_A\.weight|lora_B\.weight|lora_magnitude_vector(\.weight)?)")
+# adapter_config.json options the streaming merge does not implement; peft's own merge_and_unload does.
+_UNSUPPORTED = (
+    "rank_pattern", "alpha_pattern", "modules_to_save", "layer_replication", "trainable_token_indices",
+    "lora_bias", "use_qalora", "use_bdlora", "alora_invocation_tokens", "target_parameters", "fan_in_fan_out",
+)
+
+
+def read_adapter(adapter_dir: Path) -> dict[str, Lora]:
+    """{base weight name: Lora} from a PEFT LoRA/DoRA adapter directory."""
+    from safetensors.torch import load_file
+
+    config = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
+    fix = "merge with peft instead: PeftModel.from_pretrained(base, ADAPTER).merge_and_unload()"
+    if config.get("peft_type") != "LORA":
+        raise ExportError(f"'{adapter_dir}' is a {config.get('peft_type')} adapter; the merge handles LoRA/DoRA only", hint=fix)
+    used = [k for k in _UNSUPPORTED if config.get(k)]
+    if used:
+        raise ExportError(f"'{adapter_dir}' uses {', '.join(used)}, which the streaming merge does not implement", hint=fix)
+    r, alpha = config["r"], config["lora_alpha"]
+    scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(str(adapter_dir / "adapter_model.safetensors")).items():
+        m = _LORA_KEY.fullmatch(key)
+        if m is None:
+            raise ExportError(f"'{adapter_dir}': tensor '{key}' is not a LoRA A/B/magnitude weight", hint=fix)
+        parts.setdefault(m["module"], {})[m["part"].split(".")[0]] = tensor
+    out = {}
+    for module, p in parts.items():
+        if "lora_A" not in p or "lora_B" not in p:
+            raise ExportError(f"'{adapter_dir}': module '{module}' lacks lora_A or lora_B (damaged adapter?)")
+        out[f"{module}.weight"] = Lora(p["lora_A"], p["lora_B"], scale, p.get("lora_magnitude_vector"))
+    return out
+
+
+# --------------------------------------------------------------------------- quantization round trip
+
+
+@dataclass(frozen=True)
+class Quant4:
+    """How bitsandbytes quantized one weight when the run's base was loaded (read off the live Params4bit)."""
+
+    dtype: torch.dtype  # the dtype the weight was cast to before quantizing
+    blocksize: int
+    quant_type: str
+    double_quant: bool
+
+    def roundtrip(self, weight: torch.Tensor) -> torch.Tensor:
+        """dequantize(quantize(W)): the weight the adapter was trained against."""
+        import bitsandbytes.functional as bnbf
+
+        packed, state = bnbf.quantize_4bit(
+            weight.to(self.dtype), blocksize=self.blocksize, compress_statistics=self.double_quant, quant_type=self.quant_type
+        )
+        return bnbf.dequantize_4bit(packed, state)
+
+
+def quantized_weights(model) -> dict[str, Quant4]:
+    """{weight name as in the checkpoint: Quant4} for every 4-bit weight of a (PEFT-wrapped) loaded model."""
+    found = {}
+    for name, module in model.named_modules():
+        # A peft LoRA layer and its base_layer show the same weight; both map to one checkpoint name.
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is None:
+            continue
+        name = name.removeprefix("base_model.model.").removesuffix(".base_layer")
+        found[f"{name}.weight"] = Quant4(state.dtype, state.blocksize, state.quant_type, state.nested)
+    return found
+
+
+def merged_weight(weight: torch.Tensor, lora: Lora | None, quant: Quant4 | None) -> torch.Tensor:
+    """The fp32 weight of the merged model: (dequant(quant(W)) if quantized else W) + scale * B @ A, DoRA-rescaled."""
+    w = (quant.roundtrip(weight) if quant is not None else weight).float()
+    if lora is None:
+        return w
+    w.addmm_(lora.B.float(), lora.A.float(), alpha=lora.scale)  # in place: no second weight-sized buffer
+    if lora.magnitude is not None:
+        # DoRA: each output row of W + scale*BA is rescaled to the learned magnitude (peft's merge, with the
+        # norm of the unmerged weight plus delta, which is what we hold here).
+        w.mul_((lora.magnitude.float() / torch.linalg.norm(w, dim=1)).unsqueeze(1))
+    return w
+
+
+# --------------------------------------------------------------------------- streaming merge
+
+
+def base_weights_dir(run: Run) -> Path:
+    """The directory holding the base checkpoint's files (hub ids: the local HF cache, fetched if needed)."""
+    if not run.is_adapter:
+        return run.weights_dir
+    src = model_source(run.cfg)
+    if Path(src).is_dir():
+        return Path(src)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(src, revision=run.cfg.model.revision, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as exc:  # offline, unknown repo, no permission: huggingface_hub raises several types
+        raise ExportError(
+            f"model.path: cannot get the files of '{src}' to merge into: {str(exc).splitlines()[0]}",
+            hint="download the model (huggingface-cli download ...) or set model.path to a local copy in recipe.yaml",
+        ) from None
+
+
+def stream_merge(
+    base_dir: Path,
+    out_dir: Path,
+    dtype: torch.dtype,
+    loras: dict[str, Lora],
+    quantized: dict[str, Quant4],
+) -> dict[str, int]:
+    """Write base + adapter to out_dir as safetensors shards mirroring the base's, one tensor in memory at a time."""
+    files = weight_files(base_dir)
+    headers = [read_header(f) for f in files]
+    on_disk = {name for h in headers for name in h.tensors}
+    absent = sorted((set(loras) | set(quantized)) - on_disk)
+    if absent:
+        raise ExportError(
+            f"the base checkpoint in '{base_dir}' has no tensor '{absent[0]}' (+{len(absent) - 1} more) that the adapter "
+            "or the 4-bit base needs; its tensor names differ from the loaded model's",
+            hint="merge with peft instead: PeftModel.from_pretrained(base, ADAPTER).merge_and_unload()",
+        )
+    weight_map: dict[str, str] = {}
+    total = merged = 0
+    for i, header in enumerate(headers):
+        shard = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        plan = [
+            (name, NAMES[dtype] if FILE_DTYPES[e["dtype"]].is_floating_point else e["dtype"], e["shape"])
+            for name, e in header.tensors.items()
+        ]
+        with header.path.open("rb") as fh, ShardWriter(out_dir / shard, plan) as writer:
+            for name in header.tensors:
+                tensor = read_tensor(fh, header, name)
+                if name in loras or name in quantized:
+                    tensor = merged_weight(tensor, loras.get(name), quantized.get(name))
+                    merged += name in loras
+                writer.write(name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
+                del tensor  # before the next read: one weight in memory, not two
+        total += writer.nbytes
+        weight_map.update(dict.fromkeys(header.tensors, shard))
+    if len(files) > 1:
+        write_index(out_dir, weight_map, total)
+    return {"tensors": len(weight_map), "merged": merged, "requantized": len(quantized), "bytes": total}
+
+
+def write_model_config(base_dir: Path, out_dir: Path, dtype_name: str) -> None:
+    config = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
+    config["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype_name]
+    config.pop("torch_dtype", None)  # the pre-v4.56 name of the same field; two values could disagree
+    write_json(out_dir / "config.json", config)
+    if (base_dir / "generation_config.json").is_file():
+        shutil.copyfile(base_dir / "generation_config.json", out_dir / "generation_config.json")
+
+
+# --------------------------------------------------------------------------- verification
+
+
+@torch.no_grad()
+def _logits(model, prompts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    # `device` is passed, not read off a parameter: offloaded layers sit on the meta device until used.
+    return [model(input_ids=torch.tensor([ids], device=device)).logits[0].float().cpu() for ids in prompts]
+
+
+def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+@dataclass
+class Reference:
+    """What the verifier needs from the model as trained, gathered before the merge so it can be freed first."""
+
+    prompts: list[list[int]]
+    logits: list[torch.Tensor]  # base + adapter, as trained
+    base_logits: list[torch.Tensor] | None  # adapter disabled: how far the adapter moves the logits
+    quantized: dict[str, Quant4]
+    precision: str
+    tokenizer: Any
+
+
+def reference(run: Run) -> Reference:
+    precision = inference_precision(run.cfg)
+    model, tokenizer = load_trained(run, precision=precision)
+    prompts = [prompt_ids(p, run.cfg.data.format, tokenizer) for p in VERIFY_PROMPTS]
+    device = next(model.parameters()).device
+    logits = _logits(model, prompts, device)
+    base_logits = None
+    if run.is_adapter:
+        with model.disable_adapter():
+            base_logits = _logits(model, prompts, device)
+    quantized = quantized_weights(model)
+    del model  # the merge that follows must not share memory with a whole model
+    gc.collect()
+    return Reference(prompts, logits, base_logits, quantized, precision, tokenizer)
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux): what can be allocated without swapping; None elsewhere."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def verify(ref: Reference, merged_dir: Path, dtype_name: str, max_memory: int | None = None) -> dict[str, Any]:
+    """Compare the merged model (loaded by vanilla transformers) with the model as trained; a dict for the metadata.
+
+    The merged model is loaded in the compute precision. When that would take more
+    than `max_memory` bytes of CPU RAM (default: half of what is available), its
+    layers stay on disk and accelerate loads each one as the forward reaches it:
+    the same logits (tested), a bounded footprint, slower.
+    """
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    device = default_device()
+    weights = sum(f.stat().st_size for f in weight_files(merged_dir))
+    need = weights * torch_dtype(ref.precision).itemsize // DTYPES[dtype_name].itemsize
+    budget = max_memory if max_memory is not None else (available_memory_bytes() or need * 2) // 2
+    with tempfile.TemporaryDirectory(prefix="finetune-offload-") as offload:
+        placement: dict[str, Any] = {"device_map": {"": device}}
+        if device.type == "cpu" and need > budget:
+            placement = {"device_map": "auto", "max_memory": {"cpu": budget}, "offload_folder": offload}
+        model = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch_dtype(ref.precision), **placement).eval()
+        got = _logits(model, ref.prompts, device)
+        del model
+        gc.collect()
+    coarsest = max((dtype_name, ref.precision), key=TOLERANCE.__getitem__)
+    scale = max(1.0, max(float(x.abs().max()) for x in ref.logits))
+    tolerance = TOLERANCE[coarsest] * scale
+    max_diff = _max_diff(got, ref.logits)
+    effect = _max_diff(ref.base_logits, ref.logits) if ref.base_logits is not None else None
+    return {
+        "prompts": len(ref.prompts),
+        "offloaded": placement["device_map"] == "auto",  # layers streamed from disk to fit max_memory
+        "compared": f"merged model ({dtype_name} weights, {ref.precision} compute) vs the run's model as trained",
+        "max_abs_diff": max_diff,
+        "tolerance": tolerance,
+        "tolerance_rule": f"{TOLERANCE[coarsest]:g} ({coarsest}) x max(1, max |logit|)",
+        "adapter_effect": effect,  # max |logit change| the adapter makes: a merge that dropped it differs this much
+        "distinguishes_unmerged": effect is None or effect > tolerance,
+        "passed": max_diff <= tolerance,
+    }
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _prompt_template(fmt: str) -> Any:
+    return {
+        "alpaca": {"with_input": ALPACA_PROMPT, "without_input": ALPACA_PROMPT_NO_INPUT},
+        "messages": "the tokenizer's chat template (chat_template.jinja), rendered with add_generation_prompt=True",
+        "completion": "{prompt}",
+        "text": None,
+    }[fmt]
+
+
+def check_destination(out: Path, run: Run, overwrite: bool) -> None:
+    out_r, run_r = out.resolve(), run.path.resolve()
+    if out_r == run_r or run_r.is_relative_to(out_r) or out_r.is_relative_to(run.weights_dir.resolve()):
+        raise ExportError(f"--out '{out}' overlaps the run '{run.path}'", hint="export to a directory outside the run")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out '{out}' is a file", hint="choose a directory path that does not exist yet")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not entries:
+        return
+    if not overwrite:
+        raise ExportError(
+            f"--out '{out}' exists and is not empty ({', '.join(entries[:5])})",
+            hint="choose a new directory, or pass --overwrite to replace a previous export there",
+        )
+    if METADATA not in entries:
+        raise ExportError(
+            f"--out '{out}' is not empty and is not a finetune export ({', '.join(entries[:5])}); --overwrite only replaces exports",
+            hint="choose a new or empty directory",
+        )
+
+
+def export_run(
+    run_dir: str | Path,
+    out: str | Path,
+    merge: bool = False,
+    dtype: str | None = None,
+    overwrite: bool = False,
+    say: Callable[[str], None] = print,
+    verify_max_memory: int | None = None,
+) -> ExportResult:
+    """Adapter export (merge=False) or verified merged export of the finished run at run_dir. See the module doc.
+
+    verify_max_memory: CPU bytes the verification may load the merged model into before
+    it streams layers from disk instead (default: half the available memory).
+    """
+    from finetune import __version__
+
+    run = open_run(run_dir)
+    out = Path(out)
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ExportError(f"--dtype '{dtype}' is not an export dtype", hint=f"use one of {', '.join(EXPORT_DTYPES)}")
+    check_destination(out, run, overwrite)
+    cfg = run.cfg
+    meta: dict[str, Any] = {
+        "format": 1,
+        "finetune_version": __version__,
+        "run_dir": str(run.path.resolve()),
+        "base_model": model_source(cfg),
+        "data_format": cfg.data.format,
+        "prompt_template": _prompt_template(cfg.data.format),
+    }
+    if not merge:
+        if not run.is_adapter:
+            raise ExportError(
+                f"'{run.path}' is a full fine-tune: it has no adapter to export on its own",
+                hint="pass --merge to export the whole model (cast to --dtype and verified)",
+            )
+        with atomic_dir(out) as tmp:
+            for f in run.weights_dir.iterdir():
+                if f.is_file():
+                    shutil.copyfile(f, tmp / f.name)
+            shutil.copyfile(run.path / "recipe.yaml", tmp / "recipe.yaml")
+            meta["kind"] = "adapter"
+            write_json(tmp / METADATA, meta)
+        say(f"adapter exported to {out} (load: PeftModel.from_pretrained(base, '{out}'))")
+        return ExportResult(out, meta)
+
+    if cfg.quant.bits == 8 and run.is_adapter:
+        raise ExportError(
+            "quant.bits=8: an 8-bit run cannot be merged into a standalone model that computes what it computed "
+            "(LLM.int8 multiplies outlier features in 16-bit at run time, from activations no weight captures)",
+            hint="export the adapter alone (drop --merge), or train with quant.bits=4 or null",
+        )
+    base_dir = base_weights_dir(run)
+    base_config = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
+    if "quantization_config" in base_config:
+        raise ExportError(
+            f"the base checkpoint in '{base_dir}' is stored quantized ({base_config['quantization_config'].get('quant_method')}); "
+            "merging needs its unquantized weights",
+            hint="point model.path in recipe.yaml at the original 16-bit model the quantized one was made from",
+        )
+    dtype = dtype or {"bfloat16": "bf16", "float16": "fp16"}.get(str(base_config.get("dtype") or base_config.get("torch_dtype")), "fp32")
+    loras = read_adapter(run.weights_dir) if run.is_adapter else {}
+
+    say(f"merge: computing reference logits of the run as trained ({len(VERIFY_PROMPTS)} prompts)")
+    ref = reference(run)
+    with atomic_dir(out) as tmp:
+        say(f"merge: streaming {base_dir} -> {out} ({dtype}, {len(loras)} LoRA weights, {len(ref.quantized)} 4-bit weights)")
+        stats = stream_merge(base_dir, tmp, DTYPES[dtype], loras, ref.quantized)
+        write_model_config(base_dir, tmp, dtype)
+        ref.tokenizer.save_pretrained(tmp)
+        shutil.copyfile(run.path / "recipe.yaml", tmp / "recipe.yaml")
+        say("merge: loading the merged model with transformers to check its logits")
+        check = verify(ref, tmp, dtype, max_memory=verify_max_memory)
+        verdict = "passed" if check["passed"] else "FAILED"
+        say(
+            f"merge check {verdict}: max |logit diff| {check['max_abs_diff']:.3g} vs tolerance {check['tolerance']:.3g} "
+            f"({check['prompts']} prompts; the adapter itself moves logits by up to {check['adapter_effect'] or 0:.3g}"
+            + ("; merged layers streamed from disk to stay within the memory budget)" if check["offloaded"] else ")")
+        )
+        if not check["distinguishes_unmerged"]:
+            say("warning: the adapter changes the logits less than the tolerance, so this check cannot tell a merged model from the base")
+        if not check["passed"]:
+            raise MergeCheckFailed(
+                f"merged model differs from base + adapter: max |logit diff| {check['max_abs_diff']:.4g} > "
+                f"tolerance {check['tolerance']:.4g} ({check['tolerance_rule']}); nothing was written to '{out}'",
+                hint="try --dtype fp32 to rule out rounding; if fp32 fails too the base checkpoint on disk is not the "
+                "one the run trained on (model.path / revision changed?)",
+            )
+        meta.update(
+            kind="merged" if run.is_adapter else "full",
+            dtype=dtype,
+            quantization={"bits": cfg.quant.bits, "quant_type": cfg.quant.quant_type, "double_quant": cfg.quant.double_quant,
+                          "note": "merged into dequantize(quantize(W)), the weights the adapter was trained against"}
+            if ref.quantized else None,
+            merge=stats,
+            verification=check,
+        )
+        write_json(tmp / METADATA, meta)
+    say(f"merged model exported to {out} (load: AutoModelForCausalLM.from_pretrained('{out}'))")
+    return ExportResult(out, meta)
