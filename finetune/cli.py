@@ -108,6 +108,37 @@ def launch_command(args: argparse.Namespace) -> list[str]:
     return cmd
 
 
+def run_launcher(cmd: list[str]) -> int:
+    """Run torchrun, passing on the signals a scheduler sends before it kills a job.
+
+    SIGTERM/SIGUSR1 (Slurm, Kubernetes) and SIGINT go to torchrun, which hands them to
+    the workers; they checkpoint at the next step and stop. Without this the launcher
+    would die alone and leave the workers running unsupervised.
+    """
+    import signal
+    import subprocess
+
+    child = subprocess.Popen(cmd)
+    forwarded: list[int] = []
+
+    def forward(signum, frame):
+        forwarded.append(signum)
+        # torchrun turns SIGTERM into a stop of its workers; SIGUSR1 is ours, sent as SIGTERM too.
+        child.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        rc = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if forwarded and rc != 0:
+        # The workers checkpointed and stopped (exit 75); torchrun reports that as a failure.
+        print("preempted: the workers saved a checkpoint; rerun the same command with resume=auto", file=sys.stderr)
+        return EXIT_PREEMPTED
+    return rc
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from finetune.trainer import Trainer
 
@@ -128,8 +159,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         cmd = launch_command(args)
         print(f"launching {args.nproc} process{'es' if args.nproc > 1 else ''} x {args.nnodes} node(s): {' '.join(cmd[2:])}", flush=True)
-        # torchrun forwards SIGTERM/SIGINT to the workers, which checkpoint and exit 75.
-        return subprocess.run(cmd).returncode
+        return run_launcher(cmd)
     print(f"recipe {find_recipe(args.recipe)} -> {cfg.output_dir}")
     Trainer(cfg, tokenizer=report.tokenizer, progress=not args.no_progress).train()
     return EXIT_OK
@@ -203,7 +233,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise FinetuneError(f"'{out}' already exists; not overwriting it.", hint="choose another --out or pass --force")
     overrides = _flatten(parse_overrides(args.overrides))
     n = best.setup.gpus
-    command = f"finetune run {out}" if n == 1 else f"accelerate launch --num_processes {n} -m finetune run {out}"
+    command = f"finetune run {out}" if n == 1 else f"finetune run {out} --nproc {n}"
     why = f"finetune plan --fit: {describe_setup(best.setup)}"
     header = [
         f"Written by `finetune plan {args.recipe} --gpu {gpu.name} --gpus {args.gpus} --fit` from {source}:",

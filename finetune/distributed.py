@@ -100,6 +100,28 @@ def shard_model(model, cfg: RecipeConfig, compute_dtype: torch.dtype) -> Any:
     return model
 
 
+def place_sharded(model, device: torch.device, keep_params_on_cpu: bool) -> None:
+    """Move a sharded model (loaded in CPU RAM) to its device: this rank's parameter shards, the
+    buffers, and bitsandbytes' quantization states (absmax), which live on modules, not parameters.
+
+    With keep_params_on_cpu (distributed.cpu_offload) the shards stay in CPU RAM; FSDP copies each
+    layer's to the GPU when it runs. On a CPU device nothing moves.
+    """
+    if device.type == "cpu":
+        return
+    if not keep_params_on_cpu:
+        model.to(device)
+    else:
+        for module in model.modules():
+            for name, buf in list(module.named_buffers(recurse=False)):
+                module._buffers[name] = buf.to(device)
+    for module in model.modules():
+        for holder in (module, getattr(module, "weight", None)):
+            state = getattr(holder, "quant_state", None)
+            if state is not None and hasattr(state, "to"):
+                state.to(device)
+
+
 def is_sharded(model) -> bool:
     from torch.distributed.fsdp import FSDPModule
 

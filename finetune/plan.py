@@ -200,6 +200,7 @@ class Setup:
     gradient_checkpointing: bool = True
     seq_len: int = 2048
     sharding: str = "ddp"  # ddp: a full copy per GPU; fsdp: layers sharded over the GPUs
+    cpu_offload: bool = False  # fsdp: the shards (weights, grads, optimizer state) live in host RAM
 
     @property
     def global_batch(self) -> int:
@@ -475,6 +476,12 @@ def estimate(
         q_weight, q_const = int(q_weight / n_gpu), int(q_const / n_gpu)
         lora, grads, optim = lora // n_gpu, grads // n_gpu, optim // n_gpu
     ddp_buckets = grads if (n_gpu > 1 and not fsdp) else 0  # DDP's all-reduce buckets mirror the gradients
+    offloaded = 0
+    if fsdp and setup.cpu_offload:
+        # FSDP's CPUOffloadPolicy: every shard (4-bit weights, adapters, their gradients and AdamW
+        # state) stays in host RAM; the GPU holds only what is gathered for the running layers.
+        offloaded = q_weight + q_const + lora + grads + optim
+        q_weight = q_const = lora = grads = optim = 0
 
     # Activations.
     per_layer = layer_saved_bytes_per_token(shape, recipe, B)
@@ -522,9 +529,9 @@ def estimate(
     ]
     peak = peak_alloc + slack + context
 
-    step, parts = step_time(shape, recipe, setup, gpu, trainable, q_weight + q_const, adapter_bytes, fsdp)
+    step, parts = step_time(shape, recipe, setup, gpu, trainable, q_weight + q_const + offloaded, adapter_bytes, fsdp)
     shard = shard_bytes or min(DEFAULT_SHARD_BYTES, shape.total_params * 2)
-    host = HOST_BASELINE_BYTES + shard  # per process: weights stream from the memory-mapped shards one at a time
+    host = HOST_BASELINE_BYTES + shard + offloaded  # per process: loading streams one shard at a time; offloaded shards stay
     state_bytes = trainable * adapter_bytes * (1 + impl.optimizer_states)
     disk = (0 if model_on_disk else shape.total_params * 2) + keep_checkpoints * state_bytes + trainable * adapter_bytes
     notes = []
@@ -570,6 +577,14 @@ def step_time(shape, recipe, setup, gpu, trainable, quantized_weight_bytes, adap
     elif n > 1:
         comm = 2 * (n - 1) / n * trainable * adapter_bytes / link  # ring all-reduce of the gradients, once a step
     optimizer = 4 * trainable * adapter_bytes * 4 / (gpu.bandwidth_gbps * 1e9 * BANDWIDTH_EFFICIENCY)
+    if fsdp and setup.cpu_offload:
+        # Each pass copies this GPU's weight shards host->GPU; gradients go back once a step;
+        # AdamW runs on the CPU (~10 GB/s of state traffic, an assumption).
+        n_share = max(n, 1)
+        h2d = (2 + ckpt) * quantized_weight_bytes / n_share / (gpu.pcie_gbps * 1e9)
+        micro = max(micro, h2d)
+        comm += trainable * adapter_bytes / n_share / (gpu.pcie_gbps * 1e9)
+        optimizer = 4 * trainable * adapter_bytes * 4 / n_share / 10e9
     parts = {"compute": compute * setup.grad_accum, "dequantize": dequant * setup.grad_accum, "communication": comm, "optimizer": optimizer}
     return micro * setup.grad_accum + comm + optimizer, parts
 
@@ -616,6 +631,9 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
         gpus=gpus,
         gradient_checkpointing=cfg.train.gradient_checkpointing,
         seq_len=cfg.data.max_seq_len,
+        # auto runs DDP unless a replica does not fit (finetune.distributed.resolve_strategy).
+        sharding="fsdp" if cfg.distributed.strategy == "fsdp" and gpus > 1 else "ddp",
+        cpu_offload=cfg.distributed.cpu_offload and cfg.distributed.strategy == "fsdp" and gpus > 1,
     )
 
 
@@ -650,6 +668,9 @@ def _divisors(n: int) -> list[int]:
 # FSDP cpu_offload) are appended here and read by `estimate`; the search needs no change.
 KNOBS: list[Knob] = [
     Knob("gpus", None, lambda s, max_gpus: list(range(1, max_gpus + 1))),
+    # FSDP only means something on more than one GPU; candidates() drops fsdp x 1 GPU.
+    Knob("sharding", "distributed.strategy", lambda s, max_gpus: ["ddp", "fsdp"] if max_gpus > 1 else [s.sharding]),
+    Knob("cpu_offload", "distributed.cpu_offload", lambda s, max_gpus: [False, True] if max_gpus > 1 else [s.cpu_offload]),
     Knob("gradient_checkpointing", "train.gradient_checkpointing", lambda s, _: [False, True]),
     Knob("batch_size", "train.batch_size", lambda s, _: _divisors(s.global_batch)),
 ]
@@ -661,6 +682,8 @@ def candidates(base: Setup, max_gpus: int) -> list[Setup]:
     names = [k.name for k in KNOBS]
     for values in product(*(k.candidates(base, max_gpus) for k in KNOBS)):
         s = replace(base, **dict(zip(names, values)))
+        if (s.sharding == "fsdp" and s.gpus == 1) or (s.cpu_offload and s.sharding != "fsdp"):
+            continue
         per_gpu = base.global_batch / (s.batch_size * s.gpus)
         if per_gpu < 1 or per_gpu != int(per_gpu):
             continue
@@ -736,7 +759,8 @@ def gib(n: float) -> str:
 
 def describe_setup(s: Setup) -> str:
     return (
-        f"{s.gpus} GPU{'s' if s.gpus > 1 else ''}{' (FSDP)' if s.sharding == 'fsdp' and s.gpus > 1 else ''}, "
+        f"{s.gpus} GPU{'s' if s.gpus > 1 else ''}"
+        f"{(' (FSDP, CPU offload)' if s.cpu_offload else ' (FSDP)') if s.sharding == 'fsdp' and s.gpus > 1 else ''}, "
         f"batch {s.batch_size} x accum {s.grad_accum} (global {s.global_batch}), seq {s.seq_len}, "
         f"checkpointing {'on' if s.gradient_checkpointing else 'off'}"
     )

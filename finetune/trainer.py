@@ -54,7 +54,14 @@ from finetune.errors import CheckpointError, DataError, OutputDirError, Preempte
 from finetune.evaluate import ExactMatch, exact_match, loss_sum_and_count, shifted_targets
 from finetune.hardware import resolve_precision, torch_dtype
 from finetune.metrics import MetricsWriter, Progress, Throughput, human_bytes, human_duration, peak_memory_bytes, read_metrics
-from finetune.distributed import check_strategy, full_optimizer_state, full_trainable_state, resolve_strategy, shard_model
+from finetune.distributed import (
+    check_strategy,
+    full_optimizer_state,
+    full_trainable_state,
+    place_sharded,
+    resolve_strategy,
+    shard_model,
+)
 from finetune.model import count_parameters, load_model, load_tokenizer
 from finetune.report import PLOT_NAME, open_sinks, plot_curves, require_extras
 
@@ -210,7 +217,11 @@ class Trainer:
         check_strategy(cfg, self.strategy)
         if self.model is None:
             torch.manual_seed(cfg.seed)  # LoRA init is drawn from the global RNG: the same on every rank
-            self.model = load_model(cfg, precision=self.precision, device=acc.device, shardable=self.strategy == "fsdp")
+            fsdp = self.strategy == "fsdp"
+            # FSDP loads into CPU RAM and moves only this rank's shard to the GPU: a whole
+            # 4-bit 70B model (~37 GB) would not fit one 24 GB card even for a moment.
+            load_on = torch.device("cpu") if fsdp else acc.device
+            self.model = load_model(cfg, precision=self.precision, device=load_on, shardable=fsdp)
         trainable, total = count_parameters(self.model)
         quant = f"{cfg.quant.bits}-bit {cfg.quant.quant_type if cfg.quant.bits == 4 else 'int8'}" if cfg.quant.bits else "unquantized"
         self.say(
@@ -222,6 +233,7 @@ class Trainer:
         if self.strategy == "fsdp":
             # Sharded before the optimizer exists: its state is then sharded too.
             shard_model(self.model, cfg, torch_dtype(self.precision))
+            place_sharded(self.model, acc.device, keep_params_on_cpu=cfg.distributed.cpu_offload)
         if self.strategy != "single":
             self.say(f"parallel: {self.strategy} over {acc.num_processes} processes")
         params = [p for p in self.model.parameters() if p.requires_grad]

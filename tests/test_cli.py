@@ -173,3 +173,23 @@ def test_data_command_works_on_a_finished_run(recipe_dict, tmp_path, capsys):
     assert main(["validate", recipe]) == 2
     assert main(["data", recipe, "--examples", "1"]) == 0
     assert "train: 64 examples" in capsys.readouterr().out
+
+
+def test_slurm_example_is_valid_bash_and_uses_real_flags():
+    # The sbatch script cannot run here (no Slurm), but it must parse, and every flag it passes
+    # to `finetune run` must exist: a renamed flag would otherwise break users' jobs silently.
+    import re
+    import subprocess
+    from pathlib import Path
+
+    from finetune.cli import build_parser
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "slurm" / "finetune.sbatch"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    call = text[text.index("exec finetune run") : text.index("resume=auto &")]
+    flags = set(re.findall(r"(--[a-z-]+)", call))
+    assert flags == {"--no-progress", "--nproc", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--max-restarts"}
+    run = build_parser()._subparsers._group_actions[0].choices["run"]
+    known = {s for action in run._actions for s in action.option_strings}
+    assert flags <= known

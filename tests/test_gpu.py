@@ -35,3 +35,37 @@ def test_qlora_trains_in_16_bit_on_cuda(recipe_dict, precision):
     assert math.isfinite(result.final_loss)
     assert (result.adapter_dir / "adapter_model.safetensors").is_file()
     assert result.peak_memory_bytes > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cpu_offload", [False, True])
+def test_fsdp_qlora_on_two_gpus_matches_one(recipe_dict, tmp_path, cpu_offload):
+    # The CUDA side of tests/e2e/test_distributed.py: loads into CPU RAM, shards, moves shards and
+    # bitsandbytes' quantization states to each GPU (or keeps shards in CPU RAM with cpu_offload).
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import torch
+    import yaml
+    from safetensors.torch import load_file
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    outs = {}
+    for nproc, batch in ((1, 4), (2, 2)):
+        data = {**recipe_dict, "precision": "bf16", "quant": {"bits": 4}, "output_dir": str(tmp_path / f"r{nproc}"),
+                "train": {**recipe_dict["train"], "max_steps": 4, "batch_size": batch}}
+        if nproc == 2:
+            data["distributed"] = {"strategy": "fsdp", "cpu_offload": cpu_offload}
+        path = tmp_path / f"r{nproc}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        cmd = [sys.executable, "-m", "finetune", "run", str(path), "--no-progress", "--nproc", str(nproc), "--master-port", str(29700 + nproc)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs[nproc] = tmp_path / f"r{nproc}"
+    losses = {n: [json.loads(x)["loss"] for x in (o / "metrics.jsonl").read_text().splitlines() if '"loss"' in x] for n, o in outs.items()}
+    assert losses[2] == pytest.approx(losses[1], rel=2e-2)  # bf16: reduction order differs
+    a, b = (load_file(str(o / "adapter" / "adapter_model.safetensors")) for o in (outs[1], outs[2]))
+    assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)

@@ -164,9 +164,21 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
 def test_nothing_fits_says_the_minimum(tmp_path):
     cfg = recipe_for("llama-2-70b", tmp_path)
     with pytest.raises(PlanError) as err:
-        fit(cfg, find_gpu("rtx3060"), max_gpus=2)
+        fit(cfg, find_gpu("rtx3060"), max_gpus=1)
     msg = str(err.value)
     assert "the smallest needs" in msg and "--gpu-mem" in msg and "weights alone take" in msg
+
+
+def test_fit_shards_and_offloads_a_70b_over_two_small_cards(tmp_path):
+    # Two 12 GB cards: only FSDP with the shards in host RAM fits a 4-bit 70B.
+    from finetune.plan import changes_of
+
+    cfg = recipe_for("llama-2-70b", tmp_path)
+    current, best = fit(cfg, find_gpu("rtx3060"), max_gpus=2)
+    assert (best.setup.gpus, best.setup.sharding, best.setup.cpu_offload) == (2, "fsdp", True)
+    assert best.fits and best.host_ram_bytes > 2 * 17 * 2**30  # each process holds half the 4-bit weights in RAM
+    changes = changes_of(best, current.setup)
+    assert changes["distributed.strategy"] == "fsdp" and changes["distributed.cpu_offload"] is True
 
 
 def test_preflight_refuses_on_cuda_when_clearly_over_and_only_notes_on_cpu(tmp_path, monkeypatch):

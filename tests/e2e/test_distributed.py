@@ -158,3 +158,23 @@ def test_killed_rank_restarts_and_finishes_like_an_uninterrupted_run(recipe_dict
     assert "resumed from" in output
     assert losses(out)[-1] == pytest.approx(losses(ref)[-1], rel=1e-4)
     assert_adapters_close(adapter(ref), adapter(out), atol=1e-5)
+
+
+def test_sigterm_to_the_launcher_checkpoints_every_rank_and_exits_75(recipe_dict, tmp_path):
+    # What Slurm/Kubernetes do before preempting: SIGTERM to `finetune run --nproc 2`.
+    common = {"train__batch_size": 2, "train__max_steps": 40, "checkpoint": {"every_steps": 100}, "train__scheduler": "constant"}
+    recipe, out = write(tmp_path, recipe_dict, "pre", **common)
+    job = finetune(str(recipe), "--nproc", "2", cwd=tmp_path, port=29651, wait=False)
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(losses(out)) >= 3):
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    output = job.communicate(timeout=300)[0]
+    assert job.returncode == 75, output[-3000:]
+    saved = sorted((out / "checkpoints").glob("step-*/manifest.json"))
+    assert len(saved) == 1, output[-3000:]  # not a periodic one (every 100): written because of the signal
+    step = int(saved[0].parent.name.split("-")[1])
+    assert 3 <= step < 40
+    # The same command with resume=auto finishes the run from there.
+    finetune(str(recipe), "--nproc", "2", "resume=auto", cwd=tmp_path, port=29652)
+    assert len(losses(out)) == 40
