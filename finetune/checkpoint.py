@@ -252,8 +252,13 @@ def save_checkpoint(
     keep_last: int | None = None,
     model_state: dict[str, torch.Tensor] | None = None,
     optimizer_state: dict[str, Any] | None = None,
+    rank_rng_states: list[torch.Tensor] | None = None,
 ) -> Path:
-    """model_state / optimizer_state: full (gathered) states when the model and optimizer hold shards (FSDP)."""
+    """model_state / optimizer_state: full (gathered) states when the model and optimizer hold shards (FSDP).
+
+    rank_rng_states: every process's CPU generator state, so that each continues its own
+    dropout stream on resume (with the same number of processes).
+    """
     final = checkpoint_dir(output_dir, step)
     trainable = model_state or {n: p for n, p in model.named_parameters() if p.requires_grad}
     bad = [n for n, p in trainable.items() if not torch.isfinite(p.detach()).all()]
@@ -267,6 +272,7 @@ def save_checkpoint(
         write_json(tmp / "optimizer.json", meta)
         write_json(tmp / "scheduler.json", scheduler.state_dict())
         rng = {"torch_cpu": torch.get_rng_state()}
+        rng.update({f"torch_cpu.rank{r}": state for r, state in enumerate(rank_rng_states or [])})
         if torch.cuda.is_available():  # dropout on the GPU draws from the CUDA generator
             rng["torch_cuda"] = torch.cuda.get_rng_state()
         save_file(rng, str(tmp / "rng.safetensors"))
@@ -315,7 +321,9 @@ def latest_checkpoint(output_dir: Path) -> tuple[Path | None, list[str]]:
     return None, notes
 
 
-def load_checkpoint(path: Path, model, optimizer, scheduler, check: Callable[[Path, dict], None] | None = None) -> dict[str, Any]:
+def load_checkpoint(
+    path: Path, model, optimizer, scheduler, check: Callable[[Path, dict], None] | None = None, rank: int = 0
+) -> dict[str, Any]:
     """Restore adapter weights, optimizer, scheduler and RNG from `path`; return trainer_state.
 
     `check(path, trainer_state)` runs after every file is read and before anything
@@ -367,7 +375,7 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, check: Callable[[Pa
     # parameters get their state sharded the same way first.
     optimizer.load_state_dict(shard_optimizer_state(optimizer, _optimizer_from_tensors(opt_tensors, opt_meta)))
     scheduler.load_state_dict(sched)
-    torch.set_rng_state(rng["torch_cpu"])
+    torch.set_rng_state(rng.get(f"torch_cpu.rank{rank}", rng["torch_cpu"]))
     if "torch_cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["torch_cuda"])
     return state

@@ -429,7 +429,10 @@ class Trainer:
             try:
                 # All files are read and checked before anything is assigned, so a
                 # corrupt checkpoint leaves the model and optimizer untouched.
-                state = load_checkpoint(path, model, self.optimizer, self.scheduler, check=self.check_resume_compatible)
+                state = load_checkpoint(
+                    path, model, self.optimizer, self.scheduler, check=self.check_resume_compatible,
+                    rank=self.accelerator.process_index,
+                )
             except CheckpointError as exc:
                 if self.cfg.resume != "auto" or isinstance(exc, ResumeMismatch):
                     raise  # an older checkpoint of a different run is no fallback
@@ -466,6 +469,12 @@ class Trainer:
         if self.strategy == "fsdp":  # gathering is a collective: every rank takes part, rank 0 writes
             model_state = full_trainable_state(self.model)
             optimizer_state = full_optimizer_state(optimizer)
+        rank_rng = None
+        if acc.num_processes > 1:  # each rank's dropout stream, so each continues its own on resume
+            import torch.distributed as dist
+
+            rank_rng = [None] * acc.num_processes
+            dist.all_gather_object(rank_rng, torch.get_rng_state())
         if acc.is_main_process:
             save_checkpoint(
                 self.out,
@@ -485,6 +494,7 @@ class Trainer:
                 keep_last=self.cfg.checkpoint.keep_last,
                 model_state=model_state,
                 optimizer_state=optimizer_state,
+                rank_rng_states=rank_rng,
             )
         acc.wait_for_everyone()
 

@@ -140,7 +140,8 @@ def test_killed_rank_restarts_and_finishes_like_an_uninterrupted_run(recipe_dict
     ref_recipe, ref = write(tmp_path, recipe_dict, "ref", **common)
     finetune(str(ref_recipe), "--nproc", "2", cwd=tmp_path, port=29641)
     recipe, out = write(tmp_path, recipe_dict, "elastic", **common)
-    job = finetune(str(recipe), "--nproc", "2", "--max-restarts", "1", cwd=tmp_path, port=29642, wait=False)
+    # Two restarts allowed: under heavy load a restarted gloo mesh occasionally fails to connect once.
+    job = finetune(str(recipe), "--nproc", "2", "--max-restarts", "2", cwd=tmp_path, port=29642, wait=False)
     deadline = time.time() + 300
     killed = None
     while time.time() < deadline and killed is None:
@@ -178,3 +179,17 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_and_exits_75(recipe_dict
     # The same command with resume=auto finishes the run from there.
     finetune(str(recipe), "--nproc", "2", "resume=auto", cwd=tmp_path, port=29652)
     assert len(losses(out)) == 40
+
+
+def test_ddp_resume_with_dropout_continues_each_ranks_random_stream(recipe_dict, tmp_path):
+    # With dropout, exact resume needs every rank's generator state, not only rank 0's.
+    common = {"lora": {"r": 4, "alpha": 8, "dropout": 0.2}, "train__batch_size": 2, "checkpoint": {"every_steps": 3},
+              "train__scheduler": "constant"}
+    full_recipe, full = write(tmp_path, recipe_dict, "full", train__max_steps=6, **common)
+    finetune(str(full_recipe), "--nproc", "2", cwd=tmp_path, port=29661)
+    part_recipe, part = write(tmp_path, recipe_dict, "part", train__max_steps=3, **common)
+    finetune(str(part_recipe), "--nproc", "2", cwd=tmp_path, port=29662)
+    finetune(str(part_recipe), "--nproc", "2", "train.max_steps=6", "resume=auto", "resume_ignore_changes=true",
+             cwd=tmp_path, port=29663)
+    assert losses(part) == pytest.approx(losses(full), rel=1e-6)
+    assert_adapters_close(adapter(full), adapter(part), atol=1e-6)
