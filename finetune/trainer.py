@@ -627,7 +627,9 @@ class Trainer:
                         self.metrics.write({"step": done, "eval_loss": eval_loss})
                         progress.write(f"step {done}: eval_loss {eval_loss:.4f}")
                 saved = False
-                if cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0 and done < self.total_steps:
+                # The last step is checkpointed too: a finished run can be extended (more steps,
+                # resume=auto) from where it ended instead of silently starting over.
+                if cfg.checkpoint.every_steps and (done % cfg.checkpoint.every_steps == 0 or done == self.total_steps):
                     self.save_checkpoint(done, tokens_total, trained_total, time.perf_counter() - t_start)
                     saved = True
                 if done < self.total_steps and self._stop_requested():

@@ -199,3 +199,25 @@ def test_resume_auto_without_checkpoint_starts_clean(recipe_dict, tmp_path, caps
     Trainer(again, progress=False).train()
     assert "no checkpoint" in capsys.readouterr().out
     assert [r[0] for r in rows(out)] == [1, 2, 3]  # not 1 2 3 1 2 3
+
+
+def test_a_finished_run_is_extended_not_restarted(recipe_dict, tmp_path, capsys):
+    # Train 3 steps, then ask for 6 with resume=auto: steps 4-6 continue from step 3's state,
+    # exactly as an uninterrupted 6-step run (the final step is checkpointed for this).
+    from finetune.config import build_recipe
+    from finetune.metrics import read_metrics
+    from finetune.trainer import Trainer
+
+    def cfg(out, steps, **extra):
+        data = {**recipe_dict, "output_dir": str(tmp_path / out), "checkpoint": {"every_steps": 100},
+                "train": {**recipe_dict["train"], "max_steps": steps, "scheduler": "constant"}, **extra}
+        return build_recipe(data)
+
+    full = Trainer(cfg("full", 6), progress=False).train()
+    Trainer(cfg("ext", 3), progress=False).train()
+    capsys.readouterr()
+    ext = Trainer(cfg("ext", 6, resume="auto", resume_ignore_changes=True), progress=False).train()
+    assert f"resumed from {tmp_path / 'ext' / 'checkpoints' / 'step-3'} at step 3" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "ext" / "checkpoints").iterdir()) == ["step-3", "step-6"]
+    losses = lambda r: [row["loss"] for row in read_metrics(r.metrics_path) if "loss" in row]  # noqa: E731
+    assert losses(ext) == losses(full)

@@ -183,8 +183,13 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_and_exits_75(recipe_dict
 
 def test_ddp_resume_with_dropout_continues_each_ranks_random_stream(recipe_dict, tmp_path):
     # With dropout, exact resume needs every rank's generator state, not only rank 0's.
+    from conftest import write_jsonl
+
+    # Lengths that differ between ranks' batches: their generators then advance by different amounts.
+    rows = [{"instruction": "Repeat " + "ab" * (i % 7 + 1), "input": "", "output": "ab" * (i % 7 + 1)} for i in range(48)]
+    data = write_jsonl(tmp_path / "varied.jsonl", rows)
     common = {"lora": {"r": 4, "alpha": 8, "dropout": 0.2}, "train__batch_size": 2, "checkpoint": {"every_steps": 3},
-              "train__scheduler": "constant"}
+              "train__scheduler": "constant", "train__lr": 5e-2, "data__path": str(data), "data__shuffle": True}
     full_recipe, full = write(tmp_path, recipe_dict, "full", train__max_steps=6, **common)
     finetune(str(full_recipe), "--nproc", "2", cwd=tmp_path, port=29661)
     part_recipe, part = write(tmp_path, recipe_dict, "part", train__max_steps=3, **common)
@@ -192,4 +197,6 @@ def test_ddp_resume_with_dropout_continues_each_ranks_random_stream(recipe_dict,
     finetune(str(part_recipe), "--nproc", "2", "train.max_steps=6", "resume=auto", "resume_ignore_changes=true",
              cwd=tmp_path, port=29663)
     assert losses(part) == pytest.approx(losses(full), rel=1e-6)
-    assert_adapters_close(adapter(full), adapter(part), atol=1e-6)
+    a, b = adapter(full), adapter(part)
+    for k in a:  # bitwise on CPU fp32: the same masks, the same arithmetic
+        assert torch.equal(a[k], b[k]), k
