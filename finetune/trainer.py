@@ -558,6 +558,13 @@ class Trainer:
         tokens_total = int(state.get("tokens", 0))
         trained_total = int(state.get("trained_tokens", 0))
         loss_value = float("nan")
+        if start_step >= self.total_steps:
+            self.say(
+                f"the run is already complete ({start_step} of {self.total_steps} steps): nothing to train; "
+                "raise train.max_steps (or epochs) to extend it"
+            )
+            logged = [r["loss"] for r in read_metrics(self.out / "metrics.jsonl") if "loss" in r] if (self.out / "metrics.jsonl").exists() else []
+            loss_value = logged[-1] if logged and logged[-1] is not None else loss_value
         eval_loss = None
         model = self.model
         self.skipped_steps = int(state.get("skipped_steps", 0))

@@ -42,13 +42,21 @@ def test_qlora_run_from_a_clean_process(recipe_dict, tmp_path):
     assert again.returncode == 2
     assert "holds another run" in again.stderr and "Traceback" not in again.stderr
 
-    # resume=auto on the finished run picks step-2 and replays step 3 only.
+    # resume=auto on the finished run finds the final checkpoint and trains nothing more.
     resumed = finetune("run", str(recipe), "resume=auto", "--no-progress", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
-    assert "resumed from" in resumed.stdout and "step-2" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "step-3" in resumed.stdout
+    assert "already complete (3 of 3 steps)" in resumed.stdout
     rows2 = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows2] == [1, 2, 3]
-    assert rows2[2]["loss"] == rows[2]["loss"]
+    assert rows2 == rows
+    assert f"final loss   {rows[2]['loss']:.4f}" in resumed.stdout
+
+    # ...and extends it when asked for more steps: step-3's state, steps 4-5 trained.
+    extended = finetune("run", str(recipe), "resume=auto", "train.max_steps=5", "resume_ignore_changes=true",
+                        "--no-progress", cwd=tmp_path)
+    assert extended.returncode == 0, extended.stderr
+    rows3 = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows3] == [1, 2, 3, 4, 5] and rows3[:3] == rows
 
 
 def test_bad_input_exit_codes(tmp_path):
