@@ -155,7 +155,8 @@ def test_killed_rank_restarts_and_finishes_like_an_uninterrupted_run(recipe_dict
         time.sleep(0.05)
     assert killed is not None, "never saw the job mid-run"
     output = job.communicate(timeout=420)[0]
-    assert job.returncode == 0, output[-4000:]
+    (tmp_path / "elastic.log").write_text(output)  # the whole story, for when this fails
+    assert job.returncode == 0, f"{tmp_path / 'elastic.log'}: " + output[-4000:]
     assert "resumed from" in output
     assert losses(out)[-1] == pytest.approx(losses(ref)[-1], rel=1e-4)
     assert_adapters_close(adapter(ref), adapter(out), atol=1e-5)
