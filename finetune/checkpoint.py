@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from finetune.config import RecipeConfig
+from finetune.data.sources import file_digest
 from finetune.distributed import is_sharded, load_full_trainable_state, shard_optimizer_state
 from finetune.errors import CheckpointError, OutputDirError
 
@@ -121,12 +122,7 @@ def write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+_sha256 = file_digest  # streamed sha256 of a file, shared with the tokenized-data cache
 
 
 def write_manifest(directory: Path, extra: dict[str, Any]) -> None:

@@ -163,6 +163,19 @@ def build_examples(records: list[dict], cfg: RecipeConfig, tokenizer: Any, key: 
     return _finish(items, encoded, [src], cfg, tokenizer, {}, 0, False)
 
 
+def _load_usable(spec: Spec, skip_bad_rows: bool) -> tuple[Source, list[int], list[str]]:
+    """(source, indices of usable records, descriptions of skipped rows); a source with none usable is an error."""
+    src = load_source(spec, skip_bad_rows)
+    keep, bad = usable_records(src, src.columns, skip_bad_rows)
+    if not keep:
+        raise DataError(
+            f"{spec.key}: every one of its {len(src.records) + len(src.skipped)} records is malformed; "
+            f"first: {(src.skipped + bad)[0]}",
+            hint="fix the data, or check this source's format and columns",
+        )
+    return src, keep, src.skipped + bad
+
+
 def _content_ids(cfg: RecipeConfig) -> list[str]:
     specs = source_specs(cfg) + [s for s in [eval_spec(cfg)] if s is not None]
     return [f"{spec.key}={content_id(spec)}" for spec in specs]
@@ -199,30 +212,16 @@ def build_datasets(cfg: RecipeConfig, tokenizer: Any, *, use_cache: bool | None 
     skipped = {"train": [], "eval": []}
     usable: list[list[int]] = []
     for spec in source_specs(cfg):
-        src = load_source(spec, d.skip_bad_rows)
-        keep, bad = usable_records(src, src.columns, d.skip_bad_rows)
-        if not keep:
-            raise DataError(
-                f"{spec.key}: every one of its {len(src.records) + len(src.skipped)} records is malformed; "
-                f"first: {(src.skipped + bad)[0]}",
-                hint="fix the data, or check this source's format and columns",
-            )
+        src, keep, bad = _load_usable(spec, d.skip_bad_rows)
         sources.append(src)
         usable.append(keep)
-        skipped["train"] += src.skipped + bad
+        skipped["train"] += bad
     pool = [(s, i) for s, keep in enumerate(usable) for i in keep]
     eval_items: list[Item] = []
     ev_spec = eval_spec(cfg)
     if ev_spec is not None:  # loaded before any tokenizing, so a wrong path fails at once
-        ev = load_source(ev_spec, d.skip_bad_rows)
-        keep, bad = usable_records(ev, ev.columns, d.skip_bad_rows)
-        if not keep:
-            raise DataError(
-                f"data.eval_path: every one of its {len(ev.records) + len(ev.skipped)} records is malformed; "
-                f"first: {(ev.skipped + bad)[0]}",
-                hint="fix the eval data, or check data.format and data.columns",
-            )
-        skipped["eval"] += ev.skipped + bad
+        ev, keep, bad = _load_usable(ev_spec, d.skip_bad_rows)
+        skipped["eval"] += bad
         sources.append(ev)
         eval_items = [(len(sources) - 1, i) for i in keep]
         train_pool = pool
