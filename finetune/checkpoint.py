@@ -15,7 +15,6 @@ unpickled from disk.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
