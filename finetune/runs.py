@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from finetune.config import RecipeConfig, build_recipe, resolve_path
-from finetune.data import build_examples, held_out_indices, load_records
+from finetune.data import build_examples, held_out_records, load_records
 from finetune.errors import ConfigError, DataError, HardwareError, RunDirError
 from finetune.evaluate import Scores, score
 from finetune.hardware import resolve_precision
@@ -159,9 +159,8 @@ def eval_records(run: Run, data_path: str | None = None) -> tuple[list[dict], st
     if cfg.data.eval_path:
         return load_records(resolve_path(cfg.data.eval_path), cfg.data, key="data.eval_path"), cfg.data.eval_path
     if cfg.data.eval_fraction > 0:
-        records = load_records(resolve_path(cfg.data.path), cfg.data)
-        chosen = held_out_indices(len(records), cfg)
-        return [records[i] for i in chosen], f"{cfg.data.path} (held-out {cfg.data.eval_fraction:g})"
+        # Exactly the records training held out: all sources, bad rows skipped as training did.
+        return held_out_records(cfg), f"{cfg.data.path} (held-out {cfg.data.eval_fraction:g})"
     raise DataError(
         f"the run at '{run.path}' has no eval data (no eval.exact_match_path, data.eval_path or data.eval_fraction)",
         hint="pass --data FILE (same format as the training data)",

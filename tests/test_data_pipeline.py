@@ -462,3 +462,17 @@ def test_marked_text_brackets_trained_runs(tokenizer):
     labels = [M, M, M] + ids("4") + [EOS_ID]
     assert marked_text(tokenizer, input_ids, labels, color=False) == "<s>Q:[[4</s>]]"
     assert marked_text(tokenizer, input_ids, labels, color=True) == "\x1b[2m<s>Q:\x1b[0m\x1b[32;1m4</s>\x1b[0m"
+
+
+def test_held_out_records_are_the_ones_training_held_out(tmp_path, tokenizer):
+    # What `finetune eval` scores by default must be exactly the split training held out,
+    # also with a second source and a skipped malformed row.
+    from finetune.data import build_examples, held_out_records
+
+    a = tmp_path / "a.jsonl"
+    a.write_text("".join(json.dumps({"prompt": f"a{i}:", "completion": "x"}) + "\n" for i in range(12)) + "{bad\n")
+    b = write_jsonl(tmp_path / "b.jsonl", [{"prompt": f"b{i}:", "completion": "y"} for i in range(8)])
+    cfg = recipe(tmp_path, a, format="completion", eval_fraction=0.25, skip_bad_rows=True, mix=[{"path": str(b)}])
+    held = held_out_records(cfg)
+    assert len(held) == 5 and {r["prompt"][0] for r in held} <= {"a", "b"}
+    assert build_examples(held, cfg, tokenizer, "eval")[0] == build_datasets(cfg, tokenizer).eval

@@ -23,7 +23,7 @@ Modules, in the order data flows through them:
 
 from finetune.data.dataset import Collator, DataBundle, DataStats, TokenizedData, count_tokens
 from finetune.data.packing import length_grouped, pack_rows
-from finetune.data.pipeline import build_datasets, build_examples, check_sample, held_out_indices
+from finetune.data.pipeline import build_datasets, build_examples, check_sample, held_out_indices, held_out_records
 from finetune.data.records import check_data_source
 from finetune.data.sources import load_records
 from finetune.data.templates import BUILTIN_TEMPLATES, use_template
@@ -44,6 +44,7 @@ __all__ = [
     "check_sample",
     "count_tokens",
     "held_out_indices",
+    "held_out_records",
     "length_grouped",
     "load_records",
     "pack_rows",

@@ -153,6 +153,22 @@ def _split_eval(cfg: RecipeConfig, pool: list[Item]) -> tuple[list[Item], list[I
     return [x for j, x in enumerate(pool) if j not in chosen], [x for j, x in enumerate(pool) if j in chosen]
 
 
+def held_out_records(cfg: RecipeConfig) -> list[dict]:
+    """The records data.eval_fraction held out in training (all sources, bad rows skipped as training did)."""
+    sources, pool = [], []
+    for s, spec in enumerate(source_specs(cfg)):
+        src, keep, _ = _load_usable(spec, cfg.data.skip_bad_rows)
+        sources.append(src)
+        pool += [(s, i) for i in keep]
+    formats = {src.format for src in sources}
+    if len(formats) > 1:
+        raise DataError(
+            f"the held-out split mixes data formats ({', '.join(sorted(formats))}), which one eval cannot score",
+            hint="pass --data FILE with records of one format",
+        )
+    return [sources[s].records[i] for s, i in _split_eval(cfg, pool)[1]]
+
+
 def build_examples(records: list[dict], cfg: RecipeConfig, tokenizer: Any, key: str) -> tuple[TokenizedData, DataStats]:
     """Records (data.columns already applied) formatted, tokenized, masked and truncated as training does them."""
     _chat_template_needed(cfg, tokenizer)
