@@ -288,6 +288,53 @@ def matmul_peak_gflops(n: int = 2048, reps: int = 3) -> float:
     return 2 * n**3 / best / 1e9
 
 
+# ----------------------------------------------------------------------------- a lever that needs code: per-example attention
+
+SEGMENT_SDPA = "sdpa_segments"
+
+
+def segment_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, position_ids=None, **kwargs):
+    """Attention computed example by example inside packed rows (a prototype, registered by the
+    benchmark only). transformers' sdpa path gives a packed row a block-diagonal mask over the whole
+    row, so the CPU kernel computes all T^2 scores and cannot skip masked blocks; here each example
+    (a run of position_ids starting at 0) gets a causal sdpa call of its own: sum(s^2)/2 scores
+    instead of T^2. Right-padded rows without position_ids are one segment each (padding sits after
+    every real token, so a causal mask alone is exact for the real tokens). Not for generation
+    (no KV cache, no left padding). query/key/value: (batch, heads, T, head_dim)."""
+    import torch
+    import torch.nn.functional as F
+
+    if key.shape[1] != query.shape[1]:  # grouped-query attention: expand the KV heads
+        rep = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    T = query.shape[2]
+    rows = []
+    for b in range(query.shape[0]):
+        if position_ids is None:
+            starts = [0]
+        else:
+            starts = (position_ids[min(b, position_ids.shape[0] - 1)] == 0).nonzero().flatten().tolist() or [0]
+        bounds = starts + [T]
+        parts = [
+            F.scaled_dot_product_attention(
+                query[b : b + 1, :, a:e], key[b : b + 1, :, a:e], value[b : b + 1, :, a:e],
+                is_causal=True, scale=scaling, dropout_p=dropout if module.training else 0.0,
+            )
+            for a, e in zip(bounds, bounds[1:])
+            if e > a
+        ]
+        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+    out = rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_segment_sdpa() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(SEGMENT_SDPA, segment_sdpa)  # no mask function: the model then builds no mask
+    return SEGMENT_SDPA
+
+
 # ----------------------------------------------------------------------------- worker side
 
 
@@ -438,6 +485,12 @@ def run_finetune(spec: dict[str, Any], lock: Lockstep) -> dict[str, Any]:
     class Bench(Trainer):
         def setup(self):
             super().setup()
+            base = self.accelerator.unwrap_model(self.model).get_base_model()
+            if spec.get("attention") == "segments":
+                base.set_attn_implementation(register_segment_sdpa())
+            if spec.get("compile"):
+                for layer in base.model.layers:  # the decoder layers only: the LM head gathers a data-dependent shape
+                    layer.compile()
             lock.mark_loaded()
 
         def step_batches(self, step):
@@ -734,6 +787,7 @@ def summarize(w: Worker, peak_gflops: float) -> dict[str, Any]:
         "examples_per_step": statistics.mean(s["examples"] for s in spans),
         "padding_fraction": 1 - sum(s["tokens"] for s in spans) / max(1, sum(s["padded"] for s in spans)),
         "mfu": median([s["flops"] / s["dt"] for s in spans]) / (peak_gflops * 1e9),
+        "mfu_aggregate": sum(s["flops"] for s in spans) / sum(dt) / (peak_gflops * 1e9),
         "peak_rss_mib": w.maxrss_child / 2**20,
         "peak_rss_train_mib": w.done.get("maxrss_train", 0) / 2**20,
         "rss_loaded_mib": w.done.get("rss_loaded", 0) / 2**20,
@@ -748,14 +802,17 @@ def summarize(w: Worker, peak_gflops: float) -> dict[str, Any]:
     return res
 
 
-def ratios(workers: dict[str, Worker], ours: str, key: str = "trained") -> dict[str, float]:
-    """Median over rounds of (ours / peer) step rates, both from the same round."""
+def ratios(workers: dict[str, Worker], ours: str, key: str = "trained") -> dict[str, dict[str, float]]:
+    """ours / peer, two ways: the median over rounds of the step-rate ratio within a round
+    (robust to contention bursts), and total over total (robust to steps of different content)."""
     mine = workers[ours].spans
     out = {}
     for name, w in workers.items():
         if name == ours:
             continue
-        out[name] = median([(a[key] / a["dt"]) / (b[key] / b["dt"]) for a, b in zip(mine, w.spans)])
+        per_round = median([(a[key] / a["dt"]) / (b[key] / b["dt"]) for a, b in zip(mine, w.spans)])
+        totals = (sum(a[key] for a in mine) / sum(a["dt"] for a in mine)) / (sum(b[key] for b in w.spans) / sum(b["dt"] for b in w.spans))
+        out[name] = {"median_of_rounds": per_round, "total_over_total": totals}
     return out
 
 
@@ -764,27 +821,40 @@ def ratios(workers: dict[str, Worker], ours: str, key: str = "trained") -> dict[
 GLOBAL_BATCH = 8  # examples per optimizer step (unpacked: micro 4 x accum 2; packed: 2 rows of 512 ~ 7.4 examples)
 
 
-def suite_configs(suite: str, meta: dict[str, Any], quant: bool) -> dict[str, dict[str, Any]]:
+def suite_configs(suite: str, meta: dict[str, Any], quant: bool, compile_lever: bool = False) -> dict[str, dict[str, Any]]:
     rows = max(1, round(GLOBAL_BATCH / meta["lengths"]["examples_per_packed_row"]))  # packed rows per step ~ 16 examples
     base = {"quant": quant, "max_seq_len": MAX_SEQ_LEN, "model": meta["model"], "train": meta["train"], "eval": meta["eval"]}
     unpacked = {"micro": 4, "accum": GLOBAL_BATCH // 4}
     packed = {"micro": 1, "accum": rows, "packing": True}
     if suite == "main":
         return {
-            "finetune": {**base, "tool": "finetune", **packed, "gc": False},
-            "trl": {**base, "tool": "trl", **unpacked, "gc": True},
-            "trl_packed": {**base, "tool": "trl", **packed, "gc": True},
+            # finetune at its fastest recipe settings: packed rows, two per micro-batch, no checkpointing
+            "finetune": {**base, "tool": "finetune", "micro": rows, "accum": 1, "packing": True, "gc": False},
+            "trl": {**base, "tool": "trl", **unpacked, "gc": True},  # TRL defaults: packing off, checkpointing on
+            "trl_packed": {**base, "tool": "trl", **packed, "gc": True},  # packing=True (bfd + padding-free)
             "trl_packed_nogc": {**base, "tool": "trl", **packed, "gc": False},
-            "hf": {**base, "tool": "hf", **unpacked, "gc": False},
+            "hf": {**base, "tool": "hf", **unpacked, "gc": False},  # the plain script, Trainer defaults
+            "hf_grouped": {**base, "tool": "hf", **unpacked, "grouping": True, "gc": False},  # + group_by_length
         }
-    if suite == "levers":
+    if suite == "peers":  # other configurations of the peers, to find their best
         return {
-            "packed": {**base, "tool": "finetune", **packed, "gc": False},
-            "packed_rows_batched": {**base, "tool": "finetune", "micro": rows, "accum": 1, "packing": True, "gc": False},
-            "grouped": {**base, "tool": "finetune", **unpacked, "grouping": True, "gc": False},
-            "neither": {**base, "tool": "finetune", **unpacked, "gc": False},
-            "packed_gc": {**base, "tool": "finetune", **packed, "gc": True},
-            "packed_full_head": {**base, "tool": "finetune", **packed, "gc": False, "head": "full"},
+            "finetune": {**base, "tool": "finetune", **packed, "gc": False},
+            "trl_nogc": {**base, "tool": "trl", **unpacked, "gc": False},
+            "trl_packed_nogc": {**base, "tool": "trl", **packed, "gc": False},
+            "trl_packed_rows_batched_nogc": {**base, "tool": "trl", "micro": rows, "accum": 1, "packing": True, "gc": False},
+            "hf_grouped": {**base, "tool": "hf", **unpacked, "grouping": True, "gc": False},
+        }
+    if suite == "levers":  # finetune only: the main configuration, then one lever changed at a time
+        best = {**base, "tool": "finetune", "micro": rows, "accum": 1, "packing": True, "gc": False}
+        return {
+            "best": best,
+            "one_row_per_micro": {**best, **packed},
+            "grouped_not_packed": {**best, **unpacked, "packing": False, "grouping": True},
+            "neither": {**best, **unpacked, "packing": False},
+            "checkpointing_on": {**best, "gc": True},
+            "full_logits_head": {**best, "head": "full"},
+            "segment_attention": {**best, "attention": "segments"},  # a prototype, not in finetune/
+            **({"compiled_layers": {**best, "compile": True}} if compile_lever else {}),
         }
     if suite == "memory":
         long = {**base, "train": meta["long"], "eval": None, "max_seq_len": 2048, "micro": 1, "accum": 1}
@@ -824,20 +894,26 @@ def fmt_table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def report(results: dict[str, Any], ours: str | None) -> str:
-    rows = [["config", "quant", "trained tok/s", "tok/s", "x ours/peer (trained)", "MFU", "peak RSS MiB", "s/step", "ex/step", "pad", "eval loss", "train loss (last 1/4)"]]
+def report(results: dict[str, Any], ours: str | None, speed: bool = True) -> str:
+    head = ["config", "base", "trained tok/s", "tok/s", "ours/this", "MFU", "peak RSS MiB", "ex/step", "pad", "eval loss", "train loss"]
+    if not speed:
+        head = ["config", "base", "checkpointing", "peak RSS MiB", "RSS loaded MiB", "peak - loaded", "s/step (2 steps, not a speed test)"]
+    rows = [head]
     for name, r in results["configs"].items():
+        if not speed:
+            rows.append([name, "4-bit" if r["spec"]["quant"] else "fp32", "on" if r["spec"]["gc"] else "off", f"{r['peak_rss_mib']:.0f}",
+                         f"{r['rss_loaded_mib']:.0f}", f"{r['peak_rss_mib'] - r['rss_loaded_mib']:.0f}", f"{r['step_s_median']:.1f}"])
+            continue
         ratio = r.get("ratio_ours_over_this")
         rows.append(
             [
                 name,
                 "4-bit" if r["spec"]["quant"] else "fp32",
-                f"{r['trained_tok_s']:.0f}",
-                f"{r['tok_s']:.0f}",
-                "-" if ratio is None else f"{ratio:.2f}",
-                f"{100 * r['mfu']:.1f}%",
+                f"{r['trained_tok_s_aggregate']:.0f} ({r['trained_tok_s']:.0f})",
+                f"{r['tok_s_aggregate']:.0f}",
+                "-" if ratio is None else f"{ratio['total_over_total']:.2f} ({ratio['median_of_rounds']:.2f})",
+                f"{100 * r['mfu_aggregate']:.0f}%",
                 f"{r['peak_rss_mib']:.0f}",
-                f"{r['step_s_median']:.2f}",
                 f"{r['examples_per_step']:.1f}",
                 f"{100 * r['padding_fraction']:.0f}%",
                 "-" if r["eval_loss"] is None else f"{r['eval_loss']:.3f}",
@@ -849,9 +925,10 @@ def report(results: dict[str, Any], ours: str | None) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--suite", choices=["main", "levers", "memory"], nargs="+", default=["main", "memory"])
+    ap.add_argument("--suite", choices=["main", "peers", "levers", "memory"], nargs="+", default=["main", "memory"])
+    ap.add_argument("--with-compile", action="store_true", help="levers: add torch.compile of the decoder layers (compiles for ~1 minute)")
     ap.add_argument("--quick", action="store_true", help="fewer examples and rounds (a smoke run, ~4 minutes)")
-    ap.add_argument("--rounds", type=int, help="timed optimizer steps per config (default 16; quick 3)")
+    ap.add_argument("--rounds", type=int, help="timed optimizer steps per config (default 10; quick 3)")
     ap.add_argument("--quant", choices=["both", "lora", "qlora"], default="both")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/finetune-bench"))
     ap.add_argument("--json", type=Path, default=None, help="write results here (default WORKDIR/compare.json)")
@@ -865,7 +942,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    rounds = args.rounds or (3 if args.quick else 16)
+    rounds = args.rounds or (3 if args.quick else 10)
     t_all = time.perf_counter()
     meta = prepare(args.workdir, 800 if args.quick else 3000)
     print(f"job: {meta['parameters']:,}-parameter Llama, {meta['lengths']}")
@@ -880,7 +957,7 @@ def main() -> None:
     quants = {"both": [False, True], "lora": [False], "qlora": [True]}[args.quant]
     for suite in args.suite:
         for quant in quants if suite != "memory" else [False]:
-            configs = suite_configs(suite, meta, quant)
+            configs = suite_configs(suite, meta, quant, args.with_compile)
             if args.only:
                 configs = {k: v for k, v in configs.items() if k in args.only}
             tag = f"{suite}-{'qlora' if quant else 'lora'}"
@@ -897,8 +974,11 @@ def main() -> None:
                 res["configs"][name] = summarize(w, peak)
                 res["configs"][name]["ratio_ours_over_this"] = ratio.get(name)
             results["suites"][tag] = res
-            print(f"{tag} (ours = {ours}; peak {peak:.1f} GFLOP/s):")
-            print(report(res, ours))
+            print(f"{tag} (ours = {ours}; fp32 matmul peak {peak:.1f} GFLOP/s on 1 thread, median of {len(peaks)}):")
+            if suite != "memory":
+                print("  trained tok/s: total/total over the timed steps (median of the steps' rates); "
+                      "ours/this: total/total (median over rounds of the within-round ratio)")
+            print(report(res, ours, speed=suite != "memory"))
     results["load_after"] = machine_load()
     results["wall_s"] = round(time.perf_counter() - t_all, 1)
     out = args.json or args.workdir / "compare.json"
