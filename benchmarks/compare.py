@@ -1,37 +1,65 @@
 """Side by side: finetune vs TRL SFTTrainer vs a plain HF Trainer + peft script, on the same job.
 
-    cd /work/wt-bench && PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/compare.py [--quick] [--json out.json]
-    python benchmarks/compare.py --suite levers      # packing / grouping / checkpointing / LM head, finetune only
-    python benchmarks/compare.py --suite memory      # peak RSS at sequence length 2048, every tool
+    pip install -e ".[bench]"        # adds trl; everything else is finetune's own dependencies
+    cd /work/wt-bench && PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/compare.py            # main + memory, ~14 min on 2 cores
+    python benchmarks/compare.py --quick                              # smoke run: 800 examples, 3 timed steps
+    python benchmarks/compare.py --suite levers --quant lora          # finetune's levers, one at a time (~7 min)
+    python benchmarks/compare.py --suite peers --quant lora           # more peer configurations (their best)
 
-Everything is built locally (no network): a Llama-shaped model of 29.5M parameters
-(hidden 512, 8 layers, 8 heads, MLP 1376, vocab 4096, random init, fp32), a
-byte-level BPE tokenizer (vocab 4096) trained with `tokenizers` on the generated
-text, and an instruction dataset in prompt/completion form whose response lengths
-are lognormal (median ~80 tokens, truncated at max_seq_len 512).
+Results: printed tables, and JSON (--json, default /tmp/finetune-bench/compare.json).
+Numbers and their reading: benchmarks/README.md.
+
+The job, built locally (no network, no hub):
+  model      Llama-shaped, 29.5M parameters (hidden 512, 8 layers, 8 heads, MLP 1376, vocab 4096,
+             untied head), random init, fp32 weights; QLoRA runs load it 4-bit (NF4, double quant,
+             fp32 compute) through bitsandbytes
+  tokenizer  byte-level BPE, vocab 4096, trained with `tokenizers` on the generated text (the bundled
+             tiny-llama tokenizer has only 912 entries); adds <s>, EOS </s>, pad <pad>
+  data       3,000 prompt/completion records: an instruction over a list of pseudo-words, and a reply
+             built from that list with lognormal length (median 80 words, sigma 0.9); 138 tokens on
+             average, median 104, p90 278, 71 truncated at max_seq_len 512. 48 more are held out.
+  training   LoRA r=16, alpha 32, dropout 0.05 on every linear layer of the decoder; AdamW, lr 1e-3
+             constant, no warm-up, weight decay 0, clip 1.0; fp32; 8 examples per optimizer step
+             (unpadded tools: micro-batch 4 x accumulation 2; packed: 2 rows of 512 ~ 7.4 examples);
+             loss on completion tokens + EOS only, token-mean over the whole step
 
 Every configuration runs in its own worker process (its own peak RSS, its own imports),
 all with one thread (torch.set_num_threads(1), OMP/MKL_NUM_THREADS=1). The workers
 are started together and then run in lockstep: the parent lets worker A run one
-optimizer step, then B, then C, ... and again, so CPU contention from other jobs on
-the machine hits every tool alike; ratios are taken step against step within the
-same round and their median is reported. The first optimizer step of every worker
-is a warm-up and is not timed. A timed step spans everything the tool's own loop
-does between two optimizer steps (batch fetch + collate, forward/backward over the
-accumulation window, clip, AdamW, logging).
+optimizer step, then B, then C, ... and again (order rotated each round), so CPU
+contention from other jobs on the machine hits every tool alike; ratios are also
+taken step against step within a round. The first optimizer step of every worker
+is a warm-up and is not timed, nor is the last (finetune saves its adapter after it).
+A timed step spans everything the tool's own loop does between two optimizer steps
+(batch fetch + collate, forward/backward over the accumulation window, clip, AdamW,
+logging). Hooks only read: they count the batches each tool trained on, and pause.
 
-Counted per step, from the batches each tool actually trained on (hooks that only
-read): total tokens (not padding), trained tokens (label-bearing, after the shift),
-examples, padded slots. FLOPs (model FLOPs, not hardware FLOPs: recomputation by
-gradient checkpointing and work on padding are not counted) per example of s tokens
-with t trained tokens -- see `example_flops`:
+Counted per step, from the batches each tool actually trained on: total tokens (not
+padding), trained tokens (label-bearing, after the shift), examples, padded slots.
+FLOPs (model FLOPs, not hardware FLOPs: recomputation by gradient checkpointing and
+work on padding are not counted) per example of s tokens with t trained tokens -- see
+`example_flops`:
     (4 * N_base + 6 * N_lora) * s      base linears: forward 2N + backward 2N (input grads only, frozen);
                                        LoRA matrices: forward 2N + backward 4N (input and weight grads)
     + 4 * d * V * t                    LM head, forward + input-grad backward, at trained positions only
     + 12 * L * d * s^2                 attention scores and values, forward 4Lds^2 + backward 8Lds^2
                                        (full square, the PaLM appendix-B convention)
-MFU = model FLOPs / step time / peak, peak = this machine's measured single-thread fp32
-torch.mm rate (2048 x 2048, measured in the same run, between rounds).
+with N_base = 25.30M (q k v o gate up down of 8 layers), N_lora = 1.25M, d = 512, V = 4096, L = 8.
+MFU = model FLOPs / step time / peak, peak = this machine's single-thread fp32 torch.mm rate
+(2048 x 2048, best of 3), measured in the same run before, during and after the rounds (median).
+
+Peers, configured as their documentation recommends, changed only where the job demands:
+  TRL        SFTTrainer(model, SFTConfig, train_dataset=Dataset(prompt, completion), peft_config=LoraConfig):
+             completion-only loss (TRL's default for prompt/completion data), TRL's default
+             gradient checkpointing on (and off: *_nogc), packing off (default) and on
+             (packing=True: best-fit decreasing, which switches on padding-free batches);
+             bf16=False (fp32 like everyone); for QLoRA its adapters are cast back to fp32
+             (TRL casts them to bf16, which this CPU lacks natively)
+  HF         the script a user writes: tokenize prompt + completion + EOS, labels -100 on the
+             prompt, DataCollatorForSeq2Seq, Trainer defaults (no checkpointing, random order);
+             prepare_model_for_kbit_training for QLoRA; hf_grouped adds
+             train_sampling_strategy="group_by_length"
+  both       optim = their default adamw_torch_fused; finetune uses torch.optim.AdamW
 """
 
 from __future__ import annotations
@@ -361,6 +389,8 @@ class Lockstep:
         self.t0: float | None = None
         self.free = False
         self.loaded: dict[str, int] = {}
+        self.step_examples: list[int] = []  # examples in every optimizer step, warm-up and last included
+        self._examples = 0
 
     def send(self, obj: dict[str, Any]) -> None:
         self.rep.write(json.dumps(obj) + "\n")
@@ -371,8 +401,14 @@ class Lockstep:
         self.loaded = {"rss_loaded": current_rss(), "maxrss_loaded": max_rss()}
 
     def record(self, batch: dict[str, Any]) -> None:
+        before = self.total.examples
         self.span.add(batch)
         self.total.add(batch)
+        self._examples += self.total.examples - before
+
+    def end_step(self) -> None:
+        self.step_examples.append(self._examples)
+        self._examples = 0
 
     def pause(self) -> None:
         if self.free:
@@ -497,6 +533,7 @@ def run_finetune(spec: dict[str, Any], lock: Lockstep) -> dict[str, Any]:
             batches = super().step_batches(step)
             for b in batches:
                 lock.record(b)
+            lock.end_step()
             return batches
 
         def accumulate_gradients(self, step):
@@ -551,6 +588,7 @@ def _hooked(cls, lock: Lockstep):
             lock.mark_loaded()
 
         def on_step_end(self, args, state, control, **kw):
+            lock.end_step()
             lock.pause()
 
     class Hooked(cls):
@@ -654,6 +692,7 @@ def worker_main(spec: dict[str, Any]) -> None:
         held = encode_eval(read_jsonl(spec["eval"]), tok, spec["max_seq_len"]) if spec.get("eval") else []
         result["eval_loss"] = eval_loss(model, held) if held else None
         result["total"] = lock.total.as_dict()
+        result["step_examples"] = lock.step_examples
         result["threads"] = torch.get_num_threads()
         lock.send({"event": "done", **lock.loaded, **result})
     except BaseException as exc:  # the parent prints it with the log tail
@@ -664,6 +703,9 @@ def worker_main(spec: dict[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------------------- parent side
+
+
+LOADS: list[float] = []  # 1-minute load average after every round: how contended the machine was
 
 
 class Worker:
@@ -755,7 +797,8 @@ def run_lockstep(configs: dict[str, dict[str, Any]], rounds: int, logdir: Path, 
                 workers[name].step()
             if r % 4 == 3:
                 peaks.append(matmul_peak_gflops())
-            say(f"  round {r + 1}/{rounds}: {time.perf_counter() - t0:.1f}s")
+            LOADS.append(round(os.getloadavg()[0], 2))
+            say(f"  round {r + 1}/{rounds}: {time.perf_counter() - t0:.1f}s (load average {LOADS[-1]})")
         for w in workers.values():
             w.finish()
         for w in workers.values():
@@ -797,6 +840,7 @@ def summarize(w: Worker, peak_gflops: float) -> dict[str, Any]:
         "first_loss": w.done["losses"][0] if w.done["losses"] else None,
         "eval_loss": w.done.get("eval_loss"),
         "losses": w.done["losses"],
+        "step_examples": w.done.get("step_examples"),
         "threads": w.done.get("threads"),
     }
     return res
@@ -835,6 +879,8 @@ def suite_configs(suite: str, meta: dict[str, Any], quant: bool, compile_lever: 
             "trl_packed_nogc": {**base, "tool": "trl", **packed, "gc": False},
             "hf": {**base, "tool": "hf", **unpacked, "gc": False},  # the plain script, Trainer defaults
             "hf_grouped": {**base, "tool": "hf", **unpacked, "grouping": True, "gc": False},  # + group_by_length
+            # finetune with length grouping instead of packing: the same layout as hf_grouped
+            "finetune_grouped": {**base, "tool": "finetune", **unpacked, "grouping": True, "gc": False},
         }
     if suite == "peers":  # other configurations of the peers, to find their best
         return {
@@ -895,7 +941,7 @@ def fmt_table(rows: list[list[str]]) -> str:
 
 
 def report(results: dict[str, Any], ours: str | None, speed: bool = True) -> str:
-    head = ["config", "base", "trained tok/s", "tok/s", "ours/this", "MFU", "peak RSS MiB", "ex/step", "pad", "eval loss", "train loss"]
+    head = ["config", "base", "trained tok/s", "tok/s", "ours/this", "MFU", "peak RSS MiB", "examples", "pad", "eval loss", "train loss"]
     if not speed:
         head = ["config", "base", "checkpointing", "peak RSS MiB", "RSS loaded MiB", "peak - loaded", "s/step (2 steps, not a speed test)"]
     rows = [head]
@@ -914,7 +960,7 @@ def report(results: dict[str, Any], ours: str | None, speed: bool = True) -> str
                 "-" if ratio is None else f"{ratio['total_over_total']:.2f} ({ratio['median_of_rounds']:.2f})",
                 f"{100 * r['mfu_aggregate']:.0f}%",
                 f"{r['peak_rss_mib']:.0f}",
-                f"{r['examples_per_step']:.1f}",
+                f"{r['examples_seen']}",
                 f"{100 * r['padding_fraction']:.0f}%",
                 "-" if r["eval_loss"] is None else f"{r['eval_loss']:.3f}",
                 f"{r['final_train_loss']:.3f}",
@@ -980,6 +1026,8 @@ def main() -> None:
                       "ours/this: total/total (median over rounds of the within-round ratio)")
             print(report(res, ours, speed=suite != "memory"))
     results["load_after"] = machine_load()
+    results["load_per_round"] = LOADS
+    results["contended"] = bool(LOADS) and median(LOADS) > 1.5  # this run has 1 busy thread itself; more is other jobs
     results["wall_s"] = round(time.perf_counter() - t_all, 1)
     out = args.json or args.workdir / "compare.json"
     out.write_text(json.dumps(results, indent=1))
