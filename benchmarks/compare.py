@@ -2,7 +2,7 @@
 
     pip install -e ".[bench]"        # adds trl; everything else is finetune's own dependencies
     cd /work/wt-bench && PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/compare.py            # main + memory, ~14 min on 2 cores
-    python benchmarks/compare.py --quick                              # smoke run: 800 examples, 3 timed steps
+    python benchmarks/compare.py --quick                              # smoke run: 800 examples, 3 timed steps, ~8 min
     python benchmarks/compare.py --suite levers --quant lora          # finetune's levers, one at a time (~7 min)
     python benchmarks/compare.py --suite peers --quant lora           # more peer configurations (their best)
 
@@ -973,7 +973,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--suite", choices=["main", "peers", "levers", "memory"], nargs="+", default=["main", "memory"])
     ap.add_argument("--with-compile", action="store_true", help="levers: add torch.compile of the decoder layers (compiles for ~1 minute)")
-    ap.add_argument("--quick", action="store_true", help="fewer examples and rounds (a smoke run, ~4 minutes)")
+    ap.add_argument("--quick", action="store_true", help="800 examples, 3 timed steps (a smoke run, ~8 minutes)")
     ap.add_argument("--rounds", type=int, help="timed optimizer steps per config (default 10; quick 3)")
     ap.add_argument("--quant", choices=["both", "lora", "qlora"], default="both")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/finetune-bench"))
