@@ -121,13 +121,10 @@ def write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-_sha256 = file_digest  # streamed sha256 of a file, shared with the tokenized-data cache
-
-
 def write_manifest(directory: Path, extra: dict[str, Any]) -> None:
     """Written last: every file with its size and sha256, so truncation and bit rot are caught."""
     files = {
-        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": file_digest(p)}
         for p in sorted(directory.rglob("*"))
         if p.is_file() and p.name != MANIFEST
     }
@@ -155,7 +152,7 @@ def verify_manifest(directory: Path, hash_files: bool = True) -> dict[str, Any]:
             raise CheckpointError(
                 f"checkpoint '{directory}': file '{name}' has {f.stat().st_size} bytes, manifest says {meta['bytes']} (truncated)"
             )
-        if hash_files and _sha256(f) != meta["sha256"]:
+        if hash_files and file_digest(f) != meta["sha256"]:
             raise CheckpointError(f"checkpoint '{directory}': file '{name}' is corrupt (sha256 differs from the manifest)")
     return manifest
 

@@ -196,6 +196,16 @@ class RecipeConfig(_Section):
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
+def fsdp_problems(cfg: RecipeConfig, why: str) -> list[str]:
+    """What FSDP cannot run with this recipe; `why` names what chose FSDP (the key, or auto's choice)."""
+    out = []
+    if cfg.quant.bits == 8:
+        out.append(f"{why} cannot shard 8-bit (int8) weights; use quant.bits=4 or null.")
+    if cfg.lora is None:
+        out.append(f"{why} with full fine-tuning (lora: null) is not supported yet; use LoRA, or distributed.strategy=ddp.")
+    return out
+
+
 def cross_field_problems(cfg: RecipeConfig) -> list[str]:
     """Rules that involve more than one key. Each message names the keys and the fix."""
     out = []
@@ -228,13 +238,8 @@ def cross_field_problems(cfg: RecipeConfig) -> list[str]:
         out.append("data.train_on applies to prompt/response data; data.format=text trains every token. Remove it.")
     if cfg.distributed.cpu_offload and cfg.distributed.strategy != "fsdp":
         out.append("distributed.cpu_offload needs distributed.strategy=fsdp (DDP keeps a full replica per GPU).")
-    if cfg.distributed.strategy == "fsdp" and cfg.quant.bits == 8:
-        out.append("distributed.strategy=fsdp cannot shard 8-bit (int8) weights; use quant.bits=4 or null.")
-    if cfg.distributed.strategy == "fsdp" and cfg.lora is None:
-        out.append(
-            "distributed.strategy=fsdp with full fine-tuning (lora: null) is not supported yet; "
-            "use LoRA, or distributed.strategy=ddp."
-        )
+    if cfg.distributed.strategy == "fsdp":
+        out += fsdp_problems(cfg, "distributed.strategy=fsdp")
     if cfg.resume is not None and cfg.overwrite:
         out.append("resume and overwrite=true contradict each other: resume continues a run, overwrite deletes it. Set one.")
     if cfg.lora is not None and cfg.lora.dora and cfg.quant.bits == 8:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from finetune.config import RecipeConfig
+from finetune.config import RecipeConfig, fsdp_problems
 from finetune.errors import ConfigError
 
 
@@ -55,11 +55,7 @@ def resolve_strategy(cfg: RecipeConfig, world_size: int, device: torch.device | 
 
 def check_strategy(cfg: RecipeConfig, strategy: str) -> None:
     """Refuse what FSDP cannot run when `auto` chose it (an explicit fsdp is refused by the recipe's own checks)."""
-    problems = []
-    if strategy == "fsdp" and cfg.quant.bits == 8:
-        problems.append("FSDP (chosen by distributed.strategy=auto) cannot shard 8-bit weights; use quant.bits=4")
-    if strategy == "fsdp" and cfg.lora is None:
-        problems.append("FSDP (chosen by distributed.strategy=auto) is not supported for full fine-tuning; use LoRA")
+    problems = fsdp_problems(cfg, "FSDP (chosen by distributed.strategy=auto)") if strategy == "fsdp" else []
     if problems:
         raise ConfigError(problems)
 

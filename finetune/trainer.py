@@ -275,7 +275,8 @@ class Trainer:
             order = torch.randperm(n, generator=g).tolist()
         if self.cfg.data.group_by_length:
             # Groups of 64 micro-batches: wide enough to find similar lengths, narrow enough to stay random.
-            lengths = [len(self.data.train[i]["input_ids"]) for i in range(n)] if not hasattr(self.data.train, "lengths") else self.data.train.lengths()
+            train = self.data.train
+            lengths = train.lengths() if hasattr(train, "lengths") else [len(ex["input_ids"]) for ex in train]
             order = length_grouped(order, lengths, 64 * self.cfg.train.batch_size)
         self._order_cache = (epoch, order)
         return order

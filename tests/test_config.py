@@ -143,3 +143,19 @@ def test_every_shipped_recipe_validates_and_documents_every_key():
 def test_union_type_error_is_one_problem():
     (p,) = problems_of({**MINIMAL, "lora": {"target": 5}})
     assert p == "lora.target: expected str | list[str] (got 5)"
+
+
+def test_fsdp_rules_hold_for_the_key_and_for_autos_choice():
+    from finetune.distributed import check_strategy
+    from finetune.errors import ConfigError
+
+    base = {"model": {"path": "x"}, "data": {"path": "y"}, "output_dir": "o", "quant": {"bits": 8}}
+    with pytest.raises(ConfigError) as err:
+        build_recipe({**base, "distributed": {"strategy": "fsdp"}})
+    assert "distributed.strategy=fsdp cannot shard 8-bit (int8) weights" in str(err.value)
+    with pytest.raises(ConfigError, match="offload needs distributed.strategy=fsdp"):
+        build_recipe({**base, "quant": {"bits": 4}, "distributed": {"cpu_offload": True}})
+    auto = build_recipe(base)  # strategy auto: valid until auto actually picks FSDP
+    check_strategy(auto, "ddp")
+    with pytest.raises(ConfigError, match=r"FSDP \(chosen by distributed.strategy=auto\) cannot shard 8-bit"):
+        check_strategy(auto, "fsdp")

@@ -46,16 +46,15 @@ class Source:
     skipped: list[str] = field(default_factory=list)  # rows skipped as unreadable (data.skip_bad_rows)
     columns: dict[str, str] = field(default_factory=dict)  # its data.columns (already applied; kept for hints)
 
+    @functools.cached_property
+    def _file_starts(self) -> list[int]:
+        # Errors name records of sources with thousands of shards: a binary search, not a scan.
+        return [o[0] for o in self.origins]
+
     def where(self, i: int) -> str:
         """'data.path: 'train.jsonl' line 12' (JSONL) or '... record 11 (0-based)' (other files)."""
-        if len(self.origins) > 1:
-            starts = self.__dict__.get("_starts")
-            if starts is None or len(starts) != len(self.origins):
-                starts = self.__dict__["_starts"] = [o[0] for o in self.origins]
-            k = bisect.bisect_right(starts, i) - 1
-        else:
-            k = 0
-        start, file, lines = self.origins[k] if self.origins else (0, "?", None)
+        k = bisect.bisect_right(self._file_starts, i) - 1
+        start, file, lines = self.origins[k] if k >= 0 else (0, "?", None)
         if lines is not None:
             return f"{self.key}: '{file}' line {lines[i - start]}"
         return f"{self.key}: '{file}' record {i - start} (0-based)"
