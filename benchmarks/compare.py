@@ -511,9 +511,9 @@ def run_finetune(spec: dict[str, Any], lock: Lockstep) -> dict[str, Any]:
             "warmup_steps": 0,
             "scheduler": "constant",
             "max_grad_norm": 1.0,
-            "gradient_checkpointing": spec["gc"],
             "log_every_steps": 1,
         },
+        "memory": {"activation_checkpointing": "all" if spec["gc"] else "none"},
         "checkpoint": {"every_steps": None},
     }
     full_head = spec.get("head") == "full"

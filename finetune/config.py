@@ -16,7 +16,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
@@ -115,7 +115,6 @@ class TrainConfig(_Section):
     warmup_steps: int = Field(0, ge=0)
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     max_grad_norm: float | None = Field(1.0, gt=0)
-    gradient_checkpointing: bool = True
     log_every_steps: int = Field(1, ge=1)
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="non-finite loss/grad: stop (checkpoint of the last good state + error) or skip the update"
@@ -147,6 +146,37 @@ class DistributedConfig(_Section):
     reshard_after_forward: bool = Field(True, description="fsdp: free gathered layers after forward (less memory, one more all-gather)")
 
 
+class MemoryConfig(_Section):
+    """Trade speed for memory: recompute activations, move them or the frozen weights off the GPU."""
+
+    activation_checkpointing: Literal["all", "none"] | Annotated[int, Field(ge=1)] = Field(
+        "all", description="recompute decoder-layer activations in backward: all layers, none, or every k-th layer (k)"
+    )
+    activation_offload: bool = Field(
+        False, description="saved activations wait in pinned CPU RAM between forward and backward (copied on a side stream)"
+    )
+    base_weights: Literal["device", "cpu", "disk"] = Field(
+        "device",
+        description="where the frozen decoder-layer weights live: cpu RAM or a file on disk (NVMe) are streamed "
+        "to the GPU one layer at a time",
+    )
+    offload_dir: str | None = Field(
+        None, description="base_weights=disk: folder for the weight file (put it on an NVMe disk); null: the cache dir"
+    )
+    optimizer_offload: bool = Field(
+        False, description="optimizer state and the fp32 step run in CPU RAM (large LoRA ranks, full fine-tuning)"
+    )
+
+    @property
+    def checkpoint_every(self) -> int:
+        """Every how many decoder layers one is checkpointed; 0: none."""
+        if self.activation_checkpointing == "all":
+            return 1
+        if self.activation_checkpointing == "none":
+            return 0
+        return int(self.activation_checkpointing)
+
+
 class ReportConfig(_Section):
     """Where metrics go besides metrics.jsonl. The extras are optional installs, checked by `finetune validate`."""
 
@@ -172,6 +202,7 @@ class RecipeConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
     report: ReportConfig = Field(default_factory=ReportConfig)
     resume: str | None = Field(None, description="null | auto | path to a checkpoint directory")
     resume_ignore_changes: bool = Field(
@@ -203,6 +234,31 @@ def fsdp_problems(cfg: RecipeConfig, why: str) -> list[str]:
         out.append(f"{why} cannot shard 8-bit (int8) weights; use quant.bits=4 or null.")
     if cfg.lora is None:
         out.append(f"{why} with full fine-tuning (lora: null) is not supported yet; use LoRA, or distributed.strategy=ddp.")
+    if cfg.memory.base_weights != "device":
+        out.append(
+            f"{why} shards the weights itself; memory.base_weights={cfg.memory.base_weights} streams them on one process. "
+            "Use distributed.cpu_offload=true for FSDP, or run on one GPU."
+        )
+    if cfg.memory.optimizer_offload:
+        out.append(f"{why}: memory.optimizer_offload is for one process; distributed.cpu_offload=true offloads FSDP's optimizer state.")
+    return out
+
+
+def memory_problems(cfg: RecipeConfig) -> list[str]:
+    """What the memory.* offload modes cannot run with."""
+    out = []
+    mem = cfg.memory
+    if mem.base_weights != "device":
+        key = f"memory.base_weights={mem.base_weights}"
+        if mem.checkpoint_every != 1:
+            out.append(
+                f"{key} brings each layer's weights back for the recomputation in backward, so it needs "
+                f"memory.activation_checkpointing=all (got {mem.activation_checkpointing!r})."
+            )
+        if cfg.lora is None:
+            out.append(f"{key} streams frozen weights; with full fine-tuning (lora: null) every weight trains. Use LoRA.")
+    if mem.offload_dir is not None and mem.base_weights != "disk":
+        out.append("memory.offload_dir is only used by memory.base_weights=disk; set that too, or remove offload_dir.")
     return out
 
 
@@ -240,6 +296,7 @@ def cross_field_problems(cfg: RecipeConfig) -> list[str]:
         out.append("distributed.cpu_offload needs distributed.strategy=fsdp (DDP keeps a full replica per GPU).")
     if cfg.distributed.strategy == "fsdp":
         out += fsdp_problems(cfg, "distributed.strategy=fsdp")
+    out += memory_problems(cfg)
     if cfg.resume is not None and cfg.overwrite:
         out.append("resume and overwrite=true contradict each other: resume continues a run, overwrite deletes it. Set one.")
     if cfg.lora is not None and cfg.lora.dora and cfg.quant.bits == 8:
@@ -344,6 +401,12 @@ _SYNONYMS = {
 }
 
 
+# Keys that moved to another section: (old section, old key) -> where it lives now.
+_MOVED = {
+    ("train", "gradient_checkpointing"): "memory.activation_checkpointing (all | none | k for every k-th layer)",
+}
+
+
 def _suggest(key: str, known: list[str]) -> str | None:
     alias = _SYNONYMS.get(key)
     if alias in known:
@@ -391,7 +454,10 @@ def format_validation_error(err: ValidationError) -> list[str]:
             known = list(owner.model_fields) if owner else []
             close = _suggest(str(loc[-1]), known)
             prefix = ".".join(str(p) for p in loc[:-1])
-            if close:
+            moved = _MOVED.get(tuple(str(p) for p in loc[-2:]))
+            if moved:
+                hint = f"it moved to {moved}"
+            elif close:
                 hint = f"did you mean '{prefix + '.' if prefix else ''}{close}'?"
             else:
                 hint = f"known keys{' under ' + prefix if prefix else ''}: {', '.join(known)}"

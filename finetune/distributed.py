@@ -26,6 +26,7 @@ import torch
 
 from finetune.config import RecipeConfig, fsdp_problems
 from finetune.errors import ConfigError
+from finetune.model import decoder_layers
 
 
 def resolve_strategy(cfg: RecipeConfig, world_size: int, device: torch.device | None = None) -> str:
@@ -58,19 +59,6 @@ def check_strategy(cfg: RecipeConfig, strategy: str) -> None:
     problems = fsdp_problems(cfg, "FSDP (chosen by distributed.strategy=auto)") if strategy == "fsdp" else []
     if problems:
         raise ConfigError(problems)
-
-
-def decoder_layers(model) -> list[torch.nn.Module]:
-    """The repeated blocks to shard one by one (the model's own `_no_split_modules` classes)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = set(getattr(base, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ConfigError([
-            f"distributed.strategy=fsdp: found no decoder layers to shard in {type(base).__name__} "
-            "(it names no _no_split_modules); use distributed.strategy=ddp"
-        ])
-    return layers
 
 
 def shard_model(model, cfg: RecipeConfig, compute_dtype: torch.dtype) -> Any:

@@ -176,14 +176,53 @@ def load_base_model(
     model.config.use_cache = False  # the KV cache is useless in training and costs memory
     for p in model.parameters():
         p.requires_grad_(False)
+    keep_4bit_numerics(model)
     return model
 
 
-def enable_gradient_checkpointing(model) -> None:
+def keep_4bit_numerics(model) -> None:
+    """Make bitsandbytes compute 4-bit layers the same way in eval as in training.
+
+    On CPUs with AVX512-BF16, bitsandbytes repacks a Linear4bit's weight the first
+    time it runs in eval mode without grad, and computes from then on in a different
+    (bf16-based) kernel: logits move by ~1e-2, eval loss no longer matches training,
+    merge verification compares against the wrong model, and the repacked weight
+    stays repacked when training resumes. We keep the one kernel the adapter was
+    trained with.
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def decoder_layers(model, purpose: str = "distributed.strategy=fsdp", fallback: str = "use distributed.strategy=ddp") -> list[torch.nn.Module]:
+    """The repeated blocks (the model's own `_no_split_modules` classes): what FSDP shards and offload streams."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ModelError(
+            f"{purpose}: found no decoder layers in {type(base).__name__} (it names no _no_split_modules)", hint=fallback
+        )
+    return layers
+
+
+def enable_gradient_checkpointing(model, every: int = 1) -> None:
+    """Recompute the activations of every `every`-th decoder layer in backward (1: all layers)."""
     # Non-reentrant checkpointing works with frozen inputs and with FSDP; the
     # reentrant variant needs input grads hacks and breaks with some wrappers.
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
+    if every > 1:
+        # transformers checks each layer's own flag (GradientCheckpointingLayer), so a
+        # layer left out here keeps its activations and skips the recomputation.
+        for i, layer in enumerate(decoder_layers(model, "memory.activation_checkpointing", "use all or none")):
+            layer.gradient_checkpointing = i % every == 0
+
+
+def checkpointed_layers(model) -> list[int]:
+    """Indices of the decoder layers whose activations are recomputed in backward."""
+    return [i for i, layer in enumerate(decoder_layers(model)) if getattr(layer, "gradient_checkpointing", False)]
 
 
 def lora_targets(cfg: RecipeConfig) -> str | list[str]:
@@ -233,8 +272,8 @@ def load_model(
 ):
     """Base model -> frozen, quantized per cfg.quant -> checkpointing -> LoRA. Ready for the trainer."""
     model = load_base_model(cfg, precision=precision, device=device, shardable=shardable)
-    if cfg.train.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+    if cfg.memory.checkpoint_every:
+        enable_gradient_checkpointing(model, cfg.memory.checkpoint_every)
     if cfg.lora is not None:
         model = wrap_lora(cfg, model)
     else:

@@ -629,7 +629,7 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
         batch_size=cfg.train.batch_size,
         grad_accum=cfg.train.grad_accum,
         gpus=gpus,
-        gradient_checkpointing=cfg.train.gradient_checkpointing,
+        gradient_checkpointing=cfg.memory.checkpoint_every > 0,
         seq_len=cfg.data.max_seq_len,
         # auto runs DDP unless a replica does not fit (finetune.distributed.resolve_strategy).
         sharding="fsdp" if cfg.distributed.strategy == "fsdp" and gpus > 1 else "ddp",
@@ -671,7 +671,7 @@ KNOBS: list[Knob] = [
     # FSDP only means something on more than one GPU; candidates() drops fsdp x 1 GPU.
     Knob("sharding", "distributed.strategy", lambda s, max_gpus: ["ddp", "fsdp"] if max_gpus > 1 else [s.sharding]),
     Knob("cpu_offload", "distributed.cpu_offload", lambda s, max_gpus: [False, True] if max_gpus > 1 else [s.cpu_offload]),
-    Knob("gradient_checkpointing", "train.gradient_checkpointing", lambda s, _: [False, True]),
+    Knob("gradient_checkpointing", "memory.activation_checkpointing", lambda s, _: [False, True]),
     Knob("batch_size", "train.batch_size", lambda s, _: _divisors(s.global_batch)),
 ]
 
@@ -744,7 +744,10 @@ def changes_of(best: Estimate, base: Setup) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for knob in KNOBS:
         if knob.recipe_key and getattr(best.setup, knob.name) != getattr(base, knob.name):
-            out[knob.recipe_key] = getattr(best.setup, knob.name)
+            value = getattr(best.setup, knob.name)
+            if knob.name == "gradient_checkpointing":
+                value = "all" if value else "none"
+            out[knob.recipe_key] = value
     if best.setup.grad_accum != base.grad_accum:
         out["train.grad_accum"] = best.setup.grad_accum
     return out

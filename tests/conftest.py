@@ -141,7 +141,8 @@ def recipe_dict(tiny_model_dir, alpaca_file, tmp_path) -> dict:
         "precision": "fp32",
         "quant": {"bits": None},
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "train": {"max_steps": 4, "batch_size": 4, "lr": 1e-3, "gradient_checkpointing": False},
+        "train": {"max_steps": 4, "batch_size": 4, "lr": 1e-3},
+        "memory": {"activation_checkpointing": "none"},
     }
 
 
@@ -182,7 +183,8 @@ def train_tiny_run(out: Path, model_dir: Path, data_file: Path, **sections) -> T
         "precision": "fp32",
         "quant": {"bits": None},
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "train": {"max_steps": 3, "batch_size": 4, "lr": 1e-2, "gradient_checkpointing": False},
+        "train": {"max_steps": 3, "batch_size": 4, "lr": 1e-2},
+        "memory": {"activation_checkpointing": "none"},
         "report": {"plot": False},
     }
     for key, value in sections.items():
@@ -211,3 +213,16 @@ def lora_run(tmp_path_factory, tiny_model_dir, runs_data) -> TinyRun:
 def qlora_run(tmp_path_factory, tiny_model_dir, runs_data) -> TinyRun:
     """QLoRA: LoRA trained against the 4-bit NF4 (double-quant) base."""
     return train_tiny_run(tmp_path_factory.mktemp("qlora_run") / "run", tiny_model_dir, runs_data, quant={"bits": 4})
+
+
+def training_kernel_only(model):
+    """Turn off bitsandbytes' AVX512-BF16 eval kernel on a vanilla-loaded model (its logits differ by ~1e-2).
+
+    On CPUs with avx512_bf16, bitsandbytes repacks 4-bit weights for a bf16 kernel the
+    first time a Linear4bit runs in eval mode without grad; training never uses it, so
+    an exact comparison with the trained model needs the training kernel on both sides.
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model

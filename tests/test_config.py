@@ -31,7 +31,7 @@ def test_all_problems_listed_with_did_you_mean():
         "data": {"path": "d", "formatt": "alpaca"},
         "output_dir": "o",
         "trian": {"lr": 1},
-        "train": {"lr": "abc", "batch_size": 0, "gradient_checkpoint": True},
+        "train": {"lr": "abc", "batch_size": 0, "gradient_checkpointing": True},
         "precision": "bf32",
     }
     problems = problems_of(data)
@@ -39,7 +39,7 @@ def test_all_problems_listed_with_did_you_mean():
     text = "\n".join(problems)
     assert "data.formatt: unknown key; did you mean 'data.format'?" in text
     assert "trian: unknown key; did you mean 'train'?" in text
-    assert "train.gradient_checkpoint: unknown key; did you mean 'train.gradient_checkpointing'?" in text
+    assert "train.gradient_checkpointing: unknown key; it moved to memory.activation_checkpointing" in text
     assert "train.lr:" in text and "'abc'" in text
     assert "train.batch_size:" in text and "(got 0)" in text
     assert "precision:" in text and "'bf32'" in text

@@ -9,7 +9,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from conftest import CHATML_TEMPLATE, train_tiny_run
+from conftest import CHATML_TEMPLATE, train_tiny_run, training_kernel_only
 from finetune.cli import main
 from finetune.data import ALPACA_PROMPT
 from finetune.errors import ExportError, MergeCheckFailed, RunDirError
@@ -29,7 +29,7 @@ def vanilla_logits(model_dir, ids, adapter=None, quantized=False):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     extra = {"quantization_config": BitsAndBytesConfig(**QUANT), "device_map": {"": "cpu"}} if quantized else {}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra)
+    model = training_kernel_only(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra))
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter)
     with torch.no_grad():

@@ -102,7 +102,8 @@ def measure(model_dir, tmp_path, *, checkpointing: bool, dropout: float, batch: 
         "model": {"path": str(model_dir)}, "data": {"path": "unused.jsonl", "max_seq_len": seq},
         "output_dir": str(tmp_path / "run"), "precision": "fp32", "quant": {"bits": quant},
         "lora": {"r": 8, "alpha": 16, "dropout": dropout},
-        "train": {"batch_size": batch, "gradient_checkpointing": checkpointing},
+        "train": {"batch_size": batch},
+        "memory": {"activation_checkpointing": "all" if checkpointing else "none"},
     })
     torch.manual_seed(0)
     model = load_model(cfg, precision="fp32", device=torch.device("cpu"))

@@ -12,6 +12,7 @@ from finetune.config import build_recipe
 from finetune.metrics import read_metrics
 from finetune.report import plot_available
 from finetune.trainer import Trainer, lr_factor
+from conftest import training_kernel_only
 
 
 def make_cfg(recipe_dict, **sections):
@@ -91,14 +92,19 @@ def test_grad_accum_equals_full_batch_on_variable_length_data(recipe_dict, tmp_p
     assert len(set(counts)) > 1, counts
 
 
-def test_gradient_checkpointing_gives_the_same_gradients(recipe_dict, tmp_path):
-    grads = {}
-    for gc in (False, True):
-        d = {**recipe_dict, "output_dir": str(tmp_path / f"gc{gc}")}
-        grads[gc], _, trainer = window_grads(d, 4, 1, quant={"bits": 4}, train={"gradient_checkpointing": gc})
-        assert trainer.accelerator.unwrap_model(trainer.model).is_gradient_checkpointing == gc
-    for name in grads[False]:
-        torch.testing.assert_close(grads[True][name], grads[False][name], rtol=1e-5, atol=1e-7)
+def test_activation_checkpointing_policies_give_the_same_gradients(recipe_dict, tmp_path):
+    from finetune.model import checkpointed_layers
+
+    grads, layers = {}, {}
+    for policy in ("none", "all", 2):
+        d = {**recipe_dict, "output_dir": str(tmp_path / f"gc{policy}")}
+        grads[policy], _, trainer = window_grads(d, 4, 1, quant={"bits": 4}, memory={"activation_checkpointing": policy})
+        layers[policy] = checkpointed_layers(trainer.accelerator.unwrap_model(trainer.model))
+    n = len(layers["all"])
+    assert n >= 2 and layers == {"none": [], "all": list(range(n)), 2: list(range(0, n, 2))}
+    for policy in ("all", 2):
+        for name in grads["none"]:
+            torch.testing.assert_close(grads[policy][name], grads["none"][name], rtol=1e-5, atol=1e-7)
 
 
 def test_qlora_run_writes_exact_layout_and_peft_reloads_it(recipe_dict, tiny_model_dir):
@@ -144,7 +150,9 @@ def test_qlora_run_writes_exact_layout_and_peft_reloads_it(recipe_dict, tiny_mod
     q = BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32
     )
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=q, dtype=torch.float32, device_map={"": "cpu"})
+    base = training_kernel_only(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=q, dtype=torch.float32, device_map={"": "cpu"})
+    )
     with torch.no_grad():
         base_logits = base(input_ids=ids).logits
     vanilla = PeftModel.from_pretrained(base, out / "adapter").eval()
