@@ -161,7 +161,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"launching {args.nproc} process{'es' if args.nproc > 1 else ''} x {args.nnodes} node(s): {' '.join(cmd[2:])}", flush=True)
         return run_launcher(cmd)
     print(f"recipe {find_recipe(args.recipe)} -> {cfg.output_dir}")
-    Trainer(cfg, tokenizer=report.tokenizer, progress=not args.no_progress).train()
+    trainer = Trainer(cfg, tokenizer=report.tokenizer, progress=not args.no_progress)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
     return EXIT_OK
 
 

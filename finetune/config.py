@@ -244,6 +244,10 @@ def fsdp_problems(cfg: RecipeConfig, why: str) -> list[str]:
     return out
 
 
+def resolve_offload_dir(cfg: RecipeConfig) -> str | None:
+    return resolve_path(cfg.memory.offload_dir) if cfg.memory.offload_dir else None
+
+
 def memory_problems(cfg: RecipeConfig) -> list[str]:
     """What the memory.* offload modes cannot run with."""
     out = []
@@ -255,6 +259,8 @@ def memory_problems(cfg: RecipeConfig) -> list[str]:
                 f"{key} brings each layer's weights back for the recomputation in backward, so it needs "
                 f"memory.activation_checkpointing=all (got {mem.activation_checkpointing!r})."
             )
+        if cfg.quant.bits == 8:
+            out.append(f"{key} streams 4-bit or 16-bit weights; 8-bit (LLM.int8) layers keep state it cannot move. Use quant.bits=4.")
         if cfg.lora is None:
             out.append(f"{key} streams frozen weights; with full fine-tuning (lora: null) every weight trains. Use LoRA.")
     if mem.offload_dir is not None and mem.base_weights != "disk":

@@ -39,7 +39,7 @@ from finetune.checkpoint import (
     save_adapter,
     save_checkpoint,
 )
-from finetune.config import RecipeConfig, resolve_path
+from finetune.config import RecipeConfig, resolve_offload_dir, resolve_path
 from finetune.data import (
     IGNORE_INDEX,
     Collator,
@@ -50,7 +50,7 @@ from finetune.data import (
     load_records,
     use_template,
 )
-from finetune.errors import CheckpointError, DataError, OutputDirError, Preempted, ResumeMismatch, TrainingError
+from finetune.errors import CheckpointError, ConfigError, DataError, OutputDirError, Preempted, ResumeMismatch, TrainingError
 from finetune.evaluate import ExactMatch, exact_match, loss_sum_and_count, shifted_targets
 from finetune.hardware import resolve_precision, torch_dtype
 from finetune.metrics import MetricsWriter, Progress, Throughput, human_bytes, human_duration, peak_memory_bytes, read_metrics
@@ -63,6 +63,8 @@ from finetune.distributed import (
     shard_model,
 )
 from finetune.model import count_parameters, load_model, load_tokenizer
+from finetune.offload import ActivationOffload, HostAdamW
+from finetune.stream import WeightStream
 from finetune.report import PLOT_NAME, open_sinks, plot_curves, require_extras
 
 
@@ -124,6 +126,8 @@ class Trainer:
         self.accelerator = None
         self._head_on_targets_only = True  # see compute_loss; cleared if the model lacks logits_to_keep
         self.strategy = "single"  # set by setup(): single | ddp | fsdp
+        self.stream: WeightStream | None = None  # memory.base_weights=cpu|disk
+        self.activation_offload: ActivationOffload | None = None  # memory.activation_offload
 
     # ------------------------------------------------------------------ helpers
 
@@ -215,18 +219,32 @@ class Trainer:
 
         self.strategy = resolve_strategy(cfg, acc.num_processes, acc.device)
         check_strategy(cfg, self.strategy)
+        streaming = cfg.memory.base_weights != "device"
+        if streaming and self.strategy != "single":
+            raise ConfigError([
+                f"memory.base_weights={cfg.memory.base_weights} streams the weights of one process; this launch has "
+                f"{acc.num_processes}. Run on one GPU, or use distributed.strategy=fsdp with distributed.cpu_offload=true."
+            ])
         if self.model is None:
             torch.manual_seed(cfg.seed)  # LoRA init is drawn from the global RNG: the same on every rank
             fsdp = self.strategy == "fsdp"
-            # FSDP loads into CPU RAM and moves only this rank's shard to the GPU: a whole
-            # 4-bit 70B model (~37 GB) would not fit one 24 GB card even for a moment.
-            load_on = torch.device("cpu") if fsdp else acc.device
+            # FSDP loads into CPU RAM and moves only this rank's shard to the GPU, and streaming
+            # keeps the decoder layers there: a whole 4-bit 70B model (~37 GB) would not fit
+            # one 24 GB card even for a moment.
+            load_on = torch.device("cpu") if fsdp or streaming else acc.device
             self.model = load_model(cfg, precision=self.precision, device=load_on, shardable=fsdp)
         trainable, total = count_parameters(self.model)
         quant = f"{cfg.quant.bits}-bit {cfg.quant.quant_type if cfg.quant.bits == 4 else 'int8'}" if cfg.quant.bits else "unquantized"
         self.say(
             f"model: {total:,} parameters ({quant} base), {trainable:,} trainable ({100 * trainable / max(total, 1):.2f}%)"
         )
+        if streaming:
+            self.stream = WeightStream.attach(self.model, cfg.memory.base_weights, acc.device, resolve_offload_dir(cfg))
+            where = f"a file in {self.stream.store.parent}" if self.stream.store else "CPU RAM"
+            self.say(
+                f"memory: {human_bytes(self.stream.streamed_bytes)} of frozen decoder-layer weights live in {where} "
+                f"and stream to {acc.device} one layer at a time"
+            )
         if acc.is_main_process:
             prepare_output_dir(cfg)
         acc.wait_for_everyone()
@@ -237,7 +255,10 @@ class Trainer:
         if self.strategy != "single":
             self.say(f"parallel: {self.strategy} over {acc.num_processes} processes")
         params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        adamw = HostAdamW if cfg.memory.optimizer_offload else torch.optim.AdamW
+        optimizer = adamw(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        if cfg.memory.activation_offload:
+            self.activation_offload = ActivationOffload(acc.device)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer,
             lambda s: lr_factor(s, cfg.train.warmup_steps, self.total_steps, cfg.train.scheduler),
@@ -318,7 +339,8 @@ class Trainer:
             else:
                 ctx = acc.no_sync(model) if not last else nullcontext()
             with ctx:
-                loss_sum, _ = self.compute_loss(model, batch)
+                with self.activation_offload.saving() if self.activation_offload else nullcontext():
+                    loss_sum, _ = self.compute_loss(model, batch)
                 acc.backward(loss_sum * scale)
             loss_total += float(loss_sum.detach())
         tokens = sum(count_tokens(b) for b in batches)
@@ -524,6 +546,11 @@ class Trainer:
         return self._global_sum(1.0 if self._stop_signal else 0.0) > 0
 
     # ------------------------------------------------------------------ the loop
+
+    def close(self) -> None:
+        """Free what outlives a run: the streamed-weights file (base_weights=disk). The model is unusable after."""
+        if self.stream is not None:
+            self.stream.close()
 
     def train(self) -> TrainResult:
         try:

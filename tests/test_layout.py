@@ -11,7 +11,7 @@ import finetune
 # trainer -> checkpoint as data flow (the trainer hands state to checkpoint); in
 # imports, checkpoint is a library the trainer calls, so it stands before trainer.
 ORDER = [
-    "errors", "config", "gpus", "hardware", "shards", "metrics", "report", "model", "plan", "distributed", "data",
+    "errors", "config", "gpus", "hardware", "shards", "metrics", "report", "model", "plan", "distributed", "offload", "stream", "data",
     "evaluate", "checkpoint", "preflight", "trainer", "runs", "export", "cli",
 ]
 PKG = Path(finetune.__file__).parent

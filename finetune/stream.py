@@ -1,0 +1,268 @@
+"""Frozen base weights streamed to the compute device one decoder layer at a time (memory.base_weights).
+
+    stream = WeightStream.attach(model, mode="disk", device=torch.device("cuda"), directory="/nvme/tmp")
+    ... train ...
+    stream.close()
+
+In (Q)LoRA the base model never changes, so the weights of its decoder layers need
+not live on the GPU: they wait in CPU RAM (pinned, `cpu`) or in a file on disk
+(`disk`: memory-mapped, so the OS page cache holds them, not our heap) and are
+copied in just before a layer runs: in forward, and again in the recomputation that
+activation checkpointing does before the layer's backward. LoRA weights,
+quantization constants (absmax), norms, embeddings and the head stay resident, plus
+at most three layers' streamed weights.
+
+What the hooks do with layer i's weights:
+  layer pre-hook (forward)     use layer i (waiting for its prefetch), prefetch layer i+1
+  layer post-hook (forward)    release layer i
+  weight pre-hook, in backward (the recomputation; transformers checkpoints a layer's
+                               forward, so only the hooks of modules inside it fire there):
+                               release the layers after i, whose backward is complete,
+                               since autograd starts layer i's nodes only once the gradient
+                               of its output is whole; use layer i, keep it for its
+                               backward, prefetch layer i-1
+  end of backward              release whatever is still resident
+
+On a CUDA device copies run on a side stream and overlap the previous layer's
+compute. On a CPU device "the device" is the heap: a layer is copied from the store
+into ordinary memory and freed again, which is how the tests see the lifecycle.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from finetune.model import decoder_layers
+from finetune.shards import DTYPES, NAMES, ShardWriter, read_header
+
+STORE_FILE = "base-weights.safetensors"
+
+
+@dataclass
+class Streamed:
+    """One frozen weight that lives off the device: the module's parameter and where its bytes wait."""
+
+    param: torch.nn.Parameter
+    stored: torch.Tensor  # on the host: pinned RAM, or a view into the memory-mapped file
+
+    @property
+    def nbytes(self) -> int:
+        return self.stored.numel() * self.stored.element_size()
+
+
+def streamable_weights(layer: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The frozen linear weights of a decoder layer (4-bit packed or 16/32-bit), each once."""
+    seen: dict[int, torch.nn.Parameter] = {}
+    for module in layer.modules():
+        weight = getattr(module, "weight", None)
+        # bitsandbytes' Linear4bit subclasses nn.Linear; peft's LoRA A/B are nn.Linear but trainable.
+        if isinstance(module, torch.nn.Linear) and isinstance(weight, torch.nn.Parameter) and not weight.requires_grad:
+            seen.setdefault(id(weight), weight)
+    return list(seen.values())
+
+
+def in_backward() -> bool:
+    """True while autograd's engine runs a backward pass (the recomputation of a checkpointed layer)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def map_file(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file as views of one read-only memory map (file-backed pages, not heap)."""
+    header = read_header(path)
+    # shared=False maps the file privately: pages come from the page cache and we never write back.
+    raw = torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
+    out = {}
+    for name, entry in header.tensors.items():
+        begin, end = entry["data_offsets"]
+        dtype = DTYPES[entry["dtype"]]
+        start = header.data_start + begin
+        if start % dtype.itemsize:
+            raise ValueError(f"{path}: tensor {name} starts at byte {start}, not aligned for {dtype}")
+        out[name] = raw[start : header.data_start + end].view(dtype).view(entry["shape"])
+    return out
+
+
+class WeightStream:
+    """Keeps the decoder layers' frozen weights off the device and brings each layer in when it runs."""
+
+    def __init__(self, layers: list[torch.nn.Module], streamed: list[list[Streamed]], device: torch.device, store: Path | None):
+        self.layers = layers
+        self.streamed = streamed
+        self.device = device
+        self.store = store  # the file behind mode=disk, deleted by close()
+        self.resident: dict[int, tuple[list[torch.Tensor], torch.cuda.Event | None]] = {}
+        self.active: set[int] = set()
+        self.loads = 0  # layer copies made (forward + recomputation + eval)
+        self.max_resident = 0  # most layers resident at once
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._end_of_backward_queued = False
+        self._handles = []
+        for i, layer in enumerate(layers):
+            self._handles.append(layer.register_forward_pre_hook(self._layer_pre_hook(i)))
+            self._handles.append(layer.register_forward_hook(self._layer_post_hook(i)))
+            for module in layer.modules():
+                if any(s.param is getattr(module, "weight", None) for s in streamed[i]):
+                    self._handles.append(module.register_forward_pre_hook(self._weight_pre_hook(i)))
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def attach(cls, model, mode: str, device: torch.device, directory: str | os.PathLike[str] | None = None) -> WeightStream:
+        """Move the frozen decoder-layer weights of `model` (on the CPU) to the store, the rest to `device`."""
+        if mode not in ("cpu", "disk"):
+            raise ValueError(f"mode must be cpu or disk, got {mode!r}")
+        layers = decoder_layers(model, f"memory.base_weights={mode}", "use memory.base_weights=device for this model")
+        weights = [streamable_weights(layer) for layer in layers]
+        pin = device.type == "cuda"
+        store = None
+        if mode == "disk":
+            store = _store_path(directory)
+            stored = _write_store(store, weights)
+        else:
+            stored = {}
+            for i, params in enumerate(weights):
+                for j, p in enumerate(params):
+                    host = p.data.to("cpu")
+                    stored[_key(i, j)] = host.pin_memory() if pin else host.clone()
+                    p.data = _placeholder(p, torch.device("cpu"))
+        streamed = [[Streamed(p, stored[_key(i, j)]) for j, p in enumerate(params)] for i, params in enumerate(weights)]
+        model.to(device)  # everything that stays: LoRA, norms, embeddings, head, quant constants
+        for params in weights:
+            for p in params:
+                p.data = _placeholder(p, device)
+        return cls(layers, streamed, device, store)
+
+    @property
+    def streamed_bytes(self) -> int:
+        return sum(s.nbytes for layer in self.streamed for s in layer)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self.store is not None:
+            self.store.unlink(missing_ok=True)
+            self.store = None
+
+    # ------------------------------------------------------------------ moving layers
+
+    def _prefetch(self, i: int) -> None:
+        """Start copying layer i to the device (no-op if it is there or out of range)."""
+        if not 0 <= i < len(self.layers) or i in self.resident:
+            return
+        stored = [s.stored for s in self.streamed[i]]
+        if self._copy_stream is not None:
+            with torch.cuda.stream(self._copy_stream):
+                copies = [t.to(self.device, non_blocking=True) for t in stored]
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+        else:
+            copies, event = [t.clone() for t in stored], None
+        self.resident[i] = (copies, event)
+        self.loads += 1
+        self.max_resident = max(self.max_resident, len(self.resident))
+
+    def _use(self, i: int) -> None:
+        self._prefetch(i)
+        copies, event = self.resident[i]
+        if i in self.active:
+            return
+        if event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            for t in copies:
+                t.record_stream(current)  # made on the copy stream, used (and freed) on this one
+        for s, t in zip(self.streamed[i], copies):
+            s.param.data = t
+        self.active.add(i)
+
+    def _release(self, i: int) -> None:
+        entry = self.resident.pop(i, None)
+        if entry is None:
+            return
+        for s in self.streamed[i]:
+            s.param.data = _placeholder(s.param, self.device)
+        self.active.discard(i)
+
+    def release_all(self) -> None:
+        for i in list(self.resident):
+            self._release(i)
+        self._end_of_backward_queued = False
+
+    # ------------------------------------------------------------------ hooks
+
+    def _layer_pre_hook(self, i: int):
+        def hook(module, args):
+            self._use(i)
+            self._prefetch(i + 1)  # copied on the side stream while layer i computes
+
+        return hook
+
+    def _layer_post_hook(self, i: int):
+        def hook(module, args, output):
+            if not in_backward():
+                self._release(i)
+
+        return hook
+
+    def _weight_pre_hook(self, i: int):
+        # transformers checkpoints a layer's forward, not its __call__, so the layer's own
+        # hooks stay outside the recomputation; the hooks of the modules inside it fire there.
+        def hook(module, args):
+            if i in self.active:
+                return
+            if in_backward():
+                for j in [j for j in self.resident if j > i]:
+                    self._release(j)  # their backward is complete (see the module docstring)
+                if not self._end_of_backward_queued:
+                    torch.autograd.Variable._execution_engine.queue_callback(self.release_all)
+                    self._end_of_backward_queued = True
+                self._use(i)
+                self._prefetch(i - 1)
+            else:
+                self._use(i)
+
+        return hook
+
+
+# ---------------------------------------------------------------------- the store
+
+
+def _key(layer: int, index: int) -> str:
+    return f"layers.{layer}.{index}"
+
+
+def _placeholder(p: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """What a streamed parameter holds while its layer is not resident: no bytes, same dtype."""
+    return torch.empty(0, dtype=p.dtype, device=device)
+
+
+def _store_path(directory: str | os.PathLike[str] | None) -> Path:
+    root = Path(directory) if directory else Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune")) / "offload"
+    root.mkdir(parents=True, exist_ok=True)
+    handle, name = tempfile.mkstemp(prefix="base-weights-", suffix=".safetensors", dir=root)
+    os.close(handle)
+    path = Path(name)
+    atexit.register(path.unlink, missing_ok=True)  # a crash must not leave tens of GB behind
+    return path
+
+
+def _write_store(path: Path, weights: list[list[torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
+    """Write every streamed weight to one safetensors file, freeing each layer's heap copy as it goes."""
+    # Widest dtypes first, so every tensor starts aligned for its dtype.
+    order = sorted(
+        ((i, j, p) for i, params in enumerate(weights) for j, p in enumerate(params)),
+        key=lambda t: (-t[2].element_size(), t[0], t[1]),
+    )
+    plan = [(_key(i, j), NAMES[p.dtype], list(p.shape)) for i, j, p in order]
+    with ShardWriter(path, plan, metadata={"what": "finetune streamed base weights"}) as writer:
+        for i, j, p in order:
+            writer.write(_key(i, j), p.data)
+            p.data = _placeholder(p, torch.device("cpu"))
+    return map_file(path)

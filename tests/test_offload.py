@@ -1,0 +1,178 @@
+"""memory.*: streamed base weights, activation offload and the host optimizer change nothing but where bytes wait."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import build_char_tokenizer, build_tiny_llama
+from finetune.config import build_recipe
+from finetune.errors import ConfigError
+from finetune.metrics import read_metrics
+from finetune.offload import ActivationOffload, HostAdamW
+from finetune.trainer import Trainer
+
+LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def four_layer_model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny4")
+    tok = build_char_tokenizer(d)
+    build_tiny_llama(d, vocab_size=len(tok), layers=LAYERS)
+    return d
+
+
+def recipe(recipe_dict, model_dir, out, quant, **memory):
+    data = json.loads(json.dumps(recipe_dict))
+    data["model"]["path"] = str(model_dir)
+    data["output_dir"] = str(out)
+    data["quant"] = {"bits": quant}
+    data["lora"]["dropout"] = 0.1  # the recomputation must replay dropout exactly
+    data["train"].update(max_steps=3, batch_size=2, grad_accum=2)
+    data["memory"] = {"activation_checkpointing": "all", **memory}
+    return build_recipe(data)
+
+
+def run(cfg):
+    trainer = Trainer(cfg, progress=False)
+    result = trainer.train()
+    losses = [r["loss"] for r in read_metrics(result.metrics_path) if "loss" in r]
+    adapter = load_file(str(result.output_dir / "adapter" / "adapter_model.safetensors"))
+    return trainer, losses, adapter
+
+
+@pytest.mark.parametrize("quant", [None, 4], ids=["lora", "qlora"])
+def test_streamed_base_weights_train_exactly_like_resident_ones(recipe_dict, four_layer_model, tmp_path, quant):
+    _, ref_losses, ref_adapter = run(recipe(recipe_dict, four_layer_model, tmp_path / "device", quant))
+    for mode in ("cpu", "disk"):
+        extra = {"offload_dir": str(tmp_path / "nvme")} if mode == "disk" else {}
+        trainer, losses, adapter = run(recipe(recipe_dict, four_layer_model, tmp_path / mode, quant, base_weights=mode, **extra))
+        # The same kernels on the same bytes: equal, not merely close.
+        assert losses == ref_losses, mode
+        assert adapter.keys() == ref_adapter.keys() and len(adapter) == LAYERS * 7 * 2
+        for name in adapter:
+            assert torch.equal(adapter[name], ref_adapter[name]), (mode, name)
+        stream = trainer.stream
+        # Every streamed weight is a frozen linear weight of a decoder layer: 7 per Llama layer.
+        assert [len(layer) for layer in stream.streamed] == [7] * LAYERS
+        # Between steps no layer is resident: every streamed parameter holds no bytes.
+        assert not stream.resident
+        assert all(s.param.numel() == 0 for layer in stream.streamed for s in layer)
+        # 3 steps x 2 micro-batches x (forward + recomputation) x 4 layers, plus the exact-match-free
+        # run has no eval: each layer copied exactly twice per micro-batch.
+        assert stream.loads == 3 * 2 * 2 * LAYERS
+        assert 2 <= stream.max_resident <= 3
+        if mode == "disk":
+            store = stream.store
+            assert store.parent == tmp_path / "nvme" and store.is_file()
+            assert store.stat().st_size > stream.streamed_bytes
+            trainer.close()
+            assert not store.exists()
+
+
+def test_streaming_holds_at_most_three_layers_during_backward(recipe_dict, four_layer_model, tmp_path):
+    cfg = recipe(recipe_dict, four_layer_model, tmp_path / "s", 4, base_weights="cpu")
+    trainer = Trainer(cfg, progress=False)
+    trainer.setup()
+    stream = trainer.stream
+    seen = []
+    for layer in stream.streamed:  # the last streamed weight of each layer (down_proj) about to run
+        module = next(m for m in trainer.model.modules() if getattr(m, "weight", None) is layer[-1].param)
+        module.register_forward_pre_hook(lambda m, a: seen.append(sorted(stream.resident)))
+    trainer.model.train()  # from_pretrained leaves the layers in eval mode, where nothing is checkpointed
+    trainer.accumulate_gradients(0)
+    # Forward of micro-batch 1: layer i computing, i+1 prefetched; then the recomputation
+    # runs 3, 2, 1, 0 keeping the layer whose backward follows.
+    assert seen[:LAYERS] == [[0, 1], [1, 2], [2, 3], [3]]
+    assert seen[LAYERS : 2 * LAYERS] == [[2, 3], [1, 2], [0, 1], [0]]
+    assert not stream.resident
+
+
+def test_activation_offload_moves_saved_tensors_and_keeps_gradients(recipe_dict, tmp_path):
+    def grads(offload: bool):
+        data = {**recipe_dict, "output_dir": str(tmp_path / f"o{offload}")}
+        data["memory"] = {"activation_checkpointing": "all", "activation_offload": offload}
+        trainer = Trainer(build_recipe(data), progress=False)
+        trainer.setup()
+        if offload:
+            # On a CPU device the default is a no-op; copying anyway puts every saved
+            # tensor through the round trip a GPU run takes.
+            trainer.activation_offload = ActivationOffload(torch.device("cpu"), min_bytes=0, force_copy=True)
+        trainer.model.train()
+        trainer.accumulate_gradients(0)
+        return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.requires_grad}, trainer
+
+    plain, _ = grads(False)
+    moved, trainer = grads(True)
+    assert trainer.activation_offload.moved_tensors > 0 and trainer.activation_offload.moved_bytes > 0
+    for name in plain:
+        torch.testing.assert_close(moved[name], plain[name], rtol=0, atol=0)
+
+
+def test_activation_offload_leaves_weights_and_small_tensors_alone():
+    offload = ActivationOffload(torch.device("cpu"), min_bytes=1024, force_copy=True)
+    weight = torch.nn.Parameter(torch.randn(64, 64))
+    x = torch.randn(8, 64, requires_grad=True)
+    with offload.saving():
+        y = (x @ weight.t()).sum()  # saves x (2 KiB) and weight (a parameter)
+    y.backward()
+    assert offload.moved_tensors == 1 and offload.moved_bytes == 8 * 64 * 4
+    torch.testing.assert_close(x.grad, weight.detach().sum(0).expand(8, 64))
+
+
+def test_host_adamw_steps_like_adamw_and_its_state_loads_into_plain_adamw():
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(4))]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    plain = torch.optim.AdamW(a, lr=1e-2, weight_decay=0.1)
+    host = HostAdamW(b, lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(host, lambda s: 1.0 / (s + 1))
+    sched_plain = torch.optim.lr_scheduler.LambdaLR(plain, lambda s: 1.0 / (s + 1))
+    for step in range(4):
+        g = [torch.randn_like(p) for p in a]
+        for p, q, gi in zip(a, b, g):
+            p.grad, q.grad = gi.clone(), gi.clone()
+        plain.step(), host.step(), sched.step(), sched_plain.step()
+        for p, q in zip(a, b):
+            torch.testing.assert_close(q, p, rtol=0, atol=0)
+    # A checkpoint written with offload resumes without it (and back).
+    again = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in a], lr=1.0)
+    again.load_state_dict(host.state_dict())
+    assert again.param_groups[0]["lr"] == plain.param_groups[0]["lr"]
+    for i in range(2):
+        torch.testing.assert_close(again.state[again.param_groups[0]["params"][i]]["exp_avg_sq"], plain.state[a[i]]["exp_avg_sq"])
+    host2 = HostAdamW([torch.nn.Parameter(p.detach().clone()) for p in a], lr=1.0)
+    host2.load_state_dict(plain.state_dict())
+    assert host2.param_groups[0]["lr"] == plain.param_groups[0]["lr"]
+
+
+def test_optimizer_offload_trains_like_the_plain_optimizer(recipe_dict, tmp_path):
+    def losses(offload):
+        data = {**recipe_dict, "output_dir": str(tmp_path / f"opt{offload}")}
+        data["memory"] = {"activation_checkpointing": "none", "optimizer_offload": offload}
+        result = Trainer(build_recipe(data), progress=False).train()
+        return [r["loss"] for r in read_metrics(result.metrics_path) if "loss" in r]
+
+    assert losses(True) == losses(False)
+
+
+@pytest.mark.parametrize(
+    "memory, extra, expected",
+    [
+        ({"base_weights": "cpu", "activation_checkpointing": "none"}, {}, "needs memory.activation_checkpointing=all"),
+        ({"base_weights": "disk", "activation_checkpointing": 2}, {}, "needs memory.activation_checkpointing=all"),
+        ({"base_weights": "cpu"}, {"quant": {"bits": 8}}, "Use quant.bits=4"),
+        ({"base_weights": "cpu"}, {"distributed": {"strategy": "fsdp"}}, "Use distributed.cpu_offload=true for FSDP"),
+        ({"offload_dir": "/nvme"}, {}, "memory.offload_dir is only used by memory.base_weights=disk"),
+        ({"activation_checkpointing": 0}, {}, "activation_checkpointing"),
+    ],
+)
+def test_memory_rules_name_the_keys_and_the_fix(recipe_dict, memory, extra, expected):
+    data = {**json.loads(json.dumps(recipe_dict)), **extra, "memory": memory}
+    with pytest.raises(ConfigError) as err:
+        build_recipe(data)
+    assert expected in str(err.value)
