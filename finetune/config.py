@@ -153,7 +153,9 @@ class MemoryConfig(_Section):
         "all", description="recompute decoder-layer activations in backward: all layers, none, or every k-th layer (k)"
     )
     activation_offload: bool = Field(
-        False, description="saved activations wait in pinned CPU RAM between forward and backward (copied on a side stream)"
+        False,
+        description="what autograd saves for backward waits in pinned CPU RAM (copied on a side stream): the activations "
+        "of layers that are not checkpointed, so pair it with activation_checkpointing none or k",
     )
     base_weights: Literal["device", "cpu", "disk"] = Field(
         "device",

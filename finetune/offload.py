@@ -29,6 +29,8 @@ class ActivationOffload:
     """saved_tensors_hooks that park autograd's saved activations in host RAM between forward and backward."""
 
     def __init__(self, device: torch.device, min_bytes: int = MIN_OFFLOAD_BYTES, force_copy: bool = False):
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # tensors report cuda:N, never bare cuda
         self.device = device
         self.min_bytes = min_bytes
         self.force_copy = force_copy  # on a CPU device: copy anyway (tests), instead of the no-op
@@ -44,7 +46,9 @@ class ActivationOffload:
     def _worth_moving(self, t: torch.Tensor) -> bool:
         if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
             return False  # weights stay where they are (and a frozen one may be streamed already)
-        return t.device == self.device and t.numel() * t.element_size() >= self.min_bytes
+        # Non-contiguous ones (e.g. an attention bias whose rows are padded for alignment)
+        # would come back with other strides, which fused attention kernels reject.
+        return t.device == self.device and t.is_contiguous() and t.numel() * t.element_size() >= self.min_bytes
 
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._worth_moving(t):

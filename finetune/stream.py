@@ -24,8 +24,10 @@ What the hooks do with layer i's weights:
   end of backward              release whatever is still resident
 
 On a CUDA device copies run on a side stream and overlap the previous layer's
-compute. On a CPU device "the device" is the heap: a layer is copied from the store
-into ordinary memory and freed again, which is how the tests see the lifecycle.
+compute. On a CPU device there is nothing to copy to: a layer's parameters point at
+the store while the layer is "resident" (for disk: at the page cache, so the weights
+never count as the process's anonymous memory), and the same bookkeeping runs, which
+is how the tests see the lifecycle.
 """
 
 from __future__ import annotations
@@ -65,6 +67,42 @@ def streamable_weights(layer: torch.nn.Module) -> list[torch.nn.Parameter]:
         if isinstance(module, torch.nn.Linear) and isinstance(weight, torch.nn.Parameter) and not weight.requires_grad:
             seen.setdefault(id(weight), weight)
     return list(seen.values())
+
+
+class _Saved4bitMatmul(torch.autograd.Function):
+    """x @ dequant(W).T for a streamed 4-bit weight, with W saved through save_for_backward.
+
+    bitsandbytes' own MatMul4Bit keeps W in a plain ctx attribute, which activation
+    checkpointing cannot see: every layer's weight would stay on the GPU from forward
+    to backward, and streaming would save nothing. Saved this way, the checkpoint drops
+    it after forward and the recomputation saves the freshly streamed copy. Forward and
+    backward are bitsandbytes' kernels, so the numbers are the same.
+    """
+
+    @staticmethod
+    def forward(ctx, x, packed, bias, state):
+        import bitsandbytes as bnb
+
+        ctx.state = state
+        ctx.save_for_backward(packed)
+        return bnb.matmul_4bit(x, packed.t(), bias=bias, quant_state=state)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import bitsandbytes.functional as bnbf
+
+        (packed,) = ctx.saved_tensors
+        grad_x = torch.matmul(grad, bnbf.dequantize_4bit(packed.view(-1, 1), ctx.state).to(grad.dtype))
+        return grad_x, None, None, None
+
+
+def _streamed_4bit_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """Linear4bit.forward for a streamed (frozen) weight, through _Saved4bitMatmul."""
+    in_dtype = x.dtype
+    if self.compute_dtype is not None:
+        x = x.to(self.compute_dtype)
+    bias = None if self.bias is None else self.bias.to(x.dtype)
+    return _Saved4bitMatmul.apply(x, self.weight, bias, self.weight.quant_state).to(in_dtype)
 
 
 def in_backward() -> bool:
@@ -109,6 +147,8 @@ class WeightStream:
             for module in layer.modules():
                 if any(s.param is getattr(module, "weight", None) for s in streamed[i]):
                     self._handles.append(module.register_forward_pre_hook(self._weight_pre_hook(i)))
+                    if getattr(module.weight, "quant_state", None) is not None and isinstance(module, torch.nn.Linear):
+                        module.forward = _streamed_4bit_forward.__get__(module)
 
     # ------------------------------------------------------------------ building
 
@@ -129,7 +169,7 @@ class WeightStream:
             for i, params in enumerate(weights):
                 for j, p in enumerate(params):
                     host = p.data.to("cpu")
-                    stored[_key(i, j)] = host.pin_memory() if pin else host.clone()
+                    stored[_key(i, j)] = host.pin_memory() if pin else host
                     p.data = _placeholder(p, torch.device("cpu"))
         streamed = [[Streamed(p, stored[_key(i, j)]) for j, p in enumerate(params)] for i, params in enumerate(weights)]
         model.to(device)  # everything that stays: LoRA, norms, embeddings, head, quant constants
@@ -163,7 +203,9 @@ class WeightStream:
                 event = torch.cuda.Event()
                 event.record(self._copy_stream)
         else:
-            copies, event = [t.clone() for t in stored], None
+            # A CPU device computes from host memory: it reads the store in place (for disk,
+            # straight from the page cache), and only the bookkeeping below happens.
+            copies, event = stored, None
         self.resident[i] = (copies, event)
         self.loads += 1
         self.max_resident = max(self.max_resident, len(self.resident))

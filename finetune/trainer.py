@@ -180,6 +180,12 @@ class Trainer:
         cfg = self.cfg
         self.precision = resolve_precision(cfg.precision)
         mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[self.precision]
+        from accelerate.state import AcceleratorState
+
+        # accelerate keeps one mixed-precision setting per process and refuses a second
+        # Trainer with another; the setting is ours to choose per run (the process group,
+        # in PartialState, is kept).
+        AcceleratorState._reset_state()
         self.accelerator = Accelerator(mixed_precision=mixed, cpu=not torch.cuda.is_available())
         acc = self.accelerator
         self.out = Path(cfg.output_dir)
