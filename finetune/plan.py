@@ -40,6 +40,14 @@ MATMUL_EFFICIENCY = 0.45  # fraction of dense bf16 peak that LoRA training matmu
 BANDWIDTH_EFFICIENCY = 0.75  # fraction of spec memory bandwidth reached by the NF4 dequantize kernels
 LINK_EFFICIENCY = 0.8  # fraction of link bandwidth reached by NCCL collectives and host copies
 HOST_BASELINE_BYTES = 3 * GiB  # python + torch + CUDA libraries + tokenizer, per process
+# Host link: GpuSpec.pcie_gbps, the effective one-direction rate of pinned copies (PCIe 4.0 x16:
+# ~25 GB/s of 32; PCIe 5.0: ~50). memory.base_weights=disk reads a memory-mapped file: when its
+# pages are not in the page cache the NVMe disk sets the rate (PCIe 4.0 NVMe sequential read).
+NVME_READ_GBPS = 3.5
+HOST_ADAMW_GBPS = 10.0  # host-memory traffic torch's CPU AdamW sustains (an assumption; desktop DDR4/DDR5)
+HOST_ADAMW_BYTES_PER_PARAM = 64  # fp32 weight, grad and 2 moments, read and written over AdamW's elementwise passes
+STREAMED_LAYERS_RESIDENT = 3  # stream.py: the layer computing, the prefetched next one, and in backward the one finishing
+OFFLOAD_LAYERS_IN_FLIGHT = 2  # activation offload: the layer being copied out (forward) or back (backward) and the next
 DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size when the model's shards cannot be seen
 NF4_BLOCK, NF4_BLOCK2 = 64, 256  # bitsandbytes 4-bit block size, and double-quant block size of the absmax
 
@@ -190,21 +198,38 @@ def read_model_shape(source: str, trust_remote_code: bool = False, revision: str
 class Setup:
     """One way to run a recipe: the knobs the search turns, and the sequence length.
 
-    Later issues add fields here (activation offload, base-weight offload, FSDP
-    cpu_offload) together with a Knob in KNOBS and their terms in `estimate`.
+    A new memory mode is a field here, a Knob in KNOBS, its terms in `estimate`
+    and `step_time`, and its recipe key in `setup_of` / `changes_of`.
     """
 
     batch_size: int
     grad_accum: int
     gpus: int = 1
-    gradient_checkpointing: bool = True
+    checkpoint_every: int = 1  # memory.activation_checkpointing: 1 all layers, 0 none, k every k-th layer
     seq_len: int = 2048
     sharding: str = "ddp"  # ddp: a full copy per GPU; fsdp: layers sharded over the GPUs
     cpu_offload: bool = False  # fsdp: the shards (weights, grads, optimizer state) live in host RAM
+    activation_offload: bool = False  # memory.activation_offload: saved activations wait in pinned host RAM
+    base_weights: str = "device"  # memory.base_weights: device | cpu | disk (cpu/disk stream one layer at a time)
+    optimizer_offload: bool = False  # memory.optimizer_offload: AdamW state and fp32 step in host RAM
 
     @property
     def global_batch(self) -> int:
         return self.batch_size * self.grad_accum * self.gpus
+
+    @property
+    def streams_weights(self) -> bool:
+        return self.base_weights != "device"
+
+    def checkpointed_layers(self, layers: int) -> int:
+        """How many of `layers` decoder layers recompute in backward (model.py checkpoints index % k == 0)."""
+        return 0 if self.checkpoint_every <= 0 else math.ceil(layers / self.checkpoint_every)
+
+    @property
+    def offload_rank(self) -> int:
+        """How much this setup leans on host RAM and the host link; ties in step time go to the lowest."""
+        return (int(self.activation_offload) + int(self.optimizer_offload) + int(self.cpu_offload)
+                + {"device": 0, "cpu": 2, "disk": 3}.get(self.base_weights, 3))
 
 
 @dataclass(frozen=True)
@@ -296,6 +321,8 @@ class Estimate:
     trainable_params: int
     impl: Implementation = DEFAULT_IMPL
     notes: list[str] = field(default_factory=list)
+    host_ram_parts: dict[str, int] = field(default_factory=dict)  # per process; host_ram_bytes is for all of them
+    disk_parts: dict[str, int] = field(default_factory=dict)
 
     @property
     def memory_bytes(self) -> int | None:
@@ -335,7 +362,9 @@ class Estimate:
             "step_time_parts_s": self.step_time_parts,
             "tokens_per_s": self.tokens_per_step / self.step_time_s if self.step_time_s else None,
             "host_ram_bytes": self.host_ram_bytes,
+            "host_ram_parts": self.host_ram_parts,
             "disk_bytes": self.disk_bytes,
+            "disk_parts": self.disk_parts,
             "trainable_params": self.trainable_params,
             "total_params": self.shape.total_params,
             "notes": self.notes,
@@ -429,6 +458,15 @@ def loss_peak_bytes(tokens: int, vocab: int, logits_bytes: int, impl: Implementa
     return max(logits_bytes * n + logits_bytes * n + upcast * n + 4 * n, 12 * n)
 
 
+def trainable_params(shape: ModelShape, recipe: Recipe) -> int:
+    """LoRA A and B of every targeted linear (+ DoRA magnitudes); full fine-tuning: every parameter."""
+    if not recipe.lora_r:
+        return shape.total_params
+    targets = lora_targets(shape, recipe.lora_target)
+    extra = sum(g.out_features * g.count for g in targets) if recipe.dora else 0
+    return sum(recipe.lora_r * (g.in_features + g.out_features) * g.count for g in targets) + extra
+
+
 def estimate(
     shape: ModelShape,
     recipe: Recipe,
@@ -455,19 +493,14 @@ def estimate(
         q_weight += w * g.count
         q_const += c * g.count
     unquantized = (shape.embedding_params + shape.head_params + shape.other_params) * unq_bytes
-    targets = lora_targets(shape, recipe.lora_target) if recipe.lora_r else []
-    if recipe.lora_r:
-        trainable = sum(recipe.lora_r * (g.in_features + g.out_features) * g.count for g in targets)
-        trainable += sum(g.out_features * g.count for g in targets) if recipe.dora else 0
-        adapter_bytes = impl.adapter_bytes
-    else:
-        trainable = shape.total_params
-        adapter_bytes = 4 if b == 4 else b
+    trainable = trainable_params(shape, recipe)
+    adapter_bytes = impl.adapter_bytes if recipe.lora_r else (4 if b == 4 else b)
     lora = trainable * adapter_bytes if recipe.lora_r else 0
     grads = trainable * adapter_bytes
     optim = trainable * adapter_bytes * impl.optimizer_states
     layer_fraction = 1.0
     gathered = 0
+    streamed_resident = streamed_store = 0
     if fsdp:
         # Decoder layers are sharded; the root unit (embeddings, head, final norm) stays whole.
         # Two layers are gathered at a time (the running one and the prefetched one).
@@ -475,6 +508,12 @@ def estimate(
         gathered = int(2 * (q_weight + q_const) / L)
         q_weight, q_const = int(q_weight / n_gpu), int(q_const / n_gpu)
         lora, grads, optim = lora // n_gpu, grads // n_gpu, optim // n_gpu
+    elif setup.streams_weights:
+        # memory.base_weights=cpu|disk (stream.py): the decoder linears' packed weights wait on the host
+        # and at most three layers' worth are on the GPU; their quantization constants stay resident.
+        streamed_store = q_weight
+        streamed_resident = int(min(STREAMED_LAYERS_RESIDENT, L) * q_weight / L)
+        q_weight = 0
     ddp_buckets = grads if (n_gpu > 1 and not fsdp) else 0  # DDP's all-reduce buckets mirror the gradients
     offloaded = 0
     if fsdp and setup.cpu_offload:
@@ -482,16 +521,37 @@ def estimate(
         # state) stays in host RAM; the GPU holds only what is gathered for the running layers.
         offloaded = q_weight + q_const + lora + grads + optim
         q_weight = q_const = lora = grads = optim = 0
+    host_optimizer = 0
+    if setup.optimizer_offload and not setup.cpu_offload:
+        # HostAdamW (offload.py): an fp32 copy of each trainable weight, its fp32 gradient and both fp32
+        # moments live in host RAM (pinned); the GPU keeps the weights and their gradients.
+        host_optimizer = (trainable // n_gpu if fsdp else trainable) * 4 * 4
+        optim = 0
 
-    # Activations.
+    # Activations. model.py checkpoints layers whose index is a multiple of k: they keep only their
+    # input; the others keep every activation they save.
     per_layer = layer_saved_bytes_per_token(shape, recipe, B)
-    if setup.gradient_checkpointing:
-        saved = L * tokens * b * shape.hidden  # each layer's input, kept for the recompute
-        recompute = tokens * per_layer  # one layer's activations, rebuilt during its backward
-    else:
-        saved = L * tokens * per_layer
-        recompute = 0
-    saved += 2 * T * shape.head_dim * b  # RoPE cos and sin, shared by the layers
+    checkpointed = setup.checkpointed_layers(L)
+    input_only = tokens * b * shape.hidden  # a checkpointed layer's input, kept for the recompute
+    full_layer = tokens * per_layer
+    layers_saved = checkpointed * input_only + (L - checkpointed) * full_layer
+    recompute = full_layer if checkpointed else 0  # one layer's activations, rebuilt during its backward
+    host_activations = 0
+    if setup.activation_offload:
+        # offload.py: saved tensors go to pinned host RAM on a side stream as forward makes them and
+        # come back as backward reaches them. On the GPU: the layers in flight, plus the copies that
+        # fall behind when a layer saves more than the link carries while the next one computes (a
+        # layer that keeps all its activations: 1 - compute/transfer of a layer per such layer).
+        host_activations = layers_saved
+        largest = full_layer if checkpointed < L else input_only
+        backlog = 0.0
+        if gpu is not None and checkpointed < L:
+            copy_s = full_layer / (gpu.pcie_gbps * 1e9)
+            compute_s = forward_seconds(shape, recipe, setup, gpu, trainable) / L
+            backlog = max(0.0, 1 - compute_s / copy_s) * (L - checkpointed)
+        layers_saved = min(layers_saved, int((min(OFFLOAD_LAYERS_IN_FLIGHT, L) + backlog) * largest))
+    # The head's and the loss's buffers are not moved: they are made right before backward needs them.
+    saved = layers_saved + 2 * T * shape.head_dim * b  # + RoPE cos and sin, shared by the layers
     final_norm = tokens * 4 * shape.hidden
     logits_bytes = unq_bytes if impl.loss != "chunked" else b
     loss = loss_peak_bytes(tokens, shape.vocab, logits_bytes, impl)
@@ -499,7 +559,7 @@ def estimate(
     dequant = shape.largest_linear * b if recipe.quant_bits else 0  # the weight dequantized for one matmul
     mask = B * T * T if B > 1 else 0  # bool 4D attention mask transformers builds when the batch is padded
 
-    static = q_weight + q_const + unquantized + lora + grads + optim + ddp_buckets + gathered
+    static = q_weight + q_const + streamed_resident + unquantized + lora + grads + optim + ddp_buckets + gathered
     phase_loss = static + saved + mask + final_norm + loss
     phase_backward = static + saved + mask + recompute + working + dequant
     loss_peak = phase_loss >= phase_backward
@@ -507,8 +567,17 @@ def estimate(
     on_gpu = gpu is not None
     slack = int(ALLOCATOR_SLACK * peak_alloc) if on_gpu else 0
     context = CUDA_CONTEXT_BYTES if on_gpu else 0
+    where = {"cpu": "CPU RAM", "disk": "a file on disk"}.get(setup.base_weights, "")
+    if checkpointed == L:
+        kept = " (checkpointed layer inputs)"
+    elif checkpointed == 0:
+        kept = " (all layers)"
+    else:
+        kept = f" ({checkpointed} checkpointed layers' inputs, all of {L - checkpointed} others)"
     comps = [
         Component("weights_quantized", f"base weights ({_quant_label(recipe)})", q_weight),
+        Component("weights_streamed", f"base weights streamed ({min(STREAMED_LAYERS_RESIDENT, L)} of {L} layers)",
+                  streamed_resident),
         Component("quant_constants", "quantization constants (absmax)", q_const),
         Component("weights_unquantized", f"embeddings, head, norms, biases ({_dtype_label(unq_bytes)})", unquantized),
         Component("lora_weights", f"LoRA weights ({_dtype_label(adapter_bytes)})" if recipe.lora_r else "trained weights", lora),
@@ -516,8 +585,8 @@ def estimate(
         Component("optimizer_state", "AdamW state (2 moments)", optim),
         Component("ddp_buckets", "DDP all-reduce buckets", ddp_buckets),
         Component("fsdp_gathered", "FSDP gathered layers (2)", gathered),
-        Component("activations", "activations kept for backward"
-                  + (" (checkpointed layer inputs)" if setup.gradient_checkpointing else " (all layers)"), saved),
+        Component("activations", ("activations in flight to/from host RAM" if setup.activation_offload
+                                  else "activations kept for backward") + kept, saved),
         Component("attention_mask", "padded-batch attention mask", mask),
         Component("logits_loss", "logits and loss buffers", loss, in_peak=loss_peak),
         Component("final_norm", "final norm input (fp32)", final_norm, in_peak=loss_peak),
@@ -529,47 +598,108 @@ def estimate(
     ]
     peak = peak_alloc + slack + context
 
-    step, parts = step_time(shape, recipe, setup, gpu, trainable, q_weight + q_const + offloaded, adapter_bytes, fsdp)
+    step, parts = step_time(
+        shape, recipe, setup, gpu, trainable, q_weight + q_const + offloaded, adapter_bytes, fsdp,
+        streamed_bytes=streamed_store, activation_bytes=host_activations,
+    )
     shard = shard_bytes or min(DEFAULT_SHARD_BYTES, shape.total_params * 2)
-    host = HOST_BASELINE_BYTES + shard + offloaded  # per process: loading streams one shard at a time; offloaded shards stay
+    # Loading streams one shard at a time. Streaming loads (and quantizes) the whole model in CPU RAM
+    # first (trainer.py: it would not fit the GPU even for a moment), then moves its layers to the store.
+    loading = shard + ((streamed_store + q_const + unquantized) if setup.streams_weights else 0)
+    pinned = (streamed_store if setup.base_weights == "cpu" else 0) + host_activations + host_optimizer
+    host = HOST_BASELINE_BYTES + max(loading, pinned) + offloaded  # per process; offloaded FSDP shards stay
+    host_parts = {"libraries": HOST_BASELINE_BYTES, "loading": loading, "streamed_weights": streamed_store if setup.base_weights == "cpu" else 0,
+                  "activations": host_activations, "optimizer": host_optimizer, "fsdp_shards": offloaded}
     state_bytes = trainable * adapter_bytes * (1 + impl.optimizer_states)
-    disk = (0 if model_on_disk else shape.total_params * 2) + keep_checkpoints * state_bytes + trainable * adapter_bytes
+    disk_parts = {
+        "download": 0 if model_on_disk else shape.total_params * 2,
+        "checkpoints": keep_checkpoints * state_bytes,
+        "adapter": trainable * adapter_bytes,
+        "streamed_weights": streamed_store if setup.base_weights == "disk" else 0,
+    }
+    disk = sum(disk_parts.values())
     notes = []
     if gpu is not None and gpu.name == "custom":
         notes.append(f"unknown GPU: speed assumed {gpu.bf16_tflops:.0f} TFLOPs, {gpu.bandwidth_gbps:.0f} GB/s")
+    if setup.base_weights == "disk":
+        notes.append(
+            f"base_weights=disk: step time assumes reads from the NVMe disk at {NVME_READ_GBPS:g} GB/s; with "
+            f"{gib(streamed_store)} of free RAM for the page cache the file stays cached and streams like base_weights=cpu"
+        )
     return Estimate(
         shape=shape, setup=setup, gpu=gpu, components=comps, peak_phase="loss" if loss_peak else "backward",
         peak_allocated_bytes=peak_alloc, peak_bytes=peak, step_time_s=step, step_time_parts=parts,
         host_ram_bytes=host * n_gpu, disk_bytes=disk, trainable_params=trainable, impl=impl, notes=notes,
+        host_ram_parts=host_parts, disk_parts=disk_parts,
     )
 
 
-def step_time(shape, recipe, setup, gpu, trainable, quantized_weight_bytes, adapter_bytes, fsdp) -> tuple[float, dict[str, float]]:
-    """Seconds per optimizer step: compute at MATMUL_EFFICIENCY of dense bf16 peak, NF4 dequantization
-    at BANDWIDTH_EFFICIENCY of memory bandwidth, gradient all-reduce (DDP) or weight all-gather (FSDP)
-    over the GPU link. CPU runs (gpu=None) get 0: the plan is for GPUs."""
-    if gpu is None:
-        return 0.0, {}
+def _micro_batch_seconds(shape, recipe, setup, gpu, trainable) -> tuple[float, float, float]:
+    """(compute, dequantize, forward) seconds of one micro-batch on one GPU, nothing moved over a link.
+
+    forward: the first pass over the layer stack (its matmuls, attention and one dequantize pass),
+    the rest of compute + dequantize being the recompute and backward."""
     T = setup.seq_len
     tokens = setup.batch_size * T
     matmul_params = shape.linear_params + (shape.head_params or shape.embedding_params)
     lora_flops = 2 * trainable if recipe.lora_r else 0
     fwd = 2 * matmul_params + lora_flops
     attn_fwd = 2 * T * shape.heads * shape.head_dim * shape.layers  # QK^T and AV, causal half
-    ckpt = 1 if setup.gradient_checkpointing else 0
+    ckpt = setup.checkpointed_layers(shape.layers) / shape.layers  # the share of layers replayed
     # Backward of a frozen weight computes only the input gradient (1x forward); attention
     # backward is ~2x its forward; checkpointing replays the decoder forward once more.
     per_token = fwd * (2 + ckpt) + attn_fwd * (3 + ckpt) + (lora_flops if recipe.lora_r else 2 * fwd)
-    compute = tokens * per_token / (gpu.bf16_tflops * 1e12 * MATMUL_EFFICIENCY)
+    rate = gpu.bf16_tflops * 1e12 * MATMUL_EFFICIENCY
+    compute = tokens * per_token / rate
     dequant = 0.0
+    one_pass = 0.0
     if recipe.quant_bits:
         # Each pass over a 4-bit weight reads it (0.5 B/param), writes it in bf16 (2) and the matmul reads that (2).
-        passes = 2 + ckpt
-        dequant = passes * shape.linear_params * 4.5 / (gpu.bandwidth_gbps * 1e9 * BANDWIDTH_EFFICIENCY)
+        one_pass = shape.linear_params * 4.5 / (gpu.bandwidth_gbps * 1e9 * BANDWIDTH_EFFICIENCY)
+        dequant = (2 + ckpt) * one_pass
+    forward = tokens * (fwd + attn_fwd) / rate + one_pass
+    return compute, dequant, forward
+
+
+def forward_seconds(shape, recipe, setup, gpu, trainable) -> float:
+    return _micro_batch_seconds(shape, recipe, setup, gpu, trainable)[2]
+
+
+def step_time(shape, recipe, setup, gpu, trainable, quantized_weight_bytes, adapter_bytes, fsdp, *,
+              streamed_bytes: int = 0, activation_bytes: int = 0) -> tuple[float, dict[str, float]]:
+    """Seconds per optimizer step: compute at MATMUL_EFFICIENCY of dense bf16 peak, NF4 dequantization
+    at BANDWIDTH_EFFICIENCY of memory bandwidth, gradient all-reduce (DDP) or weight all-gather (FSDP)
+    over the GPU link, and host-link copies of the offload modes. CPU runs (gpu=None) get 0: the plan
+    is for GPUs.
+
+    streamed_bytes: base weights streamed per pass over the layer stack (base_weights=cpu|disk);
+    activation_bytes: saved activations sent to host RAM per micro-batch (activation_offload)."""
+    if gpu is None:
+        return 0.0, {}
+    compute, dequant, forward = _micro_batch_seconds(shape, recipe, setup, gpu, trainable)
     micro = compute + dequant
+    host_link = gpu.pcie_gbps * 1e9
+    transfer = exposed = 0.0
+    if streamed_bytes or activation_bytes:
+        # Copies run on a side stream while layers compute, so a layer takes max(its compute, its copy):
+        # summed over uniform layers, max(compute of the pass, copies of the pass). The head and loss
+        # are counted in with the layers (a slight over-statement of the overlap); nothing hides the
+        # copy of the first layer of each pass (it has no layer before it).
+        weights_rate = min(NVME_READ_GBPS * 1e9, host_link) if setup.base_weights == "disk" else host_link
+        weights = streamed_bytes / weights_rate  # once in forward, once in the recompute before backward
+        first_layer = weights / shape.layers
+        acts = activation_bytes / host_link
+        backward = micro - forward
+        # Forward: weights come in while activations go out (PCIe is full duplex). Backward: offload.py
+        # copies saved tensors back on the compute stream, so those copies add to the time.
+        with_copies = max(forward, weights, acts) + first_layer + max(backward, weights) + first_layer + acts
+        transfer = 2 * weights + 2 * acts
+        exposed = with_copies - micro
+        micro = with_copies
     n = setup.gpus
     link = gpu.interconnect_gbps * 1e9 * LINK_EFFICIENCY
     comm = 0.0
+    ckpt = setup.checkpointed_layers(shape.layers) / shape.layers
     if n > 1 and fsdp:
         gather = (2 + ckpt) * quantized_weight_bytes * n * (n - 1) / n / link  # each pass gathers the whole layer stack
         micro = max(micro, gather)  # FSDP prefetch overlaps the gathers with compute
@@ -579,13 +709,17 @@ def step_time(shape, recipe, setup, gpu, trainable, quantized_weight_bytes, adap
     optimizer = 4 * trainable * adapter_bytes * 4 / (gpu.bandwidth_gbps * 1e9 * BANDWIDTH_EFFICIENCY)
     if fsdp and setup.cpu_offload:
         # Each pass copies this GPU's weight shards host->GPU; gradients go back once a step;
-        # AdamW runs on the CPU (~10 GB/s of state traffic, an assumption).
+        # AdamW runs on the CPU.
         n_share = max(n, 1)
-        h2d = (2 + ckpt) * quantized_weight_bytes / n_share / (gpu.pcie_gbps * 1e9)
+        h2d = (2 + ckpt) * quantized_weight_bytes / n_share / host_link
         micro = max(micro, h2d)
-        comm += trainable * adapter_bytes / n_share / (gpu.pcie_gbps * 1e9)
-        optimizer = 4 * trainable * adapter_bytes * 4 / n_share / 10e9
-    parts = {"compute": compute * setup.grad_accum, "dequantize": dequant * setup.grad_accum, "communication": comm, "optimizer": optimizer}
+        comm += trainable * adapter_bytes / n_share / host_link
+        optimizer = 4 * trainable * adapter_bytes * 4 / n_share / (HOST_ADAMW_GBPS * 1e9)
+    elif setup.optimizer_offload:
+        # HostAdamW: gradients to the host, the fp32 AdamW step there, updated weights back; not overlapped.
+        optimizer = 2 * trainable * adapter_bytes / host_link + trainable * HOST_ADAMW_BYTES_PER_PARAM / (HOST_ADAMW_GBPS * 1e9)
+    parts = {"compute": compute * setup.grad_accum, "dequantize": dequant * setup.grad_accum, "communication": comm,
+             "optimizer": optimizer, "host_transfer": transfer * setup.grad_accum, "host_transfer_exposed": exposed * setup.grad_accum}
     return micro * setup.grad_accum + comm + optimizer, parts
 
 
@@ -629,12 +763,22 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
         batch_size=cfg.train.batch_size,
         grad_accum=cfg.train.grad_accum,
         gpus=gpus,
-        gradient_checkpointing=cfg.memory.checkpoint_every > 0,
+        checkpoint_every=cfg.memory.checkpoint_every,
         seq_len=cfg.data.max_seq_len,
         # auto runs DDP unless a replica does not fit (finetune.distributed.resolve_strategy).
         sharding="fsdp" if cfg.distributed.strategy == "fsdp" and gpus > 1 else "ddp",
         cpu_offload=cfg.distributed.cpu_offload and cfg.distributed.strategy == "fsdp" and gpus > 1,
+        activation_offload=cfg.memory.activation_offload,
+        base_weights=cfg.memory.base_weights,
+        optimizer_offload=cfg.memory.optimizer_offload,
     )
+
+
+def recipe_value(knob: str, value: Any) -> Any:
+    """A Setup value as its recipe key takes it (checkpoint_every 1/0/k -> all/none/k)."""
+    if knob == "checkpoint_every":
+        return {1: "all", 0: "none"}.get(value, value)
+    return value
 
 
 def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Setup | None = None) -> Estimate:
@@ -664,25 +808,49 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-# Order matters only for ties. New knobs (activation offload, base-weight offload,
-# FSDP cpu_offload) are appended here and read by `estimate`; the search needs no change.
+def _checkpoint_choices(s: Setup, _: int) -> list[int]:
+    # none, every 4th, every 2nd, all: each step keeps more activations and replays fewer layers.
+    return sorted({0, 4, 2, 1, s.checkpoint_every})
+
+
+# The search keeps the fastest setup that fits; every offload mode costs time on the host link
+# (step_time), so it wins only when nothing faster fits, and an exact tie goes to the setup with
+# the lower Setup.offload_rank. base_weights=disk is tried only when the recipe has it: it frees
+# the same GPU memory as cpu, more slowly (it is for hosts whose RAM cannot pin the weights).
 KNOBS: list[Knob] = [
     Knob("gpus", None, lambda s, max_gpus: list(range(1, max_gpus + 1))),
     # FSDP only means something on more than one GPU; candidates() drops fsdp x 1 GPU.
     Knob("sharding", "distributed.strategy", lambda s, max_gpus: ["ddp", "fsdp"] if max_gpus > 1 else [s.sharding]),
     Knob("cpu_offload", "distributed.cpu_offload", lambda s, max_gpus: [False, True] if max_gpus > 1 else [s.cpu_offload]),
-    Knob("gradient_checkpointing", "memory.activation_checkpointing", lambda s, _: [False, True]),
+    Knob("checkpoint_every", "memory.activation_checkpointing", _checkpoint_choices),
     Knob("batch_size", "train.batch_size", lambda s, _: _divisors(s.global_batch)),
+    Knob("activation_offload", "memory.activation_offload", lambda s, _: [False, True]),
+    Knob("optimizer_offload", "memory.optimizer_offload", lambda s, _: [False, True]),
+    Knob("base_weights", "memory.base_weights", lambda s, _: sorted({"device", "cpu", s.base_weights}, key=["device", "cpu", "disk"].index)),
 ]
 
 
-def candidates(base: Setup, max_gpus: int) -> list[Setup]:
-    """Every setup the knobs allow that keeps the global batch (batch x accum x GPUs)."""
+def runnable(s: Setup, recipe: Recipe | None = None) -> bool:
+    """Whether the trainer runs this combination (config.fsdp_problems, config.memory_problems, trainer.py)."""
+    if (s.sharding == "fsdp" and s.gpus == 1) or (s.cpu_offload and s.sharding != "fsdp"):
+        return False
+    if s.sharding == "fsdp" and (s.streams_weights or s.optimizer_offload):
+        return False  # FSDP shards and offloads the weights and optimizer state itself
+    if s.streams_weights:
+        if s.gpus != 1 or s.checkpoint_every != 1:
+            return False  # one process; the recomputation brings each layer back before its backward
+        if recipe is not None and (recipe.quant_bits == 8 or recipe.lora_r is None):
+            return False
+    return True
+
+
+def candidates(base: Setup, max_gpus: int, recipe: Recipe | None = None) -> list[Setup]:
+    """Every runnable setup the knobs allow that keeps the global batch (batch x accum x GPUs)."""
     out = []
     names = [k.name for k in KNOBS]
     for values in product(*(k.candidates(base, max_gpus) for k in KNOBS)):
         s = replace(base, **dict(zip(names, values)))
-        if (s.sharding == "fsdp" and s.gpus == 1) or (s.cpu_offload and s.sharding != "fsdp"):
+        if not runnable(s, recipe):
             continue
         per_gpu = base.global_batch / (s.batch_size * s.gpus)
         if per_gpu < 1 or per_gpu != int(per_gpu):
@@ -691,19 +859,22 @@ def candidates(base: Setup, max_gpus: int) -> list[Setup]:
     return out
 
 
-def search(shape: ModelShape, recipe: Recipe, base: Setup, gpu: GpuSpec, max_gpus: int, **kw) -> tuple[Estimate | None, list[Estimate]]:
+def search(shape: ModelShape, recipe: Recipe, base: Setup, gpu: GpuSpec, max_gpus: int, host_ram: int | None = None,
+           **kw) -> tuple[Estimate | None, list[Estimate]]:
     """(fastest setup that fits with FIT_HEADROOM to spare, or None; every estimate made).
-    Ties go to fewer GPUs, then more headroom."""
-    estimates = [estimate(shape, recipe, s, gpu, **kw) for s in candidates(base, max_gpus)]
-    fitting = [e for e in estimates if e.peak_bytes <= (1 - FIT_HEADROOM) * gpu.memory_bytes]
-    best = min(fitting, key=lambda e: (round(e.step_time_s, 6), e.setup.gpus, -e.headroom_bytes), default=None)
+    host_ram: the machine's RAM, when known; offload setups that need more are left out.
+    Ties go to less offloading, then fewer GPUs, then more headroom."""
+    estimates = [estimate(shape, recipe, s, gpu, **kw) for s in candidates(base, max_gpus, recipe)]
+    fitting = [e for e in estimates if e.peak_bytes <= (1 - FIT_HEADROOM) * gpu.memory_bytes
+               and (host_ram is None or e.host_ram_bytes <= host_ram or e.setup.offload_rank == 0)]
+    best = min(fitting, key=lambda e: (round(e.step_time_s, 6), e.setup.offload_rank, e.setup.gpus, -e.headroom_bytes), default=None)
     return best, estimates
 
 
 def longest_fitting_seq(shape: ModelShape, recipe: Recipe, base: Setup, gpu: GpuSpec, **kw) -> int:
-    """The longest data.max_seq_len at which batch 1 with checkpointing fits (0: not even 64 tokens)."""
+    """The longest data.max_seq_len at which batch 1 of `base` fits (0: not even 64 tokens)."""
     lo, hi = 0, base.seq_len
-    probe = replace(base, batch_size=1, grad_accum=1, gradient_checkpointing=True)
+    probe = replace(base, batch_size=1, grad_accum=1)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if estimate(shape, recipe, replace(probe, seq_len=mid), gpu, **kw).peak_bytes <= (1 - FIT_HEADROOM) * gpu.memory_bytes:
@@ -713,27 +884,28 @@ def longest_fitting_seq(shape: ModelShape, recipe: Recipe, base: Setup, gpu: Gpu
     return lo if lo >= 64 else 0
 
 
-def fit(cfg: RecipeConfig, gpu: GpuSpec, max_gpus: int = 1, gpus: int | None = None) -> tuple[Estimate, Estimate]:
-    """(the recipe as written on `gpus` GPUs, the fastest setup that fits). Raises PlanError when none fits."""
+def fit(cfg: RecipeConfig, gpu: GpuSpec, max_gpus: int = 1, gpus: int | None = None, host_ram: int | None = None) -> tuple[Estimate, Estimate]:
+    """(the recipe as written on `gpus` GPUs, the fastest setup that fits; with host_ram, one whose
+    offload also fits that much RAM). Raises PlanError when none fits."""
     shape = model_shape_of(cfg)
     recipe = Recipe.from_config(cfg, plan_precision(cfg, gpu))
     kw = dict(keep_checkpoints=cfg.checkpoint.keep_last or 1, model_on_disk=Path(model_source(cfg)).is_dir(), shard_bytes=_shard_bytes(cfg))
     base = setup_of(cfg, gpus or max_gpus)
     current = estimate(shape, recipe, base, gpu, **kw)
-    best, estimates = search(shape, recipe, base, gpu, max_gpus, **kw)
+    best, estimates = search(shape, recipe, base, gpu, max_gpus, host_ram=host_ram, **kw)
     if best is None:
         smallest = min(estimates, key=lambda e: e.peak_bytes)
-        seq = longest_fitting_seq(shape, recipe, replace(base, gpus=max_gpus), gpu, **kw)
+        seq = longest_fitting_seq(shape, recipe, smallest.setup, gpu, **kw)
         static = sum(c.bytes for c in smallest.components if c.key.startswith(("weights", "quant")))
         need = smallest.peak_bytes / (1 - FIT_HEADROOM)
         how = [f"a GPU with at least {gib(need)} (--gpu-mem {math.ceil(need / GiB)}GB)"]
         if seq:
-            how.append(f"data.max_seq_len={seq} (fits at batch 1 with checkpointing)")
+            how.append(f"data.max_seq_len={seq} (fits at batch 1 with the smallest setup)")
         how.append("a smaller lora.r or fewer lora.target modules" if cfg.lora else "LoRA (lora.r=16) instead of full fine-tuning")
         raise PlanError(
             f"no setup of '{cfg.model.path}' at data.max_seq_len={base.seq_len} fits {max_gpus} x {gpu.name} "
             f"({gib(gpu.memory_bytes)} each, {FIT_HEADROOM:.0%} kept free): the smallest needs {gib(smallest.peak_bytes)} per GPU "
-            f"(batch 1, checkpointing on; the weights alone take {gib(static)})",
+            f"({describe_setup(smallest.setup)}; the weights alone take {gib(static)})",
             hint="; or ".join(how),
         )
     return current, best
@@ -744,10 +916,7 @@ def changes_of(best: Estimate, base: Setup) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for knob in KNOBS:
         if knob.recipe_key and getattr(best.setup, knob.name) != getattr(base, knob.name):
-            value = getattr(best.setup, knob.name)
-            if knob.name == "gradient_checkpointing":
-                value = "all" if value else "none"
-            out[knob.recipe_key] = value
+            out[knob.recipe_key] = recipe_value(knob.name, getattr(best.setup, knob.name))
     if best.setup.grad_accum != base.grad_accum:
         out["train.grad_accum"] = best.setup.grad_accum
     return out
@@ -761,11 +930,14 @@ def gib(n: float) -> str:
 
 
 def describe_setup(s: Setup) -> str:
+    ckpt = {1: "all layers", 0: "off"}.get(s.checkpoint_every, f"every {s.checkpoint_every} layers")
+    offload = [name for name, on in [("activations", s.activation_offload), ("optimizer", s.optimizer_offload),
+                                     (f"base weights streamed from {s.base_weights}", s.streams_weights)] if on]
     return (
         f"{s.gpus} GPU{'s' if s.gpus > 1 else ''}"
         f"{(' (FSDP, CPU offload)' if s.cpu_offload else ' (FSDP)') if s.sharding == 'fsdp' and s.gpus > 1 else ''}, "
         f"batch {s.batch_size} x accum {s.grad_accum} (global {s.global_batch}), seq {s.seq_len}, "
-        f"checkpointing {'on' if s.gradient_checkpointing else 'off'}"
+        f"checkpointing {ckpt}" + (f", offload: {', '.join(offload)}" if offload else "")
     )
 
 
@@ -791,21 +963,46 @@ def report(e: Estimate) -> str:
         verdict = (f"fits: {gib(room)} headroom ({100 * e.peak_bytes / e.gpu.memory_bytes:.0f}% of {e.gpu.name})" if e.fits
                    else f"does NOT fit: {gib(-room)} over the {gib(e.gpu.memory_bytes)} of {e.gpu.name}")
         lines += ["", f"verdict    {verdict}"]
-    lines.append(f"host RAM   {gib(e.host_ram_bytes)} (per process: libraries + one weight shard while loading)")
-    lines.append(f"disk       {gib(e.disk_bytes)} (bf16 weights if downloaded, checkpoints, adapter)")
+    lines += _host_lines(e)
     if e.step_time_s:
         p = e.step_time_parts
         lines.append(
             f"step time  ~{e.step_time_s:.2f} s/step, {e.tokens_per_step / e.step_time_s:,.0f} tokens/s "
             f"(compute {p['compute']:.2f} s at {MATMUL_EFFICIENCY:.0%} of {e.gpu.bf16_tflops:g} TFLOPs, "
             f"dequantize {p['dequantize']:.2f} s at {BANDWIDTH_EFFICIENCY:.0%} of {e.gpu.bandwidth_gbps:g} GB/s, "
-            f"communication {p['communication']:.2f} s)"
+            f"communication {p['communication']:.2f} s, optimizer {p['optimizer']:.2f} s)"
         )
+        if p.get("host_transfer"):
+            s = e.setup
+            rate = f"{e.gpu.pcie_gbps:g} GB/s (pinned, host link)"
+            if s.base_weights == "disk":
+                rate = f"{min(NVME_READ_GBPS, e.gpu.pcie_gbps):g} GB/s (NVMe, page cache cold) for weights, " + rate
+            lines.append(
+                f"host link  {p['host_transfer']:.2f} s/step of copies at {rate}, overlapped layer by layer "
+                f"with compute: they add {p['host_transfer_exposed']:.2f} s/step"
+            )
     lines += [f"note       {n}" for n in e.notes]
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- writing the recipe
+
+
+def _host_lines(e: Estimate) -> list[str]:
+    """Host RAM and disk, with what they hold (host RAM per process is libraries + the larger of
+    loading and what stays pinned while training, + FSDP's offloaded shards)."""
+    h, d = e.host_ram_parts, e.disk_parts
+    loading = f"loading {gib(h.get('loading', 0))}" + (" (the whole quantized model is built in CPU RAM first)"
+                                                       if e.setup.streams_weights else " (one weight shard)")
+    pinned = [f"{label} {gib(h[k])}" for k, label in [("streamed_weights", "streamed base weights"), ("activations", "saved activations"),
+                                                      ("optimizer", "AdamW state + fp32 weights and grads")] if h.get(k)]
+    text = f"libraries {gib(h.get('libraries', 0))} + " + (f"max({loading}; pinned while training: {', '.join(pinned)})" if pinned else loading)
+    if h.get("fsdp_shards"):
+        text += f" + FSDP shards {gib(h['fsdp_shards'])}"
+    per = f", {e.setup.gpus} processes" if e.setup.gpus > 1 else ""
+    disk = [f"{label} {gib(d[k])}" for k, label in [("download", "bf16 weights if downloaded"), ("checkpoints", "checkpoints"),
+                                                    ("adapter", "adapter"), ("streamed_weights", "streamed-weights file")] if d.get(k)]
+    return [f"host RAM   {gib(e.host_ram_bytes)} (per process: {text}{per})", f"disk       {gib(e.disk_bytes)} ({', '.join(disk)})"]
 
 
 def _yaml_value(value: Any) -> str:
@@ -871,6 +1068,13 @@ def preflight_memory(cfg: RecipeConfig, refuse: bool = True) -> tuple[list[str],
         return [], [f"memory estimate skipped: {exc.message}"]
 
 
+def _physical_ram() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system
+        return None
+
+
 def _preflight_memory(cfg: RecipeConfig, refuse: bool) -> tuple[list[str], list[str]]:
     from finetune.gpus import gpu_for_device
     from finetune.hardware import detect_device
@@ -889,10 +1093,10 @@ def _preflight_memory(cfg: RecipeConfig, refuse: bool) -> tuple[list[str], list[
         return [], [line + ("" if e.fits else "; tight: it may run out of memory")]
     shape = model_shape_of(cfg)
     recipe = Recipe.from_config(cfg, plan_precision(cfg, gpu))
-    best, _ = search(shape, recipe, e.setup, gpu, max_gpus=world)
+    best, _ = search(shape, recipe, e.setup, gpu, max_gpus=world, host_ram=_physical_ram())
     if best is not None and best.setup.gpus == world:
         fix = "fits as: " + " ".join(f"{k}={_yaml_value(v)}" for k, v in changes_of(best, e.setup).items())
     else:
-        fix = f"no batch/checkpointing setup fits; see `finetune plan RECIPE --gpu-mem {gpu.memory_bytes // GiB}GB --fit`"
+        fix = f"no batch/checkpointing/offload setup fits; see `finetune plan RECIPE --gpu-mem {gpu.memory_bytes // GiB}GB --fit`"
     problem = f"{line}: more than {REFUSE_FACTOR:g} x the device memory. {fix}. Pass --skip-memory-check to try anyway."
     return ([problem], []) if refuse else ([], [problem])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from finetune.config import build_recipe, load_recipe
 from finetune.errors import GpuError, PlanError
 from finetune.gpus import GiB, find_gpu, parse_bytes
 from finetune.plan import (
-    KNOBS, Recipe, Setup, candidates, estimate, fit, plan_recipe, preflight_memory, quantized_bytes, read_model_shape,
+    KNOBS, Recipe, Setup, candidates, estimate, fit, plan_recipe, preflight_memory, quantized_bytes, read_model_shape, search,
 )
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
@@ -75,9 +76,9 @@ def test_memory_grows_with_batch_and_sequence_and_shrinks_with_checkpointing(tmp
     peak = lambda **kw: estimate(shape, r, Setup(**{"batch_size": 1, "grad_accum": 1, **kw}), gpu).peak_bytes
     assert peak(batch_size=2) > peak(batch_size=1)
     assert peak(seq_len=4096) > peak(seq_len=2048)
-    assert peak(gradient_checkpointing=False) > 2 * peak(gradient_checkpointing=True)
-    fast = estimate(shape, r, Setup(batch_size=1, grad_accum=8, gradient_checkpointing=False), gpu)
-    slow = estimate(shape, r, Setup(batch_size=1, grad_accum=8, gradient_checkpointing=True), gpu)
+    assert peak(checkpoint_every=0) > 2 * peak(checkpoint_every=1)
+    fast = estimate(shape, r, Setup(batch_size=1, grad_accum=8, checkpoint_every=0), gpu)
+    slow = estimate(shape, r, Setup(batch_size=1, grad_accum=8, checkpoint_every=1), gpu)
     assert slow.step_time_s > fast.step_time_s * 1.2  # checkpointing replays the forward
 
 
@@ -85,7 +86,7 @@ def test_search_keeps_the_global_batch_and_knobs_are_setup_fields():
     base = Setup(batch_size=4, grad_accum=4, gpus=2)
     found = candidates(base, max_gpus=2)
     assert all(s.global_batch == 32 for s in found)
-    assert {s.gpus for s in found} == {1, 2} and {s.gradient_checkpointing for s in found} == {False, True}
+    assert {s.gpus for s in found} == {1, 2} and {s.checkpoint_every for s in found} == {0, 1, 2, 4}
     assert all(hasattr(base, k.name) for k in KNOBS)
 
 
@@ -162,11 +163,14 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
 
 
 def test_nothing_fits_says_the_minimum(tmp_path):
+    # A 4-bit 70B fits one 12 GB card by streaming its layers (test_fit_streams_a_70b_on_one_24gb_card); on 4 GB the
+    # resident part alone (quant constants, embeddings, head, LoRA state, 3 streamed layers) is too much.
     cfg = recipe_for("llama-2-70b", tmp_path)
     with pytest.raises(PlanError) as err:
-        fit(cfg, find_gpu("rtx3060"), max_gpus=1)
+        fit(cfg, find_gpu(None, "4GB"), max_gpus=1)
     msg = str(err.value)
     assert "the smallest needs" in msg and "--gpu-mem" in msg and "weights alone take" in msg
+    assert "base weights streamed from cpu" in msg  # the smallest setup it tried streams the weights
 
 
 def test_fit_shards_and_offloads_a_70b_over_two_small_cards(tmp_path):
@@ -195,9 +199,192 @@ def test_preflight_refuses_on_cuda_when_clearly_over_and_only_notes_on_cpu(tmp_p
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: type("P", (), {"total_memory": 12 * GiB})())
     problems, notes = preflight_memory(cfg)
     assert len(problems) == 1 and "more than 1.1 x the device memory" in problems[0]
-    assert "fits as: train.batch_size=" in problems[0] and "--skip-memory-check" in problems[0]
+    assert "fits as: " in problems[0] and "train.batch_size=" in problems[0] and "--skip-memory-check" in problems[0]
     problems, notes = preflight_memory(cfg, refuse=False)
     assert not problems and "more than 1.1" in notes[0]
     ok = recipe_for("llama-2-7b", tmp_path, batch_size=1, grad_accum=16, seq=1024)
     problems, notes = preflight_memory(ok)
     assert not problems and "per GPU of 12.00 GiB" in notes[0]
+
+
+# ----------------------------------------------------------------------------- memory modes (memory.*)
+
+NF4 = Recipe(4, True, 16, "all-linear", 0.05, False, 2)
+REPO_RECIPES = Path(__file__).parents[1] / "recipes"  # this checkout's (finetune.recipes may point at another install)
+
+
+def test_every_kth_layer_checkpointing_sits_between_none_and_all():
+    shape = read_model_shape(str(CONFIGS / "llama-3-8b"))  # 32 layers
+    gpu = find_gpu("a100-80gb")
+    e = {k: estimate(shape, NF4, Setup(batch_size=1, grad_accum=8, checkpoint_every=k), gpu) for k in (0, 4, 2, 1)}
+    rope = 2 * 2048 * shape.head_dim * 2
+    full, inputs = (e[k].component("activations") - rope for k in (0, 1))
+    # every 2nd: 16 layers keep their input, 16 keep everything; every 4th: 8 and 24
+    assert e[2].component("activations") - rope == 16 * inputs // 32 + 16 * full // 32
+    assert e[4].component("activations") - rope == 8 * inputs // 32 + 24 * full // 32
+    assert e[0].peak_bytes > e[4].peak_bytes > e[2].peak_bytes > e[1].peak_bytes
+    assert e[0].step_time_s < e[4].step_time_s < e[2].step_time_s < e[1].step_time_s
+    # the recompute replays 1/2 of the layers: half the cost that checkpointing all of them adds
+    assert e[2].step_time_s - e[0].step_time_s == pytest.approx((e[1].step_time_s - e[0].step_time_s) / 2, rel=1e-9)
+
+
+def test_streaming_base_weights_leaves_three_layers_on_the_gpu():
+    shape = read_model_shape(str(CONFIGS / "llama-3-70b"))  # 80 layers
+    gpu = find_gpu("rtx4090")
+    setup = Setup(batch_size=1, grad_accum=16)
+    device = estimate(shape, NF4, setup, gpu, model_on_disk=True)
+    cpu = estimate(shape, NF4, replace(setup, base_weights="cpu"), gpu, model_on_disk=True)
+    disk = estimate(shape, NF4, replace(setup, base_weights="disk"), gpu, model_on_disk=True)
+    weights = device.component("weights_quantized")
+    assert 31 * GiB < weights < 33 * GiB  # 4-bit packed decoder linears of 70.6B parameters
+    for e in (cpu, disk):
+        assert e.component("weights_quantized") == 0
+        assert e.component("weights_streamed") == 3 * weights // 80  # ~1.2 GiB
+        assert e.component("quant_constants") == device.component("quant_constants")  # absmax stays resident
+        assert device.peak_allocated_bytes - e.peak_allocated_bytes == weights - 3 * weights // 80
+    assert device.peak_bytes > 48 * GiB and cpu.peak_bytes < 17 * GiB
+    # cpu: the weights are pinned in host RAM; disk: they are a file. Both load the whole model in RAM first.
+    assert cpu.host_ram_parts["streamed_weights"] == weights and disk.host_ram_parts["streamed_weights"] == 0
+    assert cpu.host_ram_bytes >= weights + 3 * GiB and disk.host_ram_parts["loading"] > weights
+    assert disk.disk_bytes - device.disk_bytes == weights and cpu.disk_bytes == device.disk_bytes
+
+
+def test_streaming_costs_the_host_link_time_it_cannot_hide():
+    from finetune.plan import NVME_READ_GBPS, forward_seconds
+
+    shape = read_model_shape(str(CONFIGS / "llama-3-70b"))
+    gpu = find_gpu("rtx4090")  # PCIe 4.0: 25 GB/s pinned
+    setup = Setup(batch_size=1, grad_accum=16)
+    device = estimate(shape, NF4, setup, gpu)
+    weights = device.component("weights_quantized")
+    per_micro = (device.step_time_s - device.step_time_parts["optimizer"]) / 16
+    fwd = forward_seconds(shape, NF4, setup, gpu, device.trainable_params)
+    bwd = per_micro - fwd
+    for mode, rate in [("cpu", 25e9), ("disk", NVME_READ_GBPS * 1e9)]:
+        e = estimate(shape, NF4, replace(setup, base_weights=mode), gpu)
+        x = weights / rate  # one pass over the 80 layers: forward, and again in the recompute
+        expected = max(fwd, x) + max(bwd, x) + 2 * x / 80 - per_micro  # per-layer max(compute, copy); the first layer is exposed
+        assert e.step_time_s - device.step_time_s == pytest.approx(16 * expected, rel=1e-6)
+        assert e.step_time_parts["host_transfer"] == pytest.approx(16 * 2 * x, rel=1e-9)
+    cpu = estimate(shape, NF4, replace(setup, base_weights="cpu"), gpu)
+    assert cpu.step_time_s / device.step_time_s < 1.01  # 1.3 GiB a layer at 25 GB/s hides behind 2048 tokens of compute
+    disk = estimate(shape, NF4, replace(setup, base_weights="disk"), gpu)
+    assert disk.step_time_s / device.step_time_s > 1.5  # a cold NVMe at 3.5 GB/s does not
+
+
+def test_activation_offload_keeps_two_layers_on_the_gpu_and_the_rest_in_host_ram():
+    shape = read_model_shape(str(CONFIGS / "llama-3-8b"))
+    gpu = find_gpu("rtx3060")
+    base = estimate(shape, NF4, Setup(batch_size=2, grad_accum=8), gpu)
+    off = estimate(shape, NF4, Setup(batch_size=2, grad_accum=8, activation_offload=True), gpu)
+    layer_input = 2 * 2048 * 2 * shape.hidden  # batch 2 x 2048 tokens x bf16 hidden state: 32 MiB
+    rope = 2 * 2048 * shape.head_dim * 2
+    assert base.component("activations") == 32 * layer_input + rope
+    assert off.component("activations") == 2 * layer_input + rope
+    assert off.host_ram_parts["activations"] == 32 * layer_input
+    assert base.peak_allocated_bytes - off.peak_allocated_bytes == 30 * layer_input
+    # out on a side stream in forward (hidden), back on the compute stream in backward (not hidden)
+    assert off.step_time_s - base.step_time_s == pytest.approx(8 * 32 * layer_input / 25e9, rel=0.05)
+
+
+def test_optimizer_offload_moves_adamw_state_to_host_ram():
+    shape = read_model_shape(str(CONFIGS / "llama-3-8b"))
+    gpu = find_gpu("rtx3060")
+    base = estimate(shape, NF4, Setup(batch_size=1, grad_accum=16), gpu)
+    off = estimate(shape, NF4, Setup(batch_size=1, grad_accum=16, optimizer_offload=True), gpu)
+    n = base.trainable_params
+    assert base.component("optimizer_state") == 2 * 4 * n and off.component("optimizer_state") == 0
+    assert off.component("lora_weights") == base.component("lora_weights") and off.component("gradients") == base.component("gradients")
+    assert off.host_ram_parts["optimizer"] == 4 * 4 * n  # fp32 weight copy, fp32 grad, 2 fp32 moments
+    assert base.peak_allocated_bytes - off.peak_allocated_bytes == 2 * 4 * n
+    # grads out and weights back over PCIe, then 64 B/param of AdamW traffic at 10 GB/s on the host
+    assert off.step_time_parts["optimizer"] == pytest.approx(2 * 4 * n / 25e9 + 64 * n / 10e9, rel=1e-9)
+    assert off.step_time_s - base.step_time_s == pytest.approx(off.step_time_parts["optimizer"] - base.step_time_parts["optimizer"], rel=1e-9)
+
+
+def test_search_offloads_only_when_nothing_faster_fits(tmp_path):
+    shape = read_model_shape(str(CONFIGS / "llama-2-7b"))
+    # a 7B on an 80 GB card: the fastest setup keeps everything on the GPU
+    best, estimates = search(shape, NF4, Setup(batch_size=1, grad_accum=16), find_gpu("a100-80gb"), max_gpus=1)
+    assert best.setup.offload_rank == 0 and best.setup.checkpoint_every == 0
+    assert any(e.setup.base_weights == "cpu" for e in estimates)  # tried, not chosen
+    # streaming never pairs with partial checkpointing or several processes; 8-bit layers are not streamed
+    for s in candidates(Setup(batch_size=2, grad_accum=4, gpus=2), max_gpus=2, recipe=NF4):
+        assert not s.streams_weights or (s.gpus == 1 and s.checkpoint_every == 1 and s.sharding == "ddp")
+        assert not (s.sharding == "fsdp" and s.optimizer_offload)
+    int8 = Recipe(8, False, 16, "all-linear", 0.05, False, 2)
+    assert not any(s.streams_weights for s in candidates(Setup(batch_size=1, grad_accum=1), 1, int8))
+
+
+@pytest.mark.parametrize("values", [
+    {"memory.activation_checkpointing": "none", "memory.activation_offload": True},
+    {"memory.activation_checkpointing": 2, "memory.optimizer_offload": True},
+    {"memory.base_weights": "cpu", "memory.optimizer_offload": True},
+    {"memory.base_weights": "disk", "memory.activation_offload": True, "memory.optimizer_offload": True},
+])
+def test_changes_of_writes_recipe_values_that_setup_of_reads_back(tmp_path, values):
+    from finetune.config import build_recipe
+    from finetune.plan import changes_of, setup_of
+
+    base_cfg = recipe_for("llama-3-8b", tmp_path)
+    base = setup_of(base_cfg)
+    tree = base_cfg.to_dict()
+    for dotted, v in values.items():
+        section, key = dotted.split(".")
+        tree[section][key] = v
+    cfg = build_recipe(tree)  # the values are valid recipe values (cross-field rules included)
+    setup = setup_of(cfg)
+    e = plan_recipe(cfg, find_gpu("rtx4090"))
+    assert changes_of(e, base) == values  # Setup -> recipe keys, and recipe keys -> Setup, agree
+    assert (setup.checkpoint_every, setup.activation_offload, setup.base_weights, setup.optimizer_offload) == (
+        cfg.memory.checkpoint_every, cfg.memory.activation_offload, cfg.memory.base_weights, cfg.memory.optimizer_offload)
+
+
+def test_fit_streams_a_70b_on_one_24gb_card(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "70b.yaml"
+    code = main(["plan", str(REPO_RECIPES / "qlora-1x24gb.yaml"), f"model.path={CONFIGS / 'llama-3-70b'}",
+                 "--gpu", "rtx4090", "--fit", "--out", str(out), "--json"])
+    assert code == 0
+    changes = json.loads(capsys.readouterr().out)["changes"]
+    assert changes["memory.base_weights"] == "cpu"
+    cfg = load_recipe(out)  # validates: schema and cross-field rules
+    assert cfg.memory.base_weights == "cpu" and cfg.memory.activation_checkpointing == "all"
+    e = plan_recipe(cfg, find_gpu("rtx4090"))
+    assert e.peak_bytes <= 0.9 * 24 * GiB and e.host_ram_parts["streamed_weights"] > 31 * GiB
+    assert not plan_recipe(replace_memory(cfg, base_weights="device"), find_gpu("rtx4090")).fits  # ~56 GiB without streaming
+
+
+def replace_memory(cfg, **memory):
+    return cfg.model_copy(update={"memory": cfg.memory.model_copy(update=memory)})
+
+
+@pytest.mark.parametrize("name, model, gpu", [
+    ("qlora-offload-1x12gb", "qwen2.5-7b", "rtx3060"), ("qlora-offload-1x12gb", "llama-3-8b", "rtx3060"),
+    ("qlora-stream-70b-1x24gb", "llama-3-70b", "rtx4090"), ("qlora-stream-70b-1x24gb", "qwen2.5-72b", "rtx4090"),
+])
+def test_offload_recipes_fit_their_cards_and_need_their_offload(name, model, gpu):
+    # Loaded from this checkout: the schema test (test_config) reads the installed finetune.recipes.
+    path = REPO_RECIPES / f"{name}.yaml"
+    text = path.read_text()
+    assert text.startswith("# finetune run")
+    for line in text.splitlines():
+        s = line.strip()
+        if ":" in s and not s.startswith("#") and not s.endswith(":") and not s.startswith("description"):
+            assert "#" in s, f"{name}: key without a comment: {line!r}"
+    cfg = load_recipe(path, [f"model.path={CONFIGS / model}"])
+    card = find_gpu(gpu)
+    e = plan_recipe(cfg, card)
+    assert e.peak_bytes <= 0.9 * card.memory_bytes, f"{name} with {model}: {e.peak_bytes / GiB:.2f} GiB"
+    plain = replace_memory(cfg, activation_offload=False, optimizer_offload=False, base_weights="device")
+    assert plan_recipe(plain, card).peak_bytes > 0.9 * card.memory_bytes  # the offload is needed, not decoration
+
+
+def test_search_leaves_out_offload_the_host_ram_cannot_hold():
+    shape = read_model_shape(str(CONFIGS / "mistral-7b"))
+    gpu, base = find_gpu("rtx3060"), Setup(batch_size=2, grad_accum=8)
+    best, _ = search(shape, NF4, base, gpu, max_gpus=1)
+    # no recompute, every activation (~33 GiB) in pinned RAM: faster on a slow GPU, if the host has the RAM
+    assert (best.setup.checkpoint_every, best.setup.activation_offload) == (0, True) and best.host_ram_bytes > 32 * GiB
+    small, _ = search(shape, NF4, base, gpu, max_gpus=1, host_ram=16 * GiB)
+    assert small.host_ram_bytes <= 16 * GiB and small.step_time_s > best.step_time_s

@@ -134,7 +134,7 @@ def measure(model_dir, tmp_path, *, checkpointing: bool, dropout: float, batch: 
 def predict(cfg, batch, seq, checkpointing):
     shape = read_model_shape(cfg.model.path)
     recipe = Recipe.from_config(cfg, "fp32", on_gpu=False)
-    e = estimate(shape, recipe, Setup(batch_size=batch, grad_accum=1, seq_len=seq, gradient_checkpointing=checkpointing), None)
+    e = estimate(shape, recipe, Setup(batch_size=batch, grad_accum=1, seq_len=seq, checkpoint_every=int(checkpointing)), None)
     c = e.component
     return e, {
         "weights": c("weights_quantized") + c("quant_constants") + c("weights_unquantized"),
