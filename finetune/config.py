@@ -265,6 +265,14 @@ def memory_problems(cfg: RecipeConfig) -> list[str]:
             out.append(f"{key} streams 4-bit or 16-bit weights; 8-bit (LLM.int8) layers keep state it cannot move. Use quant.bits=4.")
         if cfg.lora is None:
             out.append(f"{key} streams frozen weights; with full fine-tuning (lora: null) every weight trains. Use LoRA.")
+    if mem.activation_offload and mem.checkpoint_every == 1:
+        # transformers keeps a checkpointed layer's input inside the checkpoint, where autograd's
+        # saved-tensor hooks never see it: with every layer checkpointed nothing worth moving is left.
+        out.append(
+            "memory.activation_offload moves the activations of layers that are not checkpointed, and "
+            "memory.activation_checkpointing=all checkpoints every layer, so it would move nothing. Set "
+            "activation_checkpointing to none or k (every k-th layer), or activation_offload=false."
+        )
     if mem.offload_dir is not None and mem.base_weights != "disk":
         out.append("memory.offload_dir is only used by memory.base_weights=disk; set that too, or remove offload_dir.")
     return out

@@ -323,6 +323,7 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     host_ram_parts: dict[str, int] = field(default_factory=dict)  # per process; host_ram_bytes is for all of them
     disk_parts: dict[str, int] = field(default_factory=dict)
+    loads_whole_model: bool = False  # streaming builds the whole quantized model in host RAM while loading
 
     @property
     def memory_bytes(self) -> int | None:
@@ -537,19 +538,22 @@ def estimate(
     layers_saved = checkpointed * input_only + (L - checkpointed) * full_layer
     recompute = full_layer if checkpointed else 0  # one layer's activations, rebuilt during its backward
     host_activations = 0
-    if setup.activation_offload:
-        # offload.py: saved tensors go to pinned host RAM on a side stream as forward makes them and
-        # come back as backward reaches them. On the GPU: the layers in flight, plus the copies that
-        # fall behind when a layer saves more than the link carries while the next one computes (a
-        # layer that keeps all its activations: 1 - compute/transfer of a layer per such layer).
-        host_activations = layers_saved
-        largest = full_layer if checkpointed < L else input_only
+    if setup.activation_offload and checkpointed < L:
+        # offload.py moves what autograd saves, as forward makes it, on a side stream, and brings it
+        # back as backward reaches it. transformers holds a checkpointed layer's input inside the
+        # checkpoint, outside autograd's saved tensors, so those inputs stay on the GPU: only the
+        # layers that keep all their activations (checkpointing none or every k-th) offload. On the
+        # GPU: the layers in flight, plus the copies that fall behind when a layer saves more than
+        # the link carries while the next one computes (1 - compute/transfer of a layer per layer).
+        moved = (L - checkpointed) * full_layer
+        host_activations = moved
         backlog = 0.0
-        if gpu is not None and checkpointed < L:
+        if gpu is not None:
             copy_s = full_layer / (gpu.pcie_gbps * 1e9)
             compute_s = forward_seconds(shape, recipe, setup, gpu, trainable) / L
             backlog = max(0.0, 1 - compute_s / copy_s) * (L - checkpointed)
-        layers_saved = min(layers_saved, int((min(OFFLOAD_LAYERS_IN_FLIGHT, L) + backlog) * largest))
+        in_flight = int((min(OFFLOAD_LAYERS_IN_FLIGHT, L - checkpointed) + backlog) * full_layer)
+        layers_saved = checkpointed * input_only + min(moved, in_flight)
     # The head's and the loss's buffers are not moved: they are made right before backward needs them.
     saved = layers_saved + 2 * T * shape.head_dim * b  # + RoPE cos and sin, shared by the layers
     final_norm = tokens * 4 * shape.hidden
@@ -604,8 +608,11 @@ def estimate(
     )
     shard = shard_bytes or min(DEFAULT_SHARD_BYTES, shape.total_params * 2)
     # Loading streams one shard at a time. Streaming loads (and quantizes) the whole model in CPU RAM
-    # first (trainer.py: it would not fit the GPU even for a moment), then moves its layers to the store.
-    loading = shard + ((streamed_store + q_const + unquantized) if setup.streams_weights else 0)
+    # (trainer.py: it would not fit the GPU even for a moment), then moves its layers to the store;
+    # base_weights=disk with 4-bit weights sends each one to the file as bitsandbytes quantizes it
+    # (stream.DiskStore.capture), so only the resident parts are ever in RAM.
+    captured = setup.base_weights == "disk" and recipe.quant_bits == 4
+    loading = shard + ((q_const + unquantized + (0 if captured else streamed_store)) if setup.streams_weights else 0)
     pinned = (streamed_store if setup.base_weights == "cpu" else 0) + host_activations + host_optimizer
     host = HOST_BASELINE_BYTES + max(loading, pinned) + offloaded  # per process; offloaded FSDP shards stay
     host_parts = {"libraries": HOST_BASELINE_BYTES, "loading": loading, "streamed_weights": streamed_store if setup.base_weights == "cpu" else 0,
@@ -630,7 +637,7 @@ def estimate(
         shape=shape, setup=setup, gpu=gpu, components=comps, peak_phase="loss" if loss_peak else "backward",
         peak_allocated_bytes=peak_alloc, peak_bytes=peak, step_time_s=step, step_time_parts=parts,
         host_ram_bytes=host * n_gpu, disk_bytes=disk, trainable_params=trainable, impl=impl, notes=notes,
-        host_ram_parts=host_parts, disk_parts=disk_parts,
+        host_ram_parts=host_parts, disk_parts=disk_parts, loads_whole_model=setup.streams_weights and not captured,
     )
 
 
@@ -834,6 +841,8 @@ def runnable(s: Setup, recipe: Recipe | None = None) -> bool:
     """Whether the trainer runs this combination (config.fsdp_problems, config.memory_problems, trainer.py)."""
     if (s.sharding == "fsdp" and s.gpus == 1) or (s.cpu_offload and s.sharding != "fsdp"):
         return False
+    if s.activation_offload and s.checkpoint_every == 1:
+        return False  # nothing to move: checkpointed layer inputs live inside the checkpoints
     if s.sharding == "fsdp" and (s.streams_weights or s.optimizer_offload):
         return False  # FSDP shards and offloads the weights and optimizer state itself
     if s.streams_weights:
@@ -992,8 +1001,13 @@ def _host_lines(e: Estimate) -> list[str]:
     """Host RAM and disk, with what they hold (host RAM per process is libraries + the larger of
     loading and what stays pinned while training, + FSDP's offloaded shards)."""
     h, d = e.host_ram_parts, e.disk_parts
-    loading = f"loading {gib(h.get('loading', 0))}" + (" (the whole quantized model is built in CPU RAM first)"
-                                                       if e.setup.streams_weights else " (one weight shard)")
+    if e.loads_whole_model:
+        held = " (the whole quantized model is built in CPU RAM first)"
+    elif e.setup.streams_weights:
+        held = " (one weight shard and the resident weights; 4-bit layers go to the file as they load)"
+    else:
+        held = " (one weight shard)"
+    loading = f"loading {gib(h.get('loading', 0))}{held}"
     pinned = [f"{label} {gib(h[k])}" for k, label in [("streamed_weights", "streamed base weights"), ("activations", "saved activations"),
                                                       ("optimizer", "AdamW state + fp32 weights and grads")] if h.get(k)]
     text = f"libraries {gib(h.get('libraries', 0))} + " + (f"max({loading}; pinned while training: {', '.join(pinned)})" if pinned else loading)

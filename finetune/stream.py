@@ -6,7 +6,8 @@
 
 In (Q)LoRA the base model never changes, so the weights of its decoder layers need
 not live on the GPU: they wait in CPU RAM (pinned, `cpu`) or in a file on disk
-(`disk`: memory-mapped, so the OS page cache holds them, not our heap) and are
+(`disk`: memory-mapped, so the OS page cache holds them, not our heap; 4-bit weights
+go there as from_pretrained quantizes them, so the whole model is never in RAM) and are
 copied in just before a layer runs: in forward, and again in the recomputation that
 activation checkpointing does before the layer's backward. LoRA weights,
 quantization constants (absmax), norms, embeddings and the head stay resident, plus
@@ -35,16 +36,13 @@ from __future__ import annotations
 import atexit
 import os
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from finetune.model import decoder_layers
-from finetune.shards import DTYPES, NAMES, ShardWriter, read_header
-
-STORE_FILE = "base-weights.safetensors"
-
 
 @dataclass
 class Streamed:
@@ -110,27 +108,15 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def map_file(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file as views of one read-only memory map (file-backed pages, not heap)."""
-    header = read_header(path)
-    # shared=False maps the file privately: pages come from the page cache and we never write back.
-    raw = torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
-    out = {}
-    for name, entry in header.tensors.items():
-        begin, end = entry["data_offsets"]
-        dtype = DTYPES[entry["dtype"]]
-        start = header.data_start + begin
-        if start % dtype.itemsize:
-            raise ValueError(f"{path}: tensor {name} starts at byte {start}, not aligned for {dtype}")
-        out[name] = raw[start : header.data_start + end].view(dtype).view(entry["shape"])
-    return out
-
-
 class WeightStream:
     """Keeps the decoder layers' frozen weights off the device and brings each layer in when it runs."""
 
-    def __init__(self, layers: list[torch.nn.Module], streamed: list[list[Streamed]], device: torch.device, store: Path | None):
+    def __init__(
+        self, layers: list[torch.nn.Module], streamed: list[list[Streamed]], device: torch.device, store: Path | None,
+        captured_while_loading: int = 0,
+    ):
         self.layers = layers
+        self.captured_while_loading = captured_while_loading  # weights that went to disk as the model loaded
         self.streamed = streamed
         self.device = device
         self.store = store  # the file behind mode=disk, deleted by close()
@@ -153,30 +139,44 @@ class WeightStream:
     # ------------------------------------------------------------------ building
 
     @classmethod
-    def attach(cls, model, mode: str, device: torch.device, directory: str | os.PathLike[str] | None = None) -> WeightStream:
-        """Move the frozen decoder-layer weights of `model` (on the CPU) to the store, the rest to `device`."""
+    def attach(
+        cls,
+        model,
+        mode: str,
+        device: torch.device,
+        directory: str | os.PathLike[str] | None = None,
+        store: DiskStore | None = None,
+    ) -> WeightStream:
+        """Move the frozen decoder-layer weights of `model` (on the CPU) to the store, the rest to `device`.
+
+        store: for mode=disk, a DiskStore that already holds the weights captured while
+        the model loaded (see DiskStore.capture); the others are added here.
+        """
         if mode not in ("cpu", "disk"):
             raise ValueError(f"mode must be cpu or disk, got {mode!r}")
         layers = decoder_layers(model, f"memory.base_weights={mode}", "use memory.base_weights=device for this model")
         weights = [streamable_weights(layer) for layer in layers]
         pin = device.type == "cuda"
-        store = None
         if mode == "disk":
-            store = _store_path(directory)
-            stored = _write_store(store, weights)
+            store = store or DiskStore(directory)
+            for params in weights:
+                for p in params:
+                    if p not in store:
+                        store.add(p)
+            stored = store.finish()
         else:
             stored = {}
-            for i, params in enumerate(weights):
-                for j, p in enumerate(params):
+            for params in weights:
+                for p in params:
                     host = p.data.to("cpu")
-                    stored[_key(i, j)] = host.pin_memory() if pin else host
+                    stored[p] = host.pin_memory() if pin else host
                     p.data = _placeholder(p, torch.device("cpu"))
-        streamed = [[Streamed(p, stored[_key(i, j)]) for j, p in enumerate(params)] for i, params in enumerate(weights)]
+        streamed = [[Streamed(p, stored[p]) for p in params] for params in weights]
         model.to(device)  # everything that stays: LoRA, norms, embeddings, head, quant constants
         for params in weights:
             for p in params:
                 p.data = _placeholder(p, device)
-        return cls(layers, streamed, device, store)
+        return cls(layers, streamed, device, store.path if mode == "disk" else None, store.captured if mode == "disk" else 0)
 
     @property
     def streamed_bytes(self) -> int:
@@ -276,35 +276,85 @@ class WeightStream:
 # ---------------------------------------------------------------------- the store
 
 
-def _key(layer: int, index: int) -> str:
-    return f"layers.{layer}.{index}"
-
-
 def _placeholder(p: torch.Tensor, device: torch.device) -> torch.Tensor:
     """What a streamed parameter holds while its layer is not resident: no bytes, same dtype."""
     return torch.empty(0, dtype=p.dtype, device=device)
 
 
-def _store_path(directory: str | os.PathLike[str] | None) -> Path:
-    root = Path(directory) if directory else Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune")) / "offload"
-    root.mkdir(parents=True, exist_ok=True)
-    handle, name = tempfile.mkstemp(prefix="base-weights-", suffix=".safetensors", dir=root)
-    os.close(handle)
-    path = Path(name)
-    atexit.register(path.unlink, missing_ok=True)  # a crash must not leave tens of GB behind
-    return path
+class DiskStore:
+    """The file behind base_weights=disk: frozen weights appended one at a time, then memory-mapped.
 
+    A flat file of page-aligned tensors with the index kept here: it is written once
+    per run and read only by this process, so it needs no header (the one thing
+    safetensors would add). Reading it back maps the file privately: pages come from
+    the OS page cache, count as file-backed memory (not RssAnon), and are never written.
 
-def _write_store(path: Path, weights: list[list[torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
-    """Write every streamed weight to one safetensors file, freeing each layer's heap copy as it goes."""
-    # Widest dtypes first, so every tensor starts aligned for its dtype.
-    order = sorted(
-        ((i, j, p) for i, params in enumerate(weights) for j, p in enumerate(params)),
-        key=lambda t: (-t[2].element_size(), t[0], t[1]),
-    )
-    plan = [(_key(i, j), NAMES[p.dtype], list(p.shape)) for i, j, p in order]
-    with ShardWriter(path, plan, metadata={"what": "finetune streamed base weights"}) as writer:
-        for i, j, p in order:
-            writer.write(_key(i, j), p.data)
-            p.data = _placeholder(p, torch.device("cpu"))
-    return map_file(path)
+    Each weight goes to disk as soon as it is added and its heap copy is dropped, so
+    the whole set is never in RAM at once; `capture` does this while from_pretrained
+    builds the model, for the 4-bit weights bitsandbytes quantizes as they load.
+    """
+
+    ALIGN = 4096
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None):
+        root = Path(directory) if directory else Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune")) / "offload"
+        root.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(prefix="base-weights-", suffix=".bin", dir=root)
+        self.path = Path(name)
+        atexit.register(self.path.unlink, missing_ok=True)  # a crash must not leave tens of GB behind
+        self._fh = os.fdopen(handle, "wb")
+        self._entries: dict[torch.nn.Parameter, tuple[int, torch.dtype, torch.Size]] = {}
+        self._offset = 0
+        self.captured = 0
+
+    def __contains__(self, p: torch.nn.Parameter) -> bool:
+        return p in self._entries
+
+    def add(self, p: torch.nn.Parameter) -> None:
+        """Append p's bytes and leave p empty (its bytes now live only in the file)."""
+        data = p.data.detach().to("cpu").contiguous()
+        raw = data.reshape(-1).view(torch.uint8).numpy()
+        self._fh.write(raw.tobytes() if not raw.flags["C_CONTIGUOUS"] else raw)
+        self._entries[p] = (self._offset, data.dtype, data.shape)
+        size = raw.nbytes
+        pad = -size % self.ALIGN
+        self._fh.write(b"\0" * pad)
+        self._offset += size + pad
+        p.data = _placeholder(p, torch.device("cpu"))
+
+    def finish(self) -> dict[torch.nn.Parameter, torch.Tensor]:
+        """Close the file and return each weight as a view of one private read-only mapping."""
+        self._fh.close()
+        if self._offset == 0:
+            return {}
+        raw = torch.from_file(str(self.path), shared=False, size=self._offset, dtype=torch.uint8)
+        out = {}
+        for p, (offset, dtype, shape) in self._entries.items():
+            nbytes = shape.numel() * dtype.itemsize
+            out[p] = raw[offset : offset + nbytes].view(dtype).view(shape)
+        return out
+
+    @contextmanager
+    def capture(self):
+        """While active, every 4-bit weight a module registers on the CPU goes straight to this store."""
+
+        def hook(module, name, param):
+            # transformers registers each weight twice: an empty (meta) one when it builds the
+            # model, then the loaded one; bitsandbytes' Params4bit arrives quantized (uint8 +
+            # quant_state). Only decoder layers hold 4-bit weights (the head stays 16-bit).
+            if (
+                name == "weight"
+                and isinstance(param, torch.nn.Parameter)
+                and getattr(param, "quant_state", None) is not None
+                and param.device.type == "cpu"
+                and param.numel() > 0
+            ):
+                self.add(param)
+                self.captured += 1
+            return None
+
+        handle = torch.nn.modules.module.register_module_parameter_registration_hook(hook)
+        try:
+            yield self
+        finally:
+            handle.remove()

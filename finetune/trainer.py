@@ -64,7 +64,7 @@ from finetune.distributed import (
 )
 from finetune.model import count_parameters, load_model, load_tokenizer
 from finetune.offload import ActivationOffload, HostAdamW
-from finetune.stream import WeightStream
+from finetune.stream import DiskStore, WeightStream
 from finetune.report import PLOT_NAME, open_sinks, plot_curves, require_extras
 
 
@@ -226,6 +226,7 @@ class Trainer:
         self.strategy = resolve_strategy(cfg, acc.num_processes, acc.device)
         check_strategy(cfg, self.strategy)
         streaming = cfg.memory.base_weights != "device"
+        disk_store = None
         if streaming and self.strategy != "single":
             raise ConfigError([
                 f"memory.base_weights={cfg.memory.base_weights} streams the weights of one process; this launch has "
@@ -238,14 +239,23 @@ class Trainer:
             # keeps the decoder layers there: a whole 4-bit 70B model (~37 GB) would not fit
             # one 24 GB card even for a moment.
             load_on = torch.device("cpu") if fsdp or streaming else acc.device
-            self.model = load_model(cfg, precision=self.precision, device=load_on, shardable=fsdp)
+            if cfg.memory.base_weights == "disk":
+                # 4-bit weights go to the file as bitsandbytes quantizes them: the whole
+                # quantized model (~37 GB for 70B) is never in RAM, not even while loading.
+                disk_store = DiskStore(resolve_offload_dir(cfg))
+                with disk_store.capture():
+                    self.model = load_model(cfg, precision=self.precision, device=load_on, shardable=fsdp)
+            else:
+                self.model = load_model(cfg, precision=self.precision, device=load_on, shardable=fsdp)
         trainable, total = count_parameters(self.model)
         quant = f"{cfg.quant.bits}-bit {cfg.quant.quant_type if cfg.quant.bits == 4 else 'int8'}" if cfg.quant.bits else "unquantized"
         self.say(
             f"model: {total:,} parameters ({quant} base), {trainable:,} trainable ({100 * trainable / max(total, 1):.2f}%)"
         )
         if streaming:
-            self.stream = WeightStream.attach(self.model, cfg.memory.base_weights, acc.device, resolve_offload_dir(cfg))
+            self.stream = WeightStream.attach(
+                self.model, cfg.memory.base_weights, acc.device, resolve_offload_dir(cfg), store=disk_store
+            )
             where = f"a file in {self.stream.store.parent}" if self.stream.store else "CPU RAM"
             self.say(
                 f"memory: {human_bytes(self.stream.streamed_bytes)} of frozen decoder-layer weights live in {where} "

@@ -14,7 +14,7 @@ from finetune.config import build_recipe, load_recipe
 from finetune.errors import GpuError, PlanError
 from finetune.gpus import GiB, find_gpu, parse_bytes
 from finetune.plan import (
-    KNOBS, Recipe, Setup, candidates, estimate, fit, plan_recipe, preflight_memory, quantized_bytes, read_model_shape, search,
+    KNOBS, Recipe, Setup, candidates, estimate, fit, plan_recipe, preflight_memory, quantized_bytes, read_model_shape, runnable, search,
 )
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
@@ -243,9 +243,17 @@ def test_streaming_base_weights_leaves_three_layers_on_the_gpu():
         assert e.component("quant_constants") == device.component("quant_constants")  # absmax stays resident
         assert device.peak_allocated_bytes - e.peak_allocated_bytes == weights - 3 * weights // 80
     assert device.peak_bytes > 48 * GiB and cpu.peak_bytes < 17 * GiB
-    # cpu: the weights are pinned in host RAM; disk: they are a file. Both load the whole model in RAM first.
+    # cpu: the weights are pinned in host RAM, and the whole model is built there while loading;
+    # disk: they are a file, written layer by layer as bitsandbytes quantizes them.
     assert cpu.host_ram_parts["streamed_weights"] == weights and disk.host_ram_parts["streamed_weights"] == 0
-    assert cpu.host_ram_bytes >= weights + 3 * GiB and disk.host_ram_parts["loading"] > weights
+    assert cpu.host_ram_bytes >= weights + 3 * GiB and cpu.host_ram_parts["loading"] > weights
+    resident = device.component("quant_constants") + device.component("weights_unquantized")
+    assert disk.host_ram_parts["loading"] == cpu.host_ram_parts["loading"] - weights
+    assert disk.host_ram_parts["loading"] - resident == device.host_ram_parts["loading"]  # one shard
+    assert cpu.loads_whole_model and not disk.loads_whole_model
+    # 16-bit weights are not captured: they are moved to the file once the model is built.
+    bf16 = estimate(shape, replace(NF4, quant_bits=None), replace(setup, base_weights="disk"), gpu, model_on_disk=True)
+    assert bf16.loads_whole_model
     assert disk.disk_bytes - device.disk_bytes == weights and cpu.disk_bytes == device.disk_bytes
 
 
@@ -273,18 +281,26 @@ def test_streaming_costs_the_host_link_time_it_cannot_hide():
 
 
 def test_activation_offload_keeps_two_layers_on_the_gpu_and_the_rest_in_host_ram():
+    # Checkpointing none: every layer keeps all it saves, and that is what offload moves.
     shape = read_model_shape(str(CONFIGS / "llama-3-8b"))
     gpu = find_gpu("rtx3060")
-    base = estimate(shape, NF4, Setup(batch_size=2, grad_accum=8), gpu)
-    off = estimate(shape, NF4, Setup(batch_size=2, grad_accum=8, activation_offload=True), gpu)
-    layer_input = 2 * 2048 * 2 * shape.hidden  # batch 2 x 2048 tokens x bf16 hidden state: 32 MiB
+    base = estimate(shape, NF4, Setup(batch_size=1, grad_accum=8, checkpoint_every=0), gpu)
+    off = estimate(shape, NF4, Setup(batch_size=1, grad_accum=8, checkpoint_every=0, activation_offload=True), gpu)
     rope = 2 * 2048 * shape.head_dim * 2
-    assert base.component("activations") == 32 * layer_input + rope
-    assert off.component("activations") == 2 * layer_input + rope
-    assert off.host_ram_parts["activations"] == 32 * layer_input
-    assert base.peak_allocated_bytes - off.peak_allocated_bytes == 30 * layer_input
+    layer, rest = divmod(base.component("activations") - rope, 32)
+    assert rest == 0 and 450 * 2**20 < layer < 550 * 2**20  # ~500 MiB a layer at 2048 tokens
+    assert off.component("activations") == 2 * layer + rope  # copies keep up with compute: no backlog
+    assert off.host_ram_parts["activations"] == 32 * layer
+    assert base.peak_allocated_bytes - off.peak_allocated_bytes == 30 * layer
     # out on a side stream in forward (hidden), back on the compute stream in backward (not hidden)
-    assert off.step_time_s - base.step_time_s == pytest.approx(8 * 32 * layer_input / 25e9, rel=0.05)
+    assert off.step_time_s - base.step_time_s == pytest.approx(8 * 32 * layer / 25e9, rel=1e-6)
+    # Every 2nd layer checkpointed: the 16 others offload; the checkpointed inputs stay.
+    half = estimate(shape, NF4, Setup(batch_size=1, grad_accum=8, checkpoint_every=2, activation_offload=True), gpu)
+    layer_input = 2048 * 2 * shape.hidden
+    assert half.host_ram_parts["activations"] == 16 * layer
+    assert half.component("activations") == 16 * layer_input + 2 * layer + rope
+    # Checkpointing all leaves nothing to move: the search never proposes it.
+    assert not runnable(Setup(batch_size=1, grad_accum=8, checkpoint_every=1, activation_offload=True))
 
 
 def test_optimizer_offload_moves_adamw_state_to_host_ram():
@@ -320,7 +336,8 @@ def test_search_offloads_only_when_nothing_faster_fits(tmp_path):
     {"memory.activation_checkpointing": "none", "memory.activation_offload": True},
     {"memory.activation_checkpointing": 2, "memory.optimizer_offload": True},
     {"memory.base_weights": "cpu", "memory.optimizer_offload": True},
-    {"memory.base_weights": "disk", "memory.activation_offload": True, "memory.optimizer_offload": True},
+    {"memory.base_weights": "disk", "memory.optimizer_offload": True},
+    {"memory.activation_checkpointing": 4, "memory.activation_offload": True, "memory.optimizer_offload": True},
 ])
 def test_changes_of_writes_recipe_values_that_setup_of_reads_back(tmp_path, values):
     from finetune.config import build_recipe

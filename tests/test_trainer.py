@@ -305,5 +305,7 @@ def test_head_on_targets_only_equals_full_logits_loss_and_gradients(recipe_dict,
     g_full = grads_of(full)
     assert n_fast == n_full > 0
     torch.testing.assert_close(fast, full, rtol=1e-6, atol=1e-5)
+    # Fewer head rows change fp32 summation order; CI's CPU once gave one element of 128 a
+    # 5e-7 (4e-5 relative) difference. A wrong mask moves gradients by far more than 1e-4.
     for name in g_full:
-        torch.testing.assert_close(g_fast[name], g_full[name], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(g_fast[name], g_full[name], rtol=1e-4, atol=1e-6)
