@@ -108,7 +108,22 @@ def launch_command(args: argparse.Namespace) -> list[str]:
     return cmd
 
 
-def run_launcher(cmd: list[str]) -> int:
+def launch_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment torchrun runs in.
+
+    With --max-restarts, each restart round must meet on a fresh store: torch's c10d
+    rendezvous otherwise hands the restarted workers the TCPStore of the first round
+    (pytorch/pytorch#135712), where the dead rank's keys still hold its old address, and
+    the new gloo mesh tries to connect to it (connectFullMesh refused). Opting out of the
+    store sharing makes rank 0 of every round host a new store.
+    """
+    env = dict(os.environ)
+    if args.max_restarts > 0:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
+
+
+def run_launcher(cmd: list[str], env: dict[str, str] | None = None) -> int:
     """Run torchrun, passing on the signals a scheduler sends before it kills a job.
 
     SIGTERM/SIGUSR1 (Slurm, Kubernetes) and SIGINT go to torchrun, which hands them to
@@ -118,7 +133,7 @@ def run_launcher(cmd: list[str]) -> int:
     import signal
     import subprocess
 
-    child = subprocess.Popen(cmd)
+    child = subprocess.Popen(cmd, env=env)
     forwarded: list[int] = []
 
     def forward(signum, frame):
@@ -155,11 +170,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if cfg is None:
         return EXIT_INPUT
     if launching:
-        import subprocess
-
         cmd = launch_command(args)
         print(f"launching {args.nproc} process{'es' if args.nproc > 1 else ''} x {args.nnodes} node(s): {' '.join(cmd[2:])}", flush=True)
-        return run_launcher(cmd)
+        return run_launcher(cmd, launch_env(args))
     print(f"recipe {find_recipe(args.recipe)} -> {cfg.output_dir}")
     trainer = Trainer(cfg, tokenizer=report.tokenizer, progress=not args.no_progress)
     try:

@@ -193,3 +193,21 @@ def test_slurm_example_is_valid_bash_and_uses_real_flags():
     run = build_parser()._subparsers._group_actions[0].choices["run"]
     known = {s for action in run._actions for s in action.option_strings}
     assert flags <= known
+
+
+def test_elastic_launch_uses_c10d_and_a_fresh_store_per_restart_round(monkeypatch):
+    # A restarted round that reuses the first round's TCPStore reads the dead rank's old
+    # address and its gloo mesh cannot connect (pytorch#135712); every round must host its own.
+    from finetune.cli import build_parser, launch_command, launch_env
+
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    parser = build_parser()
+    elastic = parser.parse_args(["run", "demo-cpu", "--nproc", "2", "--max-restarts", "1", "--master-port", "29700"])
+    cmd = launch_command(elastic)
+    assert cmd[cmd.index("--max_restarts") + 1] == "1"
+    assert cmd[cmd.index("--rdzv_backend") + 1] == "c10d"
+    assert cmd[cmd.index("--rdzv_endpoint") + 1] == "127.0.0.1:29700"
+    assert launch_env(elastic)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    plain = parser.parse_args(["run", "demo-cpu", "--nproc", "2"])
+    assert "--rdzv_backend" not in launch_command(plain)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in launch_env(plain)
