@@ -254,6 +254,19 @@ def wrap_lora(cfg: RecipeConfig, model):
         ) from None
 
 
+def takes_boolean_logits_to_keep(model) -> bool:
+    """Whether the causal LM slices its hidden states with transformers' slice_logits_to_keep,
+    which takes a boolean (batch, seq) mask (newer releases); older model code slices
+    hidden_states[:, keep, :] and would fail only after running the whole decoder."""
+    import sys
+
+    for module in model.modules():
+        if type(module).__name__.endswith("ForCausalLM"):
+            source = sys.modules.get(type(module).__module__)
+            return source is not None and hasattr(source, "slice_logits_to_keep")
+    return False
+
+
 def count_parameters(model) -> tuple[int, int]:
     """(trainable, total) parameter counts; 4-bit weights count as their logical element count."""
     trainable = total = 0

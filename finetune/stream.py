@@ -16,8 +16,9 @@ at most three layers' streamed weights.
 What the hooks do with layer i's weights:
   layer pre-hook (forward)     use layer i (waiting for its prefetch), prefetch layer i+1
   layer post-hook (forward)    release layer i
-  weight pre-hook, in backward (the recomputation; transformers checkpoints a layer's
-                               forward, so only the hooks of modules inside it fire there):
+  weight pre-hook, in backward (the recomputation; the layer hooks do nothing there:
+                               transformers 5.23 checkpoints a layer's forward, so they do
+                               not fire, and 5.17 its __call__, so they fire but return):
                                release the layers after i, whose backward is complete,
                                since autograd starts layer i's nodes only once the gradient
                                of its output is whole; use layer i, keep it for its
@@ -241,6 +242,11 @@ class WeightStream:
 
     def _layer_pre_hook(self, i: int):
         def hook(module, args):
+            if in_backward():
+                # A recomputation under transformers releases that checkpoint a layer's
+                # __call__ (5.17) rather than its forward (5.23): the weight pre-hooks
+                # below bring the layer in, in backward order.
+                return
             self._use(i)
             self._prefetch(i + 1)  # copied on the side stream while layer i computes
 
@@ -254,8 +260,8 @@ class WeightStream:
         return hook
 
     def _weight_pre_hook(self, i: int):
-        # transformers checkpoints a layer's forward, not its __call__, so the layer's own
-        # hooks stay outside the recomputation; the hooks of the modules inside it fire there.
+        # The hooks of the modules inside a layer fire in its recomputation whether
+        # transformers checkpoints the layer's forward or its __call__.
         def hook(module, args):
             if i in self.active:
                 return

@@ -62,7 +62,7 @@ from finetune.distributed import (
     resolve_strategy,
     shard_model,
 )
-from finetune.model import count_parameters, load_model, load_tokenizer
+from finetune.model import count_parameters, load_model, load_tokenizer, takes_boolean_logits_to_keep
 from finetune.offload import ActivationOffload, HostAdamW
 from finetune.stream import DiskStore, WeightStream
 from finetune.report import PLOT_NAME, open_sinks, plot_curves, require_extras
@@ -124,7 +124,7 @@ class Trainer:
         self.data = data
         self.progress_enabled = progress
         self.accelerator = None
-        self._head_on_targets_only = True  # see compute_loss; cleared if the model lacks logits_to_keep
+        self._head_on_targets_only = True  # see compute_loss; setup() checks the model can take it
         self.strategy = "single"  # set by setup(): single | ddp | fsdp
         self.stream: WeightStream | None = None  # memory.base_weights=cpu|disk
         self.activation_offload: ActivationOffload | None = None  # memory.activation_offload
@@ -152,7 +152,10 @@ class Trainer:
             keep[:, :-1] = shifted_targets(labels) != IGNORE_INDEX
             try:
                 out = model(**inputs, use_cache=False, logits_to_keep=keep)
-            except TypeError:
+            except (TypeError, IndexError):
+                # TypeError: no such argument. IndexError: a model (or a transformers release
+                # before the boolean form, e.g. 5.17) that slices hidden_states[:, keep, :].
+                # A real indexing bug raises again on the full path below.
                 out = None
             if out is not None and out.logits.dim() == 2:
                 n = int(keep.sum())
@@ -247,6 +250,7 @@ class Trainer:
                     self.model = load_model(cfg, precision=self.precision, device=load_on, shardable=fsdp)
             else:
                 self.model = load_model(cfg, precision=self.precision, device=load_on, shardable=fsdp)
+        self._head_on_targets_only = takes_boolean_logits_to_keep(self.model)
         trainable, total = count_parameters(self.model)
         quant = f"{cfg.quant.bits}-bit {cfg.quant.quant_type if cfg.quant.bits == 4 else 'int8'}" if cfg.quant.bits else "unquantized"
         self.say(

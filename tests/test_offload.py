@@ -218,7 +218,9 @@ def test_disk_trains_a_model_whose_weights_dwarf_its_anonymous_memory(tmp_path):
     bench = Path(__file__).resolve().parents[1] / "benchmarks" / "offload.py"
     cmd = [sys.executable, str(bench), "--hidden", "2048", "--layers", "10", "--steps", "2", "--batch", "1",
            "--modes", "disk", "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    # On the CPU device: a CUDA run's heap holds the CUDA runtime, and its weights go to the GPU.
+    env = {**os.environ, "TMPDIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     weights = result["layer_weight_bytes_fp32"]

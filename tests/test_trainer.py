@@ -7,9 +7,11 @@ import math
 
 import pytest
 import torch
+import transformers
 
 from finetune.config import build_recipe
 from finetune.metrics import read_metrics
+from finetune.model import takes_boolean_logits_to_keep
 from finetune.report import plot_available
 from finetune.trainer import Trainer, lr_factor
 from conftest import training_kernel_only
@@ -281,6 +283,35 @@ def test_packing_and_length_grouping_train(recipe_dict, tmp_path, data):
         assert longest <= 512
 
 
+def test_models_that_cannot_take_a_boolean_logits_to_keep_get_full_logits(recipe_dict, tmp_path):
+    # transformers before the boolean form (5.17 and older) slices hidden_states[:, keep, :]
+    # and raises IndexError; the trainer must fall back to full logits with the same loss.
+    from finetune.trainer import loss_sum_and_count
+
+    cfg = make_cfg(recipe_dict, lora={"dropout": 0.0})
+    trainer = Trainer(cfg, progress=False)
+    trainer.setup()
+    batch = trainer.step_batches(0)[0]
+    model = trainer.model
+    calls = []
+
+    def old_transformers(**kw):
+        keep = kw.pop("logits_to_keep", 0)
+        calls.append(torch.is_tensor(keep))
+        out = model(**kw)
+        if torch.is_tensor(keep):
+            out.logits[:, keep, :]  # what the old slicing does with a 2D mask
+        return out
+
+    trainer._head_on_targets_only = True  # as if setup() had found slice_logits_to_keep
+    loss, n = trainer.compute_loss(old_transformers, batch)
+    assert trainer._head_on_targets_only is False and calls == [True, False]
+    full = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    expected, n_expected = loss_sum_and_count(full.logits, batch["labels"])
+    assert n == n_expected > 0
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-5)
+
+
 def test_head_on_targets_only_equals_full_logits_loss_and_gradients(recipe_dict, tmp_path):
     # compute_loss asks the model for logits at target positions only; loss and LoRA
     # gradients must equal those from the full logits.
@@ -297,6 +328,8 @@ def test_head_on_targets_only_equals_full_logits_loss_and_gradients(recipe_dict,
         loss.backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
+    if not takes_boolean_logits_to_keep(model):
+        pytest.skip(f"transformers {transformers.__version__} has no boolean logits_to_keep (5.17 had none; 5.23 has it)")
     fast, n_fast = trainer.compute_loss(model, batch)
     assert trainer._head_on_targets_only is True  # the fast path was taken, not the fallback
     g_fast = grads_of(fast)
