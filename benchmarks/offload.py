@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -176,6 +177,13 @@ def main() -> None:
         return
 
     work = Path(tempfile.mkdtemp(prefix="finetune-offload-bench-"))
+    try:
+        run_modes(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the model is GBs
+
+
+def run_modes(args, work: Path) -> None:
     layer_bytes = build_model(work / "model", args.hidden, args.layers)
     print(f"model: hidden {args.hidden}, {args.layers} layers, decoder-layer linear weights {mib(layer_bytes)} MiB in fp32; quant {args.quant}")
     results = []
