@@ -14,6 +14,10 @@ ORDER = [
     "errors", "config", "gpus", "hardware", "shards", "metrics", "report", "model", "plan", "distributed", "offload", "stream", "data",
     "evaluate", "checkpoint", "preflight", "trainer", "runs", "export", "cli",
 ]
+# Inside a package that states an order, the same rule between its modules (finetune/plan/).
+PACKAGE_ORDER = {
+    "plan": ["shape", "inputs", "speed", "memory", "recipe", "fitting", "render", "rewrite", "preflight"],
+}
 PKG = Path(finetune.__file__).parent
 
 
@@ -52,6 +56,28 @@ def test_imports_flow_one_way():
             assert not bad, f"finetune.{name} ({path.name}) imports {bad}, which stand after it"
             # A module importing itself is only legal inside a package (finetune.data.x imports finetune.data.y).
             assert name not in imported_modules(path) or path.parent.name == name, f"{path} imports itself"
+
+
+def test_package_modules_flow_one_way():
+    for package, order in PACKAGE_ORDER.items():
+        files = {p.stem: p for p in (PKG / package).glob("*.py")}
+        assert set(files) - {"__init__"} == set(order), f"finetune/{package}/: PACKAGE_ORDER lists {order}, files are {sorted(files)}"
+        for name in order:
+            later = set(order[order.index(name) + 1 :])
+            found = set()
+            for node in ast.walk(ast.parse(files[name].read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(f"finetune.{package}."):
+                    found.add(node.module.split(".")[2])
+            assert not found & later, f"finetune.{package}.{name} imports {found & later}, which stand after it"
+
+
+def test_every_package_ships():
+    """pyproject lists packages by name: a new subpackage left out is missing from the wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((PKG.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {f"finetune.{p.parent.name}" for p in PKG.glob("*/__init__.py")}
+    assert found <= listed, f"add {found - listed} to [tool.setuptools] packages in pyproject.toml"
 
 
 def test_public_api():

@@ -1,0 +1,118 @@
+"""Memory planner: per-GPU memory and step time of a recipe, before any weight is read.
+
+    from finetune.plan import plan_recipe, fit, report
+    plan = plan_recipe(cfg, find_gpu("rtx4090"), gpus=1)
+    print(report(plan))                  # breakdown, peak, verdict, host RAM/disk, step time
+    best = fit(cfg, find_gpu("rtx4090"), max_gpus=2)   # fastest setup that fits
+
+Parameter counts come from the model's own config.json: the model is built on
+the meta device (no memory, no weights) and every parameter is counted by the
+kind of module that holds it. What each tensor costs follows from how this
+toolkit trains (model.py, trainer.py), written out in `estimate` (memory.py) with the
+reason for every term. The model was checked against measured CPU allocations
+(tests/test_plan_measured.py) and against published GPU peaks of other
+frameworks (docs/plan.md; tests/test_plan_published.py).
+
+Modules, in the order a plan is made (each imports only those above it):
+    shape      ModelShape: config.json's model on the meta device, parameters counted by module kind
+    inputs     what is planned: Recipe (the recipe's parts the model reads), Setup (the knobs), Implementation
+    speed      step time: compute, dequantization, GPU-link and host-link transfers
+    memory     estimate: every per-GPU tensor with its reason, host RAM, disk; the memory constants
+    recipe     a RecipeConfig on a GPU: plan_recipe, setup_of
+    fitting    the search over KNOBS for the fastest setup that fits: fit
+    render     report: the human-readable plan
+    rewrite    the fitted recipe: changes_of, rewrite_recipe
+    preflight  preflight_memory: the check `finetune run` makes before loading weights
+"""
+
+from finetune.plan.fitting import FIT_HEADROOM, KNOBS, Knob, candidates, fit, longest_fitting_seq, runnable, search
+from finetune.plan.inputs import DEFAULT_IMPL, Implementation, Recipe, Setup, describe_setup, lora_targets
+from finetune.plan.memory import (
+    ALLOCATOR_SLACK,
+    CUDA_CONTEXT_BYTES,
+    DEFAULT_SHARD_BYTES,
+    HOST_BASELINE_BYTES,
+    NF4_BLOCK,
+    NF4_BLOCK2,
+    OFFLOAD_LAYERS_IN_FLIGHT,
+    STREAMED_LAYERS_RESIDENT,
+    Component,
+    Estimate,
+    backward_working_bytes_per_token,
+    estimate,
+    gib,
+    layer_saved_bytes_per_token,
+    loss_peak_bytes,
+    quantized_bytes,
+    trainable_params,
+)
+from finetune.plan.preflight import REFUSE_FACTOR, preflight_memory
+from finetune.plan.recipe import model_shape_of, plan_precision, plan_recipe, setup_of
+from finetune.plan.render import report
+from finetune.plan.rewrite import changes_of, recipe_value, rewrite_recipe
+from finetune.plan.shape import LinearGroup, ModelShape, read_model_shape
+from finetune.plan.speed import (
+    BANDWIDTH_EFFICIENCY,
+    HOST_ADAMW_BYTES_PER_PARAM,
+    HOST_ADAMW_GBPS,
+    LINK_EFFICIENCY,
+    MATMUL_EFFICIENCY,
+    NVME_READ_GBPS,
+    forward_seconds,
+    step_time,
+)
+
+__all__ = [
+    "ALLOCATOR_SLACK",
+    "BANDWIDTH_EFFICIENCY",
+    "CUDA_CONTEXT_BYTES",
+    "DEFAULT_IMPL",
+    "DEFAULT_SHARD_BYTES",
+    "FIT_HEADROOM",
+    "HOST_ADAMW_BYTES_PER_PARAM",
+    "HOST_ADAMW_GBPS",
+    "HOST_BASELINE_BYTES",
+    "KNOBS",
+    "LINK_EFFICIENCY",
+    "MATMUL_EFFICIENCY",
+    "NF4_BLOCK",
+    "NF4_BLOCK2",
+    "NVME_READ_GBPS",
+    "OFFLOAD_LAYERS_IN_FLIGHT",
+    "REFUSE_FACTOR",
+    "STREAMED_LAYERS_RESIDENT",
+    "Component",
+    "Estimate",
+    "Implementation",
+    "Knob",
+    "LinearGroup",
+    "ModelShape",
+    "Recipe",
+    "Setup",
+    "backward_working_bytes_per_token",
+    "candidates",
+    "changes_of",
+    "describe_setup",
+    "estimate",
+    "fit",
+    "forward_seconds",
+    "gib",
+    "layer_saved_bytes_per_token",
+    "longest_fitting_seq",
+    "lora_targets",
+    "loss_peak_bytes",
+    "model_shape_of",
+    "plan_precision",
+    "plan_recipe",
+    "preflight_memory",
+    "quantized_bytes",
+    "read_model_shape",
+    "recipe_value",
+    "report",
+    "rewrite_recipe",
+    "runnable",
+    "search",
+    "setup_of",
+    "step_time",
+    "trainable_params",
+]

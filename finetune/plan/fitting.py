@@ -1,0 +1,138 @@
+"""The search: every runnable setup the knobs allow, estimated; the fastest that fits (`fit`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from itertools import product
+from pathlib import Path
+from typing import Any, Callable
+
+from finetune.config import RecipeConfig
+from finetune.errors import PlanError
+from finetune.gpus import GiB, GpuSpec
+from finetune.model import model_source
+from finetune.plan.inputs import Recipe, Setup, describe_setup
+from finetune.plan.memory import Estimate, estimate, gib
+from finetune.plan.recipe import _shard_bytes, model_shape_of, plan_precision, setup_of
+from finetune.plan.shape import ModelShape
+
+FIT_HEADROOM = 0.10  # --fit keeps 10% of the card free: the model's error on published runs reaches ~15%
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One thing the search may change. `recipe_key` is the recipe key it writes (None: the launch command)."""
+
+    name: str  # a Setup field
+    recipe_key: str | None
+    candidates: Callable[[Setup, int], list[Any]]  # (the recipe's setup, max GPUs) -> values to try
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _checkpoint_choices(s: Setup, _: int) -> list[int]:
+    # none, every 4th, every 2nd, all: each step keeps more activations and replays fewer layers.
+    return sorted({0, 4, 2, 1, s.checkpoint_every})
+
+
+# The search keeps the fastest setup that fits; every offload mode costs time on the host link
+# (step_time), so it wins only when nothing faster fits, and an exact tie goes to the setup with
+# the lower Setup.offload_rank. base_weights=disk is tried only when the recipe has it: it frees
+# the same GPU memory as cpu, more slowly (it is for hosts whose RAM cannot pin the weights).
+KNOBS: list[Knob] = [
+    Knob("gpus", None, lambda s, max_gpus: list(range(1, max_gpus + 1))),
+    # FSDP only means something on more than one GPU; candidates() drops fsdp x 1 GPU.
+    Knob("sharding", "distributed.strategy", lambda s, max_gpus: ["ddp", "fsdp"] if max_gpus > 1 else [s.sharding]),
+    Knob("cpu_offload", "distributed.cpu_offload", lambda s, max_gpus: [False, True] if max_gpus > 1 else [s.cpu_offload]),
+    Knob("checkpoint_every", "memory.activation_checkpointing", _checkpoint_choices),
+    Knob("batch_size", "train.batch_size", lambda s, _: _divisors(s.global_batch)),
+    Knob("activation_offload", "memory.activation_offload", lambda s, _: [False, True]),
+    Knob("optimizer_offload", "memory.optimizer_offload", lambda s, _: [False, True]),
+    Knob("base_weights", "memory.base_weights", lambda s, _: sorted({"device", "cpu", s.base_weights}, key=["device", "cpu", "disk"].index)),
+]
+
+
+def runnable(s: Setup, recipe: Recipe | None = None) -> bool:
+    """Whether the trainer runs this combination (config.fsdp_problems, config.memory_problems, trainer.py)."""
+    if (s.sharding == "fsdp" and s.gpus == 1) or (s.cpu_offload and s.sharding != "fsdp"):
+        return False
+    if s.activation_offload and s.checkpoint_every == 1:
+        return False  # nothing to move: checkpointed layer inputs live inside the checkpoints
+    if s.sharding == "fsdp" and (s.streams_weights or s.optimizer_offload):
+        return False  # FSDP shards and offloads the weights and optimizer state itself
+    if s.streams_weights:
+        if s.gpus != 1 or s.checkpoint_every != 1:
+            return False  # one process; the recomputation brings each layer back before its backward
+        if recipe is not None and (recipe.quant_bits == 8 or recipe.lora_r is None):
+            return False
+    return True
+
+
+def candidates(base: Setup, max_gpus: int, recipe: Recipe | None = None) -> list[Setup]:
+    """Every runnable setup the knobs allow that keeps the global batch (batch x accum x GPUs)."""
+    out = []
+    names = [k.name for k in KNOBS]
+    for values in product(*(k.candidates(base, max_gpus) for k in KNOBS)):
+        s = replace(base, **dict(zip(names, values)))
+        if not runnable(s, recipe):
+            continue
+        per_gpu = base.global_batch / (s.batch_size * s.gpus)
+        if per_gpu < 1 or per_gpu != int(per_gpu):
+            continue
+        out.append(replace(s, grad_accum=int(per_gpu)))
+    return out
+
+
+def search(shape: ModelShape, recipe: Recipe, base: Setup, gpu: GpuSpec, max_gpus: int, host_ram: int | None = None,
+           **kw) -> tuple[Estimate | None, list[Estimate]]:
+    """(fastest setup that fits with FIT_HEADROOM to spare, or None; every estimate made).
+    host_ram: the machine's RAM, when known; offload setups that need more are left out.
+    Ties go to less offloading, then fewer GPUs, then more headroom."""
+    estimates = [estimate(shape, recipe, s, gpu, **kw) for s in candidates(base, max_gpus, recipe)]
+    fitting = [e for e in estimates if e.peak_bytes <= (1 - FIT_HEADROOM) * gpu.memory_bytes
+               and (host_ram is None or e.host_ram_bytes <= host_ram or e.setup.offload_rank == 0)]
+    best = min(fitting, key=lambda e: (round(e.step_time_s, 6), e.setup.offload_rank, e.setup.gpus, -e.headroom_bytes), default=None)
+    return best, estimates
+
+
+def longest_fitting_seq(shape: ModelShape, recipe: Recipe, base: Setup, gpu: GpuSpec, **kw) -> int:
+    """The longest data.max_seq_len at which batch 1 of `base` fits (0: not even 64 tokens)."""
+    lo, hi = 0, base.seq_len
+    probe = replace(base, batch_size=1, grad_accum=1)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if estimate(shape, recipe, replace(probe, seq_len=mid), gpu, **kw).peak_bytes <= (1 - FIT_HEADROOM) * gpu.memory_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo if lo >= 64 else 0
+
+
+def fit(cfg: RecipeConfig, gpu: GpuSpec, max_gpus: int = 1, gpus: int | None = None, host_ram: int | None = None) -> tuple[Estimate, Estimate]:
+    """(the recipe as written on `gpus` GPUs, the fastest setup that fits; with host_ram, one whose
+    offload also fits that much RAM). Raises PlanError when none fits."""
+    shape = model_shape_of(cfg)
+    recipe = Recipe.from_config(cfg, plan_precision(cfg, gpu))
+    kw = dict(keep_checkpoints=cfg.checkpoint.keep_last or 1, model_on_disk=Path(model_source(cfg)).is_dir(), shard_bytes=_shard_bytes(cfg))
+    base = setup_of(cfg, gpus or max_gpus)
+    current = estimate(shape, recipe, base, gpu, **kw)
+    best, estimates = search(shape, recipe, base, gpu, max_gpus, host_ram=host_ram, **kw)
+    if best is None:
+        smallest = min(estimates, key=lambda e: e.peak_bytes)
+        seq = longest_fitting_seq(shape, recipe, smallest.setup, gpu, **kw)
+        static = sum(c.bytes for c in smallest.components if c.key.startswith(("weights", "quant")))
+        need = smallest.peak_bytes / (1 - FIT_HEADROOM)
+        how = [f"a GPU with at least {gib(need)} (--gpu-mem {math.ceil(need / GiB)}GB)"]
+        if seq:
+            how.append(f"data.max_seq_len={seq} (fits at batch 1 with the smallest setup)")
+        how.append("a smaller lora.r or fewer lora.target modules" if cfg.lora else "LoRA (lora.r=16) instead of full fine-tuning")
+        raise PlanError(
+            f"no setup of '{cfg.model.path}' at data.max_seq_len={base.seq_len} fits {max_gpus} x {gpu.name} "
+            f"({gib(gpu.memory_bytes)} each, {FIT_HEADROOM:.0%} kept free): the smallest needs {gib(smallest.peak_bytes)} per GPU "
+            f"({describe_setup(smallest.setup)}; the weights alone take {gib(static)})",
+            hint="; or ".join(how),
+        )
+    return current, best

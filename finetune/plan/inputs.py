@@ -1,0 +1,121 @@
+"""What is being planned: the recipe's parts the memory model reads (Recipe), one way to run it
+(Setup, the knobs the search turns), and how the training code holds its tensors (Implementation)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from finetune.config import RecipeConfig
+from finetune.plan.shape import LinearGroup, ModelShape
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One way to run a recipe: the knobs the search turns, and the sequence length.
+
+    A new memory mode is a field here, a Knob in KNOBS, its terms in `estimate`
+    and `step_time`, and its recipe key in `setup_of` / `changes_of`.
+    """
+
+    batch_size: int
+    grad_accum: int
+    gpus: int = 1
+    checkpoint_every: int = 1  # memory.activation_checkpointing: 1 all layers, 0 none, k every k-th layer
+    seq_len: int = 2048
+    sharding: str = "ddp"  # ddp: a full copy per GPU; fsdp: layers sharded over the GPUs
+    cpu_offload: bool = False  # fsdp: the shards (weights, grads, optimizer state) live in host RAM
+    activation_offload: bool = False  # memory.activation_offload: saved activations wait in pinned host RAM
+    base_weights: str = "device"  # memory.base_weights: device | cpu | disk (cpu/disk stream one layer at a time)
+    optimizer_offload: bool = False  # memory.optimizer_offload: AdamW state and fp32 step in host RAM
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.grad_accum * self.gpus
+
+    @property
+    def streams_weights(self) -> bool:
+        return self.base_weights != "device"
+
+    def checkpointed_layers(self, layers: int) -> int:
+        """How many of `layers` decoder layers recompute in backward (model.py checkpoints index % k == 0)."""
+        return 0 if self.checkpoint_every <= 0 else math.ceil(layers / self.checkpoint_every)
+
+    @property
+    def offload_rank(self) -> int:
+        """How much this setup leans on host RAM and the host link; ties in step time go to the lowest."""
+        return (int(self.activation_offload) + int(self.optimizer_offload) + int(self.cpu_offload)
+                + {"device": 0, "cpu": 2, "disk": 3}.get(self.base_weights, 3))
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """How the training code holds its tensors. DEFAULT is this toolkit.
+
+    Published measurements come from other frameworks; their rows in the
+    validation state these inputs as the source describes its run (dtype of
+    the adapters, upcast of unquantized weights, loss kernel). The memory model
+    itself is the same for every row.
+    """
+
+    name: str = "finetune"
+    adapter_bytes: int = 4  # peft keeps LoRA weights fp32 (autocast feeds them compute-dtype inputs)
+    unquantized_bytes: int | None = None  # None: compute dtype (model.py does not upcast); 4: peft's prepare_model_for_kbit_training
+    loss: str = "gather"  # gather: trainer.py's target-row fp32 CE; full_fp32: HF logits.float(); chunked: torchtune compiled chunked CE
+    optimizer_states: int = 2  # AdamW: exp_avg and exp_avg_sq, in the adapters' dtype
+
+
+DEFAULT_IMPL = Implementation()
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The parts of a recipe the memory model reads (a RecipeConfig, or a published run's settings)."""
+
+    quant_bits: int | None
+    double_quant: bool
+    lora_r: int | None  # None: full fine-tuning
+    lora_target: str | tuple[str, ...]
+    lora_dropout: float
+    dora: bool
+    compute_bytes: int  # 2 for bf16/fp16, 4 for fp32
+    # CUDA's fused dropout keeps a bool mask; the CPU kernel keeps a mask tensor of the input's dtype.
+    dropout_mask_bytes: int = 1
+
+    @classmethod
+    def from_config(cls, cfg: RecipeConfig, precision: str, on_gpu: bool = True) -> Recipe:
+        lora = cfg.lora
+        target = "all-linear" if lora is None else lora.target if isinstance(lora.target, str) else tuple(lora.target)
+        return cls(
+            quant_bits=cfg.quant.bits,
+            double_quant=cfg.quant.double_quant,
+            lora_r=lora.r if lora else None,
+            lora_target=target,
+            lora_dropout=lora.dropout if lora else 0.0,
+            dora=bool(lora and lora.dora),
+            compute_bytes=4 if precision == "fp32" else 2,
+            dropout_mask_bytes=1 if on_gpu else (4 if precision == "fp32" else 2),
+        )
+
+
+def lora_targets(shape: ModelShape, target: str | tuple[str, ...]) -> list[LinearGroup]:
+    """The decoder linears peft wraps: 'all-linear' is every linear but the output head."""
+    import re
+
+    if target == "all-linear":
+        return list(shape.linears)
+    if isinstance(target, str):  # peft: a string is a regex over full module names; match its short names
+        return [g for g in shape.linears if re.search(target, g.name)]
+    return [g for g in shape.linears if g.name in target]
+
+
+def describe_setup(s: Setup) -> str:
+    ckpt = {1: "all layers", 0: "off"}.get(s.checkpoint_every, f"every {s.checkpoint_every} layers")
+    offload = [name for name, on in [("activations", s.activation_offload), ("optimizer", s.optimizer_offload),
+                                     (f"base weights streamed from {s.base_weights}", s.streams_weights)] if on]
+    return (
+        f"{s.gpus} GPU{'s' if s.gpus > 1 else ''}"
+        f"{(' (FSDP, CPU offload)' if s.cpu_offload else ' (FSDP)') if s.sharding == 'fsdp' and s.gpus > 1 else ''}, "
+        f"batch {s.batch_size} x accum {s.grad_accum} (global {s.global_batch}), seq {s.seq_len}, "
+        f"checkpointing {ckpt}" + (f", offload: {', '.join(offload)}" if offload else "")
+    )

@@ -1,0 +1,383 @@
+"""Per-GPU memory of one setup: every tensor a step keeps, with the reason for each term, plus
+host RAM and disk (`estimate`). What each tensor costs follows from how this toolkit trains
+(model.py, trainer.py)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from finetune.gpus import GiB, GpuSpec
+from finetune.plan.inputs import DEFAULT_IMPL, Implementation, Recipe, Setup, lora_targets
+from finetune.plan.shape import ModelShape
+from finetune.plan.speed import NVME_READ_GBPS, forward_seconds, step_time
+
+# One set of constants for every prediction (CLI, preflight, validation); each says where it comes from.
+# These are the memory ones; speed.py, fitting.py and preflight.py hold the others.
+CUDA_CONTEXT_BYTES = 512 * 1024**2  # CUDA context + cuBLAS workspace: ~0.3-0.6 GiB on Ampere/Hopper drivers
+ALLOCATOR_SLACK = 0.10  # caching-allocator reserved / allocated - 1: block rounding and fragmentation
+HOST_BASELINE_BYTES = 3 * GiB  # python + torch + CUDA libraries + tokenizer, per process
+STREAMED_LAYERS_RESIDENT = 3  # stream.py: the layer computing, the prefetched next one, and in backward the one finishing
+OFFLOAD_LAYERS_IN_FLIGHT = 2  # activation offload: the layer being copied out (forward) or back (backward) and the next
+DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size when the model's shards cannot be seen
+NF4_BLOCK, NF4_BLOCK2 = 64, 256  # bitsandbytes 4-bit block size, and double-quant block size of the absmax
+
+
+@dataclass
+class Component:
+    key: str
+    label: str
+    bytes: int
+    in_peak: bool = True  # transient components of the phase that is not the peak are listed, not summed
+    note: str = ""
+
+
+@dataclass
+class Estimate:
+    shape: ModelShape
+    setup: Setup
+    gpu: GpuSpec | None
+    components: list[Component]
+    peak_phase: str
+    peak_allocated_bytes: int
+    peak_bytes: int
+    step_time_s: float
+    step_time_parts: dict[str, float]
+    host_ram_bytes: int
+    disk_bytes: int
+    trainable_params: int
+    impl: Implementation = DEFAULT_IMPL
+    notes: list[str] = field(default_factory=list)
+    host_ram_parts: dict[str, int] = field(default_factory=dict)  # per process; host_ram_bytes is for all of them
+    disk_parts: dict[str, int] = field(default_factory=dict)
+    loads_whole_model: bool = False  # streaming builds the whole quantized model in host RAM while loading
+
+    @property
+    def memory_bytes(self) -> int | None:
+        return self.gpu.memory_bytes if self.gpu else None
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes is None or self.peak_bytes <= self.memory_bytes
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        return None if self.memory_bytes is None else self.memory_bytes - self.peak_bytes
+
+    @property
+    def peak_reserved_bytes(self) -> int:
+        """What torch.cuda.max_memory_reserved() would show: allocated plus allocator slack."""
+        return self.peak_allocated_bytes + self.component("allocator_slack")
+
+    def component(self, key: str) -> int:
+        return next((c.bytes for c in self.components if c.key == key), 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.shape.source,
+            "gpu": self.gpu.name if self.gpu else None,
+            "gpu_memory_bytes": self.memory_bytes,
+            "setup": asdict(self.setup),
+            "components": {c.key: c.bytes for c in self.components},
+            "in_peak": [c.key for c in self.components if c.in_peak],
+            "peak_phase": self.peak_phase,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "peak_bytes": self.peak_bytes,
+            "fits": self.fits,
+            "headroom_bytes": self.headroom_bytes,
+            "step_time_s": self.step_time_s,
+            "step_time_parts_s": self.step_time_parts,
+            "tokens_per_s": self.tokens_per_step / self.step_time_s if self.step_time_s else None,
+            "host_ram_bytes": self.host_ram_bytes,
+            "host_ram_parts": self.host_ram_parts,
+            "disk_bytes": self.disk_bytes,
+            "disk_parts": self.disk_parts,
+            "trainable_params": self.trainable_params,
+            "total_params": self.shape.total_params,
+            "notes": self.notes,
+        }
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.setup.global_batch * self.setup.seq_len
+
+
+def quantized_bytes(numel: int, out_features: int, bits: int | None, double_quant: bool, compute_bytes: int) -> tuple[int, int]:
+    """(weight bytes, quantization-constant bytes) of one linear weight as bitsandbytes stores it."""
+    if bits is None:
+        return numel * compute_bytes, 0
+    if bits == 8:  # LLM.int8: int8 weight + one fp32 scale per output row
+        return numel, out_features * 4
+    blocks = math.ceil(numel / NF4_BLOCK)
+    if double_quant:
+        # absmax quantized to uint8 per 64-block; its own fp32 absmax per 256 of those,
+        # a 256-entry fp32 code table and an fp32 offset.
+        constants = blocks + math.ceil(blocks / NF4_BLOCK2) * 4 + 256 * 4 + 4
+    else:
+        constants = blocks * 4
+    return (numel + 1) // 2, constants
+
+
+def layer_saved_bytes_per_token(shape: ModelShape, recipe: Recipe, batch_size: int) -> int:
+    """Bytes autograd keeps per token for one decoder layer (Llama-style: RMSNorm, attention, gated MLP).
+
+    Worked out from what each op saves for backward, and checked against
+    saved_tensors_hooks on real models (tests/test_plan_measured.py):
+      RMSNorm (x2)       its input upcast to fp32 (4h); the fp32 variance is per token only
+      q/k after RoPE, v, attention output: compute dtype (flash / memory-efficient SDPA save
+                         no T x T matrix), plus the fp32 log-sum-exp per head
+      GQA                with padding in the batch (batch_size > 1) transformers repeats k/v to
+                         every head before SDPA (no GQA kernel under a mask), so k and v cost h each
+      gated MLP          gate (SiLU input), SiLU output, up: three intermediate-sized tensors
+      base linears       nothing: a frozen (quantized) weight needs only itself for the input grad
+      LoRA               each wrapped linear's input: with dropout a fresh copy plus its mask per
+                         linear; without, the shared input once (q/k/v share one, gate/up one); the
+                         o_proj input is a contiguous copy of the attention output; and lora_A's
+                         r-wide output, which lora_B keeps
+    """
+    b = recipe.compute_bytes
+    h, f, lse = shape.hidden, shape.intermediate, shape.heads * 4
+    qd = shape.heads * shape.head_dim
+    kvd = shape.kv_heads * shape.head_dim
+    if shape.kv_heads < shape.heads and batch_size > 1:
+        kvd = qd
+    total = 2 * 4 * h  # two RMSNorms
+    total += b * (qd + 2 * kvd + qd) + lse  # SDPA: q, k, v, out
+    total += 3 * b * f  # MLP
+    if recipe.lora_r is None:
+        return total + b * (h + qd + h + f)  # full fine-tuning: every linear saves its input for the weight grad
+    inputs = {"q_proj": ("attn_in", h), "k_proj": ("attn_in", h), "v_proj": ("attn_in", h), "o_proj": ("o_in", qd),
+              "gate_proj": ("mlp_in", h), "up_proj": ("mlp_in", h), "down_proj": ("down_in", f)}
+    shared: dict[str, int] = {}
+    for g in lora_targets(shape, recipe.lora_target):
+        source, width = inputs.get(g.name, (g.name, g.in_features))
+        per_layer = g.count / shape.layers
+        total += int(b * recipe.lora_r * per_layer)
+        if recipe.lora_dropout > 0:
+            total += int((b + recipe.dropout_mask_bytes) * width * per_layer)  # dropout output + mask, per wrapped linear
+        else:
+            shared[source] = width
+    return total + b * sum(shared.values())
+
+
+def backward_working_bytes_per_token(shape: ModelShape, recipe: Recipe) -> int:
+    """Gradients alive while one layer runs backward: the residual-stream grads and the MLP's."""
+    b = recipe.compute_bytes
+    return b * (3 * shape.hidden + 3 * shape.intermediate) + 4 * shape.hidden  # + the fp32 RMSNorm grad
+
+
+def loss_peak_bytes(tokens: int, vocab: int, logits_bytes: int, impl: Implementation) -> int:
+    """Peak of the logits and the cross-entropy, for `tokens` positions that all carry a target.
+
+    gather (trainer.loss_sum_and_count): logits, the gathered target rows (copy), their fp32
+      upcast and the fp32 log-softmax in forward; in backward the saved log-softmax and two
+      fp32 gradients of it: 12 bytes a logit in bf16.
+    full_fp32 (transformers' loss): fp32 logits kept by the output, saved log-softmax, and its
+      two fp32 gradients: 16 bytes a logit.
+    chunked (torchtune, compiled): bf16 logits kept for backward plus one fp32 chunk of 8: ~3.
+    """
+    n = tokens * vocab
+    if impl.loss == "full_fp32":
+        return 16 * n
+    if impl.loss == "chunked":
+        return 2 * n + 8 * n // 8
+    upcast = 4 if logits_bytes < 4 else 0
+    return max(logits_bytes * n + logits_bytes * n + upcast * n + 4 * n, 12 * n)
+
+
+def trainable_params(shape: ModelShape, recipe: Recipe) -> int:
+    """LoRA A and B of every targeted linear (+ DoRA magnitudes); full fine-tuning: every parameter."""
+    if not recipe.lora_r:
+        return shape.total_params
+    targets = lora_targets(shape, recipe.lora_target)
+    extra = sum(g.out_features * g.count for g in targets) if recipe.dora else 0
+    return sum(recipe.lora_r * (g.in_features + g.out_features) * g.count for g in targets) + extra
+
+
+def estimate(
+    shape: ModelShape,
+    recipe: Recipe,
+    setup: Setup,
+    gpu: GpuSpec | None,
+    impl: Implementation = DEFAULT_IMPL,
+    *,
+    keep_checkpoints: int = 2,
+    model_on_disk: bool = False,
+    shard_bytes: int | None = None,
+) -> Estimate:
+    """Per-GPU memory, step time, host RAM and disk of one setup. gpu=None: a CPU run (no CUDA terms)."""
+    b = recipe.compute_bytes
+    n_gpu = max(setup.gpus, 1)
+    fsdp = setup.sharding == "fsdp" and n_gpu > 1
+    L, T, B = shape.layers, setup.seq_len, setup.batch_size
+    tokens = B * T
+    unq_bytes = impl.unquantized_bytes or b
+
+    # Static: weights, adapters, their grads and optimizer state.
+    q_weight = q_const = 0
+    for g in shape.linears:
+        w, c = quantized_bytes(g.in_features * g.out_features, g.out_features, recipe.quant_bits, recipe.double_quant, b)
+        q_weight += w * g.count
+        q_const += c * g.count
+    unquantized = (shape.embedding_params + shape.head_params + shape.other_params) * unq_bytes
+    trainable = trainable_params(shape, recipe)
+    adapter_bytes = impl.adapter_bytes if recipe.lora_r else (4 if b == 4 else b)
+    lora = trainable * adapter_bytes if recipe.lora_r else 0
+    grads = trainable * adapter_bytes
+    optim = trainable * adapter_bytes * impl.optimizer_states
+    layer_fraction = 1.0
+    gathered = 0
+    streamed_resident = streamed_store = 0
+    if fsdp:
+        # Decoder layers are sharded; the root unit (embeddings, head, final norm) stays whole.
+        # Two layers are gathered at a time (the running one and the prefetched one).
+        layer_fraction = 1.0 / n_gpu
+        gathered = int(2 * (q_weight + q_const) / L)
+        q_weight, q_const = int(q_weight / n_gpu), int(q_const / n_gpu)
+        lora, grads, optim = lora // n_gpu, grads // n_gpu, optim // n_gpu
+    elif setup.streams_weights:
+        # memory.base_weights=cpu|disk (stream.py): the decoder linears' packed weights wait on the host
+        # and at most three layers' worth are on the GPU; their quantization constants stay resident.
+        streamed_store = q_weight
+        streamed_resident = int(min(STREAMED_LAYERS_RESIDENT, L) * q_weight / L)
+        q_weight = 0
+    ddp_buckets = grads if (n_gpu > 1 and not fsdp) else 0  # DDP's all-reduce buckets mirror the gradients
+    offloaded = 0
+    if fsdp and setup.cpu_offload:
+        # FSDP's CPUOffloadPolicy: every shard (4-bit weights, adapters, their gradients and AdamW
+        # state) stays in host RAM; the GPU holds only what is gathered for the running layers.
+        offloaded = q_weight + q_const + lora + grads + optim
+        q_weight = q_const = lora = grads = optim = 0
+    host_optimizer = 0
+    if setup.optimizer_offload and not setup.cpu_offload:
+        # HostAdamW (offload.py): an fp32 copy of each trainable weight, its fp32 gradient and both fp32
+        # moments live in host RAM (pinned); the GPU keeps the weights and their gradients.
+        host_optimizer = (trainable // n_gpu if fsdp else trainable) * 4 * 4
+        optim = 0
+
+    # Activations. model.py checkpoints layers whose index is a multiple of k: they keep only their
+    # input; the others keep every activation they save.
+    per_layer = layer_saved_bytes_per_token(shape, recipe, B)
+    checkpointed = setup.checkpointed_layers(L)
+    input_only = tokens * b * shape.hidden  # a checkpointed layer's input, kept for the recompute
+    full_layer = tokens * per_layer
+    layers_saved = checkpointed * input_only + (L - checkpointed) * full_layer
+    recompute = full_layer if checkpointed else 0  # one layer's activations, rebuilt during its backward
+    host_activations = 0
+    if setup.activation_offload and checkpointed < L:
+        # offload.py moves what autograd saves, as forward makes it, on a side stream, and brings it
+        # back as backward reaches it. transformers holds a checkpointed layer's input inside the
+        # checkpoint, outside autograd's saved tensors, so those inputs stay on the GPU: only the
+        # layers that keep all their activations (checkpointing none or every k-th) offload. On the
+        # GPU: the layers in flight, plus the copies that fall behind when a layer saves more than
+        # the link carries while the next one computes (1 - compute/transfer of a layer per layer).
+        moved = (L - checkpointed) * full_layer
+        host_activations = moved
+        backlog = 0.0
+        if gpu is not None:
+            copy_s = full_layer / (gpu.pcie_gbps * 1e9)
+            compute_s = forward_seconds(shape, recipe, setup, gpu, trainable) / L
+            backlog = max(0.0, 1 - compute_s / copy_s) * (L - checkpointed)
+        in_flight = int((min(OFFLOAD_LAYERS_IN_FLIGHT, L - checkpointed) + backlog) * full_layer)
+        layers_saved = checkpointed * input_only + min(moved, in_flight)
+    # The head's and the loss's buffers are not moved: they are made right before backward needs them.
+    saved = layers_saved + 2 * T * shape.head_dim * b  # + RoPE cos and sin, shared by the layers
+    final_norm = tokens * 4 * shape.hidden
+    logits_bytes = unq_bytes if impl.loss != "chunked" else b
+    loss = loss_peak_bytes(tokens, shape.vocab, logits_bytes, impl)
+    working = tokens * backward_working_bytes_per_token(shape, recipe)
+    dequant = shape.largest_linear * b if recipe.quant_bits else 0  # the weight dequantized for one matmul
+    mask = B * T * T if B > 1 else 0  # bool 4D attention mask transformers builds when the batch is padded
+
+    static = q_weight + q_const + streamed_resident + unquantized + lora + grads + optim + ddp_buckets + gathered
+    phase_loss = static + saved + mask + final_norm + loss
+    phase_backward = static + saved + mask + recompute + working + dequant
+    loss_peak = phase_loss >= phase_backward
+    peak_alloc = max(phase_loss, phase_backward)
+    on_gpu = gpu is not None
+    slack = int(ALLOCATOR_SLACK * peak_alloc) if on_gpu else 0
+    context = CUDA_CONTEXT_BYTES if on_gpu else 0
+    where = {"cpu": "CPU RAM", "disk": "a file on disk"}.get(setup.base_weights, "")
+    if checkpointed == L:
+        kept = " (checkpointed layer inputs)"
+    elif checkpointed == 0:
+        kept = " (all layers)"
+    else:
+        kept = f" ({checkpointed} checkpointed layers' inputs, all of {L - checkpointed} others)"
+    comps = [
+        Component("weights_quantized", f"base weights ({_quant_label(recipe)})", q_weight),
+        Component("weights_streamed", f"base weights streamed ({min(STREAMED_LAYERS_RESIDENT, L)} of {L} layers)",
+                  streamed_resident),
+        Component("quant_constants", "quantization constants (absmax)", q_const),
+        Component("weights_unquantized", f"embeddings, head, norms, biases ({_dtype_label(unq_bytes)})", unquantized),
+        Component("lora_weights", f"LoRA weights ({_dtype_label(adapter_bytes)})" if recipe.lora_r else "trained weights", lora),
+        Component("gradients", "gradients of trained weights", grads),
+        Component("optimizer_state", "AdamW state (2 moments)", optim),
+        Component("ddp_buckets", "DDP all-reduce buckets", ddp_buckets),
+        Component("fsdp_gathered", "FSDP gathered layers (2)", gathered),
+        Component("activations", ("activations in flight to/from host RAM" if setup.activation_offload
+                                  else "activations kept for backward") + kept, saved),
+        Component("attention_mask", "padded-batch attention mask", mask),
+        Component("logits_loss", "logits and loss buffers", loss, in_peak=loss_peak),
+        Component("final_norm", "final norm input (fp32)", final_norm, in_peak=loss_peak),
+        Component("recompute_layer", "one layer recomputed in backward", recompute, in_peak=not loss_peak),
+        Component("backward_working", "backward gradients of one layer", working, in_peak=not loss_peak),
+        Component("dequant_buffer", "dequantized weight of one matmul", dequant, in_peak=not loss_peak),
+        Component("allocator_slack", f"allocator fragmentation ({ALLOCATOR_SLACK:.0%})", slack),
+        Component("cuda_context", "CUDA context and cuBLAS workspace", context),
+    ]
+    peak = peak_alloc + slack + context
+
+    step, parts = step_time(
+        shape, recipe, setup, gpu, trainable, q_weight + q_const + offloaded, adapter_bytes, fsdp,
+        streamed_bytes=streamed_store, activation_bytes=host_activations,
+    )
+    shard = shard_bytes or min(DEFAULT_SHARD_BYTES, shape.total_params * 2)
+    # Loading streams one shard at a time. Streaming loads (and quantizes) the whole model in CPU RAM
+    # (trainer.py: it would not fit the GPU even for a moment), then moves its layers to the store;
+    # base_weights=disk with 4-bit weights sends each one to the file as bitsandbytes quantizes it
+    # (stream.DiskStore.capture), so only the resident parts are ever in RAM.
+    captured = setup.base_weights == "disk" and recipe.quant_bits == 4
+    loading = shard + ((q_const + unquantized + (0 if captured else streamed_store)) if setup.streams_weights else 0)
+    pinned = (streamed_store if setup.base_weights == "cpu" else 0) + host_activations + host_optimizer
+    host = HOST_BASELINE_BYTES + max(loading, pinned) + offloaded  # per process; offloaded FSDP shards stay
+    host_parts = {"libraries": HOST_BASELINE_BYTES, "loading": loading, "streamed_weights": streamed_store if setup.base_weights == "cpu" else 0,
+                  "activations": host_activations, "optimizer": host_optimizer, "fsdp_shards": offloaded}
+    state_bytes = trainable * adapter_bytes * (1 + impl.optimizer_states)
+    disk_parts = {
+        "download": 0 if model_on_disk else shape.total_params * 2,
+        "checkpoints": keep_checkpoints * state_bytes,
+        "adapter": trainable * adapter_bytes,
+        "streamed_weights": streamed_store if setup.base_weights == "disk" else 0,
+    }
+    disk = sum(disk_parts.values())
+    notes = []
+    if gpu is not None and gpu.name == "custom":
+        notes.append(f"unknown GPU: speed assumed {gpu.bf16_tflops:.0f} TFLOPs, {gpu.bandwidth_gbps:.0f} GB/s")
+    if setup.base_weights == "disk":
+        notes.append(
+            f"base_weights=disk: step time assumes reads from the NVMe disk at {NVME_READ_GBPS:g} GB/s; with "
+            f"{gib(streamed_store)} of free RAM for the page cache the file stays cached and streams like base_weights=cpu"
+        )
+    return Estimate(
+        shape=shape, setup=setup, gpu=gpu, components=comps, peak_phase="loss" if loss_peak else "backward",
+        peak_allocated_bytes=peak_alloc, peak_bytes=peak, step_time_s=step, step_time_parts=parts,
+        host_ram_bytes=host * n_gpu, disk_bytes=disk, trainable_params=trainable, impl=impl, notes=notes,
+        host_ram_parts=host_parts, disk_parts=disk_parts, loads_whole_model=setup.streams_weights and not captured,
+    )
+
+
+def _quant_label(recipe: Recipe) -> str:
+    if recipe.quant_bits == 4:
+        return "NF4, double quant" if recipe.double_quant else "NF4"
+    return "int8" if recipe.quant_bits == 8 else _dtype_label(recipe.compute_bytes)
+
+
+def _dtype_label(nbytes: int) -> str:
+    return {2: "bf16", 4: "fp32", 1: "int8"}.get(nbytes, f"{nbytes} B")
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"

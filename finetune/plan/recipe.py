@@ -1,0 +1,61 @@
+"""A RecipeConfig on a GPU: its model shape, precision, Setup and estimate (`plan_recipe`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from finetune.config import RecipeConfig
+from finetune.gpus import GpuSpec
+from finetune.model import model_source
+from finetune.plan.inputs import Recipe, Setup
+from finetune.plan.memory import Estimate, estimate
+from finetune.plan.shape import ModelShape, read_model_shape
+
+
+def plan_precision(cfg: RecipeConfig, gpu: GpuSpec | None) -> str:
+    """The precision the run would use on `gpu` (precision=auto follows hardware.resolve_precision's rule)."""
+    if cfg.precision != "auto":
+        return cfg.precision
+    if gpu is None:
+        from finetune.hardware import resolve_precision
+
+        return resolve_precision("auto")
+    return "bf16" if gpu.supports_bf16 else "fp16"
+
+
+def model_shape_of(cfg: RecipeConfig) -> ModelShape:
+    return read_model_shape(model_source(cfg), cfg.model.trust_remote_code, cfg.model.revision)
+
+
+def _shard_bytes(cfg: RecipeConfig) -> int | None:
+    """The largest weight file of a local model directory (host RAM while loading), if visible."""
+    src = Path(model_source(cfg))
+    files = list(src.glob("*.safetensors")) if src.is_dir() else []
+    return max((f.stat().st_size for f in files), default=None)
+
+
+def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
+    return Setup(
+        batch_size=cfg.train.batch_size,
+        grad_accum=cfg.train.grad_accum,
+        gpus=gpus,
+        checkpoint_every=cfg.memory.checkpoint_every,
+        seq_len=cfg.data.max_seq_len,
+        # auto runs DDP unless a replica does not fit (finetune.distributed.resolve_strategy).
+        sharding="fsdp" if cfg.distributed.strategy == "fsdp" and gpus > 1 else "ddp",
+        cpu_offload=cfg.distributed.cpu_offload and cfg.distributed.strategy == "fsdp" and gpus > 1,
+        activation_offload=cfg.memory.activation_offload,
+        base_weights=cfg.memory.base_weights,
+        optimizer_offload=cfg.memory.optimizer_offload,
+    )
+
+
+def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Setup | None = None) -> Estimate:
+    shape = model_shape_of(cfg)
+    recipe = Recipe.from_config(cfg, plan_precision(cfg, gpu), on_gpu=gpu is not None)
+    return estimate(
+        shape, recipe, setup or setup_of(cfg, gpus), gpu,
+        keep_checkpoints=cfg.checkpoint.keep_last or 1,
+        model_on_disk=Path(model_source(cfg)).is_dir(),
+        shard_bytes=_shard_bytes(cfg),
+    )

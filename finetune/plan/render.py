@@ -1,0 +1,73 @@
+"""The human-readable plan: per-GPU breakdown, peak, verdict, host RAM, disk, step time."""
+
+from __future__ import annotations
+
+from finetune.plan.inputs import describe_setup
+from finetune.plan.memory import Estimate, gib
+from finetune.plan.speed import BANDWIDTH_EFFICIENCY, MATMUL_EFFICIENCY, NVME_READ_GBPS
+
+
+def report(e: Estimate) -> str:
+    """The human-readable plan: per-GPU breakdown, peak, verdict, host RAM, disk, step time."""
+    lines = [
+        f"model      {e.shape.source} ({e.shape.model_type}, {e.shape.total_params / 1e9:.2f}B parameters, "
+        f"{e.trainable_params / 1e6:.1f}M trainable)",
+        f"setup      {describe_setup(e.setup)}",
+        f"device     {e.gpu.description or e.gpu.name} ({gib(e.gpu.memory_bytes)})" if e.gpu else "device     CPU",
+        "",
+        "per-GPU memory at the peak (" + ("end of forward: logits and loss" if e.peak_phase == "loss" else "backward of one layer") + "):",
+    ]
+    for c in e.components:
+        if c.bytes == 0:
+            continue
+        mark = " " if c.in_peak else "~"
+        lines.append(f"  {mark} {c.label:<48} {gib(c.bytes):>12}")
+    lines.append(f"    {'peak':<48} {gib(e.peak_bytes):>12}")
+    lines.append("  (~ = the other phase's transient buffers, not in the peak)")
+    if e.gpu is not None:
+        room = e.headroom_bytes
+        verdict = (f"fits: {gib(room)} headroom ({100 * e.peak_bytes / e.gpu.memory_bytes:.0f}% of {e.gpu.name})" if e.fits
+                   else f"does NOT fit: {gib(-room)} over the {gib(e.gpu.memory_bytes)} of {e.gpu.name}")
+        lines += ["", f"verdict    {verdict}"]
+    lines += _host_lines(e)
+    if e.step_time_s:
+        p = e.step_time_parts
+        lines.append(
+            f"step time  ~{e.step_time_s:.2f} s/step, {e.tokens_per_step / e.step_time_s:,.0f} tokens/s "
+            f"(compute {p['compute']:.2f} s at {MATMUL_EFFICIENCY:.0%} of {e.gpu.bf16_tflops:g} TFLOPs, "
+            f"dequantize {p['dequantize']:.2f} s at {BANDWIDTH_EFFICIENCY:.0%} of {e.gpu.bandwidth_gbps:g} GB/s, "
+            f"communication {p['communication']:.2f} s, optimizer {p['optimizer']:.2f} s)"
+        )
+        if p.get("host_transfer"):
+            s = e.setup
+            rate = f"{e.gpu.pcie_gbps:g} GB/s (pinned, host link)"
+            if s.base_weights == "disk":
+                rate = f"{min(NVME_READ_GBPS, e.gpu.pcie_gbps):g} GB/s (NVMe, page cache cold) for weights, " + rate
+            lines.append(
+                f"host link  {p['host_transfer']:.2f} s/step of copies at {rate}, overlapped layer by layer "
+                f"with compute: they add {p['host_transfer_exposed']:.2f} s/step"
+            )
+    lines += [f"note       {n}" for n in e.notes]
+    return "\n".join(lines)
+
+
+def _host_lines(e: Estimate) -> list[str]:
+    """Host RAM and disk, with what they hold (host RAM per process is libraries + the larger of
+    loading and what stays pinned while training, + FSDP's offloaded shards)."""
+    h, d = e.host_ram_parts, e.disk_parts
+    if e.loads_whole_model:
+        held = " (the whole quantized model is built in CPU RAM first)"
+    elif e.setup.streams_weights:
+        held = " (one weight shard and the resident weights; 4-bit layers go to the file as they load)"
+    else:
+        held = " (one weight shard)"
+    loading = f"loading {gib(h.get('loading', 0))}{held}"
+    pinned = [f"{label} {gib(h[k])}" for k, label in [("streamed_weights", "streamed base weights"), ("activations", "saved activations"),
+                                                      ("optimizer", "AdamW state + fp32 weights and grads")] if h.get(k)]
+    text = f"libraries {gib(h.get('libraries', 0))} + " + (f"max({loading}; pinned while training: {', '.join(pinned)})" if pinned else loading)
+    if h.get("fsdp_shards"):
+        text += f" + FSDP shards {gib(h['fsdp_shards'])}"
+    per = f", {e.setup.gpus} processes" if e.setup.gpus > 1 else ""
+    disk = [f"{label} {gib(d[k])}" for k, label in [("download", "bf16 weights if downloaded"), ("checkpoints", "checkpoints"),
+                                                    ("adapter", "adapter"), ("streamed_weights", "streamed-weights file")] if d.get(k)]
+    return [f"host RAM   {gib(e.host_ram_bytes)} (per process: {text}{per})", f"disk       {gib(e.disk_bytes)} ({', '.join(disk)})"]

@@ -1,0 +1,74 @@
+"""Writing the fitted recipe: the recipe keys a setup changes, set in place in the recipe's own text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetune.plan.fitting import KNOBS
+from finetune.plan.inputs import Setup
+from finetune.plan.memory import Estimate
+
+
+def recipe_value(knob: str, value: Any) -> Any:
+    """A Setup value as its recipe key takes it (checkpoint_every 1/0/k -> all/none/k)."""
+    if knob == "checkpoint_every":
+        return {1: "all", 0: "none"}.get(value, value)
+    return value
+
+
+def changes_of(best: Estimate, base: Setup) -> dict[str, Any]:
+    """Recipe keys to write so a run uses `best` (grad_accum follows batch and GPUs)."""
+    out: dict[str, Any] = {}
+    for knob in KNOBS:
+        if knob.recipe_key and getattr(best.setup, knob.name) != getattr(base, knob.name):
+            out[knob.recipe_key] = recipe_value(knob.name, getattr(best.setup, knob.name))
+    if best.setup.grad_accum != base.grad_accum:
+        out["train.grad_accum"] = best.setup.grad_accum
+    return out
+
+
+def _yaml_value(value: Any) -> str:
+    import yaml
+
+    text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
+    return text[: -len("...")].strip() if text.endswith("...") else text
+
+
+def rewrite_recipe(text: str, values: dict[str, Any], comments: dict[str, str], command: str, header: list[str]) -> str:
+    """The recipe `text` with dotted `values` set in place, each changed line commented.
+
+    Keys keep their position and their own comment unless `comments` has a new
+    one; missing keys are added under their section (missing sections at the
+    end). The first line becomes `# {command}`, followed by `header` lines.
+    """
+    lines = text.splitlines()
+    if lines and lines[0].startswith("#"):
+        lines = lines[1:]
+    for dotted, value in values.items():
+        parts = dotted.split(".")
+        comment = comments.get(dotted)
+        start, indent = 0, ""
+        if len(parts) == 2:
+            sec = next((i for i, ln in enumerate(lines) if ln.rstrip().split("#")[0].rstrip() == f"{parts[0]}:"), None)
+            if sec is None:
+                lines += ["", f"{parts[0]}:"]
+                sec = len(lines) - 1
+            start, indent = sec + 1, "  "
+        end = len(lines)
+        if indent:  # the section's block ends at the next line that starts at column 0
+            end = next((i for i in range(start, len(lines)) if lines[i].strip() and not lines[i][0].isspace()), len(lines))
+        key = parts[-1]
+        at = next((i for i in range(start, end) if lines[i].startswith(f"{indent}{key}:")), None)
+        if at is None:  # insert at the end of the section's key lines
+            last = max((i for i in range(start, end) if lines[i].strip() and not lines[i].lstrip().startswith("#")), default=start - 1)
+            at = last + 1
+            lines.insert(at, "")
+            old_comment = comment or "set by finetune plan"
+        else:
+            old_comment = lines[at].split("#", 1)[1].strip() if "#" in lines[at] else "set by finetune plan"
+            # a block-style value (list items on the following lines) is replaced by a flow-style one
+            while at + 1 < len(lines) and lines[at + 1].startswith(indent + "  - "):
+                del lines[at + 1]
+        body = f"{indent}{key}: {_yaml_value(value)}"
+        lines[at] = f"{body:<32} # {comment or old_comment}"
+    return "\n".join([f"# {command}", *[f"# {h}" for h in header], *lines]) + "\n"

@@ -1,0 +1,151 @@
+"""The model's shape: every parameter of config.json's model, counted by the kind of module that holds it.
+
+The model is built on the meta device (no memory, no weights). Linears are grouped
+by short name (q_proj, ...): what bitsandbytes quantizes and LoRA targets.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from finetune.errors import PlanError
+
+
+@dataclass(frozen=True)
+class LinearGroup:
+    """All decoder linears of one short name (q_proj, ...): shape and how many there are."""
+
+    name: str
+    in_features: int
+    out_features: int
+    count: int
+    bias: bool
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Everything the memory model needs from config.json, counted on a meta-device model."""
+
+    source: str
+    model_type: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+    linears: tuple[LinearGroup, ...]  # decoder linears: what bitsandbytes quantizes and LoRA targets
+    embedding_params: int
+    head_params: int  # 0 when the head is tied to the embedding
+    other_params: int  # norms, biases, anything not in a quantizable linear
+    total_params: int
+
+    @property
+    def linear_params(self) -> int:
+        return sum(g.in_features * g.out_features * g.count for g in self.linears)
+
+    @property
+    def largest_linear(self) -> int:
+        return max((g.in_features * g.out_features for g in self.linears), default=0)
+
+    def group(self, name: str) -> LinearGroup | None:
+        return next((g for g in self.linears if g.name == name), None)
+
+
+def _read_config(source: str, trust_remote_code: bool, revision: str | None):
+    from transformers import AutoConfig
+
+    local = Path(source)
+    if local.is_dir() and not (local / "config.json").is_file():
+        raise PlanError(
+            f"model config: '{source}' has no config.json",
+            hint="point model.path at a Hugging Face model directory (with config.json), or a hub id",
+        )
+    try:
+        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, revision=revision)
+    except Exception as exc:  # transformers raises OSError, ValueError, JSON errors, hub errors
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        how = (
+            "HF_HUB_OFFLINE=1 is set and the config is not in the HF cache: download it once "
+            f"(`huggingface-cli download {source} config.json`) or point model.path at a local directory"
+            if offline and not local.exists()
+            else "check model.path (a local directory with config.json, or a hub id you can reach); "
+            "models with custom code need model.trust_remote_code=true"
+        )
+        raise PlanError(f"model config: cannot read config.json of '{source}': {str(exc).splitlines()[0]}", hint=how) from None
+
+
+@lru_cache(maxsize=32)
+def read_model_shape(source: str, trust_remote_code: bool = False, revision: str | None = None) -> ModelShape:
+    """Count every parameter of the model at `source` by module kind, on the meta device (no weights read)."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    config = _read_config(source, trust_remote_code, revision)
+    try:
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise PlanError(
+            f"model config: cannot build a causal LM from the config.json of '{source}': {str(exc).splitlines()[0]}",
+            hint="the planner needs a model transformers knows (AutoModelForCausalLM); custom code needs model.trust_remote_code=true",
+        ) from None
+    head = model.get_output_embeddings()
+    embed = model.get_input_embeddings()
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    groups: dict[str, list[Any]] = {}
+    counted: set[int] = set()
+    other = 0
+    for name, module in model.named_modules():
+        if module is head or module is embed:
+            continue
+        if isinstance(module, torch.nn.Linear):
+            groups.setdefault(name.rsplit(".", 1)[-1], []).append(module)
+            counted.add(id(module.weight))
+            if module.bias is not None:
+                other += module.bias.numel()  # bitsandbytes keeps biases in the compute dtype
+                counted.add(id(module.bias))
+    head_params = 0 if (tied or head is None) else head.weight.numel()
+    if head is not None:
+        counted.add(id(head.weight))
+    embedding_params = embed.weight.numel() if embed is not None else 0
+    if embed is not None:
+        counted.add(id(embed.weight))
+    total = 0
+    for p in model.parameters():  # parameters() yields a tied weight once
+        total += p.numel()
+        if id(p) not in counted:
+            other += p.numel()
+    linears = []
+    for short, mods in groups.items():
+        shapes = {(m.in_features, m.out_features) for m in mods}
+        for fin, fout in sorted(shapes):
+            same = [m for m in mods if (m.in_features, m.out_features) == (fin, fout)]
+            linears.append(LinearGroup(short, fin, fout, len(same), same[0].bias is not None))
+    text = getattr(config, "get_text_config", lambda: config)()
+    heads = int(getattr(text, "num_attention_heads"))
+    hidden = int(getattr(text, "hidden_size"))
+    return ModelShape(
+        source=source,
+        model_type=str(getattr(config, "model_type", "?")),
+        layers=int(getattr(text, "num_hidden_layers")),
+        hidden=hidden,
+        intermediate=int(getattr(text, "intermediate_size", 4 * hidden)),
+        heads=heads,
+        kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
+        vocab=int(getattr(text, "vocab_size")),
+        tied_embeddings=tied,
+        linears=tuple(linears),
+        embedding_params=embedding_params,
+        head_params=head_params,
+        other_params=other,
+        total_params=total,
+    )

@@ -1,0 +1,104 @@
+"""Step time: compute, NF4 dequantization, GPU-link communication and host-link copies of one optimizer step."""
+
+from __future__ import annotations
+
+# One set of constants for every prediction (CLI, preflight, validation); each says where it comes from.
+# These are the speed ones; memory.py, fitting.py and preflight.py hold the others.
+MATMUL_EFFICIENCY = 0.45  # fraction of dense bf16 peak that LoRA training matmuls reach (MFU of tuned 7B runs: 0.35-0.55)
+BANDWIDTH_EFFICIENCY = 0.75  # fraction of spec memory bandwidth reached by the NF4 dequantize kernels
+LINK_EFFICIENCY = 0.8  # fraction of link bandwidth reached by NCCL collectives and host copies
+# Host link: GpuSpec.pcie_gbps, the effective one-direction rate of pinned copies (PCIe 4.0 x16:
+# ~25 GB/s of 32; PCIe 5.0: ~50). memory.base_weights=disk reads a memory-mapped file: when its
+# pages are not in the page cache the NVMe disk sets the rate (PCIe 4.0 NVMe sequential read).
+NVME_READ_GBPS = 3.5
+HOST_ADAMW_GBPS = 10.0  # host-memory traffic torch's CPU AdamW sustains (an assumption; desktop DDR4/DDR5)
+HOST_ADAMW_BYTES_PER_PARAM = 64  # fp32 weight, grad and 2 moments, read and written over AdamW's elementwise passes
+
+
+def _micro_batch_seconds(shape, recipe, setup, gpu, trainable) -> tuple[float, float, float]:
+    """(compute, dequantize, forward) seconds of one micro-batch on one GPU, nothing moved over a link.
+
+    forward: the first pass over the layer stack (its matmuls, attention and one dequantize pass),
+    the rest of compute + dequantize being the recompute and backward."""
+    T = setup.seq_len
+    tokens = setup.batch_size * T
+    matmul_params = shape.linear_params + (shape.head_params or shape.embedding_params)
+    lora_flops = 2 * trainable if recipe.lora_r else 0
+    fwd = 2 * matmul_params + lora_flops
+    attn_fwd = 2 * T * shape.heads * shape.head_dim * shape.layers  # QK^T and AV, causal half
+    ckpt = setup.checkpointed_layers(shape.layers) / shape.layers  # the share of layers replayed
+    # Backward of a frozen weight computes only the input gradient (1x forward); attention
+    # backward is ~2x its forward; checkpointing replays the decoder forward once more.
+    per_token = fwd * (2 + ckpt) + attn_fwd * (3 + ckpt) + (lora_flops if recipe.lora_r else 2 * fwd)
+    rate = gpu.bf16_tflops * 1e12 * MATMUL_EFFICIENCY
+    compute = tokens * per_token / rate
+    dequant = 0.0
+    one_pass = 0.0
+    if recipe.quant_bits:
+        # Each pass over a 4-bit weight reads it (0.5 B/param), writes it in bf16 (2) and the matmul reads that (2).
+        one_pass = shape.linear_params * 4.5 / (gpu.bandwidth_gbps * 1e9 * BANDWIDTH_EFFICIENCY)
+        dequant = (2 + ckpt) * one_pass
+    forward = tokens * (fwd + attn_fwd) / rate + one_pass
+    return compute, dequant, forward
+
+
+def forward_seconds(shape, recipe, setup, gpu, trainable) -> float:
+    return _micro_batch_seconds(shape, recipe, setup, gpu, trainable)[2]
+
+
+def step_time(shape, recipe, setup, gpu, trainable, quantized_weight_bytes, adapter_bytes, fsdp, *,
+              streamed_bytes: int = 0, activation_bytes: int = 0) -> tuple[float, dict[str, float]]:
+    """Seconds per optimizer step: compute at MATMUL_EFFICIENCY of dense bf16 peak, NF4 dequantization
+    at BANDWIDTH_EFFICIENCY of memory bandwidth, gradient all-reduce (DDP) or weight all-gather (FSDP)
+    over the GPU link, and host-link copies of the offload modes. CPU runs (gpu=None) get 0: the plan
+    is for GPUs.
+
+    streamed_bytes: base weights streamed per pass over the layer stack (base_weights=cpu|disk);
+    activation_bytes: saved activations sent to host RAM per micro-batch (activation_offload)."""
+    if gpu is None:
+        return 0.0, {}
+    compute, dequant, forward = _micro_batch_seconds(shape, recipe, setup, gpu, trainable)
+    micro = compute + dequant
+    host_link = gpu.pcie_gbps * 1e9
+    transfer = exposed = 0.0
+    if streamed_bytes or activation_bytes:
+        # Copies run on a side stream while layers compute, so a layer takes max(its compute, its copy):
+        # summed over uniform layers, max(compute of the pass, copies of the pass). The head and loss
+        # are counted in with the layers (a slight over-statement of the overlap); nothing hides the
+        # copy of the first layer of each pass (it has no layer before it).
+        weights_rate = min(NVME_READ_GBPS * 1e9, host_link) if setup.base_weights == "disk" else host_link
+        weights = streamed_bytes / weights_rate  # once in forward, once in the recompute before backward
+        first_layer = weights / shape.layers
+        acts = activation_bytes / host_link
+        backward = micro - forward
+        # Forward: weights come in while activations go out (PCIe is full duplex). Backward: offload.py
+        # copies saved tensors back on the compute stream, so those copies add to the time.
+        with_copies = max(forward, weights, acts) + first_layer + max(backward, weights) + first_layer + acts
+        transfer = 2 * weights + 2 * acts
+        exposed = with_copies - micro
+        micro = with_copies
+    n = setup.gpus
+    link = gpu.interconnect_gbps * 1e9 * LINK_EFFICIENCY
+    comm = 0.0
+    ckpt = setup.checkpointed_layers(shape.layers) / shape.layers
+    if n > 1 and fsdp:
+        gather = (2 + ckpt) * quantized_weight_bytes * n * (n - 1) / n / link  # each pass gathers the whole layer stack
+        micro = max(micro, gather)  # FSDP prefetch overlaps the gathers with compute
+        comm = 2 * (n - 1) / n * trainable * adapter_bytes / link
+    elif n > 1:
+        comm = 2 * (n - 1) / n * trainable * adapter_bytes / link  # ring all-reduce of the gradients, once a step
+    optimizer = 4 * trainable * adapter_bytes * 4 / (gpu.bandwidth_gbps * 1e9 * BANDWIDTH_EFFICIENCY)
+    if fsdp and setup.cpu_offload:
+        # Each pass copies this GPU's weight shards host->GPU; gradients go back once a step;
+        # AdamW runs on the CPU.
+        n_share = max(n, 1)
+        h2d = (2 + ckpt) * quantized_weight_bytes / n_share / host_link
+        micro = max(micro, h2d)
+        comm += trainable * adapter_bytes / n_share / host_link
+        optimizer = 4 * trainable * adapter_bytes * 4 / n_share / (HOST_ADAMW_GBPS * 1e9)
+    elif setup.optimizer_offload:
+        # HostAdamW: gradients to the host, the fp32 AdamW step there, updated weights back; not overlapped.
+        optimizer = 2 * trainable * adapter_bytes / host_link + trainable * HOST_ADAMW_BYTES_PER_PARAM / (HOST_ADAMW_GBPS * 1e9)
+    parts = {"compute": compute * setup.grad_accum, "dequantize": dequant * setup.grad_accum, "communication": comm,
+             "optimizer": optimizer, "host_transfer": transfer * setup.grad_accum, "host_transfer_exposed": exposed * setup.grad_accum}
+    return micro * setup.grad_accum + comm + optimizer, parts
