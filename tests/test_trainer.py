@@ -283,15 +283,19 @@ def test_packing_and_length_grouping_train(recipe_dict, tmp_path, data):
         assert longest <= 512
 
 
+def set_up_with_first_batch(recipe_dict):
+    """A set-up trainer without dropout (so two forwards agree) and its first micro-batch."""
+    trainer = Trainer(make_cfg(recipe_dict, lora={"dropout": 0.0}), progress=False)
+    trainer.setup()
+    return trainer, trainer.step_batches(0)[0]
+
+
 def test_models_that_cannot_take_a_boolean_logits_to_keep_get_full_logits(recipe_dict, tmp_path):
     # transformers before the boolean form (5.17 and older) slices hidden_states[:, keep, :]
     # and raises IndexError; the trainer must fall back to full logits with the same loss.
     from finetune.trainer import loss_sum_and_count
 
-    cfg = make_cfg(recipe_dict, lora={"dropout": 0.0})
-    trainer = Trainer(cfg, progress=False)
-    trainer.setup()
-    batch = trainer.step_batches(0)[0]
+    trainer, batch = set_up_with_first_batch(recipe_dict)
     model = trainer.model
     calls = []
 
@@ -317,10 +321,7 @@ def test_head_on_targets_only_equals_full_logits_loss_and_gradients(recipe_dict,
     # gradients must equal those from the full logits.
     from finetune.trainer import loss_sum_and_count
 
-    cfg = make_cfg(recipe_dict, lora={"dropout": 0.0})
-    trainer = Trainer(cfg, progress=False)
-    trainer.setup()
-    batch = trainer.step_batches(0)[0]
+    trainer, batch = set_up_with_first_batch(recipe_dict)
     model = trainer.model
 
     def grads_of(loss):
