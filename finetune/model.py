@@ -261,7 +261,8 @@ def takes_boolean_logits_to_keep(model) -> bool:
     import sys
 
     for module in model.modules():
-        if type(module).__name__.endswith("ForCausalLM"):
+        # The model class that owns the head (peft's PeftModelForCausalLM wraps it and only forwards).
+        if type(module).__name__.endswith("ForCausalLM") and "lm_head" in module._modules:
             source = sys.modules.get(type(module).__module__)
             return source is not None and hasattr(source, "slice_logits_to_keep")
     return False

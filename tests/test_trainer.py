@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 
 from finetune.config import build_recipe
 from finetune.metrics import read_metrics
@@ -330,6 +331,8 @@ def test_head_on_targets_only_equals_full_logits_loss_and_gradients(recipe_dict,
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
     if not takes_boolean_logits_to_keep(model):
+        # Never a silent skip on a transformers that has it (a wrong check once skipped this here).
+        assert Version(transformers.__version__) < Version("5.23"), "5.23's Llama slices with slice_logits_to_keep"
         pytest.skip(f"transformers {transformers.__version__} has no boolean logits_to_keep (5.17 had none; 5.23 has it)")
     fast, n_fast = trainer.compute_loss(model, batch)
     assert trainer._head_on_targets_only is True  # the fast path was taken, not the fallback
