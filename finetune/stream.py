@@ -35,7 +35,10 @@ is how the tests see the lifecycle.
 from __future__ import annotations
 
 import atexit
+import ctypes
+import functools
 import os
+import sys
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -287,6 +290,34 @@ def _placeholder(p: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=p.dtype, device=device)
 
 
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None (another libc or OS)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # musl names its libc otherwise and has no malloc_trim
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def release_free_heap() -> None:
+    """Give the free pages inside the C heap back to the OS (glibc; elsewhere nothing).
+
+    glibc gives memory back only from the top of its heap and as whole mmapped blocks
+    (and its mmap threshold rises to the size of the weights' buffers, so they go to the
+    heap). The heap copies of streamed weights are freed in the middle of it, between
+    allocations that stay (quantization constants, norms), and most of that space is
+    never reused: loading a 24-layer model left 732 MiB free inside a 957 MiB heap, all
+    of it in RssAnon, and a disk load peaked as high as a device one.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 class DiskStore:
     """The file behind base_weights=disk: frozen weights appended one at a time, then memory-mapped.
 
@@ -327,6 +358,8 @@ class DiskStore:
         self._fh.write(b"\0" * pad)
         self._offset += size + pad
         p.data = _placeholder(p, torch.device("cpu"))
+        del data, raw
+        release_free_heap()  # the copy just freed, and the load and quantization buffers of the weight before
 
     def finish(self) -> dict[torch.nn.Parameter, torch.Tensor]:
         """Close the file and return each weight as a view of one private read-only mapping."""
@@ -364,3 +397,4 @@ class DiskStore:
             yield self
         finally:
             handle.remove()
+            release_free_heap()  # the last weight's load and quantization buffers
