@@ -243,7 +243,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 print(f"\nfind a setup that fits: finetune plan {args.recipe} --gpu {args.gpu or 'custom'} --fit --out my.yaml")
         return EXIT_OK
 
-    current, best = fit(cfg, gpu, max_gpus=args.gpus)
+    current, best = fit(cfg, gpu, max_gpus=args.gpus, host_ram=host_ram)  # offload that needs more RAM is left out
     changes = changes_of(best, current.setup)
     out = Path(args.out or f"{Path(source).stem}-{best.setup.gpus}x{gpu.name}.yaml")
     if out.exists() and not args.force:

@@ -405,3 +405,20 @@ def test_search_leaves_out_offload_the_host_ram_cannot_hold():
     assert (best.setup.checkpoint_every, best.setup.activation_offload) == (0, True) and best.host_ram_bytes > 32 * GiB
     small, _ = search(shape, NF4, base, gpu, max_gpus=1, host_ram=16 * GiB)
     assert small.host_ram_bytes <= 16 * GiB and small.step_time_s > best.step_time_s
+
+
+def test_fit_cli_passes_host_ram_to_the_search(tmp_path, monkeypatch, capsys):
+    # `--fit --host-ram 16GB` must not write a recipe whose pinned activations need 33 GiB of RAM.
+    monkeypatch.chdir(tmp_path)
+    src = tmp_path / "r.yaml"
+    src.write_text((REPO_RECIPES / "qlora-1x24gb.yaml").read_text())
+    common = ["plan", str(src), f"model.path={CONFIGS / 'mistral-7b'}", "train.batch_size=2", "train.grad_accum=8",
+              "--gpu", "rtx3060", "--fit", "--json"]
+    assert main([*common, "--out", str(tmp_path / "any.yaml")]) == 0
+    unlimited = json.loads(capsys.readouterr().out)["best"]
+    assert unlimited["host_ram_bytes"] > 32 * GiB  # the fastest setup pins every activation
+    assert main([*common, "--host-ram", "16GB", "--out", str(tmp_path / "small.yaml")]) == 0
+    small = json.loads(capsys.readouterr().out)["best"]
+    assert small["host_ram_bytes"] <= 16 * GiB and small["step_time_s"] > unlimited["step_time_s"]
+    written = plan_recipe(load_recipe(tmp_path / "small.yaml"), find_gpu("rtx3060"))  # the file says what was chosen
+    assert written.fits and written.host_ram_bytes == small["host_ram_bytes"]
