@@ -435,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu", help="GPU name (rtx3060, rtx3090, rtx4090, a10g, l4, a6000, l40s, a100-40gb, a100-80gb, h100, h100-pcie, h200, t4)")
     plan.add_argument("--gpu-mem", help="memory per GPU, e.g. 11GB (any other card, or to override the catalogue)")
     plan.add_argument("--gpus", type=int, default=1, help="GPUs available (the search may use fewer); default 1")
-    plan.add_argument("--host-ram", help="host RAM, e.g. 64GB, checked against what loading needs")
+    plan.add_argument("--host-ram", help="host RAM, e.g. 64GB: checked against what loading and offload need; --fit leaves out setups that need more")
     plan.add_argument("--json", action="store_true", help="print one JSON object (every component in bytes)")
     plan.add_argument("--fit", action="store_true", help="search batch/accumulation/checkpointing/GPUs for the fastest setup that fits and write it")
     plan.add_argument("--out", help="recipe file --fit writes (default RECIPE-NxGPU.yaml here)")
