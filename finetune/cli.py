@@ -224,7 +224,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from finetune.config import build_recipe, parse_overrides
     from finetune.gpus import find_gpu, parse_bytes
-    from finetune.plan import changes_of, describe_setup, fit, gib, plan_recipe, report, rewrite_recipe
+    from finetune.plan import changes_of, describe_setup, fit, gib, physical_ram, plan_recipe, report, rewrite_recipe
 
     data, source = read_recipe(args.recipe, args.overrides)
     cfg = build_recipe(data, source)  # planning needs no data file or output_dir: schema only
@@ -243,6 +243,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 print(f"\nfind a setup that fits: finetune plan {args.recipe} --gpu {args.gpu or 'custom'} --fit --out my.yaml")
         return EXIT_OK
 
+    if host_ram is None:
+        # Offload trades GPU memory for host RAM; without a limit the search could pick a setup
+        # that pins hundreds of GB. Plans are usually made on the machine that trains.
+        host_ram = physical_ram()
+        if host_ram is not None and not args.json:
+            print(f"host RAM limit: {gib(host_ram)} (this machine's; --host-ram SIZE plans for another)")
     current, best = fit(cfg, gpu, max_gpus=args.gpus, host_ram=host_ram)  # offload that needs more RAM is left out
     changes = changes_of(best, current.setup)
     out = Path(args.out or f"{Path(source).stem}-{best.setup.gpus}x{gpu.name}.yaml")

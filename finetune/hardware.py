@@ -9,6 +9,8 @@ precision=auto picks:
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -82,3 +84,32 @@ def resolve_precision(requested: str, device: Device | None = None) -> str:
 
 def torch_dtype(precision: str) -> torch.dtype:
     return DTYPES[precision]
+
+
+@lru_cache(maxsize=None)
+def _malloc_trim():
+    """glibc's malloc_trim, or None (another libc or OS)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # musl names its libc otherwise and has no malloc_trim
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def release_free_heap() -> None:
+    """Give the free pages inside the C heap back to the OS (glibc; elsewhere nothing).
+
+    glibc gives memory back only from the top of its heap and as whole mmapped blocks
+    (and its mmap threshold rises to the size of the weights' buffers, so they go to the
+    heap). The heap copies of streamed weights are freed in the middle of it, between
+    allocations that stay (quantization constants, norms), and most of that space is
+    never reused: loading a 24-layer model left 732 MiB free inside a 957 MiB heap, all
+    of it in RssAnon, and a disk load peaked as high as a device one. The same holds for
+    the whole model FSDP frees once each process keeps only its shards.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

@@ -35,10 +35,7 @@ is how the tests see the lifecycle.
 from __future__ import annotations
 
 import atexit
-import ctypes
-import functools
 import os
-import sys
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from finetune.hardware import release_free_heap
 from finetune.model import decoder_layers
 
 @dataclass
@@ -288,34 +286,6 @@ class WeightStream:
 def _placeholder(p: torch.Tensor, device: torch.device) -> torch.Tensor:
     """What a streamed parameter holds while its layer is not resident: no bytes, same dtype."""
     return torch.empty(0, dtype=p.dtype, device=device)
-
-
-@functools.cache
-def _malloc_trim():
-    """glibc's malloc_trim, or None (another libc or OS)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # musl names its libc otherwise and has no malloc_trim
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
-
-
-def release_free_heap() -> None:
-    """Give the free pages inside the C heap back to the OS (glibc; elsewhere nothing).
-
-    glibc gives memory back only from the top of its heap and as whole mmapped blocks
-    (and its mmap threshold rises to the size of the weights' buffers, so they go to the
-    heap). The heap copies of streamed weights are freed in the middle of it, between
-    allocations that stay (quantization constants, norms), and most of that space is
-    never reused: loading a 24-layer model left 732 MiB free inside a 957 MiB heap, all
-    of it in RssAnon, and a disk load peaked as high as a device one.
-    """
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 class DiskStore:

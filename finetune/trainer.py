@@ -52,7 +52,7 @@ from finetune.data import (
 )
 from finetune.errors import CheckpointError, ConfigError, DataError, OutputDirError, Preempted, ResumeMismatch, TrainingError
 from finetune.evaluate import ExactMatch, exact_match, loss_sum_and_count, shifted_targets
-from finetune.hardware import resolve_precision, torch_dtype
+from finetune.hardware import release_free_heap, resolve_precision, torch_dtype
 from finetune.metrics import MetricsWriter, Progress, Throughput, human_bytes, human_duration, peak_memory_bytes, read_metrics
 from finetune.distributed import (
     check_strategy,
@@ -272,6 +272,7 @@ class Trainer:
             # Sharded before the optimizer exists: its state is then sharded too.
             shard_model(self.model, cfg, torch_dtype(self.precision))
             place_sharded(self.model, acc.device, keep_params_on_cpu=cfg.distributed.cpu_offload)
+            release_free_heap()  # the whole model each process loaded, now that it keeps only its shards
         if self.strategy != "single":
             self.say(f"parallel: {self.strategy} over {acc.num_processes} processes")
         params = [p for p in self.model.parameters() if p.requires_grad]

@@ -46,7 +46,7 @@ from finetune.plan.memory import (
     quantized_bytes,
     trainable_params,
 )
-from finetune.plan.preflight import REFUSE_FACTOR, preflight_memory
+from finetune.plan.preflight import REFUSE_FACTOR, physical_ram, preflight_memory
 from finetune.plan.recipe import model_shape_of, plan_precision, plan_recipe, setup_of
 from finetune.plan.render import report
 from finetune.plan.rewrite import changes_of, recipe_value, rewrite_recipe
@@ -104,6 +104,7 @@ __all__ = [
     "model_shape_of",
     "plan_precision",
     "plan_recipe",
+    "physical_ram",
     "preflight_memory",
     "quantized_bytes",
     "read_model_shape",

@@ -51,7 +51,7 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     host_ram_parts: dict[str, int] = field(default_factory=dict)  # per process; host_ram_bytes is for all of them
     disk_parts: dict[str, int] = field(default_factory=dict)
-    loads_whole_model: bool = False  # streaming builds the whole quantized model in host RAM while loading
+    loads_whole_model: bool = False  # FSDP and streaming build the whole quantized model in host RAM while loading
 
     @property
     def memory_bytes(self) -> int | None:
@@ -222,6 +222,7 @@ def estimate(
         q_weight += w * g.count
         q_const += c * g.count
     unquantized = (shape.embedding_params + shape.head_params + shape.other_params) * unq_bytes
+    whole_model = q_weight + q_const + unquantized  # as loaded, before sharding or streaming
     trainable = trainable_params(shape, recipe)
     adapter_bytes = impl.adapter_bytes if recipe.lora_r else (4 if b == 4 else b)
     lora = trainable * adapter_bytes if recipe.lora_r else 0
@@ -339,10 +340,16 @@ def estimate(
     # (trainer.py: it would not fit the GPU even for a moment), then moves its layers to the store;
     # base_weights=disk with 4-bit weights sends each one to the file as bitsandbytes quantizes it
     # (stream.DiskStore.capture), so only the resident parts are ever in RAM.
+    # FSDP: every process builds (and quantizes) the whole model in CPU RAM, then shards it
+    # (trainer.py); the heap it frees is given back (release_free_heap), so the shards it keeps
+    # come after that peak, not on top of it.
     captured = setup.base_weights == "disk" and recipe.quant_bits == 4
-    loading = shard + ((q_const + unquantized + (0 if captured else streamed_store)) if setup.streams_weights else 0)
-    pinned = (streamed_store if setup.base_weights == "cpu" else 0) + host_activations + host_optimizer
-    host = HOST_BASELINE_BYTES + max(loading, pinned) + offloaded  # per process; offloaded FSDP shards stay
+    if fsdp:
+        loading = shard + whole_model
+    else:
+        loading = shard + ((q_const + unquantized + (0 if captured else streamed_store)) if setup.streams_weights else 0)
+    pinned = (streamed_store if setup.base_weights == "cpu" else 0) + host_activations + host_optimizer + offloaded
+    host = HOST_BASELINE_BYTES + max(loading, pinned)  # per process
     host_parts = {"libraries": HOST_BASELINE_BYTES, "loading": loading, "streamed_weights": streamed_store if setup.base_weights == "cpu" else 0,
                   "activations": host_activations, "optimizer": host_optimizer, "fsdp_shards": offloaded}
     state_bytes = trainable * adapter_bytes * (1 + impl.optimizer_states)
@@ -365,7 +372,7 @@ def estimate(
         shape=shape, setup=setup, gpu=gpu, components=comps, peak_phase="loss" if loss_peak else "backward",
         peak_allocated_bytes=peak_alloc, peak_bytes=peak, step_time_s=step, step_time_parts=parts,
         host_ram_bytes=host * n_gpu, disk_bytes=disk, trainable_params=trainable, impl=impl, notes=notes,
-        host_ram_parts=host_parts, disk_parts=disk_parts, loads_whole_model=setup.streams_weights and not captured,
+        host_ram_parts=host_parts, disk_parts=disk_parts, loads_whole_model=(setup.streams_weights and not captured) or fsdp,
     )
 
 

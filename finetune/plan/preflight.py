@@ -29,7 +29,8 @@ def preflight_memory(cfg: RecipeConfig, refuse: bool = True) -> tuple[list[str],
         return [], [f"memory estimate skipped: {exc.message}"]
 
 
-def _physical_ram() -> int | None:
+def physical_ram() -> int | None:
+    """This machine's RAM in bytes (None where the OS does not say)."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not a POSIX system
@@ -54,7 +55,7 @@ def _preflight_memory(cfg: RecipeConfig, refuse: bool) -> tuple[list[str], list[
         return [], [line + ("" if e.fits else "; tight: it may run out of memory")]
     shape = model_shape_of(cfg)
     recipe = Recipe.from_config(cfg, plan_precision(cfg, gpu))
-    best, _ = search(shape, recipe, e.setup, gpu, max_gpus=world, host_ram=_physical_ram())
+    best, _ = search(shape, recipe, e.setup, gpu, max_gpus=world, host_ram=physical_ram())
     if best is not None and best.setup.gpus == world:
         fix = "fits as: " + " ".join(f"{k}={_yaml_value(v)}" for k, v in changes_of(best, e.setup).items())
     else:

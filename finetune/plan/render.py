@@ -53,7 +53,7 @@ def report(e: Estimate) -> str:
 
 def _host_lines(e: Estimate) -> list[str]:
     """Host RAM and disk, with what they hold (host RAM per process is libraries + the larger of
-    loading and what stays pinned while training, + FSDP's offloaded shards)."""
+    loading and what stays in RAM while training: pinned offload buffers, FSDP's offloaded shards)."""
     h, d = e.host_ram_parts, e.disk_parts
     if e.loads_whole_model:
         held = " (the whole quantized model is built in CPU RAM first)"
@@ -62,11 +62,10 @@ def _host_lines(e: Estimate) -> list[str]:
     else:
         held = " (one weight shard)"
     loading = f"loading {gib(h.get('loading', 0))}{held}"
-    pinned = [f"{label} {gib(h[k])}" for k, label in [("streamed_weights", "streamed base weights"), ("activations", "saved activations"),
-                                                      ("optimizer", "AdamW state + fp32 weights and grads")] if h.get(k)]
-    text = f"libraries {gib(h.get('libraries', 0))} + " + (f"max({loading}; pinned while training: {', '.join(pinned)})" if pinned else loading)
-    if h.get("fsdp_shards"):
-        text += f" + FSDP shards {gib(h['fsdp_shards'])}"
+    kept = [f"{label} {gib(h[k])}" for k, label in [("streamed_weights", "streamed base weights"), ("activations", "saved activations"),
+                                                    ("optimizer", "AdamW state + fp32 weights and grads"),
+                                                    ("fsdp_shards", "FSDP shards")] if h.get(k)]
+    text = f"libraries {gib(h.get('libraries', 0))} + " + (f"max({loading}; kept while training: {', '.join(kept)})" if kept else loading)
     per = f", {e.setup.gpus} processes" if e.setup.gpus > 1 else ""
     disk = [f"{label} {gib(d[k])}" for k, label in [("download", "bf16 weights if downloaded"), ("checkpoints", "checkpoints"),
                                                     ("adapter", "adapter"), ("streamed_weights", "streamed-weights file")] if d.get(k)]
