@@ -114,14 +114,14 @@ class WeightStream:
     """Keeps the decoder layers' frozen weights off the device and brings each layer in when it runs."""
 
     def __init__(
-        self, layers: list[torch.nn.Module], streamed: list[list[Streamed]], device: torch.device, store: Path | None,
-        captured_while_loading: int = 0,
+        self, layers: list[torch.nn.Module], streamed: list[list[Streamed]], device: torch.device,
+        disk: DiskStore | None, captured_while_loading: int = 0,
     ):
         self.layers = layers
         self.captured_while_loading = captured_while_loading  # weights that went to disk as the model loaded
         self.streamed = streamed
         self.device = device
-        self.store = store  # the file behind mode=disk, deleted by close()
+        self.disk = disk  # mode=disk: the file behind the weights, deleted by close()
         self.resident: dict[int, tuple[list[torch.Tensor], torch.cuda.Event | None]] = {}
         self.active: set[int] = set()
         self.loads = 0  # layer copies made (forward + recomputation + eval)
@@ -166,6 +166,12 @@ class WeightStream:
                     if p not in store:
                         store.add(p)
             stored = store.finish()
+            # capture() takes every 4-bit weight the model registers; some models keep 4-bit
+            # projections outside their decoder layers (Gemma 3n's per-layer and altup ones),
+            # which are not streamed: they get their bytes back and stay resident.
+            kept = {id(p) for params in weights for p in params}
+            for p in [p for p in stored if id(p) not in kept]:
+                p.data = stored.pop(p).clone()
         else:
             stored = {}
             for params in weights:
@@ -178,19 +184,24 @@ class WeightStream:
         for params in weights:
             for p in params:
                 p.data = _placeholder(p, device)
-        return cls(layers, streamed, device, store.path if mode == "disk" else None, store.captured if mode == "disk" else 0)
+        return cls(layers, streamed, device, store if mode == "disk" else None, store.captured if mode == "disk" else 0)
 
     @property
     def streamed_bytes(self) -> int:
         return sum(s.nbytes for layer in self.streamed for s in layer)
 
+    @property
+    def store(self) -> Path | None:
+        """The weights file (mode=disk), until close()."""
+        return self.disk.path if self.disk is not None else None
+
     def close(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
-        if self.store is not None:
-            self.store.unlink(missing_ok=True)
-            self.store = None
+        if self.disk is not None:
+            self.disk.discard()
+            self.disk = None
 
     # ------------------------------------------------------------------ moving layers
 
@@ -308,11 +319,17 @@ class DiskStore:
         root.mkdir(parents=True, exist_ok=True)
         handle, name = tempfile.mkstemp(prefix="base-weights-", suffix=".bin", dir=root)
         self.path = Path(name)
-        atexit.register(self.path.unlink, missing_ok=True)  # a crash must not leave tens of GB behind
+        atexit.register(self.discard)  # a crash must not leave tens of GB behind
         self._fh = os.fdopen(handle, "wb")
         self._entries: dict[torch.nn.Parameter, tuple[int, torch.dtype, torch.Size]] = {}
         self._offset = 0
         self.captured = 0
+
+    def discard(self) -> None:
+        """Close and delete the file (idempotent). Mapped views stay readable until dropped."""
+        self._fh.close()
+        self.path.unlink(missing_ok=True)
+        atexit.unregister(self.discard)
 
     def __contains__(self, p: torch.nn.Parameter) -> bool:
         return p in self._entries

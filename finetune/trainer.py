@@ -242,12 +242,17 @@ class Trainer:
             # keeps the decoder layers there: a whole 4-bit 70B model (~37 GB) would not fit
             # one 24 GB card even for a moment.
             load_on = torch.device("cpu") if fsdp or streaming else acc.device
-            if cfg.memory.base_weights == "disk":
+            if cfg.memory.base_weights == "disk" and not (cfg.lora and cfg.lora.dora):
                 # 4-bit weights go to the file as bitsandbytes quantizes them: the whole
                 # quantized model (~37 GB for 70B) is never in RAM, not even while loading.
+                # (DoRA reads every base weight when it wraps the model: no capture then.)
                 disk_store = DiskStore(resolve_offload_dir(cfg))
-                with disk_store.capture():
-                    self.model = load_model(cfg, precision=self.precision, device=load_on, shardable=fsdp)
+                try:
+                    with disk_store.capture():
+                        self.model = load_model(cfg, precision=self.precision, device=load_on, shardable=fsdp)
+                except BaseException:
+                    disk_store.discard()  # tens of GB written for a model that never loaded
+                    raise
             else:
                 self.model = load_model(cfg, precision=self.precision, device=load_on, shardable=fsdp)
         self._head_on_targets_only = takes_boolean_logits_to_keep(self.model)
@@ -257,9 +262,14 @@ class Trainer:
             f"model: {total:,} parameters ({quant} base), {trainable:,} trainable ({100 * trainable / max(total, 1):.2f}%)"
         )
         if streaming:
-            self.stream = WeightStream.attach(
-                self.model, cfg.memory.base_weights, acc.device, resolve_offload_dir(cfg), store=disk_store
-            )
+            try:
+                self.stream = WeightStream.attach(
+                    self.model, cfg.memory.base_weights, acc.device, resolve_offload_dir(cfg), store=disk_store
+                )
+            except BaseException:
+                if disk_store is not None:
+                    disk_store.discard()
+                raise
             where = f"a file in {self.stream.store.parent}" if self.stream.store else "CPU RAM"
             self.say(
                 f"memory: {human_bytes(self.stream.streamed_bytes)} of frozen decoder-layer weights live in {where} "

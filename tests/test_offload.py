@@ -85,6 +85,56 @@ def test_streamed_base_weights_train_exactly_like_resident_ones(recipe_dict, fou
             assert not store.exists()
 
 
+def test_disk_with_dora_trains_like_resident_weights(recipe_dict, four_layer_model, tmp_path):
+    # DoRA reads every 4-bit base weight when it wraps the model, so disk mode does not
+    # capture them while loading (they would be empty by then); it stores them after.
+    def dora(out, **memory):
+        cfg = recipe(recipe_dict, four_layer_model, tmp_path / out, 4, **memory)
+        return cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"dora": True})})
+
+    _, ref_losses, ref_adapter = run(dora("device"))
+    trainer, losses, adapter = run(dora("disk", base_weights="disk", offload_dir=str(tmp_path / "nvme")))
+    assert trainer.stream.captured_while_loading == 0 and trainer.stream.streamed_bytes > 0
+    if EXACT:
+        assert losses == ref_losses
+        assert all(torch.equal(adapter[k], ref_adapter[k]) for k in ref_adapter)
+    trainer.close()
+
+
+def test_a_failed_load_deletes_the_disk_file(recipe_dict, four_layer_model, tmp_path):
+    # The 4-bit weights are written while the model loads; a LoRA target that matches nothing
+    # fails only after that. The file (tens of GB for a 70B) must not stay behind.
+    from finetune.errors import FinetuneError
+
+    cfg = recipe(recipe_dict, four_layer_model, tmp_path / "o", 4, base_weights="disk", offload_dir=str(tmp_path / "nvme"))
+    cfg = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"target": ["no_such_proj"]})})
+    with pytest.raises(FinetuneError):
+        Trainer(cfg, progress=False).setup()
+    assert list((tmp_path / "nvme").iterdir()) == []
+
+
+def test_captured_weights_outside_the_decoder_layers_get_their_bytes_back(four_layer_model, tmp_path):
+    # capture() takes every 4-bit weight a model registers; a model with 4-bit projections
+    # outside its decoder layers (Gemma 3n) must keep those resident, not empty.
+    from transformers import AutoModelForCausalLM
+
+    from finetune.stream import DiskStore, WeightStream
+
+    model = AutoModelForCausalLM.from_pretrained(four_layer_model, dtype=torch.float32)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    outside = model.lm_head.weight
+    expected = outside.detach().clone()
+    store = DiskStore(tmp_path)
+    store.add(outside)  # as capture() would have
+    assert outside.numel() == 0
+    stream = WeightStream.attach(model, "disk", torch.device("cpu"), store=store)
+    assert torch.equal(outside, expected)
+    assert all(s.param is not outside for layer in stream.streamed for s in layer)
+    stream.close()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_streaming_holds_at_most_three_layers_during_backward(recipe_dict, four_layer_model, tmp_path):
     cfg = recipe(recipe_dict, four_layer_model, tmp_path / "s", 4, base_weights="cpu")
     trainer = Trainer(cfg, progress=False)

@@ -428,3 +428,14 @@ def test_fit_cli_passes_host_ram_to_the_search(tmp_path, monkeypatch, capsys):
     assert small["host_ram_bytes"] <= 16 * GiB and small["step_time_s"] > unlimited["step_time_s"]
     written = plan_recipe(load_recipe(tmp_path / "small.yaml"), find_gpu("rtx3060"))  # the file says what was chosen
     assert written.fits and written.host_ram_bytes == small["host_ram_bytes"]
+
+
+def test_fit_streams_from_disk_when_ram_cannot_pin_the_weights_and_names_ram_when_nothing_loads(tmp_path):
+    cfg = recipe_for("llama-3-70b", tmp_path)
+    _, roomy = fit(cfg, find_gpu("rtx4090"), host_ram=64 * GiB)
+    assert roomy.setup.base_weights == "cpu"  # as fast as not streaming, and it needs no disk
+    _, tight = fit(cfg, find_gpu("rtx4090"), host_ram=24 * GiB)
+    assert tight.setup.base_weights == "disk" and tight.host_ram_bytes <= 24 * GiB
+    with pytest.raises(PlanError) as err:
+        fit(cfg, find_gpu("rtx4090"), host_ram=8 * GiB)
+    assert "needs more host RAM than 8.00 GiB" in str(err.value) and "--host-ram" in err.value.hint

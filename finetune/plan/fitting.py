@@ -40,8 +40,8 @@ def _checkpoint_choices(s: Setup, _: int) -> list[int]:
 
 # The search keeps the fastest setup that fits; every offload mode costs time on the host link
 # (step_time), so it wins only when nothing faster fits, and an exact tie goes to the setup with
-# the lower Setup.offload_rank. base_weights=disk is tried only when the recipe has it: it frees
-# the same GPU memory as cpu, more slowly (it is for hosts whose RAM cannot pin the weights).
+# the lower Setup.offload_rank. base_weights=disk frees the same GPU memory as cpu, no faster,
+# so it is chosen only when the host RAM (search's host_ram) cannot pin the weights.
 KNOBS: list[Knob] = [
     Knob("gpus", None, lambda s, max_gpus: list(range(1, max_gpus + 1))),
     # FSDP only means something on more than one GPU; candidates() drops fsdp x 1 GPU.
@@ -51,7 +51,7 @@ KNOBS: list[Knob] = [
     Knob("batch_size", "train.batch_size", lambda s, _: _divisors(s.global_batch)),
     Knob("activation_offload", "memory.activation_offload", lambda s, _: [False, True]),
     Knob("optimizer_offload", "memory.optimizer_offload", lambda s, _: [False, True]),
-    Knob("base_weights", "memory.base_weights", lambda s, _: sorted({"device", "cpu", s.base_weights}, key=["device", "cpu", "disk"].index)),
+    Knob("base_weights", "memory.base_weights", lambda s, _: ["device", "cpu", "disk"]),
 ]
 
 
@@ -86,14 +86,18 @@ def candidates(base: Setup, max_gpus: int, recipe: Recipe | None = None) -> list
     return out
 
 
+def _fits_with_headroom(e: Estimate, gpu: GpuSpec) -> bool:
+    return e.peak_bytes <= (1 - FIT_HEADROOM) * gpu.memory_bytes
+
+
 def search(shape: ModelShape, recipe: Recipe, base: Setup, gpu: GpuSpec, max_gpus: int, host_ram: int | None = None,
            **kw) -> tuple[Estimate | None, list[Estimate]]:
     """(fastest setup that fits with FIT_HEADROOM to spare, or None; every estimate made).
-    host_ram: the machine's RAM, when known; offload setups that need more are left out.
-    Ties go to less offloading, then fewer GPUs, then more headroom."""
+    host_ram: the machine's RAM, when known; setups that need more (offload, FSDP's load of
+    the whole model per process) are left out. Ties go to less offloading, then fewer GPUs,
+    then more headroom."""
     estimates = [estimate(shape, recipe, s, gpu, **kw) for s in candidates(base, max_gpus, recipe)]
-    fitting = [e for e in estimates if e.peak_bytes <= (1 - FIT_HEADROOM) * gpu.memory_bytes
-               and (host_ram is None or e.host_ram_bytes <= host_ram or e.setup.offload_rank == 0)]
+    fitting = [e for e in estimates if _fits_with_headroom(e, gpu) and (host_ram is None or e.host_ram_bytes <= host_ram)]
     best = min(fitting, key=lambda e: (round(e.step_time_s, 6), e.setup.offload_rank, e.setup.gpus, -e.headroom_bytes), default=None)
     return best, estimates
 
@@ -120,6 +124,15 @@ def fit(cfg: RecipeConfig, gpu: GpuSpec, max_gpus: int = 1, gpus: int | None = N
     base = setup_of(cfg, gpus or max_gpus)
     current = estimate(shape, recipe, base, gpu, **kw)
     best, estimates = search(shape, recipe, base, gpu, max_gpus, host_ram=host_ram, **kw)
+    if best is None and any(_fits_with_headroom(e, gpu) for e in estimates):
+        # The GPU is not the limit: every setup that fits it needs more host RAM than there is.
+        least = min((e for e in estimates if _fits_with_headroom(e, gpu)), key=lambda e: e.host_ram_bytes)
+        raise PlanError(
+            f"every setup of '{cfg.model.path}' that fits {max_gpus} x {gpu.name} needs more host RAM than "
+            f"{gib(host_ram)}: the least needs {gib(least.host_ram_bytes)} ({describe_setup(least.setup)})",
+            hint=f"plan for a machine with more RAM (--host-ram {math.ceil(least.host_ram_bytes / GiB)}GB)"
+            + ("" if cfg.lora is None else "; memory.base_weights=disk keeps streamed weights in a file instead of RAM"),
+        )
     if best is None:
         smallest = min(estimates, key=lambda e: e.peak_bytes)
         seq = longest_fitting_seq(shape, recipe, smallest.setup, gpu, **kw)

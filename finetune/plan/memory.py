@@ -343,7 +343,7 @@ def estimate(
     # FSDP: every process builds (and quantizes) the whole model in CPU RAM, then shards it
     # (trainer.py); the heap it frees is given back (release_free_heap), so the shards it keeps
     # come after that peak, not on top of it.
-    captured = setup.base_weights == "disk" and recipe.quant_bits == 4
+    captured = setup.base_weights == "disk" and recipe.quant_bits == 4 and not recipe.dora  # DoRA reads them at wrap time
     if fsdp:
         loading = shard + whole_model
     else:

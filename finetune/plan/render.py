@@ -56,7 +56,7 @@ def _host_lines(e: Estimate) -> list[str]:
     loading and what stays in RAM while training: pinned offload buffers, FSDP's offloaded shards)."""
     h, d = e.host_ram_parts, e.disk_parts
     if e.loads_whole_model:
-        held = " (the whole quantized model is built in CPU RAM first)"
+        held = " (each process builds the whole model in CPU RAM first)"
     elif e.setup.streams_weights:
         held = " (one weight shard and the resident weights; 4-bit layers go to the file as they load)"
     else:
