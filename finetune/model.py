@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -258,8 +259,6 @@ def takes_boolean_logits_to_keep(model) -> bool:
     """Whether the causal LM slices its hidden states with transformers' slice_logits_to_keep,
     which takes a boolean (batch, seq) mask (newer releases); older model code slices
     hidden_states[:, keep, :] and would fail only after running the whole decoder."""
-    import sys
-
     for module in model.modules():
         # The model class that owns the head (peft's PeftModelForCausalLM wraps it and only forwards).
         if type(module).__name__.endswith("ForCausalLM") and "lm_head" in module._modules:

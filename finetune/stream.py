@@ -338,7 +338,7 @@ class DiskStore:
         """Append p's bytes and leave p empty (its bytes now live only in the file)."""
         data = p.data.detach().to("cpu").contiguous()
         raw = data.reshape(-1).view(torch.uint8).numpy()
-        self._fh.write(raw.tobytes() if not raw.flags["C_CONTIGUOUS"] else raw)
+        self._fh.write(raw)  # contiguous: written straight from the tensor's memory
         self._entries[p] = (self._offset, data.dtype, data.shape)
         size = raw.nbytes
         pad = -size % self.ALIGN
@@ -367,7 +367,8 @@ class DiskStore:
         def hook(module, name, param):
             # transformers registers each weight twice: an empty (meta) one when it builds the
             # model, then the loaded one; bitsandbytes' Params4bit arrives quantized (uint8 +
-            # quant_state). Only decoder layers hold 4-bit weights (the head stays 16-bit).
+            # quant_state). A 4-bit weight outside the decoder layers (the head stays 16-bit,
+            # but Gemma 3n has such projections) gets its bytes back in WeightStream.attach.
             if (
                 name == "weight"
                 and isinstance(param, torch.nn.Parameter)

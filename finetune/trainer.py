@@ -177,6 +177,49 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
 
+    def _load_and_stream(self, streaming: bool) -> None:
+        """Load the model (unless one was given) and, for memory.base_weights=cpu|disk, move its
+        frozen layer weights to their store. A failure deletes a weights file already written."""
+        cfg, acc = self.cfg, self.accelerator
+        disk_store = None
+        try:
+            if self.model is None:
+                torch.manual_seed(cfg.seed)  # LoRA init is drawn from the global RNG: the same on every rank
+                fsdp = self.strategy == "fsdp"
+                # FSDP loads into CPU RAM and moves only this rank's shard to the GPU, and streaming
+                # keeps the decoder layers there: a whole 4-bit 70B model (~37 GB) would not fit
+                # one 24 GB card even for a moment.
+                load_on = torch.device("cpu") if fsdp or streaming else acc.device
+                if cfg.memory.base_weights == "disk" and not (cfg.lora and cfg.lora.dora):
+                    # 4-bit weights go to the file as bitsandbytes quantizes them: the whole
+                    # quantized model (~37 GB for 70B) is never in RAM, not even while loading.
+                    # (DoRA reads every base weight when it wraps the model: no capture then.)
+                    disk_store = DiskStore(resolve_offload_dir(cfg))
+                    with disk_store.capture():
+                        self.model = load_model(cfg, precision=self.precision, device=load_on, shardable=fsdp)
+                else:
+                    self.model = load_model(cfg, precision=self.precision, device=load_on, shardable=fsdp)
+            self._head_on_targets_only = takes_boolean_logits_to_keep(self.model)
+            trainable, total = count_parameters(self.model)
+            quant = f"{cfg.quant.bits}-bit {cfg.quant.quant_type if cfg.quant.bits == 4 else 'int8'}" if cfg.quant.bits else "unquantized"
+            self.say(
+                f"model: {total:,} parameters ({quant} base), {trainable:,} trainable ({100 * trainable / max(total, 1):.2f}%)"
+            )
+            if streaming:
+                self.stream = WeightStream.attach(
+                    self.model, cfg.memory.base_weights, acc.device, resolve_offload_dir(cfg), store=disk_store
+                )
+        except BaseException:
+            if disk_store is not None:
+                disk_store.discard()  # tens of GB written for a model that will not train
+            raise
+        if streaming:
+            where = f"a file in {self.stream.store.parent}" if self.stream.store else "CPU RAM"
+            self.say(
+                f"memory: {human_bytes(self.stream.streamed_bytes)} of frozen decoder-layer weights live in {where} "
+                f"and stream to {acc.device} one layer at a time"
+            )
+
     def setup(self) -> None:
         from accelerate import Accelerator
 
@@ -229,52 +272,12 @@ class Trainer:
         self.strategy = resolve_strategy(cfg, acc.num_processes, acc.device)
         check_strategy(cfg, self.strategy)
         streaming = cfg.memory.base_weights != "device"
-        disk_store = None
         if streaming and self.strategy != "single":
             raise ConfigError([
                 f"memory.base_weights={cfg.memory.base_weights} streams the weights of one process; this launch has "
                 f"{acc.num_processes}. Run on one GPU, or use distributed.strategy=fsdp with distributed.cpu_offload=true."
             ])
-        if self.model is None:
-            torch.manual_seed(cfg.seed)  # LoRA init is drawn from the global RNG: the same on every rank
-            fsdp = self.strategy == "fsdp"
-            # FSDP loads into CPU RAM and moves only this rank's shard to the GPU, and streaming
-            # keeps the decoder layers there: a whole 4-bit 70B model (~37 GB) would not fit
-            # one 24 GB card even for a moment.
-            load_on = torch.device("cpu") if fsdp or streaming else acc.device
-            if cfg.memory.base_weights == "disk" and not (cfg.lora and cfg.lora.dora):
-                # 4-bit weights go to the file as bitsandbytes quantizes them: the whole
-                # quantized model (~37 GB for 70B) is never in RAM, not even while loading.
-                # (DoRA reads every base weight when it wraps the model: no capture then.)
-                disk_store = DiskStore(resolve_offload_dir(cfg))
-                try:
-                    with disk_store.capture():
-                        self.model = load_model(cfg, precision=self.precision, device=load_on, shardable=fsdp)
-                except BaseException:
-                    disk_store.discard()  # tens of GB written for a model that never loaded
-                    raise
-            else:
-                self.model = load_model(cfg, precision=self.precision, device=load_on, shardable=fsdp)
-        self._head_on_targets_only = takes_boolean_logits_to_keep(self.model)
-        trainable, total = count_parameters(self.model)
-        quant = f"{cfg.quant.bits}-bit {cfg.quant.quant_type if cfg.quant.bits == 4 else 'int8'}" if cfg.quant.bits else "unquantized"
-        self.say(
-            f"model: {total:,} parameters ({quant} base), {trainable:,} trainable ({100 * trainable / max(total, 1):.2f}%)"
-        )
-        if streaming:
-            try:
-                self.stream = WeightStream.attach(
-                    self.model, cfg.memory.base_weights, acc.device, resolve_offload_dir(cfg), store=disk_store
-                )
-            except BaseException:
-                if disk_store is not None:
-                    disk_store.discard()
-                raise
-            where = f"a file in {self.stream.store.parent}" if self.stream.store else "CPU RAM"
-            self.say(
-                f"memory: {human_bytes(self.stream.streamed_bytes)} of frozen decoder-layer weights live in {where} "
-                f"and stream to {acc.device} one layer at a time"
-            )
+        self._load_and_stream(streaming)
         if acc.is_main_process:
             prepare_output_dir(cfg)
         acc.wait_for_everyone()

@@ -108,7 +108,7 @@ def longest_fitting_seq(shape: ModelShape, recipe: Recipe, base: Setup, gpu: Gpu
     probe = replace(base, batch_size=1, grad_accum=1)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if estimate(shape, recipe, replace(probe, seq_len=mid), gpu, **kw).peak_bytes <= (1 - FIT_HEADROOM) * gpu.memory_bytes:
+        if _fits_with_headroom(estimate(shape, recipe, replace(probe, seq_len=mid), gpu, **kw), gpu):
             lo = mid
         else:
             hi = mid - 1
