@@ -230,6 +230,23 @@ def _optimizer_from_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, An
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
+def rng_states() -> dict[str, torch.Tensor]:
+    """This process's generator states: CPU, and the current GPU's (dropout on a GPU draws from it)."""
+    states = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["torch_cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def restore_rng_states(saved: dict[str, torch.Tensor], rank: int) -> None:
+    """Each process takes its own saved generator states (`name.rankN`), or rank 0's when the
+    checkpoint came from another number of processes (or from one)."""
+    own = lambda name: saved.get(f"{name}.rank{rank}", saved.get(name))  # noqa: E731
+    torch.set_rng_state(own("torch_cpu"))
+    if own("torch_cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(own("torch_cuda"))
+
+
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
     return Path(output_dir) / "checkpoints" / f"step-{step}"
 
@@ -244,12 +261,12 @@ def save_checkpoint(
     keep_last: int | None = None,
     model_state: dict[str, torch.Tensor] | None = None,
     optimizer_state: dict[str, Any] | None = None,
-    rank_rng_states: list[torch.Tensor] | None = None,
+    rank_rng_states: list[dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """model_state / optimizer_state: full (gathered) states when the model and optimizer hold shards (FSDP).
 
-    rank_rng_states: every process's CPU generator state, so that each continues its own
-    dropout stream on resume (with the same number of processes).
+    rank_rng_states: every process's rng_states(), so that each continues its own dropout
+    stream on resume (with the same number of processes).
     """
     final = checkpoint_dir(output_dir, step)
     trainable = model_state or {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -263,10 +280,9 @@ def save_checkpoint(
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         write_json(tmp / "optimizer.json", meta)
         write_json(tmp / "scheduler.json", scheduler.state_dict())
-        rng = {"torch_cpu": torch.get_rng_state()}
-        rng.update({f"torch_cpu.rank{r}": state for r, state in enumerate(rank_rng_states or [])})
-        if torch.cuda.is_available():  # dropout on the GPU draws from the CUDA generator
-            rng["torch_cuda"] = torch.cuda.get_rng_state()
+        rng = rng_states()
+        for r, states in enumerate(rank_rng_states or []):
+            rng.update({f"{name}.rank{r}": state.clone() for name, state in states.items()})  # own storage each
         save_file(rng, str(tmp / "rng.safetensors"))
         write_json(tmp / "trainer_state.json", {"step": step, **trainer_state})
         write_manifest(tmp, {"step": step})
@@ -311,6 +327,23 @@ def latest_checkpoint(output_dir: Path) -> tuple[Path | None, list[str]]:
         except CheckpointError as exc:
             notes.append(f"skipping {exc.message}")
     return None, notes
+
+
+def follow_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """Set the lr of the restored step from the schedule as configured now, not as saved.
+
+    The optimizer's saved lr is the old schedule's: a finished 3-step cosine run ends at
+    lr 0, and extending it to 6 steps would train step 4 at 0 before the new schedule
+    took over. A LambdaLR's value depends only on its step, so it can be recomputed;
+    other schedulers keep what they saved.
+    """
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        return
+    step = scheduler.last_epoch
+    lrs = [base * factor(step) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
 
 
 def load_checkpoint(
@@ -367,7 +400,6 @@ def load_checkpoint(
     # parameters get their state sharded the same way first.
     optimizer.load_state_dict(shard_optimizer_state(optimizer, _optimizer_from_tensors(opt_tensors, opt_meta)))
     scheduler.load_state_dict(sched)
-    torch.set_rng_state(rng.get(f"torch_cpu.rank{rank}", rng["torch_cpu"]))
-    if "torch_cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["torch_cuda"])
+    follow_schedule(scheduler)
+    restore_rng_states(rng, rank)
     return state

@@ -36,6 +36,7 @@ from finetune.checkpoint import (
     output_dir_problem,
     prepare_output_dir,
     recipe_changes,
+    rng_states,
     save_adapter,
     save_checkpoint,
 )
@@ -527,11 +528,11 @@ class Trainer:
             model_state = full_trainable_state(self.model)
             optimizer_state = full_optimizer_state(optimizer)
         rank_rng = None
-        if acc.num_processes > 1:  # each rank's dropout stream, so each continues its own on resume
+        if acc.num_processes > 1:  # each rank's dropout streams (CPU and GPU), so each continues its own on resume
             import torch.distributed as dist
 
             rank_rng = [None] * acc.num_processes
-            dist.all_gather_object(rank_rng, torch.get_rng_state())
+            dist.all_gather_object(rank_rng, rng_states())
         if acc.is_main_process:
             save_checkpoint(
                 self.out,

@@ -86,3 +86,41 @@ def test_checkpoint_with_nan_weights_is_refused(tmp_path):
         save_checkpoint(tmp_path, 1, model, opt, sched, {})
     assert "non-finite values in weight" in str(err.value)
     assert not (tmp_path / "checkpoints" / "step-1").exists()
+
+
+class TinyModel(torch.nn.Linear):
+    """A model with the save_pretrained that checkpoints call (full fine-tuning layout)."""
+
+    def save_pretrained(self, directory, safe_serialization=True, **_):
+        from safetensors.torch import save_file
+
+        Path(directory).mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(Path(directory) / "model.safetensors"))
+
+
+def test_each_rank_restores_its_own_cpu_and_cuda_generators(tmp_path, monkeypatch):
+    # A 2-GPU run: each rank's CUDA generator has its own state and must get it back
+    # (not rank 0's on every rank). No GPU here: the CUDA generator calls are recorded.
+    import peft  # noqa: F401 - imported (with bitsandbytes) before CUDA is faked below
+    from finetune.checkpoint import load_checkpoint, save_checkpoint
+
+    cuda_states = {0: torch.tensor([1, 2, 3], dtype=torch.uint8), 1: torch.tensor([7, 8, 9], dtype=torch.uint8)}
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *a, **k: cuda_states[0])  # this process is rank 0
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, *a, **k: restored.append(state.clone()))
+    cpu = {r: torch.Generator().manual_seed(r + 10).get_state() for r in (0, 1)}
+    per_rank = [{"torch_cpu": cpu[r], "torch_cuda": cuda_states[r]} for r in (0, 1)]
+
+    model = TinyModel(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    path = save_checkpoint(tmp_path, 3, model, opt, sched, {}, rank_rng_states=per_rank)
+    for rank in (0, 1):
+        load_checkpoint(path, model, opt, sched, rank=rank)
+        assert torch.equal(restored[-1], cuda_states[rank]), rank
+        assert torch.equal(torch.get_rng_state(), cpu[rank]), rank
+    # A checkpoint of one process (no per-rank states): every rank takes the one saved.
+    single = save_checkpoint(tmp_path, 4, model, opt, sched, {})
+    load_checkpoint(single, model, opt, sched, rank=1)
+    assert torch.equal(restored[-1], cuda_states[0])

@@ -221,3 +221,25 @@ def test_a_finished_run_is_extended_not_restarted(recipe_dict, tmp_path, capsys)
     assert sorted(p.name for p in (tmp_path / "ext" / "checkpoints").iterdir()) == ["step-3", "step-6"]
     losses = lambda r: [row["loss"] for row in read_metrics(r.metrics_path) if "loss" in row]  # noqa: E731
     assert losses(ext) == losses(full)
+
+
+def test_every_step_after_resume_follows_the_new_schedule(recipe_dict, tmp_path):
+    # A 3-step cosine run ends at lr 0; extended to 6 steps, step 4 must train at the
+    # 6-step schedule's lr (as a straight 6-step run does), not at the restored 0.
+    def cfg(out, steps, **extra):
+        data = {**recipe_dict, "output_dir": str(tmp_path / out), "checkpoint": {"every_steps": 100},
+                "train": {**recipe_dict["train"], "max_steps": steps, "scheduler": "cosine", "warmup_steps": 1}, **extra}
+        return build_recipe(data)
+
+    lrs = lambda out: {r["step"]: r["lr"] for r in read_metrics(tmp_path / out / "metrics.jsonl") if "loss" in r}  # noqa: E731
+    Trainer(cfg("full", 6), progress=False).train()
+    Trainer(cfg("ext", 3), progress=False).train()
+    assert lrs("ext")[3] != lrs("full")[3]  # the two schedules differ: the test can tell them apart
+    Trainer(cfg("ext", 6, resume="auto"), progress=False).train()
+    assert [lrs("ext")[s] for s in (4, 5, 6)] == [lrs("full")[s] for s in (4, 5, 6)]
+    assert lrs("ext")[4] > 0
+
+    # A preempted run resumed with a longer schedule: the same, from its first resumed step.
+    preempt(cfg("pre", 4), 1)  # stopped after step 2
+    Trainer(cfg("pre", 6, resume="auto"), progress=False).train()
+    assert [lrs("pre")[s] for s in (3, 4, 5, 6)] == [lrs("full")[s] for s in (3, 4, 5, 6)]
