@@ -81,6 +81,13 @@ def shard_model(model, cfg: RecipeConfig, compute_dtype: torch.dtype) -> Any:
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=d.reshard_after_forward, mp_policy=mp, offload_policy=offload)
     fully_shard(model, reshard_after_forward=d.reshard_after_forward, mp_policy=mp, offload_policy=offload)
+    if hasattr(model, "generate"):
+        # generate() calls the inner model, never the root's forward: without this the root's
+        # parameters (embeddings, head) stay sharded during generation, and the embedding
+        # lookup fails on a DTensor. Every rank must then generate together (evaluate.generate).
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        register_fsdp_forward_method(model, "generate")
     return model
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune.data import IGNORE_INDEX, Collator, prompt_and_answer
+from finetune.distributed import is_sharded
 from finetune.data.templates import end_of_turn_ids
 
 
@@ -129,6 +130,9 @@ def generate(
             torch.manual_seed(seed)  # generate draws from the global generator
     out = model.generate(
         input_ids=input_ids,
+        # Sharded (FSDP): every forward gathers weights from all ranks, so a rank whose answers
+        # end early keeps stepping until all have ended.
+        synced_gpus=is_sharded(model),
         attention_mask=attention,
         max_new_tokens=max_new_tokens,
         eos_token_id=stops,

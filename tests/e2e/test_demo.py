@@ -26,3 +26,29 @@ def test_demo_recipe_learns_the_task(tmp_path):
     assert after.accuracy > 0.80, after.summary()
     config = json.loads((result.adapter_dir / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == cfg.lora.r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, port", [("ddp", 29671), ("fsdp", 29672)])
+def test_demo_recipe_on_two_processes_as_a_user_runs_it(tmp_path, strategy, port):
+    # `finetune run demo-cpu --nproc 2 distributed.strategy=...`: exact match is generated
+    # before and after training on every rank (FSDP: from the sharded model, ranks in step).
+    import os
+    import re
+    import subprocess
+    import sys
+
+    out = tmp_path / "demo"
+    cmd = [sys.executable, "-m", "finetune", "run", "demo-cpu", "--nproc", "2", f"distributed.strategy={strategy}",
+           f"output_dir={out}", "--no-progress", "--master-port", str(port)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert f"parallel: {strategy} over 2 processes" in proc.stdout
+    found = re.search(r"exact match\s+([\d.]+)% -> ([\d.]+)%", proc.stdout)
+    assert found, proc.stdout[-3000:]
+    before, after = float(found.group(1)), float(found.group(2))
+    assert before < 10 and after > 80, found.group(0)
+    assert proc.stdout.count("eval (after training): exact match") == 1  # printed by rank 0 only
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 16
