@@ -21,6 +21,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The tokenized-data cache of the whole test session goes to a temp dir, never ~/.cache.
 os.environ.setdefault("FINETUNE_CACHE", tempfile.mkdtemp(prefix="finetune-test-cache-"))
+# So does the code transformers copies out of model folders that hold custom code (trust_remote_code tests).
+os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="finetune-test-hf-modules-"))
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
 PAD_ID, BOS_ID, EOS_ID, UNK_ID, IM_START_ID, IM_END_ID = range(6)
@@ -110,6 +112,26 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     tok = build_char_tokenizer(d)
     build_tiny_llama(d, vocab_size=len(tok))
     return d
+
+
+def step_rows(out: Path) -> list[tuple[float, float]]:
+    """(loss, pre-clip grad norm) of every logged training step of the run in `out`."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
+
+
+def assert_same_steps(reference: Path, other: Path, rel: float = 1e-5) -> None:
+    """Same losses and same gradient norms, step by step.
+
+    Losses alone cannot see a gradient scaled by a constant (clipping and AdamW both
+    undo it); the norm before clipping can, when the runs train with clipping off.
+    """
+    a, b = step_rows(reference), step_rows(other)
+    assert len(a) == len(b) > 0, (len(a), len(b))
+    import pytest
+
+    assert [loss for loss, _ in b] == pytest.approx([loss for loss, _ in a], rel=rel), "losses differ"
+    assert [norm for _, norm in b] == pytest.approx([norm for _, norm in a], rel=rel), "gradient norms differ"
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -213,6 +235,36 @@ def lora_run(tmp_path_factory, tiny_model_dir, runs_data) -> TinyRun:
 def qlora_run(tmp_path_factory, tiny_model_dir, runs_data) -> TinyRun:
     """QLoRA: LoRA trained against the 4-bit NF4 (double-quant) base."""
     return train_tiny_run(tmp_path_factory.mktemp("qlora_run") / "run", tiny_model_dir, runs_data, quant={"bits": 4})
+
+
+def copy_run_with_base(run: Path, dest: Path, model_dir: Path, **model) -> Path:
+    """A copy of a finished run at dest/run whose recipe.yaml points at a copy of its base model at dest/model
+    (with `model` keys set): a run whose base can be damaged or given custom code without touching the original."""
+    import shutil
+
+    import yaml
+
+    shutil.copytree(run, dest / "run")
+    shutil.copytree(model_dir, dest / "model")
+    recipe = yaml.safe_load((dest / "run" / "recipe.yaml").read_text())
+    recipe["model"].update(path=str(dest / "model"), **model)
+    (dest / "run" / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    return dest / "run"
+
+
+def add_custom_code(model_dir: Path, marker: Path) -> None:
+    """Make model_dir a custom architecture (config.json's auto_map names a class in its own custom_llama.py)
+    whose code, when transformers runs it, creates `marker`. The weights stay the tiny Llama's."""
+    (model_dir / "custom_llama.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "class CustomConfig(LlamaConfig):\n    model_type = 'custom_llama'\n"
+        "class CustomForCausalLM(LlamaForCausalLM):\n    config_class = CustomConfig\n"
+    )
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg.update({"model_type": "custom_llama", "auto_map": {
+        "AutoConfig": "custom_llama.CustomConfig", "AutoModelForCausalLM": "custom_llama.CustomForCausalLM"}})
+    (model_dir / "config.json").write_text(json.dumps(cfg))
 
 
 def training_kernel_only(model):
