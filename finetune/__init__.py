@@ -11,9 +11,26 @@ transformers and peft load on first use).
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
 
 __version__ = "0.1.0"
+
+# bitsandbytes, when imported on a CPU with AVX512-BF16, tries to fetch a 4-bit kernel
+# from the HF hub through the optional `kernels` package and, failing, logs "Failed to
+# load CPU gemm_4bit_forward from kernels-community ... pip install kernels" on every
+# run. That kernel serves only bitsandbytes' bf16 eval path (packing_format_for_cpu),
+# which model.keep_4bit_numerics turns off for every model we load: nothing is lost, so
+# nothing is said. The filter sits on the logger bitsandbytes will create, before any
+# module of ours can import bitsandbytes; other bitsandbytes messages pass.
+_BNB_HUB_KERNEL_NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+
+
+def _not_the_hub_kernel_notice(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_BNB_HUB_KERNEL_NOTICE)
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_the_hub_kernel_notice)
 
 _EXPORTS = {
     "load_recipe": "finetune.config",

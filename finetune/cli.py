@@ -12,6 +12,7 @@
     finetune export RUN_DIR --out DIR [--merge] [--dtype bf16|fp16|fp32] [--overwrite]
     finetune generate RUN_DIR|MODEL_DIR [--prompt TEXT [--input TEXT]] [--temperature T --top-p P --seed S]
     finetune eval RUN_DIR [--data FILE] [--limit N] [--json FILE]   # base vs fine-tuned, side by side
+    (export, generate, eval: --device cpu|cuda[:N]; --trust-remote-code runs code from the model's folder)
 
 Exit codes: 0 success, 2 a problem with the input (message says what and how
 to fix; --debug adds the traceback), 1 a bug (traceback), 75 preempted
@@ -322,11 +323,41 @@ def cmd_cp(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _device(args: argparse.Namespace):
+    """--device as a torch.device (None: the default, the first GPU else the CPU); HardwareError when it cannot be used."""
+    if args.device is None:
+        return None
+    import torch
+
+    from finetune.errors import HardwareError
+
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise HardwareError(f"--device {args.device}: not a device these commands run on", hint="use cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise HardwareError(f"--device {args.device}: this machine has no CUDA GPU", hint="use --device cpu, or leave --device out")
+    return device
+
+
+def _say_remote_code_notice(run) -> None:
+    from finetune.runs import remote_code_notice
+
+    notice = remote_code_notice(run)
+    if notice:
+        print(notice, file=sys.stderr)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from finetune.export import export_run
 
     budget = None if args.verify_memory_gib is None else int(args.verify_memory_gib * 2**30)
-    export_run(args.run_dir, args.out, merge=args.merge, dtype=args.dtype, overwrite=args.overwrite, verify_max_memory=budget)
+    export_run(
+        args.run_dir, args.out, merge=args.merge, dtype=args.dtype, overwrite=args.overwrite, verify_max_memory=budget,
+        device=_device(args), trust_remote_code=args.trust_remote_code,
+    )
     return EXIT_OK
 
 
@@ -360,11 +391,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ]
     if bad:
         raise FinetuneError("; ".join(bad), hint="finetune generate --help lists the options")
-    run = open_run(args.target, allow_model_dir=True)
+    device = _device(args)
+    run = open_run(args.target, allow_model_dir=True, trust_remote_code=args.trust_remote_code)
     fmt = args.format or (run.cfg.data.format if run.has_recipe else "completion")
     if args.input and fmt != "alpaca":
         raise FinetuneError(f"--input is the alpaca prompt's input field; prompts here use data.format={fmt}", hint="drop --input")
-    model, tokenizer = load_trained(run)
+    _say_remote_code_notice(run)
+    model, tokenizer = load_trained(run, device=device)
     mode = f"sampling (temperature {args.temperature}, top-p {args.top_p}, seed {args.seed})" if args.temperature > 0 else "greedy"
     print(f"{run.weights_dir}: prompts formatted as data.format={fmt}, {mode}", file=sys.stderr)
     for text in args.prompt if args.prompt else _prompts_from_stdin():
@@ -382,9 +415,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from finetune.evaluate import comparison_table
     from finetune.runs import eval_records, evaluate_run, open_run
 
-    run = open_run(args.run_dir)
+    device = _device(args)
+    run = open_run(args.run_dir, trust_remote_code=args.trust_remote_code)
     records, source = eval_records(run, args.data)
-    result = evaluate_run(run, records, source, limit=args.limit, max_new_tokens=args.max_new_tokens)
+    _say_remote_code_notice(run)
+    result = evaluate_run(run, records, source, limit=args.limit, max_new_tokens=args.max_new_tokens, device=device)
     print(f"{run.path}: {result.records} records from {result.source} (data.format={run.cfg.data.format})")
     print(comparison_table(result.columns))
     if args.json:
@@ -404,6 +439,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="finetune", description="Parameter-efficient fine-tuning (QLoRA) on the GPUs you own.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def loads_a_run(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--trust-remote-code", action="store_true",
+            help="run Python code from the model's folder (custom architectures); only for sources you trust. "
+            "A run's recipe.yaml cannot switch this on",
+        )
+        p.add_argument("--device", help="where the model runs: cuda, cuda:N or cpu (default: the first GPU, else the CPU)")
 
     def with_recipe(p: argparse.ArgumentParser) -> None:
         p.add_argument("recipe", help="recipe YAML path or shipped recipe name (see `finetune ls`)")
@@ -467,6 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--verify-memory-gib", type=float, metavar="GIB",
         help="RAM the merge check may load the merged model into; beyond it layers stream from disk (default: half of free RAM)",
     )
+    loads_a_run(export)
     export.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     export.set_defaults(func=cmd_export)
 
@@ -479,6 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text")
+    loads_a_run(gen)
     gen.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     gen.set_defaults(func=cmd_generate)
 
@@ -488,6 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--limit", type=int, help="score only the first N records")
     ev.add_argument("--max-new-tokens", type=int, help="answer length limit (default: the recipe's eval.max_new_tokens)")
     ev.add_argument("--json", metavar="FILE", help="also write the numbers as JSON")
+    loads_a_run(ev)
     ev.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     ev.set_defaults(func=cmd_eval)
     return parser

@@ -371,6 +371,8 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     """The pydantic model class that owns the keys at `loc` (for did-you-mean)."""
     model: type[BaseModel] = RecipeConfig
     for part in loc:
+        if isinstance(part, int):  # an item of a list section (data.mix.0): the list's model owns its keys
+            continue
         field = model.model_fields.get(str(part))
         if field is None:
             return None
@@ -499,14 +501,20 @@ def build_recipe(data: dict[str, Any], source: str | None = None) -> RecipeConfi
 
 
 def _drop(tree: dict[str, Any], loc: tuple[Any, ...]) -> None:
-    """Remove the key at loc from a nested dict, if it is there."""
+    """Remove the key (or list item) at loc from nested dicts and lists, if it is there."""
     node: Any = tree
     for part in loc[:-1]:
-        if not isinstance(node, dict) or part not in node:
+        if not _has(node, part):
             return
         node = node[part]
-    if isinstance(node, dict) and loc and loc[-1] in node:
+    if loc and _has(node, loc[-1]):
         del node[loc[-1]]
+
+
+def _has(node: Any, part: Any) -> bool:
+    if isinstance(node, dict):
+        return part in node
+    return isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
 
 
 def check_recipe_dict(data: dict[str, Any], source: str | None = None) -> tuple[RecipeConfig | None, list[str]]:
@@ -527,7 +535,9 @@ def check_recipe_dict(data: dict[str, Any], source: str | None = None) -> tuple[
         for e in err.errors():
             if not e["loc"]:
                 continue  # a cross-field rule: nothing to drop, the stand-in is checked again below
-            field = _field_path(tuple(e["loc"]))
+            # An unknown key goes alone; dropping the section that holds it (what _field_path
+            # names) would add a false "required key is missing" for model or data.
+            field = tuple(e["loc"]) if e["type"] == "extra_forbidden" else _field_path(tuple(e["loc"]))
             if e["type"] == "missing" or not field:
                 return None, problems  # nothing sensible to check the rest against
             _drop(pruned, field)

@@ -40,8 +40,10 @@ from finetune.data import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT
 from finetune.errors import ExportError, MergeCheckFailed
 from finetune.evaluate import prompt_ids
 from finetune.hardware import DTYPES, torch_dtype
-from finetune.model import default_device, model_source
-from finetune.runs import Run, inference_precision, load_trained, open_run
+from finetune.model import DAMAGED_CONFIG_HINT, config_json_problem, default_device, model_source
+from finetune.runs import (
+    Run, check_adapter_config, check_device_memory, inference_precision, load_trained, open_run, remote_code_notice,
+)
 from finetune.shards import DTYPES as FILE_DTYPES
 from finetune.shards import NAMES, ShardWriter, read_header, read_tensor, weight_files, write_index
 
@@ -225,13 +227,45 @@ def stream_merge(
     return {"tensors": len(weight_map), "merged": merged, "requantized": len(quantized), "bytes": total}
 
 
-def write_model_config(base_dir: Path, out_dir: Path, dtype_name: str) -> None:
-    config = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
+def read_base_config(base_dir: Path, run: Run) -> dict[str, Any]:
+    """The base checkpoint's config.json, which the merged model is described by; ExportError naming it otherwise."""
+    problem = config_json_problem(base_dir)
+    if problem is None:
+        return json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
+    if not run.is_adapter:  # a full fine-tune: the run wrote the whole model, config.json included
+        raise ExportError(f"{problem}; the merge needs it (it describes the exported model)", hint=DAMAGED_CONFIG_HINT)
+    raise ExportError(
+        f"model.path: {problem}; the merge needs the base model's config.json (it describes the merged model)",
+        hint=f"{DAMAGED_CONFIG_HINT}, or set model.path in '{run.path / 'recipe.yaml'}' to a complete copy of the base model",
+    )
+
+
+def check_merge_fits(run: Run, base_dir: Path, device: torch.device) -> None:
+    """Stop before any work when the merge check's merged model (unquantized, in the compute precision) exceeds the GPU."""
+    merged = run.cfg.model_copy(update={
+        "model": run.cfg.model.model_copy(update={"path": str(base_dir)}),  # the shape the merge writes
+        "quant": run.cfg.quant.model_copy(update={"bits": None}),
+        "lora": None,
+    })
+    fix = (
+        "pass --device cpu: the check then runs from CPU RAM and streams layers from disk beyond --verify-memory-gib "
+        "(the merge itself always streams on the CPU)"
+    )
+    check_device_memory(merged, inference_precision(run.cfg, device), device, "the merge check's merged model", fix)
+
+
+def write_model_config(base_config: dict[str, Any], base_dir: Path, out_dir: Path, dtype_name: str) -> None:
+    config = dict(base_config)
     config["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype_name]
     config.pop("torch_dtype", None)  # the pre-v4.56 name of the same field; two values could disagree
     write_json(out_dir / "config.json", config)
     if (base_dir / "generation_config.json").is_file():
         shutil.copyfile(base_dir / "generation_config.json", out_dir / "generation_config.json")
+    if "auto_map" in config:
+        # A custom architecture: config.json names classes in the model folder's own Python files
+        # (and those may import their neighbours); the merged model loads only with them beside it.
+        for code in base_dir.glob("*.py"):
+            shutil.copyfile(code, out_dir / code.name)
 
 
 # --------------------------------------------------------------------------- verification
@@ -257,13 +291,15 @@ class Reference:
     quantized: dict[str, Quant4]
     precision: str
     tokenizer: Any
+    device: torch.device | None = None  # where both models run (None: default_device())
+    trust_remote_code: bool = False  # the user's opt-in, which the merged model (a custom architecture) needs too
 
 
-def reference(run: Run) -> Reference:
-    precision = inference_precision(run.cfg)
-    model, tokenizer = load_trained(run, precision=precision)
+def reference(run: Run, device: torch.device | None = None) -> Reference:
+    device = device or default_device()
+    precision = inference_precision(run.cfg, device)
+    model, tokenizer = load_trained(run, precision=precision, device=device)
     prompts = [prompt_ids(p, run.cfg.data.format, tokenizer) for p in VERIFY_PROMPTS]
-    device = next(model.parameters()).device
     logits = _logits(model, prompts, device)
     base_logits = None
     if run.is_adapter:
@@ -272,7 +308,7 @@ def reference(run: Run) -> Reference:
     quantized = quantized_weights(model)
     del model  # the merge that follows must not share memory with a whole model
     gc.collect()
-    return Reference(prompts, logits, base_logits, quantized, precision, tokenizer)
+    return Reference(prompts, logits, base_logits, quantized, precision, tokenizer, device, run.cfg.model.trust_remote_code)
 
 
 def available_memory_bytes() -> int | None:
@@ -298,7 +334,7 @@ def verify(ref: Reference, merged_dir: Path, dtype_name: str, max_memory: int | 
 
     from transformers import AutoModelForCausalLM
 
-    device = default_device()
+    device = ref.device or default_device()
     weights = sum(f.stat().st_size for f in weight_files(merged_dir))
     need = weights * torch_dtype(ref.precision).itemsize // DTYPES[dtype_name].itemsize
     budget = max_memory if max_memory is not None else (available_memory_bytes() or need * 2) // 2
@@ -306,7 +342,9 @@ def verify(ref: Reference, merged_dir: Path, dtype_name: str, max_memory: int | 
         placement: dict[str, Any] = {"device_map": {"": device}}
         if device.type == "cpu" and need > budget:
             placement = {"device_map": "auto", "max_memory": {"cpu": budget}, "offload_folder": offload}
-        model = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch_dtype(ref.precision), **placement).eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            str(merged_dir), dtype=torch_dtype(ref.precision), trust_remote_code=ref.trust_remote_code, **placement
+        ).eval()
         got = _logits(model, ref.prompts, device)
         del model
         gc.collect()
@@ -369,15 +407,22 @@ def export_run(
     overwrite: bool = False,
     say: Callable[[str], None] = print,
     verify_max_memory: int | None = None,
+    device: torch.device | None = None,
+    trust_remote_code: bool = False,
 ) -> ExportResult:
     """Adapter export (merge=False) or verified merged export of the finished run at run_dir. See the module doc.
 
     verify_max_memory: CPU bytes the verification may load the merged model into before
     it streams layers from disk instead (default: half the available memory).
+    device: where the merge check runs both models (default: the first GPU, else the CPU).
+    trust_remote_code: run code from the model's folder; the run's recipe.yaml cannot switch it on.
     """
     from finetune import __version__
 
-    run = open_run(run_dir)
+    run = open_run(run_dir, trust_remote_code=trust_remote_code)
+    notice = remote_code_notice(run)
+    if notice and merge:  # an adapter export copies files and loads no model
+        say(notice)
     out = Path(out)
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ExportError(f"--dtype '{dtype}' is not an export dtype", hint=f"use one of {', '.join(EXPORT_DTYPES)}")
@@ -414,7 +459,7 @@ def export_run(
             hint="export the adapter alone (drop --merge), or train with quant.bits=4 or null",
         )
     base_dir = base_weights_dir(run)
-    base_config = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
+    base_config = read_base_config(base_dir, run)
     if "quantization_config" in base_config:
         raise ExportError(
             f"the base checkpoint in '{base_dir}' is stored quantized ({base_config['quantization_config'].get('quant_method')}); "
@@ -422,14 +467,18 @@ def export_run(
             hint="point model.path in recipe.yaml at the original 16-bit model the quantized one was made from",
         )
     dtype = dtype or {"bfloat16": "bf16", "float16": "fp16"}.get(str(base_config.get("dtype") or base_config.get("torch_dtype")), "fp32")
+    if run.is_adapter:
+        check_adapter_config(run)
     loras = read_adapter(run.weights_dir) if run.is_adapter else {}
 
+    device = device or default_device()
+    check_merge_fits(run, base_dir, device)
     say(f"merge: computing reference logits of the run as trained ({len(VERIFY_PROMPTS)} prompts)")
-    ref = reference(run)
+    ref = reference(run, device)
     with atomic_dir(out) as tmp:
         say(f"merge: streaming {base_dir} -> {out} ({dtype}, {len(loras)} LoRA weights, {len(ref.quantized)} 4-bit weights)")
         stats = stream_merge(base_dir, tmp, DTYPES[dtype], loras, ref.quantized)
-        write_model_config(base_dir, tmp, dtype)
+        write_model_config(base_config, base_dir, tmp, dtype)
         ref.tokenizer.save_pretrained(tmp)
         shutil.copyfile(run.path / "recipe.yaml", tmp / "recipe.yaml")
         say("merge: loading the merged model with transformers to check its logits")

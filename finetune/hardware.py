@@ -54,8 +54,21 @@ def detect_device() -> Device:
             supports_bf16=torch.cuda.is_bf16_supported(including_emulation=False),
             supports_fp16=True,
         )
+    return cpu_device()
+
+
+def cpu_device() -> Device:
+    """This machine's CPU as a Device (also on a machine with a GPU, for work sent to the CPU)."""
     # fp16 on CPU has no fast kernels and no GradScaler benefit: never offer it.
     return Device(kind="cpu", name="cpu", supports_bf16=cpu_has_native_bf16(), supports_fp16=False)
+
+
+def device_free_bytes(device: torch.device) -> int | None:
+    """Bytes free on a CUDA device now (what the driver reports, other processes included); None for a CPU."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
 
 
 def resolve_precision(requested: str, device: Device | None = None) -> str:

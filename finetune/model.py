@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -34,13 +35,49 @@ def looks_like_hub_id(value: str) -> bool:
     return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", value)) and not value.startswith(".") and not Path(value).exists()
 
 
+def config_json_problem(folder: Path) -> str | None:
+    """What makes folder/config.json unusable (absent, unreadable, not a JSON object), or None when it reads."""
+    path = folder / "config.json"
+    if not path.is_file():
+        return f"'{folder}' has no config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        return f"'{path}' is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"'{path}' cannot be read ({exc})"
+    if not isinstance(config, dict):
+        return f"'{path}' holds a JSON {type(config).__name__}, not a model configuration (a JSON object)"
+    return None
+
+
+DAMAGED_CONFIG_HINT = (
+    "the model folder is damaged: restore its config.json from where the model came from "
+    "(download it again, or save_pretrained it again)"
+)
+
+
+def raise_for_model_config(folder: Path, key: str = "model.path", missing_ok: bool = False) -> None:
+    """ModelError naming config.json when a local model folder's config.json is damaged (or absent, unless missing_ok).
+
+    Checked before transformers reads it: transformers reports a broken config.json
+    as whatever it was loading at the time (a tokenizer, a model), not as the file.
+    """
+    if not folder.is_dir() or (missing_ok and not (folder / "config.json").exists()):
+        return
+    problem = config_json_problem(folder)
+    if problem:
+        raise ModelError(f"{key}: {problem}", hint=DAMAGED_CONFIG_HINT)
+
+
 def check_model_source(cfg: RecipeConfig, key: str = "model.path") -> list[str]:
     """Problems with model.path that can be found without loading weights."""
     src = model_source(cfg)
     if Path(src).is_dir():
         if not (Path(src) / "config.json").is_file():
             return [f"{key}: directory '{src}' has no config.json; point it at a Hugging Face model directory (save_pretrained output)."]
-        return []
+        problem = config_json_problem(Path(src))
+        return [f"{key}: {problem}; {DAMAGED_CONFIG_HINT}."] if problem else []
     if Path(src).exists():
         return [f"{key}: '{src}' is a file; expected a model directory or a hub id like 'Qwen/Qwen2.5-7B'."]
     if looks_like_hub_id(src):
@@ -89,6 +126,8 @@ def load_tokenizer(cfg: RecipeConfig):
     from transformers import AutoTokenizer
 
     src = tokenizer_source(cfg)
+    # A tokenizer folder without config.json is fine (an adapter's); a broken one fails AutoTokenizer.
+    raise_for_model_config(Path(src), "model.path" if src == model_source(cfg) else "model.tokenizer", missing_ok=True)
     try:
         tok = AutoTokenizer.from_pretrained(
             src, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
@@ -159,6 +198,7 @@ def load_base_model(
         dtype = torch.float32
     device = device or default_device()
     src = model_source(cfg)
+    raise_for_model_config(Path(src))
     try:
         model = AutoModelForCausalLM.from_pretrained(
             src,

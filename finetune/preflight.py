@@ -16,7 +16,9 @@ from finetune.config import RecipeConfig
 from finetune.data import check_data_source, check_sample
 from finetune.errors import FinetuneError
 from finetune.hardware import resolve_precision
-from finetune.model import check_lora_targets, check_model_source, load_tokenizer, looks_like_hub_id, tokenizer_source
+from finetune.model import (
+    check_lora_targets, check_model_source, load_tokenizer, looks_like_hub_id, model_source, tokenizer_source,
+)
 from finetune.plan import preflight_memory
 from finetune.report import missing_extras, plot_available
 
@@ -48,12 +50,15 @@ def preflight(cfg: RecipeConfig, memory_check: bool = True, training: bool = Tru
     except FinetuneError as exc:
         report.problems.append(f"precision: {exc}")
 
-    report.problems += check_model_source(cfg)
+    model_problems = check_model_source(cfg)
+    report.problems += model_problems
     report.problems += check_lora_targets(cfg)
     src = tokenizer_source(cfg)
+    # A config.json that is there but damaged (reported above) fails the tokenizer of the same folder too: one problem, not two.
+    damaged_config = bool(model_problems) and src == model_source(cfg) and (Path(src) / "config.json").is_file()
     if _tokenizer_is_local(cfg):
         try:
-            report.tokenizer = load_tokenizer(cfg)
+            report.tokenizer = None if damaged_config else load_tokenizer(cfg)
         except FinetuneError as exc:
             report.problems.append(str(exc))
     elif looks_like_hub_id(src):

@@ -65,6 +65,38 @@ def test_validate_schema_errors_exit_2_with_suggestion(recipe_dict, tmp_path, ca
     assert "Traceback" not in err
 
 
+def test_a_typo_in_a_required_section_gets_its_did_you_mean_and_nothing_else(tmp_path, monkeypatch, capsys):
+    from finetune.config import find_recipe
+
+    monkeypatch.chdir(tmp_path)  # demo-cpu's output_dir, runs/demo-cpu, is relative: a fresh one here
+    source = find_recipe("demo-cpu")
+    assert main(["validate", "demo-cpu", "data.formt=alpaca"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"{source}: 1 problem", "  - data.formt: unknown key; did you mean 'data.format'?"
+    ]
+    assert main(["validate", "demo-cpu", "model.pth=x", "data.mix=[{path: 'asset:demo/train.jsonl', formt: alpaca}]"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"{source}: 2 problems",
+        "  - model.pth: unknown key; did you mean 'model.path'?",
+        "  - data.mix.0.formt: unknown key; did you mean 'data.mix.0.format'?",
+    ]
+
+
+def test_a_corrupt_config_json_is_a_model_problem_not_a_tokenizer_one(recipe_dict, tiny_model_dir, tmp_path, capsys):
+    import shutil
+
+    from finetune.model import DAMAGED_CONFIG_HINT
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "config.json").write_text('{"model_type": "lla')  # cut short, as by a failed copy
+    assert main(["validate", write_recipe(tmp_path, {**recipe_dict, "model": {"path": str(model)}})]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].endswith("r.yaml: 1 problem") and len(lines) == 2, lines
+    assert lines[1].startswith(f"  - model.path: '{model / 'config.json'}' is not valid JSON (")
+    assert lines[1].endswith(f"at line 1, column 16); {DAMAGED_CONFIG_HINT}.")
+
+
 def test_validate_4bit_without_adapter(recipe_dict, tmp_path, capsys):
     assert main(["validate", write_recipe(tmp_path, recipe_dict), "quant.bits=4", "lora=null"]) == 2
     assert "quant.bits=4 needs an adapter" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from conftest import CHATML_TEMPLATE, train_tiny_run, training_kernel_only
+from conftest import CHATML_TEMPLATE, copy_run_with_base, train_tiny_run, training_kernel_only
 from finetune.cli import main
 from finetune.data import ALPACA_PROMPT
 from finetune.errors import ExportError, MergeCheckFailed, RunDirError
@@ -246,6 +246,19 @@ def test_out_must_be_new_or_empty_unless_overwrite(lora_run, tmp_path, capsys):
     for inside in (lora_run.path, lora_run.path.parent, lora_run.path / "adapter" / "x"):
         with pytest.raises(ExportError, match="overlaps the run"):  # even with --overwrite: never replace the run itself
             export_run(lora_run.path, inside, overwrite=True, say=quiet)
+
+
+def test_merge_of_a_base_that_lost_its_config_json_names_the_file(lora_run, tiny_model_dir, tmp_path, capsys):
+    run = copy_run_with_base(lora_run.path, tmp_path, tiny_model_dir)
+    (tmp_path / "model" / "config.json").unlink()
+    assert main(["export", str(run), "--out", str(tmp_path / "merged"), "--merge"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"error: model.path: '{tmp_path / 'model'}' has no config.json; the merge needs the base model's config.json "
+        "(it describes the merged model)"
+    ) in err
+    assert f"or set model.path in '{run / 'recipe.yaml'}' to a complete copy of the base model" in err
+    assert "Traceback" not in err and not (tmp_path / "merged").exists()
 
 
 def test_unknown_dtype_is_refused(lora_run, tmp_path, capsys):

@@ -9,13 +9,18 @@ import math
 import pytest
 import torch
 
-from conftest import BOS_ID, EOS_ID, SPECIALS, build_char_tokenizer, build_tiny_llama, char_token_id, write_jsonl
+from conftest import (
+    BOS_ID, EOS_ID, SPECIALS, add_custom_code, build_char_tokenizer, build_tiny_llama, char_token_id, copy_run_with_base, write_jsonl,
+)
 from finetune.cli import main
 from finetune.config import build_recipe
 from finetune.data import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, build_datasets
 from finetune.data.templates import end_of_turn_ids
 from finetune.evaluate import generate, prompt_ids
-from finetune.runs import eval_records, evaluate_run, load_trained, open_run
+from finetune.gpus import GiB
+from finetune.metrics import human_bytes
+from finetune.plan import loaded_weight_bytes
+from finetune.runs import eval_records, evaluate_run, exceeds_free_memory, load_trained, open_run
 
 PROMPT = "Add the numbers."
 
@@ -227,3 +232,123 @@ def test_eval_split_is_the_one_training_held_out(recipe_dict, tokenizer, tmp_pat
     records, source = eval_records(open_run(run))
     assert len(records) == 6 and "held-out" in source
     assert build_examples(records, cfg, tokenizer, "x")[0] == build_datasets(cfg, tokenizer).eval
+
+
+# --------------------------------------------------------------------------- what a run's files may and may not make us do
+
+
+def command_on(command: str, run, runs_data, out) -> list[str]:
+    """A short `finetune generate|eval|export --merge` of `run` (each loads its model)."""
+    return {
+        "generate": ["generate", str(run), "--prompt", PROMPT, "--max-new-tokens", "2"],
+        "eval": ["eval", str(run), "--data", str(runs_data), "--limit", "1", "--max-new-tokens", "2"],
+        "export": ["export", str(run), "--out", str(out), "--merge", "--dtype", "fp32"],
+    }[command]
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "export"])
+def test_a_runs_recipe_cannot_switch_on_trust_remote_code(command, lora_run, tiny_model_dir, runs_data, tmp_path, capsys):
+    run = copy_run_with_base(lora_run.path, tmp_path, tiny_model_dir, trust_remote_code=True)
+    marker = tmp_path / "custom_code_ran"
+    add_custom_code(tmp_path / "model", marker)
+    args = command_on(command, run, runs_data, tmp_path / "merged")
+
+    assert main(args) == 2  # the custom architecture cannot load without its code
+    printed = capsys.readouterr()
+    assert (
+        f"note: {run / 'recipe.yaml'} sets model.trust_remote_code=true; not obeyed: code from the model folder runs only "
+        f"when you pass --trust-remote-code (do so only if you trust '{tmp_path / 'model'}')"
+    ) in (printed.out + printed.err).splitlines()
+    assert "hint: the model may need the code in its folder" in printed.err and "pass --trust-remote-code" in printed.err
+    assert "Traceback" not in printed.err
+    assert not marker.exists()
+
+    assert main([*args, "--trust-remote-code"]) == 0  # the user's own opt-in
+    assert marker.exists()
+    assert "not obeyed" not in capsys.readouterr().err
+
+
+def test_exceeds_free_memory_judges_only_a_cuda_device():
+    need = int(37.6 * GiB)  # the 4-bit Llama-3-70B of qlora-stream-70b-1x24gb (test_plan.py) ...
+    assert exceeds_free_memory(need, 22 * GiB, "cuda")  # ... on a 24 GB card with 22 GiB free
+    assert not exceeds_free_memory(need, 40 * GiB, "cuda")
+    assert not exceeds_free_memory(need, need, "cuda")
+    assert not exceeds_free_memory(need, None, "cuda")  # the device did not say
+    assert not exceeds_free_memory(need, 1, "cpu")  # the CPU is the fallback: RAM is paged, not judged here
+
+
+def test_generate_eval_export_stop_before_loading_more_than_the_gpu_has_free(qlora_run, runs_data, tmp_path, monkeypatch, capsys):
+    # The device is pretended: the check stops every command before anything touches CUDA.
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr("finetune.runs.default_device", lambda: cuda)
+    monkeypatch.setattr("finetune.export.default_device", lambda: cuda)
+    asked = []
+    monkeypatch.setattr("finetune.runs.device_free_bytes", lambda device: asked.append(device) or 100 * 1024)
+    cfg = open_run(qlora_run.path).cfg
+    four_bit = human_bytes(loaded_weight_bytes(cfg, "fp32"))
+    unquantized = cfg.model_copy(update={"quant": cfg.quant.model_copy(update={"bits": None}), "lora": None})
+    merged = human_bytes(loaded_weight_bytes(unquantized, "fp32"))
+    expected = {
+        "generate": f"the model of '{qlora_run.path}' needs {four_bit} on cuda:0 for its weights alone (fp32, 4-bit)",
+        "eval": f"the model of '{qlora_run.path}' needs {four_bit} on cuda:0 for its weights alone (fp32, 4-bit)",
+        "export": f"the merge check's merged model needs {merged} on cuda:0 for its weights alone (fp32, unquantized)",
+    }
+    for command, message in expected.items():
+        asked.clear()
+        assert main(command_on(command, qlora_run.path, runs_data, tmp_path / "merged")) == 2
+        err = capsys.readouterr().err
+        assert f"error: {message}, and 100.0 KiB is free there; nothing was loaded" in err, err
+        assert "hint: pass --device cpu" in err
+        assert asked == [cuda]
+    assert not (tmp_path / "merged").exists()
+    # The way out the hint names: the same run on the CPU.
+    assert main([*command_on("generate", qlora_run.path, runs_data, None), "--device", "cpu"]) == 0
+    assert asked == [cuda]  # a CPU is not judged
+
+
+# --------------------------------------------------------------------------- damaged files: what is wrong and where
+
+
+def test_generate_names_a_corrupt_config_json_not_the_tokenizer(tiny_model_dir, tmp_path, capsys):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "config.json").write_text('{"model_type": "lla')  # cut short, as by a failed copy
+    assert main(["generate", str(model), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: model.path: '{model / 'config.json'}' is not valid JSON (" in err and "line 1, column" in err
+    assert "hint: the model folder is damaged: restore its config.json" in err
+    assert "tokenizer" not in err and "Traceback" not in err
+
+
+def test_an_adapter_config_without_its_rank_is_named(lora_run, runs_data, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(lora_run.path, run)
+    config_file = run / "adapter" / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    del config["r"]  # peft would take its default rank 8 and fail on the rank-4 weights
+    config_file.write_text(json.dumps(config))
+    for command in ("generate", "eval", "export"):
+        assert main(command_on(command, run, runs_data, tmp_path / "merged")) == 2
+        err = capsys.readouterr().err
+        assert f"error: '{config_file}' lacks 'r' (the LoRA rank): the adapter cannot be loaded as trained" in err
+        assert 'add "r": 4 (from the run\'s recipe.yaml)' in err and "Traceback" not in err
+
+
+def test_qlora_on_cpu_prints_no_bitsandbytes_hub_kernel_notice(qlora_run):
+    # On a CPU with AVX512-BF16, importing bitsandbytes logged "Failed to load CPU gemm_4bit_forward from
+    # kernels-community ... pip install kernels" on every run, for a kernel our 4-bit layers never use.
+    import subprocess
+    import sys
+
+    from bitsandbytes.functional import has_avx512bf16
+
+    if not has_avx512bf16():
+        pytest.skip("bitsandbytes looks for the hub kernel only on CPUs with AVX512-BF16")
+    args = ["generate", str(qlora_run.path), "--prompt", PROMPT, "--max-new-tokens", "2"]
+    proc = subprocess.run([sys.executable, "-m", "finetune", *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == [f"{qlora_run.path / 'adapter'}: prompts formatted as data.format=alpaca, greedy"]

@@ -14,7 +14,8 @@ from finetune.config import build_recipe, load_recipe
 from finetune.errors import GpuError, PlanError
 from finetune.gpus import GiB, find_gpu, parse_bytes
 from finetune.plan import (
-    KNOBS, Recipe, Setup, candidates, estimate, fit, plan_recipe, preflight_memory, quantized_bytes, read_model_shape, runnable, search,
+    KNOBS, Recipe, Setup, candidates, estimate, fit, loaded_weight_bytes, plan_recipe, preflight_memory, quantized_bytes, read_model_shape,
+    runnable, search,
 )
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
@@ -54,6 +55,16 @@ def test_nf4_double_quant_costs_what_bitsandbytes_stores():
     weight, constants = quantized_bytes(w.numel(), 512, 4, True, 2)
     assert weight + constants == real
     assert weight == w.numel() // 2 and abs(constants / w.numel() - 1 / 64) < 0.01  # ~0.127 bits/param of absmax
+
+
+def test_inference_loads_the_whole_4bit_70b_of_the_streaming_recipe():
+    # generate/eval/export load every layer onto the device: the recipe's base_weights=cpu does not apply there.
+    cfg = load_recipe("qlora-stream-70b-1x24gb", [f"model.path={CONFIGS / 'llama-3-70b'}"])
+    assert cfg.memory.base_weights == "cpu"
+    # 4-bit linears 31.88 GiB + double-quant absmax 1.01 + bf16 embeddings/head/norms 3.92 + fp32 LoRA r=16 0.77
+    assert round(loaded_weight_bytes(cfg, "bf16") / GiB, 2) == 37.58
+    plan = plan_recipe(cfg, find_gpu("rtx4090"))  # training streams all but 3 layers: far less on the GPU
+    assert plan.component("weights_quantized") == 0 and plan.component("weights_streamed") < 2 * GiB
 
 
 def test_qlora_7b_on_24gb_numbers(tmp_path):

@@ -18,7 +18,7 @@ Modules, in the order a plan is made (each imports only those above it):
     inputs     what is planned: Recipe (the recipe's parts the model reads), Setup (the knobs), Implementation
     speed      step time: compute, dequantization, GPU-link and host-link transfers
     memory     estimate: every per-GPU tensor with its reason, host RAM, disk; the memory constants
-    recipe     a RecipeConfig on a GPU: plan_recipe, setup_of
+    recipe     a RecipeConfig on a GPU: plan_recipe, setup_of; loaded_weight_bytes (inference loads)
     fitting    the search over KNOBS for the fastest setup that fits: fit
     render     report: the human-readable plan
     rewrite    the fitted recipe: changes_of, rewrite_recipe
@@ -47,7 +47,7 @@ from finetune.plan.memory import (
     trainable_params,
 )
 from finetune.plan.preflight import REFUSE_FACTOR, physical_ram, preflight_memory
-from finetune.plan.recipe import model_shape_of, plan_precision, plan_recipe, setup_of
+from finetune.plan.recipe import WEIGHT_COMPONENTS, loaded_weight_bytes, model_shape_of, plan_precision, plan_recipe, setup_of
 from finetune.plan.render import report
 from finetune.plan.rewrite import changes_of, recipe_value, rewrite_recipe
 from finetune.plan.shape import LinearGroup, ModelShape, read_model_shape
@@ -81,6 +81,7 @@ __all__ = [
     "OFFLOAD_LAYERS_IN_FLIGHT",
     "REFUSE_FACTOR",
     "STREAMED_LAYERS_RESIDENT",
+    "WEIGHT_COMPONENTS",
     "Component",
     "Estimate",
     "Implementation",
@@ -100,6 +101,7 @@ __all__ = [
     "layer_saved_bytes_per_token",
     "longest_fitting_seq",
     "lora_targets",
+    "loaded_weight_bytes",
     "loss_peak_bytes",
     "model_shape_of",
     "plan_precision",

@@ -59,3 +59,16 @@ def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Se
         model_on_disk=Path(model_source(cfg)).is_dir(),
         shard_bytes=_shard_bytes(cfg),
     )
+
+
+# The parts of an estimate that are weights: what loading a model for inference puts on its device.
+WEIGHT_COMPONENTS = ("weights_quantized", "quant_constants", "weights_unquantized", "lora_weights")
+
+
+def loaded_weight_bytes(cfg: RecipeConfig, precision: str) -> int:
+    """Bytes of the model's weights when the whole model is loaded on one device in `precision`: quantized per
+    quant.bits, the LoRA adapter included. The recipe's training memory modes (base_weights=cpu|disk, FSDP) do
+    not apply: generate, eval and export load every layer onto the device."""
+    setup = Setup(batch_size=1, grad_accum=1, seq_len=cfg.data.max_seq_len)  # base_weights=device, one process
+    e = estimate(model_shape_of(cfg), Recipe.from_config(cfg, precision), setup, None)
+    return sum(e.component(key) for key in WEIGHT_COMPONENTS)
