@@ -48,6 +48,8 @@ _EXPORTS = {
     "preflight": "finetune.preflight",
     "Trainer": "finetune.trainer",
     "TrainResult": "finetune.trainer",
+    "TrainState": "finetune.trainer",
+    "Callback": "finetune.trainer",
     "open_run": "finetune.runs",
     "load_trained": "finetune.runs",
     "export_run": "finetune.export",

@@ -12,11 +12,12 @@ import finetune
 # imports, checkpoint is a library the trainer calls, so it stands before trainer.
 ORDER = [
     "errors", "config", "gpus", "hardware", "shards", "metrics", "report", "model", "plan", "distributed", "offload", "stream", "data",
-    "evaluate", "checkpoint", "preflight", "trainer", "runs", "export", "cli",
+    "evaluate", "checkpoint", "resume", "preflight", "trainer", "runs", "export", "cli",
 ]
 # Inside a package that states an order, the same rule between its modules (finetune/plan/).
 PACKAGE_ORDER = {
     "plan": ["shape", "inputs", "speed", "memory", "recipe", "fitting", "render", "rewrite", "preflight"],
+    "trainer": ["state", "callbacks", "schedule", "loss", "order", "parallel", "evaluation", "build", "loop"],
 }
 PKG = Path(finetune.__file__).parent
 

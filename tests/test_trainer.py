@@ -308,9 +308,9 @@ def test_models_that_cannot_take_a_boolean_logits_to_keep_get_full_logits(recipe
             out.logits[:, keep, :]  # what the old slicing does with a 2D mask
         return out
 
-    trainer._head_on_targets_only = True  # as if setup() had found slice_logits_to_keep
+    trainer.loss_fn.head_on_targets_only = True  # as if setup() had found slice_logits_to_keep
     loss, n = trainer.compute_loss(old_transformers, batch)
-    assert trainer._head_on_targets_only is False and calls == [True, False]
+    assert trainer.loss_fn.head_on_targets_only is False and calls == [True, False]
     full = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
     expected, n_expected = loss_sum_and_count(full.logits, batch["labels"])
     assert n == n_expected > 0
@@ -335,7 +335,7 @@ def test_head_on_targets_only_equals_full_logits_loss_and_gradients(recipe_dict,
         assert Version(transformers.__version__) < Version("5.23"), "5.23's Llama slices with slice_logits_to_keep"
         pytest.skip(f"transformers {transformers.__version__} has no boolean logits_to_keep (5.17 had none; 5.23 has it)")
     fast, n_fast = trainer.compute_loss(model, batch)
-    assert trainer._head_on_targets_only is True  # the fast path was taken, not the fallback
+    assert trainer.loss_fn.head_on_targets_only is True  # the fast path was taken, not the fallback
     g_fast = grads_of(fast)
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
     full, n_full = loss_sum_and_count(out.logits, batch["labels"])

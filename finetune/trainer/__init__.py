@@ -1,0 +1,22 @@
+"""Training: the Trainer and the rooms it is built from.
+
+    from finetune import load_recipe, Trainer, Callback
+    with Trainer(load_recipe("demo-cpu"), callbacks=[...]) as trainer:
+        result = trainer.train()
+
+state (TrainState, TrainResult) -> callbacks -> schedule -> loss -> order -> parallel
+-> build -> loop (Trainer). Resume lives beside the checkpoint files: finetune/resume.py.
+"""
+
+from finetune.evaluate import loss_sum_and_count
+from finetune.trainer.callbacks import Callback, CallbackList
+from finetune.trainer.loop import Trainer
+from finetune.trainer.loss import CausalLMLoss, count_targets
+from finetune.trainer.parallel import Parallel
+from finetune.trainer.schedule import lr_factor
+from finetune.trainer.state import TrainResult, TrainState
+
+__all__ = [
+    "Callback", "CallbackList", "CausalLMLoss", "Parallel", "TrainResult", "TrainState", "Trainer",
+    "count_targets", "loss_sum_and_count", "lr_factor",
+]

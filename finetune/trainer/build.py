@@ -1,0 +1,170 @@
+"""The builder: accelerator, data, model (and its weight store), optimizer and schedule from a recipe.
+
+Each function builds one part and says what it built; Trainer.setup calls them in order.
+Parts a user passed in (model, tokenizer, data, optimizer, scheduler) are used as given.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Union
+
+import torch
+
+from finetune.config import RecipeConfig, build_recipe, resolve_offload_dir
+from finetune.data import DataBundle, DataStats, build_datasets, build_examples
+from finetune.errors import ConfigError
+from finetune.metrics import human_bytes
+from finetune.model import count_parameters, enable_gradient_checkpointing, load_model, wrap_lora
+from finetune.offload import HostAdamW
+from finetune.stream import DiskStore, WeightStream
+from finetune.trainer.parallel import Parallel
+from finetune.trainer.schedule import build_scheduler
+
+OptimizerArg = Union[torch.optim.Optimizer, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], None]
+SchedulerArg = Union[torch.optim.lr_scheduler.LRScheduler, Callable[[torch.optim.Optimizer], Any], None]
+
+
+def make_accelerator(precision: str):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    # accelerate keeps one mixed-precision setting per process and refuses a second
+    # Trainer with another; the setting is ours to choose per run (the process group,
+    # in PartialState, is kept).
+    AcceleratorState._reset_state()
+    mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[precision]
+    return Accelerator(mixed_precision=mixed, cpu=not torch.cuda.is_available())
+
+
+def load_data(cfg: RecipeConfig, tokenizer, accelerator, say: Callable[[str], None]) -> DataBundle:
+    t0 = time.perf_counter()
+    # Rank 0 tokenizes (and fills the cache) while the others wait, then they read its cache.
+    with accelerator.main_process_first():
+        data = build_datasets(cfg, tokenizer)
+    how = "read from the tokenized cache" if data.from_cache else "tokenized"
+    say(f"data: {how} in {time.perf_counter() - t0:.1f}s")
+    return data
+
+
+def describe_data(data: DataBundle, say: Callable[[str], None]) -> None:
+    say(f"data: {data.train_stats.summary()}")
+    for line in data.train_stats.warnings:
+        say(f"warning: {line}")
+    if data.eval_stats is not None:
+        say(f"eval data: {data.eval_stats.summary()}")
+
+
+def recipe_for_parts(model, output_dir, settings: dict[str, Any]) -> RecipeConfig:
+    """The recipe of a run on parts in memory (Trainer.from_parts): settings as given, no paths needed.
+    The model's own name (config._name_or_path) stands for model.path; the data is "in-memory"."""
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or f"in-memory:{type(model).__name__}"
+    recipe: dict[str, Any] = {"precision": "auto", "output_dir": str(output_dir), **settings}
+    recipe["model"] = {"path": name, **recipe.get("model", {})}
+    recipe["data"] = {"path": "in-memory", **recipe.get("data", {})}
+    recipe.setdefault("quant", {"bits": None})  # the model is already loaded as the user wanted it
+    return build_recipe(recipe, source="Trainer.from_parts")
+
+
+def bundle_from_parts(cfg: RecipeConfig, tokenizer, train: Sequence[dict], eval: Sequence[dict] | None) -> DataBundle:
+    """Records in cfg.data.format (tokenized and masked as a recipe's files would be), or examples
+    already tokenized ({"input_ids", "labels"}), used as they are."""
+
+    def tokenized(rows: Sequence[dict], key: str) -> tuple[Sequence[dict], DataStats]:
+        if rows and all("input_ids" in r for r in rows):
+            tokens = sum(len(r["input_ids"]) for r in rows)
+            trained = sum(sum(1 for t in r.get("labels", r["input_ids"])[1:] if t != -100) for r in rows)
+            return rows, DataStats(examples=len(rows), dropped=0, truncated=0, tokens=tokens, trained_tokens=trained)
+        return build_examples(list(rows), cfg, tokenizer, key=key)
+
+    train_set, train_stats = tokenized(train, "train_data")
+    eval_set, eval_stats = tokenized(eval, "eval_data") if eval else (None, None)
+    return DataBundle(train=train_set, eval=eval_set, train_stats=train_stats, eval_stats=eval_stats)
+
+
+def ready_given_model(cfg: RecipeConfig, model):
+    """A model built by the user, made ready as load_model makes a loaded one: activation
+    checkpointing per memory.*, and LoRA per lora.* unless it carries adapters already."""
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel) or cfg.lora is None:
+        return model
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if cfg.memory.checkpoint_every:
+        enable_gradient_checkpointing(model, cfg.memory.checkpoint_every)
+    torch.manual_seed(cfg.seed)  # LoRA's init, drawn as a recipe's run draws it
+    return wrap_lora(cfg, model)
+
+
+def load_model_and_store(
+    cfg: RecipeConfig, precision: str, parallel: Parallel, say: Callable[[str], None], given=None
+) -> tuple[Any, WeightStream | None]:
+    """The model (loaded unless given) and, for memory.base_weights=cpu|disk, the store its frozen
+    layer weights now live in. A failure deletes a weights file already written."""
+    streaming = cfg.memory.base_weights != "device"
+    disk_store = None
+    model = given
+    try:
+        if model is None:
+            torch.manual_seed(cfg.seed)  # LoRA init is drawn from the global RNG: the same on every rank
+            load_on = parallel.load_device(streaming)
+            if cfg.memory.base_weights == "disk" and not (cfg.lora and cfg.lora.dora):
+                # 4-bit weights go to the file as bitsandbytes quantizes them: the whole
+                # quantized model (~37 GB for 70B) is never in RAM, not even while loading.
+                # (DoRA reads every base weight when it wraps the model: no capture then.)
+                disk_store = DiskStore(resolve_offload_dir(cfg))
+                with disk_store.capture():
+                    model = load_model(cfg, precision=precision, device=load_on, shardable=parallel.sharded)
+            else:
+                model = load_model(cfg, precision=precision, device=load_on, shardable=parallel.sharded)
+        say(model_summary(cfg, model))  # counted before the store takes the weights away
+        stream = None
+        if streaming:
+            stream = WeightStream.attach(model, cfg.memory.base_weights, parallel.device, resolve_offload_dir(cfg), store=disk_store)
+    except BaseException:
+        if disk_store is not None:
+            disk_store.discard()  # tens of GB written for a model that will not train
+        raise
+    return model, stream
+
+
+def model_summary(cfg: RecipeConfig, model) -> str:
+    trainable, total = count_parameters(model)
+    quant = f"{cfg.quant.bits}-bit {cfg.quant.quant_type if cfg.quant.bits == 4 else 'int8'}" if cfg.quant.bits else "unquantized"
+    return f"model: {total:,} parameters ({quant} base), {trainable:,} trainable ({100 * trainable / max(total, 1):.2f}%)"
+
+
+def describe_store(stream: WeightStream, device, say: Callable[[str], None]) -> None:
+    where = f"a file in {stream.store.parent}" if stream.store else "CPU RAM"
+    say(
+        f"memory: {human_bytes(stream.streamed_bytes)} of frozen decoder-layer weights live in {where} "
+        f"and stream to {device} one layer at a time"
+    )
+
+
+def build_optimizer(cfg: RecipeConfig, params: list[torch.nn.Parameter], given: OptimizerArg, parallel: Parallel) -> torch.optim.Optimizer:
+    """AdamW (in host RAM with memory.optimizer_offload), or the user's: an optimizer, or a function
+    of the trainable parameters that builds one (needed under FSDP, whose parameters are the shards)."""
+    if given is None:
+        adamw = HostAdamW if cfg.memory.optimizer_offload else torch.optim.AdamW
+        return adamw(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    if cfg.memory.optimizer_offload:
+        raise ConfigError(["memory.optimizer_offload builds its own host AdamW; it cannot offload an optimizer passed "
+                           "to Trainer(optimizer=...). Set memory.optimizer_offload=false, or pass no optimizer."])
+    if isinstance(given, torch.optim.Optimizer):
+        if parallel.sharded:
+            raise ConfigError(["Trainer(optimizer=...): FSDP replaces the parameters with shards after the model is "
+                               "built; pass a function of the parameters instead, e.g. optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)"])
+        return given
+    return given(params)
+
+
+def build_lr_schedule(cfg: RecipeConfig, optimizer: torch.optim.Optimizer, total_steps: int, given: SchedulerArg):
+    """The recipe's warmup + decay, or the user's scheduler (or function of the optimizer that builds one)."""
+    if given is None:
+        return build_scheduler(optimizer, cfg.train, total_steps)
+    if isinstance(given, torch.optim.lr_scheduler.LRScheduler):
+        return given
+    return given(optimizer)

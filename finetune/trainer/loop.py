@@ -1,0 +1,491 @@
+"""The Trainer: the training loop, on accelerate.
+
+    from finetune import load_recipe, Trainer
+    with Trainer(load_recipe("demo-cpu")) as trainer:
+        result = trainer.train()
+    print(result.final_loss, result.adapter_dir)
+
+One optimizer step = grad_accum micro-batches of batch_size examples on each
+process. The loss of a step is the mean over every target token in the whole
+window (all micro-batches, all processes), so the gradient does not depend on
+how the window is cut into micro-batches: batch 8 x accum 1 and batch 2 x
+accum 4 give the same update on variable-length data (the gradient-accumulation
+bug that hit HF Trainer and others in 2024 averaged per micro-batch instead).
+
+The rooms: state.py (what a run counts), build.py (parts from a recipe),
+order.py (which examples each step), parallel.py (single / DDP / FSDP),
+loss.py (the objective), schedule.py (lr), callbacks.py (your code),
+finetune/resume.py (checkpoints to continue from).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.checkpoint import checkpoint_dir, output_dir_problem, prepare_output_dir, save_adapter
+from finetune.config import RecipeConfig
+from finetune.data import Collator, DataBundle, count_tokens, use_template
+from finetune.errors import DataError, OutputDirError, Preempted, TrainingError
+from finetune.evaluate import ExactMatch, exact_match
+from finetune.hardware import resolve_precision, torch_dtype
+from finetune.metrics import MetricsWriter, Progress, Throughput, peak_memory_bytes, read_metrics
+from finetune.model import load_tokenizer, takes_boolean_logits_to_keep
+from finetune.offload import ActivationOffload
+from finetune.report import PLOT_NAME, open_sinks, plot_curves, require_extras
+from finetune.resume import Resume
+from finetune.trainer import build
+from finetune.trainer.callbacks import Callback, CallbackList
+from finetune.trainer.evaluation import exact_match_records, held_out_loss
+from finetune.trainer.loss import CausalLMLoss, count_targets
+from finetune.trainer.order import DataOrder
+from finetune.trainer.parallel import Parallel
+from finetune.trainer.state import TrainResult, TrainState, stop_signals
+
+LossFn = Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
+
+
+class Trainer:
+    """Fine-tunes cfg.model on cfg.data and writes the run to cfg.output_dir.
+
+    Everything can be passed in instead of built from the recipe:
+      model, tokenizer, data      your own (see also Trainer.from_parts, which needs no paths)
+      optimizer                   an optimizer, or a function of the trainable parameters that builds one
+      scheduler                   an LR scheduler, or a function of the optimizer that builds one
+      loss_fn                     (model, batch) -> (summed loss over target tokens, their number)
+      callbacks                   finetune.Callback objects (on_train_begin, on_step_end, on_eval, on_save, on_train_end)
+    Use it as a context manager (or call close()) to free what outlives a run: a streamed
+    weights file, the process group of a multi-process launch.
+    """
+
+    def __init__(
+        self,
+        cfg: RecipeConfig,
+        *,
+        model=None,
+        tokenizer=None,
+        data: DataBundle | None = None,
+        progress: bool = True,
+        callbacks: Sequence[Callback] | None = None,
+        optimizer: build.OptimizerArg = None,
+        scheduler: build.SchedulerArg = None,
+        loss_fn: LossFn | None = None,
+    ):
+        self.cfg = cfg
+        self.model = model
+        self.tokenizer = tokenizer
+        self.data = data
+        self.progress_enabled = progress
+        self.callbacks = CallbackList(list(callbacks or []))
+        self.loss_fn: LossFn = loss_fn or CausalLMLoss()
+        self._given_optimizer, self._given_scheduler = optimizer, scheduler
+        self.out = Path(cfg.output_dir)
+        self.state = TrainState()
+        # Built by setup():
+        self.accelerator = None
+        self.parallel: Parallel | None = None
+        self.precision: str | None = None
+        self.order: DataOrder | None = None
+        self.collate: Collator | None = None
+        self.params: list[torch.nn.Parameter] = []
+        self.optimizer = None
+        self.scheduler = None
+        self.stream = None  # memory.base_weights=cpu|disk
+        self.activation_offload: ActivationOffload | None = None  # memory.activation_offload
+        self.resume: Resume | None = None
+        self.metrics: MetricsWriter | None = None
+
+    @classmethod
+    def from_parts(
+        cls, model, tokenizer, train_data: Sequence[dict], *, eval_data: Sequence[dict] | None = None,
+        output_dir: str | Path = "runs/from-parts", **settings: Any,
+    ) -> Trainer:
+        """A Trainer for a model, tokenizer and data you have in memory; no recipe file or paths.
+
+            trainer = Trainer.from_parts(model, tokenizer, records, output_dir="runs/nb",
+                                         train={"max_steps": 50, "lr": 1e-4}, lora={"r": 8})
+
+        train_data / eval_data: records in data.format (alpaca unless data={"format": ...}),
+        tokenized and masked as recipe data is, or examples already tokenized
+        ({"input_ids", "labels"}). settings: recipe sections as dicts, or top-level keys
+        (seed, precision, ...). LoRA is added per lora.* unless the model has adapters.
+        The model's own name (config._name_or_path) stands for model.path in recipe.yaml.
+        Keyword arguments of Trainer (callbacks, optimizer, ...) pass through.
+        """
+        trainer_args = {k: settings.pop(k) for k in ("progress", "callbacks", "optimizer", "scheduler", "loss_fn") if k in settings}
+        cfg = build.recipe_for_parts(model, output_dir, settings)
+        data = build.bundle_from_parts(cfg, tokenizer, train_data, eval_data)
+        return cls(cfg, model=build.ready_given_model(cfg, model), tokenizer=tokenizer, data=data, **trainer_args)
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ helpers
+
+    def say(self, text: str) -> None:
+        if self.accelerator is None or self.accelerator.is_main_process:
+            print(text, flush=True)
+
+    @property
+    def strategy(self) -> str:
+        return self.parallel.strategy if self.parallel else "single"
+
+    @property
+    def unit(self) -> str:
+        return self.order.unit if self.order else "examples"
+
+    @property
+    def window(self) -> int:
+        return self.state.window
+
+    @property
+    def total_steps(self) -> int:
+        return self.state.total_steps
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.state.steps_per_epoch
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.precision = resolve_precision(cfg.precision)
+        acc = self.accelerator = build.make_accelerator(self.precision)
+        problem = output_dir_problem(cfg)  # refuse early; delete an old run (overwrite) only once loading worked
+        if problem:
+            raise OutputDirError(problem)
+        require_extras(cfg)  # a missing TensorBoard/W&B package must not surface after the model has loaded
+
+        torch.manual_seed(cfg.seed)
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(cfg)
+        if cfg.data.template != "auto":  # also when data is passed in: the saved tokenizer carries the template
+            use_template(self.tokenizer, cfg.data.template)
+        if self.data is None:
+            self.data = build.load_data(cfg, self.tokenizer, acc, self.say)
+        build.describe_data(self.data, self.say)
+        self._plan_steps()
+
+        parallel = self.parallel = Parallel.choose(cfg, acc)
+        self.model, self.stream = build.load_model_and_store(cfg, self.precision, parallel, self.say, given=self.model)
+        if isinstance(self.loss_fn, CausalLMLoss):
+            self.loss_fn.head_on_targets_only = takes_boolean_logits_to_keep(self.model)
+        if self.stream is not None:
+            build.describe_store(self.stream, acc.device, self.say)
+        if parallel.is_main:
+            prepare_output_dir(cfg)
+        parallel.wait()
+        self.model = parallel.shard(self.model, cfg, torch_dtype(self.precision))
+        if parallel.describe():
+            self.say(parallel.describe())
+
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = build.build_optimizer(cfg, self.params, self._given_optimizer, parallel)
+        if cfg.memory.activation_offload:
+            self.activation_offload = ActivationOffload(acc.device)
+        self.scheduler = build.build_lr_schedule(cfg, optimizer, self.state.total_steps, self._given_scheduler)
+        self.model, self.optimizer = parallel.prepare(self.model, optimizer)
+        self.resume = Resume(cfg, self.out, self.data.train, self.say, parallel.is_main)
+        sinks = open_sinks(cfg, self.out) if parallel.is_main else []
+        self.metrics = MetricsWriter(self.out / "metrics.jsonl", enabled=parallel.is_main, sinks=sinks)
+
+    def _plan_steps(self) -> None:
+        """The data order of this launch, and the run's length in optimizer steps."""
+        cfg, acc, state = self.cfg, self.accelerator, self.state
+        self.collate = Collator(pad_token_id=self.tokenizer.pad_token_id)
+        self.order = DataOrder(self.data.train, cfg, self.collate, acc.process_index, acc.num_processes, acc.device)
+        state.window, state.steps_per_epoch = self.order.window, self.order.steps_per_epoch
+        state.is_main = acc.is_main_process
+        if state.steps_per_epoch == 0:
+            raise DataError(
+                f"data.path: the train set has {len(self.data.train)} {self.unit}, fewer than one optimizer step needs "
+                f"(train.batch_size {cfg.train.batch_size} x train.grad_accum {cfg.train.grad_accum} x "
+                f"{acc.num_processes} processes = {state.window})",
+                hint="lower train.batch_size or train.grad_accum, or add data",
+            )
+        state.total_steps = cfg.train.max_steps or cfg.train.epochs * state.steps_per_epoch
+
+    # ------------------------------------------------------------------ the step
+
+    def compute_loss(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """(summed loss over target tokens, number of target tokens) for one micro-batch.
+        Override it, or pass loss_fn, to change the objective."""
+        return self.loss_fn(model, batch)
+
+    def step_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """The grad_accum micro-batches this process trains on at optimizer step `step`."""
+        return self.order.step_batches(step)
+
+    def accumulate_gradients(self, step: int) -> tuple[float, float, int]:
+        """Backward over the step's window; returns (summed loss here, global target tokens, tokens here).
+
+        Each micro-batch's summed loss is divided by the target-token count of the
+        whole window on all processes, so the accumulated gradient is the gradient
+        of the window's token-mean loss however the window is split.
+        """
+        parallel, model = self.parallel, self.model
+        batches = self.step_batches(step)
+        n_global = parallel.global_sum(sum(count_targets(b) for b in batches))
+        # DDP averages gradients over processes: multiply back by their number.
+        scale = parallel.world / max(n_global, 1)
+        loss_total = 0.0
+        for i, batch in enumerate(batches):
+            with parallel.gradient_sync(model, last=i == len(batches) - 1):
+                with self.activation_offload.saving() if self.activation_offload else nullcontext():
+                    loss_sum, _ = self.compute_loss(model, batch)
+                self.accelerator.backward(loss_sum * scale)
+            loss_total += float(loss_sum.detach())
+        tokens = sum(count_tokens(b) for b in batches)
+        return loss_total, n_global, tokens
+
+    def _optimizer_step(self, speed: Throughput, progress: Progress) -> tuple[dict[str, Any], bool]:
+        """One optimizer step: gradients, clipping, the update (never a non-finite one). (row, finite)."""
+        cfg, state, acc = self.cfg, self.state, self.accelerator
+        speed.start()
+        loss_total, n_global, step_tokens = self.accumulate_gradients(state.step)
+        grad_norm = float(acc.clip_grad_norm_(self.params, cfg.train.max_grad_norm or float("inf")))
+        lr = self.scheduler.get_last_lr()[0]
+        loss = self.parallel.global_sum(loss_total) / max(n_global, 1)
+        # A non-finite loss or gradient must never reach the weights or the optimizer state.
+        # (fp16: an inf gradient is the GradScaler's business; it skips that step itself and lowers the scale.)
+        finite = math.isfinite(loss) and (math.isfinite(grad_norm) or self.precision == "fp16")
+        step_tokens_global = int(self.parallel.global_sum(step_tokens))
+        if finite:
+            self.optimizer.step()
+            if not acc.optimizer_step_was_skipped:  # the schedule follows applied updates, not GradScaler skips
+                self.scheduler.step()
+            state.tokens += step_tokens_global
+            state.trained_tokens += int(n_global)
+        else:
+            state.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        speed.stop(step_tokens_global, int(n_global))
+        progress.update(loss, speed.tokens_per_s, lr)
+        state.step += 1
+        state.loss = loss
+        row = {
+            "step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": step_tokens_global,
+            "trained_tokens": int(n_global), "tokens_per_s": speed.tokens_per_s, "elapsed_s": state.elapsed_s,
+        }
+        return row, finite
+
+    def _log_step(self, row: dict[str, Any], finite: bool, progress: Progress) -> None:
+        """Spike and non-finite notes, metrics.jsonl, callbacks; stop on a non-finite step unless told to skip."""
+        cfg, state = self.cfg, self.state
+        done = state.step
+        spike = finite and state.loss_ema is not None and row["loss"] > cfg.train.loss_spike_factor * state.loss_ema
+        if spike:
+            row["spike"] = True
+            progress.write(f"step {done}: loss spike {row['loss']:.4f} (> {cfg.train.loss_spike_factor} x recent mean {state.loss_ema:.4f})")
+        if finite:
+            state.loss_ema = row["loss"] if state.loss_ema is None else 0.9 * state.loss_ema + 0.1 * row["loss"]
+        else:
+            row["skipped"] = True
+        self.callbacks("on_step_end", state, row)
+        if done % cfg.train.log_every_steps == 0 or self._last_step() or not finite or spike:
+            self.metrics.write(row)
+        if finite:
+            return
+        where = f"step {done}: loss {row['loss']}, grad_norm {row['grad_norm']}"
+        if cfg.train.on_nonfinite == "stop":
+            # The weights are still those of the last good step: keep them.
+            self.save_checkpoint(done - 1)
+            raise TrainingError(
+                f"non-finite {where}; the update was not applied. Checkpoint of the last good state: "
+                f"{checkpoint_dir(self.out, done - 1)}",
+                hint="lower train.lr, keep train.max_grad_norm set, check this step's data, "
+                "or set train.on_nonfinite=skip; resume=auto continues from the checkpoint",
+            )
+        progress.write(f"{where}: non-finite, update skipped ({state.skipped_steps} so far)")
+
+    def _last_step(self) -> bool:
+        return self.state.step == self.state.total_steps or self.state.should_stop
+
+    def _after_step(self, progress: Progress) -> None:
+        """Periodic eval and checkpoint; a stop signal checkpoints and raises Preempted."""
+        cfg, done = self.cfg, self.state.step
+        if cfg.eval.every_steps and (done % cfg.eval.every_steps == 0 or self._last_step()):
+            self._eval_and_log(progress)
+        saved = False
+        # The last step is checkpointed too: a finished run can be extended (more steps,
+        # resume=auto) from where it ended instead of silently starting over.
+        if cfg.checkpoint.every_steps and (done % cfg.checkpoint.every_steps == 0 or self._last_step()):
+            self.save_checkpoint(done)
+            saved = True
+        if not self._last_step() and self._stop_requested():
+            if not saved:
+                self.save_checkpoint(done)
+            raise Preempted(
+                f"{self.state.stop_signal or 'stop signal'} received: saved {checkpoint_dir(self.out, done)} "
+                f"and stopped after step {done} of {self.state.total_steps}",
+                hint="run the same command with resume=auto to continue exactly where it stopped",
+            )
+
+    # ------------------------------------------------------------------ the run
+
+    def train(self) -> TrainResult:
+        try:
+            return self._train()
+        finally:
+            # TensorBoard/W&B are closed however the run ends (done, NaN stop, preempted).
+            if self.metrics is not None:
+                self.metrics.finish()
+
+    def _train(self) -> TrainResult:
+        if self.accelerator is None:
+            self.setup()
+        state = self.state
+        if self.parallel.is_main:
+            (self.out / "recipe.yaml").write_text(self.cfg.to_yaml(), encoding="utf-8")
+        model = self.parallel.unwrap(self.model)
+        state.restore(self.resume.restore(model, self.optimizer, self.scheduler, self.parallel.rank, self.metrics))
+        em_records = self.exact_match_records()
+        em_before = self.run_exact_match(em_records, "before training") if em_records and state.step == 0 else None
+        self.say(
+            f"training {state.total_steps} steps ({state.steps_per_epoch} per epoch; {self.cfg.train.batch_size} x "
+            f"{self.cfg.train.grad_accum} accum x {self.parallel.world} proc = {state.window} {self.unit}/step), "
+            f"precision {self.precision}"
+        )
+        self.model.train()
+        speed = Throughput()
+        progress = Progress(state.total_steps, initial=state.step, enabled=self.progress_enabled, is_main=self.parallel.is_main)
+        state.restore({**state.counters(), "step": state.step, "elapsed_s": state.earlier_s})  # the clock starts now
+        if state.step >= state.total_steps:
+            self._say_already_complete()
+        self.callbacks("on_train_begin", state, {"start_step": state.step, "total_steps": state.total_steps})
+        try:
+            with stop_signals(state):
+                while state.step < state.total_steps and not state.should_stop:
+                    row, finite = self._optimizer_step(speed, progress)
+                    self._log_step(row, finite, progress)
+                    self._after_step(progress)
+        finally:
+            progress.close()
+            self.metrics.close()
+        return self._finish(em_records, em_before)
+
+    def _say_already_complete(self) -> None:
+        state = self.state
+        self.say(
+            f"the run is already complete ({state.step} of {state.total_steps} steps): nothing to train; "
+            "raise train.max_steps (or epochs) to extend it"
+        )
+        path = self.out / "metrics.jsonl"
+        logged = [r["loss"] for r in read_metrics(path) if "loss" in r] if path.exists() else []
+        if logged and logged[-1] is not None:
+            state.loss = logged[-1]
+
+    def _finish(self, em_records: list[dict] | None, em_before: ExactMatch | None) -> TrainResult:
+        """Final eval, the adapter, exact match after training, the plot and the summary."""
+        cfg, state, parallel = self.cfg, self.state, self.parallel
+        if state.eval_loss is None and self.data.eval and not cfg.eval.every_steps:
+            self._eval_and_log(None)
+            self.metrics.close()
+        parallel.wait()
+        adapter_dir = self._save_final_weights()
+        em_after = self.run_exact_match(em_records, "after training") if em_records else None
+        plot = None
+        if cfg.report.plot and parallel.is_main:
+            plot = plot_curves(self.out / "metrics.jsonl", self.out / PLOT_NAME, title=f"{self.out.name}: {cfg.model.path}")
+        result = TrainResult(
+            final_loss=state.loss,
+            steps=state.step if state.should_stop else state.total_steps,
+            tokens=state.tokens,
+            trained_tokens=state.trained_tokens,
+            elapsed_s=state.elapsed_s,
+            peak_memory_bytes=peak_memory_bytes(self.accelerator.device),
+            output_dir=self.out,
+            adapter_dir=adapter_dir,
+            metrics_path=self.out / "metrics.jsonl",
+            exact_match_before=em_before,
+            exact_match_after=em_after,
+            eval_loss=state.eval_loss,
+            extra={"plot": plot} if plot else {},
+        )
+        self.callbacks("on_train_end", state, {
+            "final_loss": result.final_loss, "eval_loss": result.eval_loss, "steps": result.steps, "tokens": result.tokens,
+            "trained_tokens": result.trained_tokens, "elapsed_s": result.elapsed_s, "adapter_dir": str(adapter_dir),
+        })
+        self.say(self.summary(result))
+        return result
+
+    def _save_final_weights(self) -> Path:
+        """The adapter (or, for full fine-tuning, the whole model), gathered whole under FSDP; rank 0 writes."""
+        parallel = self.parallel
+        unwrapped = parallel.unwrap(self.model)
+        full_state = parallel.full_weights(unwrapped)
+        adapter_dir = self.out / ("adapter" if self.cfg.lora is not None else "model")
+        if parallel.is_main:
+            save_adapter(unwrapped, adapter_dir, self.tokenizer, state_dict=full_state)
+        self.callbacks("on_save", self.state, {"step": self.state.step, "path": str(adapter_dir), "kind": "adapter"})
+        return adapter_dir
+
+    def save_checkpoint(self, step: int) -> None:
+        """Checkpoint after `step` completed optimizer steps (all ranks call this)."""
+        parallel = self.parallel
+        parallel.wait()
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        model_state, optimizer_state = parallel.full_states(self.model, optimizer)  # collectives: every rank
+        rank_rng = parallel.every_rank_rng()
+        if parallel.is_main:
+            self.resume.save(step, parallel.unwrap(self.model), optimizer, self.scheduler, self.state.counters(),
+                             model_state, optimizer_state, rank_rng)
+        parallel.wait()
+        self.callbacks("on_save", self.state, {"step": step, "path": str(checkpoint_dir(self.out, step)), "kind": "checkpoint"})
+
+    # ------------------------------------------------------------------ eval
+
+    def _eval_and_log(self, progress: Progress | None) -> None:
+        eval_loss = self.evaluate_loss()
+        if eval_loss is None:
+            return
+        self.state.eval_loss = eval_loss
+        row = {"step": self.state.step, "eval_loss": eval_loss}
+        self.metrics.write(row)
+        if progress is not None:
+            progress.write(f"step {self.state.step}: eval_loss {eval_loss:.4f}")
+        self.callbacks("on_eval", self.state, row)
+
+    def evaluate_loss(self) -> float | None:
+        """Mean loss per target token over the eval set (all processes); None without one."""
+        return held_out_loss(self.parallel.unwrap(self.model), self.data.eval, self.cfg.eval, self.cfg.train.batch_size,
+                             self.collate, self.parallel, self.compute_loss)
+
+    def exact_match_records(self) -> list[dict] | None:
+        return exact_match_records(self.cfg)
+
+    def run_exact_match(self, records: list[dict], when: str) -> ExactMatch:
+        model = self.parallel.unwrap(self.model)
+        result = exact_match(model, self.tokenizer, records, self.cfg.data.format, max_new_tokens=self.cfg.eval.max_new_tokens)
+        self.say(f"eval ({when}): {result.summary()}")
+        for s in result.samples:
+            self.say(f"    expected {s['expected']!r:<30} got {s['got']!r}")
+        self.callbacks("on_eval", self.state, {"step": self.state.step, "when": when, "exact_match": result.accuracy,
+                                               "contains_match": result.contains_accuracy})
+        return result
+
+    # ------------------------------------------------------------------ preemption and cleanup
+
+    def _stop_requested(self) -> bool:
+        # Every rank must agree, or one would wait forever in the next collective.
+        return self.parallel.global_sum(1.0 if self.state.stop_signal else 0.0) > 0
+
+    def close(self) -> None:
+        """Free what outlives a run: the streamed-weights file (base_weights=disk) and the process
+        group of a multi-process launch. The model is unusable after."""
+        if self.stream is not None:
+            self.stream.close()
+        if self.parallel is not None:
+            self.parallel.close()
+
+    def summary(self, r: TrainResult) -> str:
+        return r.summary(memory_kind="GPU memory" if self.accelerator.device.type == "cuda" else "RSS")
