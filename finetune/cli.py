@@ -31,6 +31,7 @@ from pathlib import Path
 
 from finetune.config import check_recipe_dict, find_recipe, read_recipe, recipe_description, shipped_recipes
 from finetune.errors import FinetuneError, Preempted
+from finetune.launch import launch_command, launch_env, run_launcher
 from finetune.preflight import preflight
 
 EXIT_OK, EXIT_BUG, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -82,77 +83,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
         return EXIT_INPUT
     print(f"{find_recipe(args.recipe)}: valid (precision {report.precision})")
     return EXIT_OK
-
-
-def launch_command(args: argparse.Namespace) -> list[str]:
-    """The torchrun command that runs this recipe on args.nproc processes (per node).
-
-    torchrun (torch.distributed.run) does the rendezvous, sets RANK/WORLD_SIZE for
-    accelerate, and with --max-restarts restarts every worker when one dies; the
-    restarted workers continue from the newest complete checkpoint (resume=auto).
-    """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc)]
-    cmd += ["--nnodes", str(args.nnodes), "--max_restarts", str(args.max_restarts)]
-    if args.max_restarts > 0:
-        # Elastic: the c10d rendezvous lets restarted workers (a new round) meet again; the
-        # static one can leave them unable to reconnect. Node 0 hosts it at --master-addr:--master-port.
-        cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{args.master_addr}:{args.master_port}", "--rdzv_id", "finetune"]
-        cmd += ["--node_rank", str(args.node_rank)] if args.nnodes > 1 else []
-    elif args.nnodes > 1:
-        # Static rendezvous: node 0 hosts it at --master-addr:--master-port, the others join.
-        cmd += ["--node_rank", str(args.node_rank), "--master_addr", args.master_addr, "--master_port", str(args.master_port)]
-    else:
-        cmd += ["--master_addr", args.master_addr, "--master_port", str(args.master_port)]
-    cmd += ["-m", "finetune", "run", args.recipe, *args.overrides]
-    cmd += ["--no-progress"] if args.no_progress else []
-    cmd += ["--skip-memory-check"] if args.skip_memory_check else []
-    return cmd
-
-
-def launch_env(args: argparse.Namespace) -> dict[str, str]:
-    """The environment torchrun runs in.
-
-    With --max-restarts, each restart round must meet on a fresh store: torch's c10d
-    rendezvous otherwise hands the restarted workers the TCPStore of the first round
-    (pytorch/pytorch#135712), where the dead rank's keys still hold its old address, and
-    the new gloo mesh tries to connect to it (connectFullMesh refused). Opting out of the
-    store sharing makes rank 0 of every round host a new store.
-    """
-    env = dict(os.environ)
-    if args.max_restarts > 0:
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    return env
-
-
-def run_launcher(cmd: list[str], env: dict[str, str] | None = None) -> int:
-    """Run torchrun, passing on the signals a scheduler sends before it kills a job.
-
-    SIGTERM/SIGUSR1 (Slurm, Kubernetes) and SIGINT go to torchrun, which hands them to
-    the workers; they checkpoint at the next step and stop. Without this the launcher
-    would die alone and leave the workers running unsupervised.
-    """
-    import signal
-    import subprocess
-
-    child = subprocess.Popen(cmd, env=env)
-    forwarded: list[int] = []
-
-    def forward(signum, frame):
-        forwarded.append(signum)
-        # torchrun turns SIGTERM into a stop of its workers; SIGUSR1 is ours, sent as SIGTERM too.
-        child.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
-    try:
-        rc = child.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if forwarded and rc != 0:
-        # The workers checkpointed and stopped (exit 75); torchrun reports that as a failure.
-        print("preempted: the workers saved a checkpoint; rerun the same command with resume=auto", file=sys.stderr)
-        return EXIT_PREEMPTED
-    return rc
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -225,7 +155,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from finetune.config import build_recipe, parse_overrides
     from finetune.gpus import find_gpu, parse_bytes
-    from finetune.plan import changes_of, describe_setup, fit, gib, physical_ram, plan_recipe, report, rewrite_recipe
+    from finetune.plan import describe_setup, fit, gib, physical_ram, plan_recipe, report, write_fitted_recipe
 
     data, source = read_recipe(args.recipe, args.overrides)
     cfg = build_recipe(data, source)  # planning needs no data file or output_dir: schema only
@@ -251,23 +181,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if host_ram is not None and not args.json:
             print(f"host RAM limit: {gib(host_ram)} (this machine's; --host-ram SIZE plans for another)")
     current, best = fit(cfg, gpu, max_gpus=args.gpus, host_ram=host_ram)  # offload that needs more RAM is left out
-    changes = changes_of(best, current.setup)
     out = Path(args.out or f"{Path(source).stem}-{best.setup.gpus}x{gpu.name}.yaml")
     if out.exists() and not args.force:
         raise FinetuneError(f"'{out}' already exists; not overwriting it.", hint="choose another --out or pass --force")
-    overrides = _flatten(parse_overrides(args.overrides))
-    n = best.setup.gpus
-    command = f"finetune run {out}" if n == 1 else f"finetune run {out} --nproc {n}"
-    why = f"finetune plan --fit: {describe_setup(best.setup)}"
-    header = [
-        f"Written by `finetune plan {args.recipe} --gpu {gpu.name} --gpus {args.gpus} --fit` from {source}:",
-        f"{n} x {gpu.name}, predicted peak {gib(best.peak_bytes)} of {gib(gpu.memory_bytes)} per GPU, ~{best.step_time_s:.1f} s/step.",
-        "#",
-    ]
-    text = rewrite_recipe(Path(source).read_text(encoding="utf-8"), {**overrides, **changes}, {k: why for k in changes}, command, header)
-    out.write_text(text, encoding="utf-8")
-    written = build_recipe(_read_yaml(out), str(out))  # the file must load back as the setup chosen
-    assert (written.train.batch_size, written.train.grad_accum) == (best.setup.batch_size, best.setup.grad_accum), out
+    invocation = f"finetune plan {args.recipe} --gpu {gpu.name} --gpus {args.gpus} --fit"
+    fitted = write_fitted_recipe(Path(source), out, _flatten(parse_overrides(args.overrides)), current, best, invocation)
+    changes, command = fitted.changes, fitted.command
     if args.json:
         print(json.dumps({"current": current.to_dict(), "best": best.to_dict(), "changes": changes, "out": str(out), "command": command}, indent=2))
         return EXIT_OK
@@ -287,12 +206,6 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = v
     return out
-
-
-def _read_yaml(path: Path) -> dict:
-    from finetune.config import read_recipe_file
-
-    return read_recipe_file(path)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

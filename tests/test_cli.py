@@ -230,7 +230,8 @@ def test_slurm_example_is_valid_bash_and_uses_real_flags():
 def test_elastic_launch_uses_c10d_and_a_fresh_store_per_restart_round(monkeypatch):
     # A restarted round that reuses the first round's TCPStore reads the dead rank's old
     # address and its gloo mesh cannot connect (pytorch#135712); every round must host its own.
-    from finetune.cli import build_parser, launch_command, launch_env
+    from finetune.cli import build_parser
+    from finetune.launch import launch_command, launch_env
 
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     parser = build_parser()

@@ -1,4 +1,4 @@
-"""The data flow of DESIGN.md, enforced: no module imports one that stands later."""
+"""The data flow of docs/design.md, enforced: no module imports one that stands later."""
 
 from __future__ import annotations
 
@@ -7,12 +7,11 @@ from pathlib import Path
 
 import finetune
 
-# Import order (a module may import only those before it). DESIGN.md draws
-# trainer -> checkpoint as data flow (the trainer hands state to checkpoint); in
-# imports, checkpoint is a library the trainer calls, so it stands before trainer.
+# Import order (a module may import only those before it), as docs/design.md draws it:
+# checkpoint and resume are libraries the trainer calls, so they stand before it.
 ORDER = [
     "errors", "config", "gpus", "hardware", "shards", "metrics", "report", "model", "plan", "distributed", "offload", "stream", "data",
-    "evaluate", "checkpoint", "resume", "preflight", "trainer", "runs", "export", "cli",
+    "evaluate", "checkpoint", "resume", "preflight", "trainer", "runs", "export", "launch", "cli",
 ]
 # Inside a package that states an order, the same rule between its modules (finetune/plan/).
 PACKAGE_ORDER = {
@@ -85,3 +84,18 @@ def test_public_api():
     for name in ("load_recipe", "Trainer", "load_model", "load_tokenizer", "build_datasets", "TrainResult"):
         assert name in finetune.__all__
         assert getattr(finetune, name) is not None
+
+
+def test_the_repository_carries_its_own_design_and_points_nowhere_outside():
+    root = PKG.parent
+    for name in ("docs/design.md", "CONTRIBUTING.md", "LICENSE"):
+        assert (root / name).is_file(), f"{name} is missing"
+    assert "Apache License" in (root / "LICENSE").read_text() and "Apache-2.0" in (root / "pyproject.toml").read_text()
+    outside = "../" + "shared"  # spelled apart so this file does not match itself
+    offenders = [
+        str(p.relative_to(root))
+        for p in root.rglob("*")
+        if p.is_file() and p.suffix in {".py", ".md", ".toml", ".yaml", ".yml", ".sbatch", ".cfg", ".txt"}
+        and ".git" not in p.parts and outside in p.read_text(errors="ignore")
+    ]
+    assert not offenders, f"files refer to {outside}: {offenders}"

@@ -49,7 +49,7 @@ from finetune.plan.memory import (
 from finetune.plan.preflight import REFUSE_FACTOR, physical_ram, preflight_memory
 from finetune.plan.recipe import WEIGHT_COMPONENTS, loaded_weight_bytes, model_shape_of, plan_precision, plan_recipe, setup_of
 from finetune.plan.render import report
-from finetune.plan.rewrite import changes_of, recipe_value, rewrite_recipe
+from finetune.plan.rewrite import FittedRecipe, changes_of, recipe_value, rewrite_recipe, write_fitted_recipe
 from finetune.plan.shape import LinearGroup, ModelShape, read_model_shape
 from finetune.plan.speed import (
     BANDWIDTH_EFFICIENCY,
@@ -113,6 +113,8 @@ __all__ = [
     "recipe_value",
     "report",
     "rewrite_recipe",
+    "write_fitted_recipe",
+    "FittedRecipe",
     "runnable",
     "search",
     "setup_of",

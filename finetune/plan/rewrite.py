@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from finetune.config import build_recipe, read_recipe_file
 from finetune.plan.fitting import KNOBS
-from finetune.plan.inputs import Setup
-from finetune.plan.memory import Estimate
+from finetune.plan.inputs import Setup, describe_setup
+from finetune.plan.memory import Estimate, gib
 
 
 def recipe_value(knob: str, value: Any) -> Any:
@@ -72,3 +75,32 @@ def rewrite_recipe(text: str, values: dict[str, Any], comments: dict[str, str], 
         body = f"{indent}{key}: {_yaml_value(value)}"
         lines[at] = f"{body:<32} # {comment or old_comment}"
     return "\n".join([f"# {command}", *[f"# {h}" for h in header], *lines]) + "\n"
+
+
+@dataclass
+class FittedRecipe:
+    path: Path
+    changes: dict[str, Any]  # recipe key -> value written
+    command: str  # how to run it
+
+
+def write_fitted_recipe(
+    source: Path, out: Path, overrides: dict[str, Any], current: Estimate, best: Estimate, invocation: str
+) -> FittedRecipe:
+    """Write `source` with the command line's overrides and the keys `best` changes, each changed key
+    commented with why, and check the file loads back as the setup chosen."""
+    changes = changes_of(best, current.setup)
+    n, gpu = best.setup.gpus, best.gpu
+    command = f"finetune run {out}" if n == 1 else f"finetune run {out} --nproc {n}"
+    why = f"finetune plan --fit: {describe_setup(best.setup)}"
+    header = [
+        f"Written by `{invocation}` from {source}:",
+        f"{n} x {gpu.name}, predicted peak {gib(best.peak_bytes)} of {gib(gpu.memory_bytes)} per GPU, ~{best.step_time_s:.1f} s/step.",
+        "#",
+    ]
+    text = rewrite_recipe(Path(source).read_text(encoding="utf-8"), {**overrides, **changes}, {k: why for k in changes}, command, header)
+    out.write_text(text, encoding="utf-8")
+    written = build_recipe(read_recipe_file(out), str(out))
+    if (written.train.batch_size, written.train.grad_accum) != (best.setup.batch_size, best.setup.grad_accum):
+        raise AssertionError(f"{out} does not load back as the setup chosen")  # a bug in rewrite_recipe, not the user's
+    return FittedRecipe(out, changes, command)

@@ -144,7 +144,7 @@ def test_killed_rank_restarts_and_finishes_like_an_uninterrupted_run(recipe_dict
     ref_recipe, ref = write(tmp_path, recipe_dict, "ref", **common)
     finetune(str(ref_recipe), "--nproc", "2", cwd=tmp_path, port=29641)
     recipe, out = write(tmp_path, recipe_dict, "elastic", **common)
-    # One restart allowed: the restarted round must connect the first time (cli.launch_env).
+    # One restart allowed: the restarted round must connect the first time (launch.launch_env).
     job = finetune(str(recipe), "--nproc", "2", "--max-restarts", "1", cwd=tmp_path, port=29642, wait=False)
     deadline = time.time() + 300
     killed = None

@@ -1,0 +1,90 @@
+"""Launching several processes: the torchrun command for `finetune run --nproc N`, and a parent
+that passes a scheduler's signals on to it.
+
+    cmd = launch_command(args)        # python -m torch.distributed.run ... -m finetune run RECIPE ...
+    rc = run_launcher(cmd, launch_env(args))   # 75 when the workers checkpointed on SIGTERM/SIGUSR1
+
+`args` carries the `run` command's options (nproc, nnodes, node_rank, master_addr,
+master_port, max_restarts, recipe, overrides, no_progress, skip_memory_check). Another
+launcher (Slurm's srun, a Kubernetes PyTorchJob, accelerate launch) replaces this module:
+each worker then runs `finetune run RECIPE` with the rendezvous in its environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from finetune.errors import Preempted
+
+
+def launch_command(args: argparse.Namespace) -> list[str]:
+    """The torchrun command that runs this recipe on args.nproc processes (per node).
+
+    torchrun (torch.distributed.run) does the rendezvous, sets RANK/WORLD_SIZE for
+    accelerate, and with --max-restarts restarts every worker when one dies; the
+    restarted workers continue from the newest complete checkpoint (resume=auto).
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc)]
+    cmd += ["--nnodes", str(args.nnodes), "--max_restarts", str(args.max_restarts)]
+    if args.max_restarts > 0:
+        # Elastic: the c10d rendezvous lets restarted workers (a new round) meet again; the
+        # static one can leave them unable to reconnect. Node 0 hosts it at --master-addr:--master-port.
+        cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{args.master_addr}:{args.master_port}", "--rdzv_id", "finetune"]
+        cmd += ["--node_rank", str(args.node_rank)] if args.nnodes > 1 else []
+    elif args.nnodes > 1:
+        # Static rendezvous: node 0 hosts it at --master-addr:--master-port, the others join.
+        cmd += ["--node_rank", str(args.node_rank), "--master_addr", args.master_addr, "--master_port", str(args.master_port)]
+    else:
+        cmd += ["--master_addr", args.master_addr, "--master_port", str(args.master_port)]
+    cmd += ["-m", "finetune", "run", args.recipe, *args.overrides]
+    cmd += ["--no-progress"] if args.no_progress else []
+    cmd += ["--skip-memory-check"] if args.skip_memory_check else []
+    return cmd
+
+
+def launch_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment torchrun runs in.
+
+    With --max-restarts, each restart round must meet on a fresh store: torch's c10d
+    rendezvous otherwise hands the restarted workers the TCPStore of the first round
+    (pytorch/pytorch#135712), where the dead rank's keys still hold its old address, and
+    the new gloo mesh tries to connect to it (connectFullMesh refused). Opting out of the
+    store sharing makes rank 0 of every round host a new store.
+    """
+    env = dict(os.environ)
+    if args.max_restarts > 0:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
+
+
+def run_launcher(cmd: list[str], env: dict[str, str] | None = None) -> int:
+    """Run torchrun, passing on the signals a scheduler sends before it kills a job.
+
+    SIGTERM/SIGUSR1 (Slurm, Kubernetes) and SIGINT go to torchrun, which hands them to
+    the workers; they checkpoint at the next step and stop. Without this the launcher
+    would die alone and leave the workers running unsupervised.
+    """
+    import signal
+    import subprocess
+
+    child = subprocess.Popen(cmd, env=env)
+    forwarded: list[int] = []
+
+    def forward(signum, frame):
+        forwarded.append(signum)
+        # torchrun turns SIGTERM into a stop of its workers; SIGUSR1 is ours, sent as SIGTERM too.
+        child.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        rc = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if forwarded and rc != 0:
+        # The workers checkpointed and stopped (exit 75); torchrun reports that as a failure.
+        print("preempted: the workers saved a checkpoint; rerun the same command with resume=auto", file=sys.stderr)
+        return Preempted.exit_code
+    return rc
