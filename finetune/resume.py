@@ -56,7 +56,7 @@ class Resume:
             if not found:
                 self.say(f"resume=auto: no checkpoint in {self.out / 'checkpoints'}; starting from step 0")
             return found
-        path = Path(cfg.resume)
+        path = Path(str(cfg.resume))
         if not path.is_dir():
             raise CheckpointError(
                 f"resume: checkpoint directory '{cfg.resume}' not found",

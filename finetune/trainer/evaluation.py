@@ -32,7 +32,7 @@ def held_out_loss(
     mine = batches[parallel.rank :: parallel.world]
     for r in range(parallel.eval_rounds(len(batches), len(mine))):
         rows = mine[r] if r < len(mine) else batches[0]
-        batch = {k: v.to(parallel.device) for k, v in collate(rows).items()}
+        batch = {k: v.to(parallel.device) for k, v in collate(list(rows)).items()}
         loss, n = compute_loss(model, batch)
         if r < len(mine):
             total += float(loss)

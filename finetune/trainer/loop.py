@@ -39,6 +39,7 @@ from finetune.model import load_tokenizer, takes_boolean_logits_to_keep
 from finetune.offload import ActivationOffload
 from finetune.report import PLOT_NAME, open_sinks, plot_curves, require_extras
 from finetune.resume import Resume
+from finetune.stream import WeightStream
 from finetune.trainer import build
 from finetune.trainer.callbacks import Callback, CallbackList
 from finetune.trainer.evaluation import exact_match_records, held_out_loss
@@ -79,26 +80,29 @@ class Trainer:
         self.cfg = cfg
         self.model = model
         self.tokenizer = tokenizer
-        self.data = data
+        if data is not None:
+            self.data = data
         self.progress_enabled = progress
         self.callbacks = CallbackList(list(callbacks or []))
         self.loss_fn: LossFn = loss_fn or CausalLMLoss()
         self._given_optimizer, self._given_scheduler = optimizer, scheduler
         self.out = Path(cfg.output_dir)
         self.state = TrainState()
-        # Built by setup():
-        self.accelerator = None
-        self.parallel: Parallel | None = None
-        self.precision: str | None = None
-        self.order: DataOrder | None = None
-        self.collate: Collator | None = None
-        self.params: list[torch.nn.Parameter] = []
-        self.optimizer = None
-        self.scheduler = None
-        self.stream = None  # memory.base_weights=cpu|disk
+        self.accelerator: Any = None  # set by setup(); None until then
+        self.stream: WeightStream | None = None  # memory.base_weights=cpu|disk
         self.activation_offload: ActivationOffload | None = None  # memory.activation_offload
-        self.resume: Resume | None = None
-        self.metrics: MetricsWriter | None = None
+        self.params: list[torch.nn.Parameter] = []
+
+    # Built by setup() (declared here, typed; absent until then), or passed in:
+    data: DataBundle
+    parallel: Parallel
+    precision: str
+    order: DataOrder
+    collate: Collator
+    optimizer: Any  # accelerate's AcceleratedOptimizer around a torch optimizer
+    scheduler: Any
+    resume: Resume
+    metrics: MetricsWriter
 
     @classmethod
     def from_parts(
@@ -136,11 +140,11 @@ class Trainer:
 
     @property
     def strategy(self) -> str:
-        return self.parallel.strategy if self.parallel else "single"
+        return self.parallel.strategy if hasattr(self, "parallel") else "single"
 
     @property
     def unit(self) -> str:
-        return self.order.unit if self.order else "examples"
+        return self.order.unit if hasattr(self, "order") else "examples"
 
     @property
     def window(self) -> int:
@@ -170,7 +174,7 @@ class Trainer:
             self.tokenizer = load_tokenizer(cfg)
         if cfg.data.template != "auto":  # also when data is passed in: the saved tokenizer carries the template
             use_template(self.tokenizer, cfg.data.template)
-        if self.data is None:
+        if not hasattr(self, "data"):
             self.data = build.load_data(cfg, self.tokenizer, acc, self.say)
         build.describe_data(self.data, self.say)
         self._plan_steps()
@@ -185,8 +189,9 @@ class Trainer:
             prepare_output_dir(cfg)
         parallel.wait()
         self.model = parallel.shard(self.model, cfg, torch_dtype(self.precision))
-        if parallel.describe():
-            self.say(parallel.describe())
+        described = parallel.describe()
+        if described:
+            self.say(described)
 
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = build.build_optimizer(cfg, self.params, self._given_optimizer, parallel)
@@ -337,7 +342,7 @@ class Trainer:
             return self._train()
         finally:
             # TensorBoard/W&B are closed however the run ends (done, NaN stop, preempted).
-            if self.metrics is not None:
+            if hasattr(self, "metrics"):
                 self.metrics.finish()
 
     def _train(self) -> TrainResult:
@@ -484,7 +489,7 @@ class Trainer:
         group of a multi-process launch. The model is unusable after."""
         if self.stream is not None:
             self.stream.close()
-        if self.parallel is not None:
+        if hasattr(self, "parallel"):
             self.parallel.close()
 
     def summary(self, r: TrainResult) -> str:
