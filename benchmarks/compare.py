@@ -133,7 +133,12 @@ def make_long_records(n: int, words: int, seed: int = SEED + 1) -> list[dict[str
     out = []
     for _ in range(n):
         items = rng.choices(lex, k=12)
-        out.append({"prompt": f"{TASKS[0]}: {' '.join(items)}\nAnswer:", "completion": " " + " ".join(items[i % 12] for i in range(words))})
+        out.append(
+            {
+                "prompt": f"{TASKS[0]}: {' '.join(items)}\nAnswer:",
+                "completion": " " + " ".join(items[i % 12] for i in range(words)),
+            }
+        )
     return out
 
 
@@ -295,7 +300,13 @@ class StepStats:
         self.flops += sum(example_flops(s, t) for s, t in segs)
 
     def as_dict(self) -> dict[str, float]:
-        return {"tokens": self.tokens, "trained": self.trained, "examples": self.examples, "padded": self.padded, "flops": self.flops}
+        return {
+            "tokens": self.tokens,
+            "trained": self.trained,
+            "examples": self.examples,
+            "padded": self.padded,
+            "flops": self.flops,
+        }
 
 
 # ----------------------------------------------------------------------------- peak matmul rate
@@ -321,7 +332,9 @@ def matmul_peak_gflops(n: int = 2048, reps: int = 3) -> float:
 SEGMENT_SDPA = "sdpa_segments"
 
 
-def segment_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, position_ids=None, **kwargs):
+def segment_sdpa(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, position_ids=None, **kwargs
+):
     """Attention computed example by example inside packed rows (a prototype, registered by the
     benchmark only). transformers' sdpa path gives a packed row a block-diagonal mask over the whole
     row, so the CPU kernel computes all T^2 scores and cannot skip masked blocks; here each example
@@ -345,8 +358,12 @@ def segment_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
         bounds = starts + [T]
         parts = [
             F.scaled_dot_product_attention(
-                query[b : b + 1, :, a:e], key[b : b + 1, :, a:e], value[b : b + 1, :, a:e],
-                is_causal=True, scale=scaling, dropout_p=dropout if module.training else 0.0,
+                query[b : b + 1, :, a:e],
+                key[b : b + 1, :, a:e],
+                value[b : b + 1, :, a:e],
+                is_causal=True,
+                scale=scaling,
+                dropout_p=dropout if module.training else 0.0,
             )
             for a, e in zip(bounds, bounds[1:])
             if e > a
@@ -476,7 +493,12 @@ def peft_lora_config():
     from peft import LoraConfig
 
     return LoraConfig(
-        r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"], target_modules="all-linear", bias="none", task_type="CAUSAL_LM"
+        r=LORA["r"],
+        lora_alpha=LORA["alpha"],
+        lora_dropout=LORA["dropout"],
+        target_modules="all-linear",
+        bias="none",
+        task_type="CAUSAL_LM",
     )
 
 
@@ -655,7 +677,11 @@ def run_hf(spec: dict[str, Any], lock: Lockstep) -> dict[str, Any]:
     def tokenize(r):
         prompt = tok(r["prompt"])["input_ids"]
         ids = (tok(r["prompt"] + r["completion"])["input_ids"] + [tok.eos_token_id])[:msl]
-        return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": ([-100] * len(prompt) + ids[len(prompt) :])[: len(ids)]}
+        return {
+            "input_ids": ids,
+            "attention_mask": [1] * len(ids),
+            "labels": ([-100] * len(prompt) + ids[len(prompt) :])[: len(ids)],
+        }
 
     ds = Dataset.from_list(read_jsonl(spec["train"])).map(tokenize, remove_columns=["prompt", "completion"])
     model = load_base(spec)
@@ -776,7 +802,9 @@ class Worker:
         self.proc.returncode = os.waitstatus_to_exitcode(status)
 
 
-def run_lockstep(configs: dict[str, dict[str, Any]], rounds: int, logdir: Path, say=print) -> tuple[dict[str, Worker], list[float]]:
+def run_lockstep(
+    configs: dict[str, dict[str, Any]], rounds: int, logdir: Path, say=print
+) -> tuple[dict[str, Worker], list[float]]:
     """Start every worker, wait for all to finish their warm-up step, then `rounds` rounds
     in which each worker runs one optimizer step in turn (order rotated every round)."""
     logdir.mkdir(parents=True, exist_ok=True)
@@ -855,7 +883,9 @@ def ratios(workers: dict[str, Worker], ours: str, key: str = "trained") -> dict[
         if name == ours:
             continue
         per_round = median([(a[key] / a["dt"]) / (b[key] / b["dt"]) for a, b in zip(mine, w.spans)])
-        totals = (sum(a[key] for a in mine) / sum(a["dt"] for a in mine)) / (sum(b[key] for b in w.spans) / sum(b["dt"] for b in w.spans))
+        totals = (sum(a[key] for a in mine) / sum(a["dt"] for a in mine)) / (
+            sum(b[key] for b in w.spans) / sum(b["dt"] for b in w.spans)
+        )
         out[name] = {"median_of_rounds": per_round, "total_over_total": totals}
     return out
 
@@ -941,14 +971,43 @@ def fmt_table(rows: list[list[str]]) -> str:
 
 
 def report(results: dict[str, Any], ours: str | None, speed: bool = True) -> str:
-    head = ["config", "base", "trained tok/s", "tok/s", "ours/this", "MFU", "peak RSS MiB", "examples", "pad", "eval loss", "train loss"]
+    head = [
+        "config",
+        "base",
+        "trained tok/s",
+        "tok/s",
+        "ours/this",
+        "MFU",
+        "peak RSS MiB",
+        "examples",
+        "pad",
+        "eval loss",
+        "train loss",
+    ]
     if not speed:
-        head = ["config", "base", "checkpointing", "peak RSS MiB", "RSS loaded MiB", "peak - loaded", "s/step (2 steps, not a speed test)"]
+        head = [
+            "config",
+            "base",
+            "checkpointing",
+            "peak RSS MiB",
+            "RSS loaded MiB",
+            "peak - loaded",
+            "s/step (2 steps, not a speed test)",
+        ]
     rows = [head]
     for name, r in results["configs"].items():
         if not speed:
-            rows.append([name, "4-bit" if r["spec"]["quant"] else "fp32", "on" if r["spec"]["gc"] else "off", f"{r['peak_rss_mib']:.0f}",
-                         f"{r['rss_loaded_mib']:.0f}", f"{r['peak_rss_mib'] - r['rss_loaded_mib']:.0f}", f"{r['step_s_median']:.1f}"])
+            rows.append(
+                [
+                    name,
+                    "4-bit" if r["spec"]["quant"] else "fp32",
+                    "on" if r["spec"]["gc"] else "off",
+                    f"{r['peak_rss_mib']:.0f}",
+                    f"{r['rss_loaded_mib']:.0f}",
+                    f"{r['peak_rss_mib'] - r['rss_loaded_mib']:.0f}",
+                    f"{r['step_s_median']:.1f}",
+                ]
+            )
             continue
         ratio = r.get("ratio_ours_over_this")
         rows.append(
@@ -972,7 +1031,9 @@ def report(results: dict[str, Any], ours: str | None, speed: bool = True) -> str
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--suite", choices=["main", "peers", "levers", "memory"], nargs="+", default=["main", "memory"])
-    ap.add_argument("--with-compile", action="store_true", help="levers: add torch.compile of the decoder layers (compiles for ~1 minute)")
+    ap.add_argument(
+        "--with-compile", action="store_true", help="levers: add torch.compile of the decoder layers (compiles for ~1 minute)"
+    )
     ap.add_argument("--quick", action="store_true", help="800 examples, 3 timed steps (a smoke run, ~8 minutes)")
     ap.add_argument("--rounds", type=int, help="timed optimizer steps per config (default 10; quick 3)")
     ap.add_argument("--quant", choices=["both", "lora", "qlora"], default="both")
@@ -1022,17 +1083,17 @@ def main() -> None:
             results["suites"][tag] = res
             print(f"{tag} (ours = {ours}; fp32 matmul peak {peak:.1f} GFLOP/s on 1 thread, median of {len(peaks)}):")
             if suite != "memory":
-                print("  trained tok/s: total/total over the timed steps (median of the steps' rates); "
-                      "ours/this: total/total (median over rounds of the within-round ratio)")
+                print(
+                    "  trained tok/s: total/total over the timed steps (median of the steps' rates); "
+                    "ours/this: total/total (median over rounds of the within-round ratio)"
+                )
             print(report(res, ours, speed=suite != "memory"))
     results["load_after"] = machine_load()
     results["load_per_round"] = LOADS
     # This run keeps one thread busy itself; a higher load, or matmul-peak samples that spread
     # by more than 15%, mean other jobs shared the cores: absolute rates are then noisy, ratios less so.
     peaks_all = [p for suite in results["suites"].values() for p in suite["peak_samples"]]
-    results["contended"] = bool(
-        (LOADS and median(LOADS) > 1.5) or (peaks_all and max(peaks_all) > 1.15 * min(peaks_all))
-    )
+    results["contended"] = bool((LOADS and median(LOADS) > 1.5) or (peaks_all and max(peaks_all) > 1.15 * min(peaks_all)))
     results["wall_s"] = round(time.perf_counter() - t_all, 1)
     out = args.json or args.workdir / "compare.json"
     out.write_text(json.dumps(results, indent=1))

@@ -42,7 +42,10 @@ def make_rows(fmt: str, n: int, seed: int = 0) -> list[dict]:
         else:
             msgs = [{"role": "system", "content": "Answer briefly."}]
             for _ in range(rng.randint(1, 3)):
-                msgs += [{"role": "user", "content": sentence(rng, rng.randint(3, 25))}, {"role": "assistant", "content": reply()}]
+                msgs += [
+                    {"role": "user", "content": sentence(rng, rng.randint(3, 25))},
+                    {"role": "assistant", "content": reply()},
+                ]
             rows.append({"messages": msgs})
     return rows
 
@@ -78,7 +81,7 @@ def main() -> None:
             path.write_text("".join(json.dumps(r) + "\n" for r in make_rows(fmt, args.examples)))
             base = {"path": str(path), "format": fmt, "max_seq_len": args.max_seq_len, "cache_dir": f"{tmp}/cache"}
 
-            def cfg(**data):
+            def cfg(base=base, **data):  # base bound now: the loop rebinds it per format
                 return build_recipe({"model": {"path": "x"}, "data": {**base, **data}, "output_dir": f"{tmp}/run"})
 
             cold1, plain = timed(cfg(cache=False), tok)

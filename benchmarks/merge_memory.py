@@ -46,15 +46,21 @@ def peak_rss_mib() -> float:
 def build(work: Path, layers: int, hidden: int) -> None:
     """A random Llama saved as bf16 shards (~100 MB each, like a hub checkpoint), a LoRA on it, and two run dirs."""
     import torch
-    import yaml
     from peft import LoraConfig, get_peft_model
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=32000, hidden_size=hidden, intermediate_size=int(hidden * 2.75), num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=3,
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.75),
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
     )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(work / "base", max_shard_size="100MB")
@@ -68,8 +74,11 @@ def build(work: Path, layers: int, hidden: int) -> None:
         peft_model.save_pretrained(run / "adapter")
         tok.save_pretrained(run / "adapter")
         recipe = {
-            "model": {"path": str(work / "base")}, "data": {"path": str(data), "format": "completion"},
-            "output_dir": str(run), "precision": "fp32", "quant": {"bits": bits},
+            "model": {"path": str(work / "base")},
+            "data": {"path": str(data), "format": "completion"},
+            "output_dir": str(run),
+            "precision": "fp32",
+            "quant": {"bits": bits},
             "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target": "all-linear"},
         }
         from finetune.config import build_recipe
@@ -112,7 +121,9 @@ def phase(name: str, work: Path) -> dict:
 
         def sample() -> None:
             while True:
-                rss = next(int(x.split()[1]) for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS:"))
+                rss = next(
+                    int(x.split()[1]) for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS:")
+                )
                 peaks[step["name"]] = max(peaks.get(step["name"], 0), rss / 1024)
                 time.sleep(0.005)
 
@@ -163,12 +174,15 @@ def main() -> None:
     sizes = [(n, e["data_offsets"][1] - e["data_offsets"][0]) for h in headers for n, e in h.tensors.items()]
     largest = max(sizes, key=lambda x: x[1])
     total = sum(s for _, s in sizes)
-    print(f"base: {len(sizes)} tensors, {total / 2**20:.0f} MiB bf16 in {len(headers)} shards; "
-          f"largest tensor {largest[0]} {largest[1] / 2**20:.1f} MiB bf16 ({2 * largest[1] / 2**20:.1f} MiB as fp32)")
+    print(
+        f"base: {len(sizes)} tensors, {total / 2**20:.0f} MiB bf16 in {len(headers)} shards; "
+        f"largest tensor {largest[0]} {largest[1] / 2**20:.1f} MiB bf16 ({2 * largest[1] / 2**20:.1f} MiB as fp32)"
+    )
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": str(REPO)}
     for name in args.phases.split(","):
-        proc = subprocess.run([sys.executable, __file__, "--workdir", str(work), "--phase", name],
-                              env=env, capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--workdir", str(work), "--phase", name], env=env, capture_output=True, text=True
+        )
         if proc.returncode != 0:
             print(proc.stdout[-2000:], proc.stderr[-4000:])
             raise SystemExit(f"phase {name} failed")

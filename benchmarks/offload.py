@@ -85,10 +85,17 @@ def build_model(out: Path, hidden: int, layers: int) -> int:
 
     tok = AutoTokenizer.from_pretrained(resolve_path("asset:tiny-llama"))
     cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64,
-        num_hidden_layers=layers, num_attention_heads=max(hidden // 64, 1), num_key_value_heads=max(hidden // 256, 1),
-        max_position_embeddings=512, tie_word_embeddings=False,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.75) // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=max(hidden // 64, 1),
+        num_key_value_heads=max(hidden // 256, 1),
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
@@ -111,13 +118,22 @@ def child(args) -> dict:
     memory = {"activation_checkpointing": "all", **MODES[args.mode]}
     if args.mode == "disk":
         memory["offload_dir"] = args.offload_dir
-    cfg = build_recipe({
-        "model": {"path": args.model}, "data": {"path": "asset:demo/train.jsonl", "max_seq_len": args.seq},
-        "output_dir": args.out_dir, "overwrite": True, "seed": 0, "precision": args.precision,
-        "quant": {"bits": None if args.quant == "none" else 4}, "lora": {"r": 16, "alpha": 32, "dropout": 0.0},
-        "train": {"max_steps": args.steps, "batch_size": args.batch, "grad_accum": 1, "log_every_steps": 1},
-        "memory": memory, "checkpoint": {"every_steps": None}, "report": {"plot": False},
-    })
+    cfg = build_recipe(
+        {
+            "model": {"path": args.model},
+            "data": {"path": "asset:demo/train.jsonl", "max_seq_len": args.seq},
+            "output_dir": args.out_dir,
+            "overwrite": True,
+            "seed": 0,
+            "precision": args.precision,
+            "quant": {"bits": None if args.quant == "none" else 4},
+            "lora": {"r": 16, "alpha": 32, "dropout": 0.0},
+            "train": {"max_steps": args.steps, "batch_size": args.batch, "grad_accum": 1, "log_every_steps": 1},
+            "memory": memory,
+            "checkpoint": {"every_steps": None},
+            "report": {"plot": False},
+        }
+    )
     trainer = Trainer(cfg, progress=False)
     with PeakSampler() as load:
         trainer.setup()
@@ -185,23 +201,54 @@ def main() -> None:
 
 def run_modes(args, work: Path) -> None:
     layer_bytes = build_model(work / "model", args.hidden, args.layers)
-    print(f"model: hidden {args.hidden}, {args.layers} layers, decoder-layer linear weights {mib(layer_bytes)} MiB in fp32; quant {args.quant}")
+    print(
+        f"model: hidden {args.hidden}, {args.layers} layers, decoder-layer linear weights {mib(layer_bytes)} MiB in fp32; quant {args.quant}"
+    )
     results = []
     for mode in args.modes.split(","):
-        cmd = [sys.executable, __file__, "--child", mode, "--model", str(work / "model"), "--out-dir", str(work / f"run-{mode}"),
-               "--offload-dir", str(work / "offload"), "--hidden", str(args.hidden), "--layers", str(args.layers),
-               "--quant", args.quant, "--precision", args.precision, "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            mode,
+            "--model",
+            str(work / "model"),
+            "--out-dir",
+            str(work / f"run-{mode}"),
+            "--offload-dir",
+            str(work / "offload"),
+            "--hidden",
+            str(args.hidden),
+            "--layers",
+            str(args.layers),
+            "--quant",
+            args.quant,
+            "--precision",
+            args.precision,
+            "--steps",
+            str(args.steps),
+            "--batch",
+            str(args.batch),
+            "--seq",
+            str(args.seq),
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         if done.returncode != 0:
             sys.exit(f"{mode} failed:\n{done.stderr[-3000:]}")
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    print(f"{'mode':20} {'step s':>8} {'RssAnon MiB: base':>18} {'load peak':>10} {'after setup':>12} {'train peak':>11} {'train-base':>11} {'CUDA peak MiB':>14}")
+    print(
+        f"{'mode':20} {'step s':>8} {'RssAnon MiB: base':>18} {'load peak':>10} {'after setup':>12} {'train peak':>11} {'train-base':>11} {'CUDA peak MiB':>14}"
+    )
     for r in results:
-        print(f"{r['mode']:20} {r['step_s_median']:8.3f} {mib(r['rss_anon_baseline']):>18} {mib(r['rss_anon_load_peak']):>10} "
-              f"{mib(r['rss_anon_after_setup']):>12} {mib(r['rss_anon_train_peak']):>11} {mib(r['rss_anon_train_peak'] - r['rss_anon_baseline']):>11} "
-              f"{mib(r['cuda_peak_allocated']):>14}")
+        print(
+            f"{r['mode']:20} {r['step_s_median']:8.3f} {mib(r['rss_anon_baseline']):>18} {mib(r['rss_anon_load_peak']):>10} "
+            f"{mib(r['rss_anon_after_setup']):>12} {mib(r['rss_anon_train_peak']):>11} {mib(r['rss_anon_train_peak'] - r['rss_anon_baseline']):>11} "
+            f"{mib(r['cuda_peak_allocated']):>14}"
+        )
     if args.out:
-        Path(args.out).write_text(json.dumps({"layer_weight_bytes_fp32": layer_bytes, "args": vars(args), "results": results}, indent=2))
+        Path(args.out).write_text(
+            json.dumps({"layer_weight_bytes_fp32": layer_bytes, "args": vars(args), "results": results}, indent=2)
+        )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,10 @@ class EarlyStop(Callback):
 
 
 # 1. A shipped recipe, with your optimizer, schedule and callback.
-cfg = load_recipe("demo-cpu", [f"output_dir={out / 'recipe'}", "overwrite=true", "train.max_steps=200",
-                               "eval.exact_match_path=null", "report.plot=false"])
+cfg = load_recipe(
+    "demo-cpu",
+    [f"output_dir={out / 'recipe'}", "overwrite=true", "train.max_steps=200", "eval.exact_match_path=null", "report.plot=false"],
+)
 stop = EarlyStop(target=1.0)
 with Trainer(
     cfg,
@@ -56,7 +58,15 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 model = AutoModelForCausalLM.from_pretrained(resolve_path(cfg.model.path), dtype=torch.float32)  # asset:... -> a folder
 tokenizer = load_tokenizer(cfg)
 records = load_records(resolve_path(cfg.data.path), cfg.data)[:256]
-with Trainer.from_parts(model, tokenizer, records, output_dir=out / "parts", overwrite=True, progress=False,
-                        train={"max_steps": 20, "batch_size": 8, "lr": 3e-3}, lora={"r": 8, "alpha": 16},
-                        report={"plot": False}) as parts:
+with Trainer.from_parts(
+    model,
+    tokenizer,
+    records,
+    output_dir=out / "parts",
+    overwrite=True,
+    progress=False,
+    train={"max_steps": 20, "batch_size": 8, "lr": 3e-3},
+    lora={"r": 8, "alpha": 16},
+    report={"plot": False},
+) as parts:
     print(f"from_parts: {parts.train().final_loss:.3f} after 20 steps; adapter in {parts.out / 'adapter'}")

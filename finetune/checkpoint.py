@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from finetune.config import RecipeConfig
+from finetune.config import RecipeConfig, current_spelling
 from finetune.data.sources import file_digest
 from finetune.distributed import is_sharded, load_full_trainable_state, shard_optimizer_state
 from finetune.errors import CheckpointError, OutputDirError
@@ -162,9 +162,19 @@ def verify_manifest(directory: Path, hash_files: bool = True) -> dict[str, Any]:
 # Keys whose change keeps a resumed run the same run (what is logged, evaluated,
 # saved, or how long it goes). Everything else changes the numbers.
 HARMLESS_CHANGES = (
-    "description", "output_dir", "resume", "resume_ignore_changes", "overwrite",
-    "train.max_steps", "train.epochs", "train.log_every_steps", "train.on_nonfinite",
-    "train.loss_spike_factor", "eval.", "checkpoint.", "report.",
+    "description",
+    "output_dir",
+    "resume",
+    "resume_ignore_changes",
+    "overwrite",
+    "train.max_steps",
+    "train.epochs",
+    "train.log_every_steps",
+    "train.on_nonfinite",
+    "train.loss_spike_factor",
+    "eval.",
+    "checkpoint.",
+    "report.",
 )
 
 
@@ -180,9 +190,11 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def recipe_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """(changes that break an exact resume, harmless changes), each 'key: old -> new'."""
-    a, b = _flatten(old), _flatten(new)
-    breaking, harmless = [], []
+    """(changes that break an exact resume, harmless changes), each 'key: old -> new'. Both recipes are
+    compared as this version spells them (an older run's lora.dora is lora.method)."""
+    a, b = _flatten(current_spelling(old)), _flatten(current_spelling(new))
+    breaking: list[str] = []
+    harmless: list[str] = []
     for key in sorted(set(a) | set(b)):
         if a.get(key) == b.get(key):
             continue
@@ -241,10 +253,13 @@ def rng_states() -> dict[str, torch.Tensor]:
 def restore_rng_states(saved: dict[str, torch.Tensor], rank: int) -> None:
     """Each process takes its own saved generator states (`name.rankN`), or rank 0's when the
     checkpoint came from another number of processes (or from one)."""
-    own = lambda name: saved.get(f"{name}.rank{rank}", saved.get(name))  # noqa: E731
-    torch.set_rng_state(own("torch_cpu"))
-    if own("torch_cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(own("torch_cuda"))
+    own = {name: saved.get(f"{name}.rank{rank}", saved.get(name)) for name in ("torch_cpu", "torch_cuda")}
+    cpu, cuda = own["torch_cpu"], own["torch_cuda"]
+    if cpu is None:
+        raise CheckpointError("rng.safetensors holds no CPU generator state (torch_cpu)")
+    torch.set_rng_state(cpu)
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)
 
 
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
@@ -319,7 +334,7 @@ def prune_checkpoints(output_dir: Path, keep_last: int | None) -> None:
 
 def latest_checkpoint(output_dir: Path) -> tuple[Path | None, list[str]]:
     """(newest complete checkpoint or None, notes about incomplete ones skipped)."""
-    notes = []
+    notes: list[str] = []
     for p in reversed(list_checkpoints(output_dir)):
         try:
             verify_manifest(p)

@@ -30,6 +30,7 @@ import warnings
 from pathlib import Path
 
 from finetune.config import check_recipe_dict, find_recipe, read_recipe, recipe_description, shipped_recipes
+from finetune.data import FORMATS, get_format
 from finetune.errors import FinetuneError, Preempted
 from finetune.launch import launch_command, launch_env, run_launcher
 from finetune.preflight import preflight
@@ -102,7 +103,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_INPUT
     if launching:
         cmd = launch_command(args)
-        print(f"launching {args.nproc} process{'es' if args.nproc > 1 else ''} x {args.nnodes} node(s): {' '.join(cmd[2:])}", flush=True)
+        print(
+            f"launching {args.nproc} process{'es' if args.nproc > 1 else ''} x {args.nnodes} node(s): {' '.join(cmd[2:])}",
+            flush=True,
+        )
         return run_launcher(cmd, launch_env(args))
     print(f"recipe {find_recipe(args.recipe)} -> {cfg.output_dir}")
     trainer = Trainer(cfg, tokenizer=report.tokenizer, progress=not args.no_progress)
@@ -151,61 +155,9 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    import json
+    from finetune.plan.command import plan_command
 
-    from finetune.config import build_recipe, parse_overrides
-    from finetune.gpus import find_gpu, parse_bytes
-    from finetune.plan import describe_setup, fit, gib, physical_ram, plan_recipe, report, write_fitted_recipe
-
-    data, source = read_recipe(args.recipe, args.overrides)
-    cfg = build_recipe(data, source)  # planning needs no data file or output_dir: schema only
-    gpu = find_gpu(args.gpu, args.gpu_mem)
-    host_ram = parse_bytes(args.host_ram, "--host-ram") if args.host_ram else None
-    if not args.fit:
-        est = plan_recipe(cfg, gpu, gpus=args.gpus)
-        host_ok = host_ram is None or est.host_ram_bytes <= host_ram
-        if args.json:
-            print(json.dumps({**est.to_dict(), "host_ram_fits": host_ok}, indent=2))
-        else:
-            print(report(est))
-            if host_ram is not None:
-                print(f"host RAM   {'enough' if host_ok else 'NOT enough'}: {gib(est.host_ram_bytes)} needed of {gib(host_ram)}")
-            if not est.fits:
-                print(f"\nfind a setup that fits: finetune plan {args.recipe} --gpu {args.gpu or 'custom'} --fit --out my.yaml")
-        return EXIT_OK
-
-    if host_ram is None:
-        # Offload trades GPU memory for host RAM; without a limit the search could pick a setup
-        # that pins hundreds of GB. Plans are usually made on the machine that trains.
-        host_ram = physical_ram()
-        if host_ram is not None and not args.json:
-            print(f"host RAM limit: {gib(host_ram)} (this machine's; --host-ram SIZE plans for another)")
-    current, best = fit(cfg, gpu, max_gpus=args.gpus, host_ram=host_ram)  # offload that needs more RAM is left out
-    out = Path(args.out or f"{Path(source).stem}-{best.setup.gpus}x{gpu.name}.yaml")
-    if out.exists() and not args.force:
-        raise FinetuneError(f"'{out}' already exists; not overwriting it.", hint="choose another --out or pass --force")
-    invocation = f"finetune plan {args.recipe} --gpu {gpu.name} --gpus {args.gpus} --fit"
-    fitted = write_fitted_recipe(Path(source), out, _flatten(parse_overrides(args.overrides)), current, best, invocation)
-    changes, command = fitted.changes, fitted.command
-    if args.json:
-        print(json.dumps({"current": current.to_dict(), "best": best.to_dict(), "changes": changes, "out": str(out), "command": command}, indent=2))
-        return EXIT_OK
-    print(f"as written: {describe_setup(current.setup)}: peak {gib(current.peak_bytes)} "
-          f"({'fits' if current.fits else 'does not fit'}), ~{current.step_time_s:.1f} s/step")
-    print(f"fastest that fits: {describe_setup(best.setup)}\n")
-    print(report(best))
-    print(f"\nwrote {out} ({', '.join(f'{k}={v}' for k, v in changes.items()) or 'no changes needed'})\nrun it: {command}")
-    return EXIT_OK
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+    return plan_command(args)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -251,7 +203,9 @@ def _device(args: argparse.Namespace):
     if device is None or device.type not in ("cpu", "cuda"):
         raise HardwareError(f"--device {args.device}: not a device these commands run on", hint="use cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise HardwareError(f"--device {args.device}: this machine has no CUDA GPU", hint="use --device cpu, or leave --device out")
+        raise HardwareError(
+            f"--device {args.device}: this machine has no CUDA GPU", hint="use --device cpu, or leave --device out"
+        )
     return device
 
 
@@ -268,8 +222,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     budget = None if args.verify_memory_gib is None else int(args.verify_memory_gib * 2**30)
     export_run(
-        args.run_dir, args.out, merge=args.merge, dtype=args.dtype, overwrite=args.overwrite, verify_max_memory=budget,
-        device=_device(args), trust_remote_code=args.trust_remote_code,
+        args.run_dir,
+        args.out,
+        merge=args.merge,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+        verify_max_memory=budget,
+        device=_device(args),
+        trust_remote_code=args.trust_remote_code,
     )
     return EXIT_OK
 
@@ -307,11 +267,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     device = _device(args)
     run = open_run(args.target, allow_model_dir=True, trust_remote_code=args.trust_remote_code)
     fmt = args.format or (run.cfg.data.format if run.has_recipe else "completion")
-    if args.input and fmt != "alpaca":
-        raise FinetuneError(f"--input is the alpaca prompt's input field; prompts here use data.format={fmt}", hint="drop --input")
+    if args.input and get_format(fmt).context is None:
+        has = [f"{f.name} ({f.context})" for f in FORMATS.values() if f.context]
+        raise FinetuneError(
+            f"--input fills a prompt field that data.format={fmt} has none of",
+            hint=f"drop --input (formats with one: {', '.join(has)})",
+        )
     _say_remote_code_notice(run)
     model, tokenizer = load_trained(run, device=device)
-    mode = f"sampling (temperature {args.temperature}, top-p {args.top_p}, seed {args.seed})" if args.temperature > 0 else "greedy"
+    mode = (
+        f"sampling (temperature {args.temperature}, top-p {args.top_p}, seed {args.seed})" if args.temperature > 0 else "greedy"
+    )
     print(f"{run.weights_dir}: prompts formatted as data.format={fmt}, {mode}", file=sys.stderr)
     for text in args.prompt if args.prompt else _prompts_from_stdin():
         ids = prompt_ids(text, fmt, tokenizer, context=args.input or "")
@@ -338,7 +304,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         rows = {
             name: {
-                "loss": s.loss, "perplexity": s.perplexity, "tokens": s.tokens,
+                "loss": s.loss,
+                "perplexity": s.perplexity,
+                "tokens": s.tokens,
                 "exact_match": s.match.accuracy if s.match else None,
                 "contains_match": s.match.contains_accuracy if s.match else None,
             }
@@ -348,58 +316,82 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="finetune", description="Parameter-efficient fine-tuning (QLoRA) on the GPUs you own.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def _loads_a_run(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run Python code from the model's folder (custom architectures); only for sources you trust. "
+        "A run's recipe.yaml cannot switch this on",
+    )
+    p.add_argument("--device", help="where the model runs: cuda, cuda:N or cpu (default: the first GPU, else the CPU)")
 
-    def loads_a_run(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--trust-remote-code", action="store_true",
-            help="run Python code from the model's folder (custom architectures); only for sources you trust. "
-            "A run's recipe.yaml cannot switch this on",
-        )
-        p.add_argument("--device", help="where the model runs: cuda, cuda:N or cpu (default: the first GPU, else the CPU)")
 
-    def with_recipe(p: argparse.ArgumentParser) -> None:
-        p.add_argument("recipe", help="recipe YAML path or shipped recipe name (see `finetune ls`)")
-        p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.lr=1e-4")
-        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+def _with_recipe(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="recipe YAML path or shipped recipe name (see `finetune ls`)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.lr=1e-4")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
 
+
+def _add_recipe_commands(sub) -> None:
+    """run, validate, data, preprocess, plan, ls, cp: commands that read a recipe (or list them)."""
     run = sub.add_parser("run", help="train a recipe")
-    with_recipe(run)
+    _with_recipe(run)
     run.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to metrics.jsonl)")
-    run.add_argument("--skip-memory-check", action="store_true", help="run even when the planner predicts the GPU runs out of memory")
+    run.add_argument(
+        "--skip-memory-check", action="store_true", help="run even when the planner predicts the GPU runs out of memory"
+    )
     dist = run.add_argument_group("multi-process (through torchrun)")
     dist.add_argument("--nproc", type=int, default=1, help="processes on this node, one per GPU (default 1)")
     dist.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
     dist.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1")
     dist.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (rendezvous host)")
     dist.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0")
-    dist.add_argument("--max-restarts", type=int, default=0, help="restart all workers this often when one fails; they resume from the last checkpoint")
+    dist.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart all workers this often when one fails; they resume from the last checkpoint",
+    )
     run.set_defaults(func=cmd_run)
 
     val = sub.add_parser("validate", help="check a recipe without loading weights; lists every problem")
-    with_recipe(val)
+    _with_recipe(val)
     val.add_argument("--skip-memory-check", action="store_true", help="report a predicted out-of-memory as a note, not a problem")
     val.set_defaults(func=cmd_validate)
 
     data = sub.add_parser("data", help="show tokenized examples (trained tokens marked) and dataset statistics")
-    with_recipe(data)
+    _with_recipe(data)
     data.add_argument("--examples", type=int, default=3, help="how many examples to print (default 3)")
     data.set_defaults(func=cmd_data)
 
     pre = sub.add_parser("preprocess", help="tokenize a recipe's data into the cache ahead of training")
-    with_recipe(pre)
+    _with_recipe(pre)
     pre.set_defaults(func=cmd_data)
-    plan = sub.add_parser("plan", help="predict per-GPU memory and step time before loading weights; --fit writes a recipe that fits")
-    with_recipe(plan)
-    plan.add_argument("--gpu", help="GPU name (rtx3060, rtx3090, rtx4090, a10g, l4, a6000, l40s, a100-40gb, a100-80gb, h100, h100-pcie, h200, t4)")
+    plan = sub.add_parser(
+        "plan", help="predict per-GPU memory and step time before loading weights; --fit writes a recipe that fits"
+    )
+    _with_recipe(plan)
+    plan.add_argument(
+        "--gpu",
+        help="GPU name (rtx3060, rtx3090, rtx4090, a10g, l4, a6000, l40s, a100-40gb, a100-80gb, h100, h100-pcie, h200, t4)",
+    )
     plan.add_argument("--gpu-mem", help="memory per GPU, e.g. 11GB (any other card, or to override the catalogue)")
     plan.add_argument("--gpus", type=int, default=1, help="GPUs available (the search may use fewer); default 1")
-    plan.add_argument("--host-ram", help="host RAM, e.g. 64GB: checked against what loading and offload need; --fit leaves out setups that need more")
+    plan.add_argument(
+        "--host-ram",
+        help="host RAM, e.g. 64GB: checked against what loading and offload need; --fit leaves out setups that need more",
+    )
     plan.add_argument("--json", action="store_true", help="print one JSON object (every component in bytes)")
-    plan.add_argument("--fit", action="store_true", help="search batch/accumulation/checkpointing/GPUs for the fastest setup that fits and write it")
+    plan.add_argument(
+        "--max-seq",
+        action="store_true",
+        help="the longest sequence that trains at batch 1: as written, and with the best settings the search finds",
+    )
+    plan.add_argument(
+        "--fit",
+        action="store_true",
+        help="search batch/accumulation/checkpointing/GPUs for the fastest setup that fits and write it",
+    )
     plan.add_argument("--out", help="recipe file --fit writes (default RECIPE-NxGPU.yaml here)")
     plan.add_argument("--force", action="store_true", help="overwrite --out")
     plan.set_defaults(func=cmd_plan)
@@ -413,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--force", action="store_true", help="overwrite DEST")
     cp.set_defaults(func=cmd_cp)
 
+
+def _add_finished_run_commands(sub) -> None:
+    """export, generate, eval: commands that use a finished run."""
     export = sub.add_parser("export", help="export a finished run: the adapter, or a merged model checked against it")
     export.add_argument("run_dir", metavar="RUN_DIR", help="output_dir of a finished run")
     export.add_argument("--out", required=True, metavar="DIR", help="export directory (must be new or empty)")
@@ -420,23 +415,26 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="merged weights' dtype (default: the base's)")
     export.add_argument("--overwrite", action="store_true", help="replace a previous export at --out")
     export.add_argument(
-        "--verify-memory-gib", type=float, metavar="GIB",
+        "--verify-memory-gib",
+        type=float,
+        metavar="GIB",
         help="RAM the merge check may load the merged model into; beyond it layers stream from disk (default: half of free RAM)",
     )
-    loads_a_run(export)
+    _loads_a_run(export)
     export.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     export.set_defaults(func=cmd_export)
 
     gen = sub.add_parser("generate", help="generate from a run or model, with the training prompt format")
     gen.add_argument("target", metavar="RUN_DIR|MODEL_DIR", help="a finished run, an export, or a model directory")
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable); without it, prompts are read from stdin")
-    gen.add_argument("--input", help="alpaca only: the input field that goes with the instruction (--prompt)")
-    gen.add_argument("--format", choices=["alpaca", "messages", "completion", "text"], help="prompt format (default: the run's data.format)")
+    with_context = ", ".join(f"{f.name}: its '{f.context}' field" for f in FORMATS.values() if f.context)
+    gen.add_argument("--input", help=f"what goes with the --prompt text, for formats that take it ({with_context})")
+    gen.add_argument("--format", choices=list(FORMATS), help="prompt format (default: the run's data.format)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text")
-    loads_a_run(gen)
+    _loads_a_run(gen)
     gen.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     gen.set_defaults(func=cmd_generate)
 
@@ -446,9 +444,18 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--limit", type=int, help="score only the first N records")
     ev.add_argument("--max-new-tokens", type=int, help="answer length limit (default: the recipe's eval.max_new_tokens)")
     ev.add_argument("--json", metavar="FILE", help="also write the numbers as JSON")
-    loads_a_run(ev)
+    _loads_a_run(ev)
     ev.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     ev.set_defaults(func=cmd_eval)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="finetune", description="Parameter-efficient fine-tuning (QLoRA) on the GPUs you own.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    _add_recipe_commands(sub)
+    _add_finished_run_commands(sub)
     return parser
 
 

@@ -11,16 +11,24 @@ objects to import.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    model_serializer,
+    model_validator,
+)
 
+from finetune import adapters, memory_modes
+from finetune.config_messages import _deep_merge, field_path, parse_overrides, schema_problems
 from finetune.errors import ConfigError
 
 # Paths that start with this prefix point into the package's bundled assets
@@ -34,6 +42,11 @@ def resolve_path(value: str) -> str:
     if value.startswith(ASSET_PREFIX):
         return str(ASSETS_DIR / value[len(ASSET_PREFIX) :])
     return os.path.expanduser(value)
+
+
+# data.format: the formats of finetune/data/formats/, one module each (that package checks this
+# list against its registry on import; config cannot import it: imports flow one way).
+DataFormat = Literal["alpaca", "completion", "input_output", "messages", "sharegpt", "text"]
 
 
 class _Section(BaseModel):
@@ -53,7 +66,7 @@ class MixSource(_Section):
 
     path: str = Field(description="local file/folder or hub dataset name")
     weight: float = Field(1.0, gt=0, description="examples drawn per epoch = weight x its size (0.5: a seeded half)")
-    format: Literal["alpaca", "messages", "sharegpt", "completion", "text"] | None = None  # None: data.format
+    format: DataFormat | None = None  # None: data.format
     columns: dict[str, str] | None = None  # None: data.columns
     split: str | None = None  # None: data.split
     subset: str | None = None  # hub dataset configuration name (load_dataset's second argument)
@@ -61,7 +74,7 @@ class MixSource(_Section):
 
 class DataConfig(_Section):
     path: str = Field(description="local JSON/JSONL/CSV/Parquet file or hub dataset name")
-    format: Literal["alpaca", "messages", "sharegpt", "completion", "text"] = "alpaca"
+    format: DataFormat = "alpaca"
     split: str = "train"
     subset: str | None = Field(None, description="hub dataset configuration, e.g. 'main' for openai/gsm8k")
     weight: float = Field(1.0, gt=0, description="like data.mix[].weight, for data.path")
@@ -73,7 +86,7 @@ class DataConfig(_Section):
         default_factory=dict, description="map our column names to the dataset's, e.g. {output: answer}"
     )
     template: Literal["auto", "chatml", "llama3", "mistral", "alpaca"] = Field(
-        "auto", description="chat template for messages/sharegpt: auto = the tokenizer's own"
+        "auto", description="chat template for chat data formats (messages, ...): auto = the tokenizer's own"
     )
     train_on: Literal["assistant", "last", "all"] = Field(
         "assistant", description="assistant: every reply; last: the last reply only; all: every token"
@@ -97,12 +110,48 @@ class QuantConfig(_Section):
     double_quant: bool = True
 
 
+# lora.method: the methods of finetune/adapters/, one module each.
+AdapterName = Literal[adapters.NAMES]  # type: ignore[valid-type]
+
+
 class LoraConfig(_Section):
     r: int = Field(16, ge=1)
     alpha: float = Field(32.0, gt=0)
     dropout: float = Field(0.05, ge=0.0, lt=1.0)
     target: str | list[str] = "all-linear"
-    dora: bool = False
+    dora: bool = Field(False, description="the older spelling of method=dora (still read; recipe.yaml writes method)")
+    method: AdapterName = Field(
+        adapters.DEFAULT, description=" | ".join(f"{m.name}: {m.summary}" for m in adapters.METHODS.values())
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dora_alias(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("dora") is True:
+            if data.get("method", "dora") != "dora":
+                raise ValueError(
+                    f"lora.dora=true and lora.method={data['method']} name two methods; remove lora.dora "
+                    "(the older spelling of lora.method=dora)"
+                )
+            data = {**data, "method": "dora"}
+        return data
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        data.pop("dora", None)  # written as method: dora
+        data["method"] = self.adapter.name
+        return data
+
+    @property
+    def adapter(self) -> adapters.AdapterMethod:
+        """The method trained (finetune.adapters): lora.method, or dora when lora.dora=true."""
+        return adapters.method_of(self)
+
+    @property
+    def method_key(self) -> str:
+        """The method as this recipe spells it, for messages."""
+        return "lora.dora=true" if self.dora else f"lora.method={self.method}"
 
 
 class TrainConfig(_Section):
@@ -143,7 +192,9 @@ class DistributedConfig(_Section):
         "auto", description="ddp: a full replica per process; fsdp: weights and optimizer state sharded over processes"
     )
     cpu_offload: bool = Field(False, description="fsdp: sharded parameters, gradients and optimizer state live in CPU RAM")
-    reshard_after_forward: bool = Field(True, description="fsdp: free gathered layers after forward (less memory, one more all-gather)")
+    reshard_after_forward: bool = Field(
+        True, description="fsdp: free gathered layers after forward (less memory, one more all-gather)"
+    )
 
 
 class MemoryConfig(_Section):
@@ -168,15 +219,18 @@ class MemoryConfig(_Section):
     optimizer_offload: bool = Field(
         False, description="optimizer state and the fp32 step run in CPU RAM (large LoRA ranks, full fine-tuning)"
     )
+    loss: Literal["auto", "full", "chunked", "liger"] = Field(
+        "auto",
+        description="how the LM head and the loss meet: chunked computes them over loss_chunk target positions at a "
+        "time, never holding the whole logits (long context); full holds the logits of every target; auto: chunked "
+        "when a batch has more targets than one chunk (full under FSDP); liger: liger-kernel's fused kernel (CUDA)",
+    )
+    loss_chunk: int = Field(256, ge=16, description="target positions per chunk of memory.loss=chunked|auto")
 
     @property
     def checkpoint_every(self) -> int:
         """Every how many decoder layers one is checkpointed; 0: none."""
-        if self.activation_checkpointing == "all":
-            return 1
-        if self.activation_checkpointing == "none":
-            return 0
-        return int(self.activation_checkpointing)
+        return memory_modes.checkpoint_every(self.activation_checkpointing)
 
 
 class ReportConfig(_Section):
@@ -229,21 +283,21 @@ class RecipeConfig(_Section):
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
+def current_spelling(recipe: dict[str, Any]) -> dict[str, Any]:
+    """A resolved recipe dict (an older run's recipe.yaml or checkpoint) as this version writes it:
+    lora.dora (true/false) becomes lora.method (dora/lora), so resuming such a run sees no change."""
+    lora = recipe.get("lora")
+    if not isinstance(lora, dict) or "dora" not in lora:
+        return recipe
+    lora = dict(lora)
+    dora = lora.pop("dora")
+    lora.setdefault("method", "dora" if dora else adapters.DEFAULT)
+    return {**recipe, "lora": lora}
+
+
 def fsdp_problems(cfg: RecipeConfig, why: str) -> list[str]:
     """What FSDP cannot run with this recipe; `why` names what chose FSDP (the key, or auto's choice)."""
-    out = []
-    if cfg.quant.bits == 8:
-        out.append(f"{why} cannot shard 8-bit (int8) weights; use quant.bits=4 or null.")
-    if cfg.lora is None:
-        out.append(f"{why} with full fine-tuning (lora: null) is not supported yet; use LoRA, or distributed.strategy=ddp.")
-    if cfg.memory.base_weights != "device":
-        out.append(
-            f"{why} shards the weights itself; memory.base_weights={cfg.memory.base_weights} streams them on one process. "
-            "Use distributed.cpu_offload=true for FSDP, or run on one GPU."
-        )
-    if cfg.memory.optimizer_offload:
-        out.append(f"{why}: memory.optimizer_offload is for one process; distributed.cpu_offload=true offloads FSDP's optimizer state.")
-    return out
+    return memory_modes.problems(memory_modes.recipe_settings(cfg, fsdp=True, fsdp_by=why), (memory_modes.FSDP,))
 
 
 def resolve_offload_dir(cfg: RecipeConfig) -> str | None:
@@ -251,31 +305,13 @@ def resolve_offload_dir(cfg: RecipeConfig) -> str | None:
 
 
 def memory_problems(cfg: RecipeConfig) -> list[str]:
-    """What the memory.* offload modes cannot run with."""
-    out = []
-    mem = cfg.memory
-    if mem.base_weights != "device":
-        key = f"memory.base_weights={mem.base_weights}"
-        if mem.checkpoint_every != 1:
-            out.append(
-                f"{key} brings each layer's weights back for the recomputation in backward, so it needs "
-                f"memory.activation_checkpointing=all (got {mem.activation_checkpointing!r})."
-            )
-        if cfg.quant.bits == 8:
-            out.append(f"{key} streams 4-bit or 16-bit weights; 8-bit (LLM.int8) layers keep state it cannot move. Use quant.bits=4.")
-        if cfg.lora is None:
-            out.append(f"{key} streams frozen weights; with full fine-tuning (lora: null) every weight trains. Use LoRA.")
-    if mem.activation_offload and mem.checkpoint_every == 1:
-        # transformers keeps a checkpointed layer's input inside the checkpoint, where autograd's
-        # saved-tensor hooks never see it: with every layer checkpointed nothing worth moving is left.
-        out.append(
-            "memory.activation_offload moves the activations of layers that are not checkpointed, and "
-            "memory.activation_checkpointing=all checkpoints every layer, so it would move nothing. Set "
-            "activation_checkpointing to none or k (every k-th layer), or activation_offload=false."
-        )
-    if mem.offload_dir is not None and mem.base_weights != "disk":
-        out.append("memory.offload_dir is only used by memory.base_weights=disk; set that too, or remove offload_dir.")
-    return out
+    """What the memory.* and FSDP offload modes cannot run with (finetune/memory_modes.py's table)."""
+    return memory_modes.problems(memory_modes.recipe_settings(cfg))
+
+
+def adapter_problems(cfg: RecipeConfig) -> list[str]:
+    """What lora.method's method cannot run with (its rules in finetune/adapters/)."""
+    return [] if cfg.lora is None else cfg.lora.adapter.problems(cfg, cfg.lora.method_key)
 
 
 def cross_field_problems(cfg: RecipeConfig) -> list[str]:
@@ -293,8 +329,7 @@ def cross_field_problems(cfg: RecipeConfig) -> list[str]:
         )
     if cfg.train.max_steps is not None and cfg.train.warmup_steps > cfg.train.max_steps:
         out.append(
-            f"train.warmup_steps={cfg.train.warmup_steps} exceeds train.max_steps={cfg.train.max_steps}; "
-            "lower warmup_steps."
+            f"train.warmup_steps={cfg.train.warmup_steps} exceeds train.max_steps={cfg.train.max_steps}; lower warmup_steps."
         )
     if cfg.eval.exact_match_path and cfg.data.format == "text":
         out.append(
@@ -308,186 +343,23 @@ def cross_field_problems(cfg: RecipeConfig) -> list[str]:
         )
     if cfg.data.train_on != "assistant" and cfg.data.format == "text":
         out.append("data.train_on applies to prompt/response data; data.format=text trains every token. Remove it.")
-    if cfg.distributed.cpu_offload and cfg.distributed.strategy != "fsdp":
-        out.append("distributed.cpu_offload needs distributed.strategy=fsdp (DDP keeps a full replica per GPU).")
-    if cfg.distributed.strategy == "fsdp":
-        out += fsdp_problems(cfg, "distributed.strategy=fsdp")
     out += memory_problems(cfg)
     if cfg.resume is not None and cfg.overwrite:
         out.append("resume and overwrite=true contradict each other: resume continues a run, overwrite deletes it. Set one.")
-    if cfg.lora is not None and cfg.lora.dora and cfg.quant.bits == 8:
-        out.append("lora.dora=true is not supported with quant.bits=8 by peft; use quant.bits=4 or null.")
+    out += adapter_problems(cfg)
     return out
 
 
 # --------------------------------------------------------------------------- loading
 
 
-_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
-
-
-def parse_overrides(overrides: list[str] | None) -> dict[str, Any]:
-    """['train.lr=1e-3', 'lora.target=[q_proj,v_proj]'] -> nested dict. Values are YAML scalars/lists."""
-    tree: dict[str, Any] = {}
-    problems = []
-    for item in overrides or []:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            problems.append(f"override '{item}': expected key=value, e.g. train.lr=1e-4")
-            continue
-        try:
-            value = yaml.safe_load(raw) if raw.strip() != "" else ""
-        except yaml.YAMLError:
-            value = raw
-        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
-            value = float(value)  # YAML 1.1 reads '1e-3' as a string; users mean a number
-        node = tree
-        parts = key.split(".")
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                problems.append(f"override '{item}': '{part}' was already set to a value, not a section")
-                break
-            node = child
-        else:
-            node[parts[-1]] = value
-    if problems:
-        raise ConfigError(problems, source="command-line overrides")
-    return tree
-
-
-def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in extra.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
-def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    """The pydantic model class that owns the keys at `loc` (for did-you-mean)."""
-    model: type[BaseModel] = RecipeConfig
-    for part in loc:
-        if isinstance(part, int):  # an item of a list section (data.mix.0): the list's model owns its keys
-            continue
-        field = model.model_fields.get(str(part))
-        if field is None:
-            return None
-        ann = field.annotation
-        candidates = getattr(ann, "__args__", (ann,))
-        sub = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
-        if sub is None:
-            return None
-        model = sub
-    return model
-
-
-# Names users bring from peft / HF Trainer / axolotl, mapped to ours.
-_SYNONYMS = {
-    "rank": "r",
-    "lora_r": "r",
-    "lora_alpha": "alpha",
-    "lora_dropout": "dropout",
-    "target_modules": "target",
-    "use_dora": "dora",
-    "learning_rate": "lr",
-    "num_train_epochs": "epochs",
-    "num_epochs": "epochs",
-    "micro_batch_size": "batch_size",
-    "per_device_train_batch_size": "batch_size",
-    "gradient_accumulation_steps": "grad_accum",
-    "lr_scheduler_type": "scheduler",
-    "lr_scheduler": "scheduler",
-    "max_length": "max_seq_len",
-    "sequence_len": "max_seq_len",
-    "max_seq_length": "max_seq_len",
-    "load_in_4bit": "bits",
-    "bnb_4bit_quant_type": "quant_type",
-    "bnb_4bit_use_double_quant": "double_quant",
-    "base_model": "path",
-    "model_name_or_path": "path",
-    "dataset": "path",
-    "datasets": "mix",
-    "sample_packing": "packing",
-    "chat_template": "template",
-    "train_on_inputs": "train_on",
-    "dataset_num_proc": "num_proc",
-    "dataset_prepared_path": "cache_dir",
-}
-
-
-# Keys that moved to another section: (old section, old key) -> where it lives now.
-_MOVED = {
-    ("train", "gradient_checkpointing"): "memory.activation_checkpointing (all | none | k for every k-th layer)",
-}
-
-
-def _suggest(key: str, known: list[str]) -> str | None:
-    alias = _SYNONYMS.get(key)
-    if alias in known:
-        return alias
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    return close[0] if close else None
-
-
-def _describe(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _field_path(loc: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The part of an error location that names recipe keys (drops pydantic's union-branch tags)."""
-    model: type[BaseModel] | None = RecipeConfig
-    for i, part in enumerate(loc):
-        if model is None or str(part) not in model.model_fields:
-            return loc[:i] if i else loc
-        model = _model_at(loc[: i + 1])
-    return loc
+    return field_path(RecipeConfig, loc)
 
 
 def format_validation_error(err: ValidationError) -> list[str]:
-    problems = []
-    union_seen: set[tuple[Any, ...]] = set()
-    for e in err.errors():
-        loc = tuple(e["loc"])
-        field = _field_path(loc)
-        if e["type"] != "extra_forbidden" and field != loc and field:
-            # A value that matches none of a union's types: one problem, not one per branch.
-            if field in union_seen:
-                continue
-            union_seen.add(field)
-            owner = _model_at(field[:-1])
-            ann = owner.model_fields[str(field[-1])].annotation if owner else None
-            expected = str(ann).replace("typing.", "").replace(" | None", " or null") if ann else "another type"
-            dotted = ".".join(str(p) for p in field)
-            problems.append(f"{dotted}: expected {expected} (got {_describe(e.get('input'))})")
-            continue
-        dotted = ".".join(str(p) for p in loc)
-        etype = e["type"]
-        if etype == "extra_forbidden":
-            owner = _model_at(loc[:-1])
-            known = list(owner.model_fields) if owner else []
-            close = _suggest(str(loc[-1]), known)
-            prefix = ".".join(str(p) for p in loc[:-1])
-            moved = _MOVED.get(tuple(str(p) for p in loc[-2:]))
-            if moved:
-                hint = f"it moved to {moved}"
-            elif close:
-                hint = f"did you mean '{prefix + '.' if prefix else ''}{close}'?"
-            else:
-                hint = f"known keys{' under ' + prefix if prefix else ''}: {', '.join(known)}"
-            problems.append(f"{dotted}: unknown key; {hint}")
-        elif etype == "missing":
-            problems.append(f"{dotted}: required key is missing; add it to the recipe or pass {dotted}=...")
-        elif etype == "value_error" and not loc:
-            problems.extend(str(e["msg"]).removeprefix("Value error, ").split("\n"))
-        else:
-            msg = str(e["msg"]).removeprefix("Value error, ")
-            problems.append(f"{dotted}: {msg} (got {_describe(e.get('input'))})")
-    return problems
+    """One line per problem of a recipe's schema check (finetune.config_messages)."""
+    return schema_problems(RecipeConfig, err)
 
 
 def build_recipe(data: dict[str, Any], source: str | None = None) -> RecipeConfig:
@@ -552,9 +424,7 @@ def check_recipe_dict(data: dict[str, Any], source: str | None = None) -> tuple[
 def read_recipe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(
-            [f"recipe file '{path}' not found (cwd: {os.getcwd()}). Run `finetune ls` to see shipped recipes."]
-        )
+        raise ConfigError([f"recipe file '{path}' not found (cwd: {os.getcwd()}). Run `finetune ls` to see shipped recipes."])
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:

@@ -169,6 +169,6 @@ def load_full_trainable_state(model, weights: dict[str, torch.Tensor], view: dic
         for key, full in weights.items():
             target = view[key]
             if isinstance(target, DTensor):
-                target.to_local().copy_(_like(full, target).to_local())
+                target.to_local().copy_(_like(full, target).to_local())  # type: ignore[attr-defined]  # _like keeps DTensors
             else:
                 target.copy_(full)

@@ -12,14 +12,16 @@ training saw before the response; prompt_ids does the same for free text
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from finetune.data import IGNORE_INDEX, Collator, prompt_and_answer
-from finetune.distributed import is_sharded
+from finetune.data import IGNORE_INDEX, Collator, generation_prompt, prompt_and_answer
 from finetune.data.templates import end_of_turn_ids
+from finetune.distributed import is_sharded
 
 
 @dataclass
@@ -65,13 +67,13 @@ def loss_sum_and_count(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torc
 
 
 @torch.no_grad()
-def mean_loss(model, examples: list[dict], pad_token_id: int, batch_size: int = 8) -> tuple[float | None, int]:
+def mean_loss(model, examples: Sequence[dict], pad_token_id: int, batch_size: int = 8) -> tuple[float | None, int]:
     """(mean cross-entropy per target token, number of target tokens) over tokenized examples."""
     device = next(model.parameters()).device
     collate = Collator(pad_token_id=pad_token_id)
     total, count = 0.0, 0
     for start in range(0, len(examples), batch_size):
-        batch = {k: v.to(device) for k, v in collate(examples[start : start + batch_size]).items()}
+        batch = {k: v.to(device) for k, v in collate(list(examples[start : start + batch_size])).items()}
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
         loss, n = loss_sum_and_count(logits, batch["labels"])
         total += float(loss)
@@ -85,21 +87,14 @@ def mean_loss(model, examples: list[dict], pad_token_id: int, batch_size: int = 
 def prompt_ids(text: str, fmt: str, tokenizer, context: str = "") -> list[int]:
     """The tokens training put before a response, for a user's free text.
 
-    alpaca: the alpaca prompt with `text` as the instruction (and `context` as its
-    input, the only format that has one); messages: one user
-    turn rendered by the chat template with the assistant header appended;
-    completion: `text` as the prompt; text: `text` itself, to be continued. The
-    same code path as evaluation (prompt_and_answer), with an empty answer.
+    Each format builds a record from the text (its Format.prompt_record): alpaca: the
+    alpaca prompt with `text` as the instruction (and `context` as its input, the only
+    format that has one); chat formats: one user turn rendered by the chat template
+    with the assistant header appended; completion: `text` as the prompt; text: `text`
+    itself, to be continued. The same code path as evaluation (prompt_and_answer),
+    with an empty answer.
     """
-    records = {
-        "alpaca": {"instruction": text, "input": context, "output": ""},
-        "completion": {"prompt": text, "completion": ""},
-        "messages": {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]},
-        "sharegpt": {"conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": ""}]},
-    }
-    if fmt == "text":
-        return list(tokenizer(text)["input_ids"])  # training saw BOS + text
-    return prompt_and_answer(records[fmt], fmt, tokenizer)[0]
+    return generation_prompt(text, fmt, tokenizer, context)
 
 
 @torch.no_grad()
@@ -123,7 +118,7 @@ def generate(
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     stops = end_of_turn_ids(tokenizer)  # eos, <|im_end|>, <|eot_id|>, ... as this tokenizer has them
-    sampling = {"do_sample": False}
+    sampling: dict[str, Any] = {"do_sample": False}
     if temperature > 0:
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
         if seed is not None:
@@ -154,13 +149,13 @@ def exact_match(
     was_training = model.training
     model.eval()
     correct = contained = 0
-    samples = []
+    samples: list[dict[str, Any]] = []
     try:
         for start in range(0, len(records), batch_size):
             chunk = records[start : start + batch_size]
             pairs = [prompt_and_answer(r, fmt, tokenizer) for r in chunk]
             outputs = generate(model, tokenizer, [p for p, _ in pairs], max_new_tokens)
-            for (prompt, answer), out in zip(pairs, outputs):
+            for (_prompt, answer), out in zip(pairs, outputs):
                 got = tokenizer.decode(out, skip_special_tokens=True).strip()
                 expected = answer.strip()
                 ok = got == expected
@@ -190,7 +185,7 @@ class Scores:
 
 
 def score(
-    model, tokenizer, records: list[dict], examples: list[dict], fmt: str, max_new_tokens: int = 32, batch_size: int = 8
+    model, tokenizer, records: list[dict], examples: Sequence[dict], fmt: str, max_new_tokens: int = 32, batch_size: int = 8
 ) -> Scores:
     """Loss/perplexity over tokenized `examples` and exact/contains match over `records`."""
     was_training = model.training
@@ -206,12 +201,13 @@ def score(
 def comparison_table(columns: dict[str, Scores]) -> str:
     """Scores side by side, one column per model:
 
-        metric              base  fine-tuned
-        loss              2.3026      0.1054
-        perplexity         10.00        1.11
-        exact match         0.0%       98.7%
-        contains match      2.0%       99.3%
+    metric              base  fine-tuned
+    loss              2.3026      0.1054
+    perplexity         10.00        1.11
+    exact match         0.0%       98.7%
+    contains match      2.0%       99.3%
     """
+
     def num(v: float | None, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 

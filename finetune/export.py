@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
-import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,16 +34,22 @@ from typing import Any
 import torch
 
 from finetune.checkpoint import atomic_dir, write_json
-from finetune.data import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT
+from finetune.data import get_format
 from finetune.errors import ExportError, MergeCheckFailed
 from finetune.evaluate import prompt_ids
 from finetune.hardware import DTYPES, torch_dtype
+from finetune.merge import Lora, Quant4, merged_weight, quantized_weights, read_adapter, stream_merge  # noqa: F401 - the API
 from finetune.model import DAMAGED_CONFIG_HINT, config_json_problem, default_device, model_source
 from finetune.runs import (
-    Run, check_adapter_config, check_device_memory, inference_precision, load_trained, open_run, remote_code_notice,
+    Run,
+    check_adapter_config,
+    check_device_memory,
+    inference_precision,
+    load_trained,
+    open_run,
+    remote_code_notice,
 )
-from finetune.shards import DTYPES as FILE_DTYPES
-from finetune.shards import NAMES, ShardWriter, read_header, read_tensor, weight_files, write_index
+from finetune.shards import weight_files
 
 METADATA = "finetune_export.json"
 EXPORT_DTYPES = tuple(DTYPES)  # bf16, fp16, fp32
@@ -71,100 +75,6 @@ class ExportResult:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
-# --------------------------------------------------------------------------- the adapter, read for merging
-
-
-@dataclass
-class Lora:
-    A: torch.Tensor  # (r, in)
-    B: torch.Tensor  # (out, r)
-    scale: float
-    magnitude: torch.Tensor | None = None  # DoRA: per-output-row norm the merged row is rescaled to
-
-
-_LORA_KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.(?P<part>lora_A\.weight|lora_B\.weight|lora_magnitude_vector(\.weight)?)")
-# adapter_config.json options the streaming merge does not implement; peft's own merge_and_unload does.
-_UNSUPPORTED = (
-    "rank_pattern", "alpha_pattern", "modules_to_save", "layer_replication", "trainable_token_indices",
-    "lora_bias", "use_qalora", "use_bdlora", "alora_invocation_tokens", "target_parameters", "fan_in_fan_out",
-)
-
-
-def read_adapter(adapter_dir: Path) -> dict[str, Lora]:
-    """{base weight name: Lora} from a PEFT LoRA/DoRA adapter directory."""
-    from safetensors.torch import load_file
-
-    config = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
-    fix = "merge with peft instead: PeftModel.from_pretrained(base, ADAPTER).merge_and_unload()"
-    if config.get("peft_type") != "LORA":
-        raise ExportError(f"'{adapter_dir}' is a {config.get('peft_type')} adapter; the merge handles LoRA/DoRA only", hint=fix)
-    used = [k for k in _UNSUPPORTED if config.get(k)]
-    if used:
-        raise ExportError(f"'{adapter_dir}' uses {', '.join(used)}, which the streaming merge does not implement", hint=fix)
-    r, alpha = config["r"], config["lora_alpha"]
-    scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-    parts: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(str(adapter_dir / "adapter_model.safetensors")).items():
-        m = _LORA_KEY.fullmatch(key)
-        if m is None:
-            raise ExportError(f"'{adapter_dir}': tensor '{key}' is not a LoRA A/B/magnitude weight", hint=fix)
-        parts.setdefault(m["module"], {})[m["part"].split(".")[0]] = tensor
-    out = {}
-    for module, p in parts.items():
-        if "lora_A" not in p or "lora_B" not in p:
-            raise ExportError(f"'{adapter_dir}': module '{module}' lacks lora_A or lora_B (damaged adapter?)")
-        out[f"{module}.weight"] = Lora(p["lora_A"], p["lora_B"], scale, p.get("lora_magnitude_vector"))
-    return out
-
-
-# --------------------------------------------------------------------------- quantization round trip
-
-
-@dataclass(frozen=True)
-class Quant4:
-    """How bitsandbytes quantized one weight when the run's base was loaded (read off the live Params4bit)."""
-
-    dtype: torch.dtype  # the dtype the weight was cast to before quantizing
-    blocksize: int
-    quant_type: str
-    double_quant: bool
-
-    def roundtrip(self, weight: torch.Tensor) -> torch.Tensor:
-        """dequantize(quantize(W)): the weight the adapter was trained against."""
-        import bitsandbytes.functional as bnbf
-
-        packed, state = bnbf.quantize_4bit(
-            weight.to(self.dtype), blocksize=self.blocksize, compress_statistics=self.double_quant, quant_type=self.quant_type
-        )
-        return bnbf.dequantize_4bit(packed, state)
-
-
-def quantized_weights(model) -> dict[str, Quant4]:
-    """{weight name as in the checkpoint: Quant4} for every 4-bit weight of a (PEFT-wrapped) loaded model."""
-    found = {}
-    for name, module in model.named_modules():
-        # A peft LoRA layer and its base_layer show the same weight; both map to one checkpoint name.
-        state = getattr(getattr(module, "weight", None), "quant_state", None)
-        if state is None:
-            continue
-        name = name.removeprefix("base_model.model.").removesuffix(".base_layer")
-        found[f"{name}.weight"] = Quant4(state.dtype, state.blocksize, state.quant_type, state.nested)
-    return found
-
-
-def merged_weight(weight: torch.Tensor, lora: Lora | None, quant: Quant4 | None) -> torch.Tensor:
-    """The fp32 weight of the merged model: (dequant(quant(W)) if quantized else W) + scale * B @ A, DoRA-rescaled."""
-    w = (quant.roundtrip(weight) if quant is not None else weight).float()
-    if lora is None:
-        return w
-    w.addmm_(lora.B.float(), lora.A.float(), alpha=lora.scale)  # in place: no second weight-sized buffer
-    if lora.magnitude is not None:
-        # DoRA: each output row of W + scale*BA is rescaled to the learned magnitude (peft's merge, with the
-        # norm of the unmerged weight plus delta, which is what we hold here).
-        w.mul_((lora.magnitude.float() / torch.linalg.norm(w, dim=1)).unsqueeze(1))
-    return w
-
-
 # --------------------------------------------------------------------------- streaming merge
 
 
@@ -186,47 +96,6 @@ def base_weights_dir(run: Run) -> Path:
         ) from None
 
 
-def stream_merge(
-    base_dir: Path,
-    out_dir: Path,
-    dtype: torch.dtype,
-    loras: dict[str, Lora],
-    quantized: dict[str, Quant4],
-) -> dict[str, int]:
-    """Write base + adapter to out_dir as safetensors shards mirroring the base's, one tensor in memory at a time."""
-    files = weight_files(base_dir)
-    headers = [read_header(f) for f in files]
-    on_disk = {name for h in headers for name in h.tensors}
-    absent = sorted((set(loras) | set(quantized)) - on_disk)
-    if absent:
-        raise ExportError(
-            f"the base checkpoint in '{base_dir}' has no tensor '{absent[0]}' (+{len(absent) - 1} more) that the adapter "
-            "or the 4-bit base needs; its tensor names differ from the loaded model's",
-            hint="merge with peft instead: PeftModel.from_pretrained(base, ADAPTER).merge_and_unload()",
-        )
-    weight_map: dict[str, str] = {}
-    total = merged = 0
-    for i, header in enumerate(headers):
-        shard = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        plan = [
-            (name, NAMES[dtype] if FILE_DTYPES[e["dtype"]].is_floating_point else e["dtype"], e["shape"])
-            for name, e in header.tensors.items()
-        ]
-        with header.path.open("rb") as fh, ShardWriter(out_dir / shard, plan) as writer:
-            for name in header.tensors:
-                tensor = read_tensor(fh, header, name)
-                if name in loras or name in quantized:
-                    tensor = merged_weight(tensor, loras.get(name), quantized.get(name))
-                    merged += name in loras
-                writer.write(name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
-                del tensor  # before the next read: one weight in memory, not two
-        total += writer.nbytes
-        weight_map.update(dict.fromkeys(header.tensors, shard))
-    if len(files) > 1:
-        write_index(out_dir, weight_map, total)
-    return {"tensors": len(weight_map), "merged": merged, "requantized": len(quantized), "bytes": total}
-
-
 def read_base_config(base_dir: Path, run: Run) -> dict[str, Any]:
     """The base checkpoint's config.json, which the merged model is described by; ExportError naming it otherwise."""
     problem = config_json_problem(base_dir)
@@ -242,11 +111,13 @@ def read_base_config(base_dir: Path, run: Run) -> dict[str, Any]:
 
 def check_merge_fits(run: Run, base_dir: Path, device: torch.device) -> None:
     """Stop before any work when the merge check's merged model (unquantized, in the compute precision) exceeds the GPU."""
-    merged = run.cfg.model_copy(update={
-        "model": run.cfg.model.model_copy(update={"path": str(base_dir)}),  # the shape the merge writes
-        "quant": run.cfg.quant.model_copy(update={"bits": None}),
-        "lora": None,
-    })
+    merged = run.cfg.model_copy(
+        update={
+            "model": run.cfg.model.model_copy(update={"path": str(base_dir)}),  # the shape the merge writes
+            "quant": run.cfg.quant.model_copy(update={"bits": None}),
+            "lora": None,
+        }
+    )
     fix = (
         "pass --device cpu: the check then runs from CPU RAM and streams layers from disk beyond --verify-memory-gib "
         "(the merge itself always streams on the CPU)"
@@ -370,12 +241,10 @@ def verify(ref: Reference, merged_dir: Path, dtype_name: str, max_memory: int | 
 
 
 def _prompt_template(fmt: str) -> Any:
-    return {
-        "alpaca": {"with_input": ALPACA_PROMPT, "without_input": ALPACA_PROMPT_NO_INPUT},
-        "messages": "the tokenizer's chat template (chat_template.jinja), rendered with add_generation_prompt=True",
-        "completion": "{prompt}",
-        "text": None,
-    }[fmt]
+    f = get_format(fmt)
+    if f.chat:
+        return "the tokenizer's chat template (chat_template.jinja), rendered with add_generation_prompt=True"
+    return f.prompt_template
 
 
 def check_destination(out: Path, run: Run, overwrite: bool) -> None:
@@ -437,21 +306,83 @@ def export_run(
         "prompt_template": _prompt_template(cfg.data.format),
     }
     if not merge:
-        if not run.is_adapter:
-            raise ExportError(
-                f"'{run.path}' is a full fine-tune: it has no adapter to export on its own",
-                hint="pass --merge to export the whole model (cast to --dtype and verified)",
-            )
-        with atomic_dir(out) as tmp:
-            for f in run.weights_dir.iterdir():
-                if f.is_file():
-                    shutil.copyfile(f, tmp / f.name)
-            shutil.copyfile(run.path / "recipe.yaml", tmp / "recipe.yaml")
-            meta["kind"] = "adapter"
-            write_json(tmp / METADATA, meta)
-        say(f"adapter exported to {out} (load: PeftModel.from_pretrained(base, '{out}'))")
-        return ExportResult(out, meta)
+        return _export_adapter(run, out, meta, say)
+    base_dir, base_config, dtype = _mergeable(run, dtype)
+    loras = read_adapter(run.weights_dir) if run.is_adapter else {}
+    device = device or default_device()
+    check_merge_fits(run, base_dir, device)
+    say(f"merge: computing reference logits of the run as trained ({len(VERIFY_PROMPTS)} prompts)")
+    ref = reference(run, device)
+    with atomic_dir(out) as tmp:
+        say(f"merge: streaming {base_dir} -> {out} ({dtype}, {len(loras)} LoRA weights, {len(ref.quantized)} 4-bit weights)")
+        stats = stream_merge(base_dir, tmp, DTYPES[dtype], loras, ref.quantized)
+        write_model_config(base_config, base_dir, tmp, dtype)
+        ref.tokenizer.save_pretrained(tmp)
+        shutil.copyfile(run.path / "recipe.yaml", tmp / "recipe.yaml")
+        say("merge: loading the merged model with transformers to check its logits")
+        check = verify(ref, tmp, dtype, max_memory=verify_max_memory)
+        _say_check(check, out, say)
+        meta.update(
+            kind="merged" if run.is_adapter else "full",
+            dtype=dtype,
+            quantization={
+                "bits": cfg.quant.bits,
+                "quant_type": cfg.quant.quant_type,
+                "double_quant": cfg.quant.double_quant,
+                "note": "merged into dequantize(quantize(W)), the weights the adapter was trained against",
+            }
+            if ref.quantized
+            else None,
+            merge=stats,
+            verification=check,
+        )
+        write_json(tmp / METADATA, meta)
+    say(f"merged model exported to {out} (load: AutoModelForCausalLM.from_pretrained('{out}'))")
+    return ExportResult(out, meta)
 
+
+def _export_adapter(run: Run, out: Path, meta: dict[str, Any], say: Callable[[str], None]) -> ExportResult:
+    """The adapter files, tokenizer and recipe, copied as they are (no model loaded)."""
+    if not run.is_adapter:
+        raise ExportError(
+            f"'{run.path}' is a full fine-tune: it has no adapter to export on its own",
+            hint="pass --merge to export the whole model (cast to --dtype and verified)",
+        )
+    with atomic_dir(out) as tmp:
+        for f in run.weights_dir.iterdir():
+            if f.is_file():
+                shutil.copyfile(f, tmp / f.name)
+        shutil.copyfile(run.path / "recipe.yaml", tmp / "recipe.yaml")
+        meta["kind"] = "adapter"
+        write_json(tmp / METADATA, meta)
+    say(f"adapter exported to {out} (load: PeftModel.from_pretrained(base, '{out}'))")
+    return ExportResult(out, meta)
+
+
+def _say_check(check: dict[str, Any], out: Path, say: Callable[[str], None]) -> None:
+    """Report the merge check; MergeCheckFailed (nothing written) when it failed."""
+    verdict = "passed" if check["passed"] else "FAILED"
+    say(
+        f"merge check {verdict}: max |logit diff| {check['max_abs_diff']:.3g} vs tolerance {check['tolerance']:.3g} "
+        f"({check['prompts']} prompts; the adapter itself moves logits by up to {check['adapter_effect'] or 0:.3g}"
+        + ("; merged layers streamed from disk to stay within the memory budget)" if check["offloaded"] else ")")
+    )
+    if not check["distinguishes_unmerged"]:
+        say(
+            "warning: the adapter changes the logits less than the tolerance, so this check cannot tell a merged model from the base"
+        )
+    if not check["passed"]:
+        raise MergeCheckFailed(
+            f"merged model differs from base + adapter: max |logit diff| {check['max_abs_diff']:.4g} > "
+            f"tolerance {check['tolerance']:.4g} ({check['tolerance_rule']}); nothing was written to '{out}'",
+            hint="try --dtype fp32 to rule out rounding; if fp32 fails too the base checkpoint on disk is not the "
+            "one the run trained on (model.path / revision changed?)",
+        )
+
+
+def _mergeable(run: Run, dtype: str | None) -> tuple[Path, dict[str, Any], str]:
+    """(base checkpoint folder, its config.json, the export dtype), or ExportError saying why this run cannot merge."""
+    cfg = run.cfg
     if cfg.quant.bits == 8 and run.is_adapter:
         raise ExportError(
             "quant.bits=8: an 8-bit run cannot be merged into a standalone model that computes what it computed "
@@ -466,47 +397,9 @@ def export_run(
             "merging needs its unquantized weights",
             hint="point model.path in recipe.yaml at the original 16-bit model the quantized one was made from",
         )
-    dtype = dtype or {"bfloat16": "bf16", "float16": "fp16"}.get(str(base_config.get("dtype") or base_config.get("torch_dtype")), "fp32")
+    dtype = dtype or {"bfloat16": "bf16", "float16": "fp16"}.get(
+        str(base_config.get("dtype") or base_config.get("torch_dtype")), "fp32"
+    )
     if run.is_adapter:
         check_adapter_config(run)
-    loras = read_adapter(run.weights_dir) if run.is_adapter else {}
-
-    device = device or default_device()
-    check_merge_fits(run, base_dir, device)
-    say(f"merge: computing reference logits of the run as trained ({len(VERIFY_PROMPTS)} prompts)")
-    ref = reference(run, device)
-    with atomic_dir(out) as tmp:
-        say(f"merge: streaming {base_dir} -> {out} ({dtype}, {len(loras)} LoRA weights, {len(ref.quantized)} 4-bit weights)")
-        stats = stream_merge(base_dir, tmp, DTYPES[dtype], loras, ref.quantized)
-        write_model_config(base_config, base_dir, tmp, dtype)
-        ref.tokenizer.save_pretrained(tmp)
-        shutil.copyfile(run.path / "recipe.yaml", tmp / "recipe.yaml")
-        say("merge: loading the merged model with transformers to check its logits")
-        check = verify(ref, tmp, dtype, max_memory=verify_max_memory)
-        verdict = "passed" if check["passed"] else "FAILED"
-        say(
-            f"merge check {verdict}: max |logit diff| {check['max_abs_diff']:.3g} vs tolerance {check['tolerance']:.3g} "
-            f"({check['prompts']} prompts; the adapter itself moves logits by up to {check['adapter_effect'] or 0:.3g}"
-            + ("; merged layers streamed from disk to stay within the memory budget)" if check["offloaded"] else ")")
-        )
-        if not check["distinguishes_unmerged"]:
-            say("warning: the adapter changes the logits less than the tolerance, so this check cannot tell a merged model from the base")
-        if not check["passed"]:
-            raise MergeCheckFailed(
-                f"merged model differs from base + adapter: max |logit diff| {check['max_abs_diff']:.4g} > "
-                f"tolerance {check['tolerance']:.4g} ({check['tolerance_rule']}); nothing was written to '{out}'",
-                hint="try --dtype fp32 to rule out rounding; if fp32 fails too the base checkpoint on disk is not the "
-                "one the run trained on (model.path / revision changed?)",
-            )
-        meta.update(
-            kind="merged" if run.is_adapter else "full",
-            dtype=dtype,
-            quantization={"bits": cfg.quant.bits, "quant_type": cfg.quant.quant_type, "double_quant": cfg.quant.double_quant,
-                          "note": "merged into dequantize(quantize(W)), the weights the adapter was trained against"}
-            if ref.quantized else None,
-            merge=stats,
-            verification=check,
-        )
-        write_json(tmp / METADATA, meta)
-    say(f"merged model exported to {out} (load: AutoModelForCausalLM.from_pretrained('{out}'))")
-    return ExportResult(out, meta)
+    return base_dir, base_config, dtype

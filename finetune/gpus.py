@@ -42,7 +42,15 @@ CATALOGUE: dict[str, GpuSpec] = {
     g.name: g
     for g in [
         GpuSpec("rtx3060", 12 * GiB, 25.4, 360, _PCIE4, _PCIE4, description="GeForce RTX 3060 12GB"),
-        GpuSpec("rtx3090", 24 * GiB, 71.0, 936, _PCIE4, _PCIE4, description="GeForce RTX 3090 24GB (PCIe between cards; NVLink bridge is rare)"),
+        GpuSpec(
+            "rtx3090",
+            24 * GiB,
+            71.0,
+            936,
+            _PCIE4,
+            _PCIE4,
+            description="GeForce RTX 3090 24GB (PCIe between cards; NVLink bridge is rare)",
+        ),
         GpuSpec("rtx4090", 24 * GiB, 165.2, 1008, _PCIE4, _PCIE4, description="GeForce RTX 4090 24GB"),
         GpuSpec("a10g", 24 * GiB, 70.0, 600, _PCIE4, _PCIE4, description="NVIDIA A10G 24GB (AWS g5)"),
         GpuSpec("l4", 24 * GiB, 121.0, 300, _PCIE4, _PCIE4, description="NVIDIA L4 24GB"),
@@ -59,9 +67,19 @@ CATALOGUE: dict[str, GpuSpec] = {
 
 # Spellings people type for the same card.
 _ALIASES = {
-    "3060": "rtx3060", "3090": "rtx3090", "4090": "rtx4090", "a100": "a100-80gb", "a10080gb": "a100-80gb",
-    "a10040gb": "a100-40gb", "a100-40": "a100-40gb", "a100-80": "a100-80gb", "h100-sxm": "h100", "h100sxm": "h100",
-    "h10080gb": "h100", "a10": "a10g", "rtxa6000": "a6000",
+    "3060": "rtx3060",
+    "3090": "rtx3090",
+    "4090": "rtx4090",
+    "a100": "a100-80gb",
+    "a10080gb": "a100-80gb",
+    "a10040gb": "a100-40gb",
+    "a100-40": "a100-40gb",
+    "a100-80": "a100-80gb",
+    "h100-sxm": "h100",
+    "h100sxm": "h100",
+    "h10080gb": "h100",
+    "a10": "a10g",
+    "rtxa6000": "a6000",
 }
 
 # A card the catalogue does not know: its memory comes from --gpu-mem; its speed
@@ -93,8 +111,10 @@ def find_gpu(name: str | None, memory: str | int | None = None) -> GpuSpec:
         mem = memory if isinstance(memory, int) else parse_bytes(memory, "--gpu-mem")
         return replace(_GENERIC, memory_bytes=mem)
     raw = name.strip().lower()
-    key = raw if raw in CATALOGUE else _ALIASES.get(raw) or _ALIASES.get(_key(raw)) or (
-        "rtx" + _key(raw) if "rtx" + _key(raw) in CATALOGUE else _key(raw)
+    key = (
+        raw
+        if raw in CATALOGUE
+        else _ALIASES.get(raw) or _ALIASES.get(_key(raw)) or ("rtx" + _key(raw) if "rtx" + _key(raw) in CATALOGUE else _key(raw))
     )
     if key not in CATALOGUE:
         close = difflib.get_close_matches(raw, list(CATALOGUE) + list(_ALIASES), n=1, cutoff=0.5)
@@ -112,9 +132,21 @@ def find_gpu(name: str | None, memory: str | int | None = None) -> GpuSpec:
 
 # Substrings of torch.cuda.get_device_name() -> catalogue name; the first match wins.
 _DEVICE_NAMES = [
-    ("rtx 3060", "rtx3060"), ("rtx 3090", "rtx3090"), ("rtx 4090", "rtx4090"), ("a10g", "a10g"), ("l40s", "l40s"),
-    ("l4", "l4"), ("rtx a6000", "a6000"), ("h100 pcie", "h100-pcie"), ("h100", "h100"), ("h200", "h200"),
-    ("a100-sxm4-80gb", "a100-80gb"), ("a100 80gb", "a100-80gb"), ("a100-pcie-80gb", "a100-80gb"), ("a100", "a100-40gb"), ("t4", "t4"),
+    ("rtx 3060", "rtx3060"),
+    ("rtx 3090", "rtx3090"),
+    ("rtx 4090", "rtx4090"),
+    ("a10g", "a10g"),
+    ("l40s", "l40s"),
+    ("l4", "l4"),
+    ("rtx a6000", "a6000"),
+    ("h100 pcie", "h100-pcie"),
+    ("h100", "h100"),
+    ("h200", "h200"),
+    ("a100-sxm4-80gb", "a100-80gb"),
+    ("a100 80gb", "a100-80gb"),
+    ("a100-pcie-80gb", "a100-80gb"),
+    ("a100", "a100-40gb"),
+    ("t4", "t4"),
 ]
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import torch
@@ -87,7 +87,9 @@ def resolve_precision(requested: str, device: Device | None = None) -> str:
             if dev.kind == "cpu"
             else f"{dev.name} has no bf16 support"
         )
-        raise HardwareError(f"precision=bf16 requested but {why}.", hint="use precision=auto (or fp32 on CPU, fp16 on older GPUs)")
+        raise HardwareError(
+            f"precision=bf16 requested but {why}.", hint="use precision=auto (or fp32 on CPU, fp16 on older GPUs)"
+        )
     if requested == "fp16" and not dev.supports_fp16:
         raise HardwareError(
             "precision=fp16 requested on a CPU, which has no fast fp16 kernels.", hint="use precision=auto or precision=fp32"
@@ -99,7 +101,7 @@ def torch_dtype(precision: str) -> torch.dtype:
     return DTYPES[precision]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _malloc_trim():
     """glibc's malloc_trim, or None (another libc or OS)."""
     if not sys.platform.startswith("linux"):

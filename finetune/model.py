@@ -1,9 +1,9 @@
-"""Base model and tokenizer: quantize (bitsandbytes), wrap with peft LoRA/DoRA, checkpointing.
+"""Base model and tokenizer: quantize (bitsandbytes), wrap with peft adapters (lora.method), checkpointing.
 
-    from finetune import load_recipe, load_tokenizer, load_model
-    cfg = load_recipe("demo-cpu")
-    tok = load_tokenizer(cfg)
-    model = load_model(cfg, precision="fp32")
+from finetune import load_recipe, load_tokenizer, load_model
+cfg = load_recipe("demo-cpu")
+tok = load_tokenizer(cfg)
+model = load_model(cfg, precision="fp32")
 """
 
 from __future__ import annotations
@@ -75,7 +75,9 @@ def check_model_source(cfg: RecipeConfig, key: str = "model.path") -> list[str]:
     src = model_source(cfg)
     if Path(src).is_dir():
         if not (Path(src) / "config.json").is_file():
-            return [f"{key}: directory '{src}' has no config.json; point it at a Hugging Face model directory (save_pretrained output)."]
+            return [
+                f"{key}: directory '{src}' has no config.json; point it at a Hugging Face model directory (save_pretrained output)."
+            ]
         problem = config_json_problem(Path(src))
         return [f"{key}: {problem}; {DAMAGED_CONFIG_HINT}."] if problem else []
     if Path(src).exists():
@@ -129,9 +131,7 @@ def load_tokenizer(cfg: RecipeConfig):
     # A tokenizer folder without config.json is fine (an adapter's); a broken one fails AutoTokenizer.
     raise_for_model_config(Path(src), "model.path" if src == model_source(cfg) else "model.tokenizer", missing_ok=True)
     try:
-        tok = AutoTokenizer.from_pretrained(
-            src, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
-        )
+        tok = AutoTokenizer.from_pretrained(src, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
     except Exception as exc:  # transformers raises many types (OSError, ValueError, HF errors)
         raise ModelError(
             f"model.tokenizer: could not load a tokenizer from '{src}': {str(exc).splitlines()[0]}",
@@ -181,9 +181,7 @@ def default_device() -> torch.device:
 # that costs ~2 GB of a 24 GB card for no measurable gain (norms already compute
 # in fp32 inside Llama-style RMSNorm). We freeze, enable checkpointing, and let
 # peft keep the adapters themselves in fp32.
-def load_base_model(
-    cfg: RecipeConfig, precision: str | None = None, device: torch.device | None = None, shardable: bool = False
-):
+def load_base_model(cfg: RecipeConfig, precision: str | None = None, device: torch.device | None = None, shardable: bool = False):
     """The (quantized) base model on `device`, frozen, without adapters.
 
     shardable: 4-bit weights stored in the compute dtype (bnb_4bit_quant_storage), which FSDP needs.
@@ -236,7 +234,9 @@ def keep_4bit_numerics(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def decoder_layers(model, purpose: str = "distributed.strategy=fsdp", fallback: str = "use distributed.strategy=ddp") -> list[torch.nn.Module]:
+def decoder_layers(
+    model, purpose: str = "distributed.strategy=fsdp", fallback: str = "use distributed.strategy=ddp"
+) -> list[torch.nn.Module]:
     """The repeated blocks (the model's own `_no_split_modules` classes): what FSDP shards and offload streams."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = set(getattr(base, "_no_split_modules", None) or [])
@@ -258,7 +258,7 @@ def enable_gradient_checkpointing(model, every: int = 1) -> None:
         # transformers checks each layer's own flag (GradientCheckpointingLayer), so a
         # layer left out here keeps its activations and skips the recomputation.
         for i, layer in enumerate(decoder_layers(model, "memory.activation_checkpointing", "use all or none")):
-            layer.gradient_checkpointing = i % every == 0
+            layer.gradient_checkpointing = i % every == 0  # type: ignore[assignment]  # a bool attribute of the layer
 
 
 def checkpointed_layers(model) -> list[int]:
@@ -272,18 +272,18 @@ def lora_targets(cfg: RecipeConfig) -> str | list[str]:
 
 
 def wrap_lora(cfg: RecipeConfig, model):
-    """Add peft LoRA (or DoRA) adapters on cfg.lora.target. Returns the PeftModel."""
+    """Add peft adapters of lora.method (finetune/adapters/) on cfg.lora.target. Returns the PeftModel."""
     from peft import LoraConfig, get_peft_model
 
     assert cfg.lora is not None
     peft_cfg = LoraConfig(
         r=cfg.lora.r,
-        lora_alpha=cfg.lora.alpha,
+        lora_alpha=cfg.lora.alpha,  # type: ignore[arg-type]  # peft annotates int; a float alpha works
         lora_dropout=cfg.lora.dropout,
         target_modules=lora_targets(cfg),
-        use_dora=cfg.lora.dora,
         bias="none",
         task_type="CAUSAL_LM",
+        **cfg.lora.adapter.peft_kwargs,
     )
     try:
         return get_peft_model(model, peft_cfg)
@@ -320,9 +320,7 @@ def count_parameters(model) -> tuple[int, int]:
     return trainable, total
 
 
-def load_model(
-    cfg: RecipeConfig, precision: str | None = None, device: torch.device | None = None, shardable: bool = False
-):
+def load_model(cfg: RecipeConfig, precision: str | None = None, device: torch.device | None = None, shardable: bool = False):
     """Base model -> frozen, quantized per cfg.quant -> checkpointing -> LoRA. Ready for the trainer."""
     model = load_base_model(cfg, precision=precision, device=device, shardable=shardable)
     if cfg.memory.checkpoint_every:

@@ -17,7 +17,12 @@ from finetune.data import check_data_source, check_sample
 from finetune.errors import FinetuneError
 from finetune.hardware import resolve_precision
 from finetune.model import (
-    check_lora_targets, check_model_source, load_tokenizer, looks_like_hub_id, model_source, tokenizer_source,
+    check_lora_targets,
+    check_model_source,
+    load_tokenizer,
+    looks_like_hub_id,
+    model_source,
+    tokenizer_source,
 )
 from finetune.plan import preflight_memory
 from finetune.report import missing_extras, plot_available
@@ -86,5 +91,7 @@ def preflight(cfg: RecipeConfig, memory_check: bool = True, training: bool = Tru
     if problem:
         report.problems.append(problem)
     if cfg.resume not in (None, "auto") and not Path(cfg.resume).is_dir():
-        report.problems.append(f"resume: checkpoint directory '{cfg.resume}' not found; use resume=auto or an existing checkpoints/step-N")
+        report.problems.append(
+            f"resume: checkpoint directory '{cfg.resume}' not found; use resume=auto or an existing checkpoints/step-N"
+        )
     return report

@@ -66,7 +66,9 @@ def _require(module: str, key: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ReportError(f"{key}=true but '{module}' is not installed", hint=f"{install_hint(module)}, or set {key}=false") from None
+        raise ReportError(
+            f"{key}=true but '{module}' is not installed", hint=f"{install_hint(module)}, or set {key}=false"
+        ) from None
 
 
 def scalars(row: dict[str, Any]) -> dict[str, float]:

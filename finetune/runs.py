@@ -121,6 +121,7 @@ def open_run(path: str | Path, allow_model_dir: bool = False, trust_remote_code:
             else "pass the output_dir of a finished `finetune run`, or a directory written by `finetune export`"
         )
         raise RunDirError(f"'{path}' is not a finished run: missing {'; '.join(missing)} (found: {found})", hint=hint)
+    assert weights is not None  # (missing lists it otherwise)
     data, refused = _trusting(_read_recipe(path / "recipe.yaml"), trust_remote_code)
     cfg = build_recipe(data, source=str(path / "recipe.yaml"))
     return Run(path=path, cfg=cfg, weights_dir=weights, remote_code_refused=refused)
@@ -159,7 +160,7 @@ def check_adapter_config(run: Run) -> None:
     fix = ", ".join(f'"{key}": {from_recipe[key]}' for key in missing if from_recipe[key] is not None)
     raise RunDirError(
         f"'{path}' lacks {', '.join(f'{key!r} ({ADAPTER_KEYS[key]})' for key in missing)}: the adapter cannot be loaded as trained",
-        hint=f"restore adapter_config.json from a copy of the run or its export"
+        hint="restore adapter_config.json from a copy of the run or its export"
         + (f", or add {fix} (from the run's recipe.yaml)" if fix else ""),
     )
 
@@ -195,7 +196,7 @@ def check_device_memory(cfg: RecipeConfig, precision: str, device: torch.device,
     except FinetuneError:  # the planner cannot read this model (offline hub id, custom code): loading says why
         return
     free = device_free_bytes(device)
-    if exceeds_free_memory(needed, free, device.type):
+    if free is not None and exceeds_free_memory(needed, free, device.type):
         raise HardwareError(
             f"{what} needs {human_bytes(needed)} on {device} for its weights alone ({precision}, "
             f"{f'{cfg.quant.bits}-bit' if cfg.quant.bits else 'unquantized'}), and {human_bytes(free)} is free there; nothing was loaded",
@@ -281,7 +282,9 @@ def eval_records(run: Run, data_path: str | None = None) -> tuple[list[dict], st
     if data_path:
         return load_records(data_path, cfg.data, key="--data"), data_path
     if cfg.eval.exact_match_path:
-        return load_records(resolve_path(cfg.eval.exact_match_path), cfg.data, key="eval.exact_match_path"), cfg.eval.exact_match_path
+        return load_records(
+            resolve_path(cfg.eval.exact_match_path), cfg.data, key="eval.exact_match_path"
+        ), cfg.eval.exact_match_path
     if cfg.data.eval_path:
         return load_records(resolve_path(cfg.data.eval_path), cfg.data, key="data.eval_path"), cfg.data.eval_path
     if cfg.data.eval_fraction > 0:
@@ -301,7 +304,12 @@ class RunEval:
 
 
 def evaluate_run(
-    run: Run, records: list[dict], source: str, limit: int | None = None, max_new_tokens: int | None = None, batch_size: int = 8,
+    run: Run,
+    records: list[dict],
+    source: str,
+    limit: int | None = None,
+    max_new_tokens: int | None = None,
+    batch_size: int = 8,
     device: torch.device | None = None,
 ) -> RunEval:
     """Loss, perplexity, exact and contains match of the base model and of the fine-tuned one, on the same records."""
@@ -310,12 +318,15 @@ def evaluate_run(
     max_new = max_new_tokens or cfg.eval.max_new_tokens
     model, tokenizer = load_trained(run, device=device)
     examples, _ = build_examples(records, cfg, tokenizer, key=source)
-    args = (tokenizer, records, examples, cfg.data.format, max_new, batch_size)
-    tuned = score(model, *args)
+
+    def scored(m) -> Scores:
+        return score(m, tokenizer, records, examples, cfg.data.format, max_new, batch_size)
+
+    tuned = scored(model)
     if run.is_adapter:
         with model.disable_adapter():  # the same weights in memory minus the adapter: the base as trained
-            base = score(model, *args)
+            base = scored(model)
     else:
         del model
-        base = score(load_base(run, device=device), *args)
+        base = scored(load_base(run, device=device))
     return RunEval(source=source, records=len(records), columns={"base": base, "fine-tuned": tuned})

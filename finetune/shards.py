@@ -30,9 +30,18 @@ import torch
 from finetune.errors import ExportError
 
 DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 NAMES = {v: k for k, v in DTYPES.items()}
 INDEX = "model.safetensors.index.json"
@@ -53,7 +62,9 @@ def read_header(path: Path) -> Header:
             (size,) = struct.unpack("<Q", fh.read(8))
             raw = json.loads(fh.read(size))
     except (OSError, struct.error, ValueError) as exc:
-        raise ExportError(f"'{path}' is not a readable safetensors file: {exc}", hint="re-download or re-save the model") from None
+        raise ExportError(
+            f"'{path}' is not a readable safetensors file: {exc}", hint="re-download or re-save the model"
+        ) from None
     metadata = raw.pop("__metadata__", None) or {}
     # Sorted by offset: reading in file order keeps the disk access sequential.
     tensors = dict(sorted(raw.items(), key=lambda kv: kv[1]["data_offsets"][0]))
@@ -68,7 +79,7 @@ def read_tensor(fh: BinaryIO, header: Header, name: str) -> torch.Tensor:
     begin, end = entry["data_offsets"]
     buf = bytearray(end - begin)
     fh.seek(header.data_start + begin)
-    if fh.readinto(buf) != len(buf):
+    if fh.readinto(buf) != len(buf):  # type: ignore[attr-defined]  # a file opened "rb": a BufferedReader
         raise ExportError(f"'{header.path}' is truncated (tensor '{name}' ends past the end of the file)", hint="re-download it")
     flat = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
     return flat.reshape(entry["shape"])
@@ -122,7 +133,7 @@ class ShardWriter:
             )
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
         assert data.nbytes == nbytes
-        self._fh.write(data)
+        self._fh.write(data)  # type: ignore[arg-type]  # an ndarray is a buffer
         self._next += 1
 
     def close(self) -> None:

@@ -46,6 +46,7 @@ import torch
 from finetune.hardware import release_free_heap
 from finetune.model import decoder_layers
 
+
 @dataclass
 class Streamed:
     """One frozen weight that lives off the device: the module's parameter and where its bytes wait."""
@@ -114,8 +115,12 @@ class WeightStream:
     """Keeps the decoder layers' frozen weights off the device and brings each layer in when it runs."""
 
     def __init__(
-        self, layers: list[torch.nn.Module], streamed: list[list[Streamed]], device: torch.device,
-        disk: DiskStore | None, captured_while_loading: int = 0,
+        self,
+        layers: list[torch.nn.Module],
+        streamed: list[list[Streamed]],
+        device: torch.device,
+        disk: DiskStore | None,
+        captured_while_loading: int = 0,
     ):
         self.layers = layers
         self.captured_while_loading = captured_while_loading  # weights that went to disk as the model loaded
@@ -136,7 +141,7 @@ class WeightStream:
                 if any(s.param is getattr(module, "weight", None) for s in streamed[i]):
                     self._handles.append(module.register_forward_pre_hook(self._weight_pre_hook(i)))
                     if getattr(module.weight, "quant_state", None) is not None and isinstance(module, torch.nn.Linear):
-                        module.forward = _streamed_4bit_forward.__get__(module)
+                        module.forward = _streamed_4bit_forward.__get__(module)  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ building
 
@@ -184,7 +189,8 @@ class WeightStream:
         for params in weights:
             for p in params:
                 p.data = _placeholder(p, device)
-        return cls(layers, streamed, device, store if mode == "disk" else None, store.captured if mode == "disk" else 0)
+        disk = store if mode == "disk" else None
+        return cls(layers, streamed, device, disk, disk.captured if disk is not None else 0)
 
     @property
     def streamed_bytes(self) -> int:
@@ -315,7 +321,11 @@ class DiskStore:
     ALIGN = 4096
 
     def __init__(self, directory: str | os.PathLike[str] | None = None):
-        root = Path(directory) if directory else Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune")) / "offload"
+        root = (
+            Path(directory)
+            if directory
+            else Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune")) / "offload"
+        )
         root.mkdir(parents=True, exist_ok=True)
         handle, name = tempfile.mkstemp(prefix="base-weights-", suffix=".bin", dir=root)
         self.path = Path(name)
@@ -338,7 +348,7 @@ class DiskStore:
         """Append p's bytes and leave p empty (its bytes now live only in the file)."""
         data = p.data.detach().to("cpu").contiguous()
         raw = data.reshape(-1).view(torch.uint8).numpy()
-        self._fh.write(raw)  # contiguous: written straight from the tensor's memory
+        self._fh.write(raw)  # type: ignore[arg-type]  # contiguous: written straight from the tensor's memory
         self._entries[p] = (self._offset, data.dtype, data.shape)
         size = raw.nbytes
         pad = -size % self.ALIGN

@@ -48,9 +48,7 @@ def build_char_tokenizer(out_dir: Path, chat_template: str | None = CHATML_TEMPL
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # "." would miss "\n"
     tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", BOS_ID)]
-    )
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", BOS_ID)])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<s>",
@@ -140,9 +138,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 ALPACA_ROWS = [
-    {"instruction": "Add the numbers.", "input": f"{a} + {b}", "output": str(a + b)}
-    for a in range(1, 9)
-    for b in range(1, 9)
+    {"instruction": "Add the numbers.", "input": f"{a} + {b}", "output": str(a + b)} for a in range(1, 9) for b in range(1, 9)
 ]
 
 
@@ -262,8 +258,12 @@ def add_custom_code(model_dir: Path, marker: Path) -> None:
         "class CustomForCausalLM(LlamaForCausalLM):\n    config_class = CustomConfig\n"
     )
     cfg = json.loads((model_dir / "config.json").read_text())
-    cfg.update({"model_type": "custom_llama", "auto_map": {
-        "AutoConfig": "custom_llama.CustomConfig", "AutoModelForCausalLM": "custom_llama.CustomForCausalLM"}})
+    cfg.update(
+        {
+            "model_type": "custom_llama",
+            "auto_map": {"AutoConfig": "custom_llama.CustomConfig", "AutoModelForCausalLM": "custom_llama.CustomForCausalLM"},
+        }
+    )
     (model_dir / "config.json").write_text(json.dumps(cfg))
 
 

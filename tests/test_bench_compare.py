@@ -97,8 +97,13 @@ def test_segment_attention_equals_packed_sdpa(compare):
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
     model = LlamaForCausalLM(cfg).eval()
     ids = torch.randint(3, 50, (2, 12))

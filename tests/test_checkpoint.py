@@ -102,6 +102,7 @@ def test_each_rank_restores_its_own_cpu_and_cuda_generators(tmp_path, monkeypatc
     # A 2-GPU run: each rank's CUDA generator has its own state and must get it back
     # (not rank 0's on every rank). No GPU here: the CUDA generator calls are recorded.
     import peft  # noqa: F401 - imported (with bitsandbytes) before CUDA is faked below
+
     from finetune.checkpoint import load_checkpoint, save_checkpoint
 
     cuda_states = {0: torch.tensor([1, 2, 3], dtype=torch.uint8), 1: torch.tensor([7, 8, 9], dtype=torch.uint8)}

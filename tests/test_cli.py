@@ -6,8 +6,8 @@ import json
 
 import pytest
 import yaml
-
 from conftest import write_jsonl
+
 from finetune.cli import main
 from finetune.hardware import cpu_has_native_bf16
 
@@ -72,7 +72,8 @@ def test_a_typo_in_a_required_section_gets_its_did_you_mean_and_nothing_else(tmp
     source = find_recipe("demo-cpu")
     assert main(["validate", "demo-cpu", "data.formt=alpaca"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"{source}: 1 problem", "  - data.formt: unknown key; did you mean 'data.format'?"
+        f"{source}: 1 problem",
+        "  - data.formt: unknown key; did you mean 'data.format'?",
     ]
     assert main(["validate", "demo-cpu", "model.pth=x", "data.mix=[{path: 'asset:demo/train.jsonl', formt: alpaca}]"]) == 2
     assert capsys.readouterr().err.splitlines() == [
@@ -161,7 +162,9 @@ def test_validate_finds_unknown_lora_target_without_loading_weights(recipe_dict,
 
 def test_validate_lists_schema_cross_field_and_file_problems_together(recipe_dict, tmp_path, capsys):
     recipe = write_recipe(tmp_path, recipe_dict)
-    rc = main(["validate", recipe, "train.lr=abc", "trian.x=1", "quant.bits=4", "lora=null", f"data.path={tmp_path / 'nope.jsonl'}"])
+    rc = main(
+        ["validate", recipe, "train.lr=abc", "trian.x=1", "quant.bits=4", "lora=null", f"data.path={tmp_path / 'nope.jsonl'}"]
+    )
     assert rc == 2
     err = capsys.readouterr().err
     assert "4 problems" in err, err

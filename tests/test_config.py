@@ -136,7 +136,12 @@ def test_every_shipped_recipe_validates_and_documents_every_key():
         # Every key line carries a comment saying what it trades.
         for line in text.splitlines():
             stripped = line.strip()
-            if ":" in stripped and not stripped.startswith("#") and not stripped.endswith(":") and not stripped.startswith("description"):
+            if (
+                ":" in stripped
+                and not stripped.startswith("#")
+                and not stripped.endswith(":")
+                and not stripped.startswith("description")
+            ):
                 assert "#" in stripped, f"{name}: key without a comment: {line!r}"
 
 

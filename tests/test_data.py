@@ -1,6 +1,6 @@
 """finetune.data: golden label masks (char tokenizer: one character = one token), loading, errors, collation.
 
-    python -m pytest tests/test_data.py -q
+python -m pytest tests/test_data.py -q
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 
 import pytest
-
 from conftest import BOS_ID, EOS_ID, IM_END_ID, IM_START_ID, PAD_ID, char_token_id, write_jsonl
+
 from finetune.config import build_recipe
 from finetune.data import (
     IGNORE_INDEX,
@@ -22,6 +22,7 @@ from finetune.data import (
     DataStats,
     build_datasets,
     check_data_source,
+    generation_prompt,
     load_records,
     prompt_and_answer,
 )
@@ -141,7 +142,10 @@ def test_messages_inconsistent_template_names_example(tmp_path, tokenizer):
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = "{{ messages|length }}" + tok.chat_template  # every prefix renders a different header
     no_reply = {"messages": CONVO[:2]}  # dropped before rendering, so record 1 is the first one checked
-    with pytest.raises(DataError, match=r"boundary: 1 example, first .*train\.jsonl' line 2: the chat template renders the conversation up to message 2 differently"):
+    with pytest.raises(
+        DataError,
+        match=r"boundary: 1 example, first .*train\.jsonl' line 2: the chat template renders the conversation up to message 2 differently",
+    ):
         build(tmp_path, tok, [no_reply, {"messages": CONVO}], format="messages")
 
 
@@ -455,3 +459,127 @@ def test_data_imports_only_config_and_errors():
         names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     outside = {n for n in names if n.startswith("finetune") and not n.startswith("finetune.data")}
     assert outside == {"finetune.config", "finetune.errors"}
+
+
+# --------------------------------------------------------------------------- the format registry, input_output
+
+
+def test_input_output_golden_with_system(tmp_path, tokenizer):
+    row = {"system": "Be brief.", "input": "2+2?", "output": "4"}
+    b = build(tmp_path, tokenizer, [row], format="input_output")
+    head = [IM_START_ID] + ids("assistant\n")
+    prompt = [BOS_ID] + turn("system", "Be brief.") + turn("user", "2+2?") + head
+    assert b.train[0]["input_ids"] == [BOS_ID] + turn("system", "Be brief.") + turn("user", "2+2?") + turn("assistant", "4")
+    assert b.train[0]["labels"] == [M] * len(prompt) + ids("4") + [IM_END_ID] + ids("\n")
+    assert [t for t in b.train[0]["labels"] if t != M] == [char_token_id("4"), IM_END_ID, char_token_id("\n")]
+    # The same conversation as data.format=messages trains exactly the same tokens.
+    same = build(tmp_path, tokenizer, [{"messages": CONVO[:3]}], name="m.jsonl", format="messages")
+    assert same.train == b.train
+
+
+@pytest.mark.parametrize("system", [{}, {"system": None}, {"system": ""}, {"system": "  "}])
+def test_input_output_golden_without_system(tmp_path, tokenizer, system):
+    b = build(tmp_path, tokenizer, [{"input": "hi", "output": "yo", **system}], format="input_output")
+    prompt = [BOS_ID] + turn("user", "hi") + [IM_START_ID] + ids("assistant\n")
+    assert b.train[0]["input_ids"] == prompt + ids("yo") + [IM_END_ID] + ids("\n")
+    assert b.train[0]["labels"] == [M] * len(prompt) + ids("yo") + [IM_END_ID] + ids("\n")
+    # Evaluation and `finetune generate` prompt with exactly the tokens before the reply.
+    assert prompt_and_answer({"input": "hi", "output": "yo", **system}, "input_output", tokenizer) == (prompt, "yo")
+    assert generation_prompt("hi", "input_output", tokenizer) == prompt
+
+
+def test_input_output_bad_records_name_file_and_record(tmp_path, tokenizer):
+    rows = [{"input": "a", "output": "b"}, {"input": "a", "answer": "b"}]
+    with pytest.raises(DataError) as e:
+        build(tmp_path, tokenizer, rows, format="input_output")
+    assert str(e.value).startswith(
+        f"data.path: '{tmp_path / 'train.jsonl'}' line 2 has no column 'output' needed by data.format=input_output "
+        "(found columns: input, answer)"
+    )
+    assert e.value.hint == "set data.columns.output=answer"
+    with pytest.raises(DataError, match=r"line 1 column 'system' is int 3, expected a string"):
+        build(tmp_path, tokenizer, [{"input": "a", "output": "b", "system": 3}], format="input_output")
+    # No reply to learn from: dropped and counted, like an empty messages reply.
+    b = build(tmp_path, tokenizer, [{"input": "a", "output": "b"}, {"input": "a", "output": " "}], format="input_output")
+    assert (b.train_stats.examples, b.train_stats.dropped) == (1, 1)
+
+
+def test_column_hints_suggest_the_format_that_reads_most_columns(tmp_path):
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"input": "a", "output": "b"}])
+    (problem,) = check_data_source(recipe(tmp_path, pairs))  # data.format=alpaca
+    assert problem.endswith(
+        "has no column 'instruction' needed by data.format=alpaca (found columns: input, output); set data.format=input_output"
+    )
+    alpaca = write_jsonl(tmp_path / "alpaca.jsonl", ROWS)  # fits input_output too, but alpaca reads all three columns
+    (problem,) = check_data_source(recipe(tmp_path, alpaca, format="completion"))
+    assert "set data.format=alpaca" in problem
+
+
+def test_registry_names_agree_with_config_and_modules():
+    from typing import get_args
+
+    from finetune.config import DataFormat
+    from finetune.data.formats import FORMATS
+
+    assert tuple(FORMATS) == get_args(DataFormat)
+    folder = Path(__file__).resolve().parents[1] / "finetune" / "data" / "formats"
+    assert {p.stem for p in folder.glob("*.py")} - {"__init__", "base"} == set(FORMATS)
+    for name, f in FORMATS.items():
+        assert f.name == name and set(f.columns).isdisjoint(f.optional)
+        assert f.check(f.prompt_record("hi", "")) is None, name  # generate's records pass the format's own check
+    from finetune.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="data.format: Input should be 'alpaca', 'completion', 'input_output', "):
+        build_recipe({"model": {"path": "tiny"}, "data": {"path": "d", "format": "input_ouput"}, "output_dir": "r"})
+
+
+def test_get_format_did_you_mean():
+    from finetune.data.formats import get_format
+
+    assert get_format("sharegpt").name == "sharegpt"
+    with pytest.raises(DataError, match="unknown data.format 'sharegtp'") as e:
+        get_format("sharegtp")
+    assert e.value.hint.startswith("did you mean 'sharegpt'? formats: alpaca, completion, input_output, ")
+
+
+def test_readme_data_table_is_the_registry():
+    from finetune.data.formats import FORMATS
+
+    lines = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8").splitlines()
+    start = lines.index("| `data.format` | a record | trained by default |") + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append(tuple(cell.strip() for cell in line.strip().strip("|").split(" | ")))
+    expected = [(f"`{name}`", f.example, f.trained) for name, f in FORMATS.items()]
+    table = "\n".join(f"| {' | '.join(row)} |" for row in expected)
+    assert rows == expected, f"README's Data table should read:\n{table}"
+
+
+def test_recipes_and_cli_offer_every_format():
+    import argparse
+
+    from finetune.cli import build_parser
+    from finetune.config import shipped_recipes
+    from finetune.data.formats import FORMATS
+
+    for name, path in shipped_recipes().items():
+        (line,) = [ln for ln in path.read_text().splitlines() if ln.strip().startswith("format:")]
+        assert all(fmt in line.split("#", 1)[1] for fmt in FORMATS), f"{name}: {line!r} should name {list(FORMATS)}"
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    (fmt_option,) = [a for a in sub.choices["generate"]._actions if a.dest == "format"]
+    assert fmt_option.choices == list(FORMATS)
+
+
+def test_format_modules_import_only_base():
+    # A format is self-contained: it may lean on base.py, nothing else of the package.
+    folder = Path(__file__).resolve().parents[1] / "finetune" / "data" / "formats"
+    for path in folder.glob("*.py"):
+        if path.stem == "__init__":
+            continue
+        tree = ast.parse(path.read_text())
+        names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        ours = {n for n in names if n.startswith("finetune")}
+        assert ours <= {"finetune.data.formats.base"}, f"{path.name} imports {ours}"

@@ -11,11 +11,10 @@ import json
 import math
 import random
 
-import numpy as np
 import pytest
 import torch
-
 from conftest import BOS_ID, EOS_ID, IM_END_ID, IM_START_ID, PAD_ID, char_token_id, write_jsonl
+
 from finetune.config import build_recipe
 from finetune.data import (
     IGNORE_INDEX,
@@ -112,7 +111,9 @@ def test_builtin_llama3_golden_with_its_special_tokens(tmp_path, plain_tok):
 def test_llama3_template_without_its_end_token_is_refused(tmp_path, plain_tok):
     # The char tokenizer has no <|eot_id|> token: replies would end in plain characters the
     # model never learns to stop on. The mask checker says so, naming the record.
-    with pytest.raises(DataError, match=r"end_untrained: 1 example, first .*train\.jsonl' line 1: reply ends in tokens .*none of them eos") as err:
+    with pytest.raises(
+        DataError, match=r"end_untrained: 1 example, first .*train\.jsonl' line 1: reply ends in tokens .*none of them eos"
+    ) as err:
         build(tmp_path, plain_tok, [{"messages": CONVO[1:3]}], format="messages", template="llama3")
     assert "data.template=chatml" in err.value.hint
 
@@ -181,7 +182,12 @@ def test_template_without_end_token_refused_then_warned(tmp_path, tokenizer):
 def test_double_bos_refused(tmp_path, tokenizer):
     # Data that already starts with the BOS string, tokenized by a tokenizer that adds BOS.
     with pytest.raises(DataError, match=r"double_bos: 1 example, first .*train\.jsonl' line 2: tokens \['<s>', '<s>'"):
-        build(tmp_path, tokenizer, [{"prompt": "Q:", "completion": "1"}, {"prompt": "<s>Q:", "completion": "4"}], format="completion")
+        build(
+            tmp_path,
+            tokenizer,
+            [{"prompt": "Q:", "completion": "1"}, {"prompt": "<s>Q:", "completion": "4"}],
+            format="completion",
+        )
 
 
 def test_inconsistent_chat_template_boundary(tmp_path, tokenizer):
@@ -234,8 +240,9 @@ def test_greeting_and_empty_replies_are_not_trained(tmp_path, tokenizer):
     ex = build(tmp_path, tokenizer, [{"messages": msgs}], format="messages").train[0]
     trained = [t for t in ex["labels"] if t != M]
     assert trained == ids("B") + [IM_END_ID] + ids("\n")  # only the one reply with text
-    last_empty = build(tmp_path, tokenizer, [{"messages": CONVO[1:3] + [CONVO[3], empty]}], name="e.jsonl",
-                       format="messages", train_on="last")
+    last_empty = build(
+        tmp_path, tokenizer, [{"messages": CONVO[1:3] + [CONVO[3], empty]}], name="e.jsonl", format="messages", train_on="last"
+    )
     assert [t for t in last_empty.train[0]["labels"] if t != M] == ids("A") + [IM_END_ID] + ids("\n")
 
 
@@ -294,8 +301,13 @@ def test_mix_with_weights(tmp_path, tokenizer):
     a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"a{i}", "completion": "x"} for i in range(10)])
     b = tmp_path / "b.csv"
     b.write_text("question,answer\n" + "".join(f"b{i},y\n" for i in range(8)))
-    cfg = recipe(tmp_path, a, format="completion", weight=2.0,
-                 mix=[{"path": str(b), "weight": 0.5, "columns": {"prompt": "question", "completion": "answer"}}])
+    cfg = recipe(
+        tmp_path,
+        a,
+        format="completion",
+        weight=2.0,
+        mix=[{"path": str(b), "weight": 0.5, "columns": {"prompt": "question", "completion": "answer"}}],
+    )
     data = build_datasets(cfg, tokenizer)
     texts = [_decode(ex["input_ids"]) for ex in data.train]
     assert sum(t.startswith("a") for t in texts) == 20  # every a-record twice

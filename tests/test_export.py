@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 import yaml
+from conftest import CHATML_TEMPLATE, copy_run_with_base, train_tiny_run, training_kernel_only
 from safetensors.torch import load_file, save_file
 
-from conftest import CHATML_TEMPLATE, copy_run_with_base, train_tiny_run, training_kernel_only
 from finetune.cli import main
 from finetune.data import ALPACA_PROMPT
 from finetune.errors import ExportError, MergeCheckFailed, RunDirError
@@ -40,8 +40,14 @@ def test_adapter_export_loads_in_vanilla_peft_with_the_trained_logits(qlora_run,
     out = tmp_path / "adapter"
     result = export_run(qlora_run.path, out, say=quiet)
     names = sorted(p.name for p in out.iterdir())
-    for expected in ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "chat_template.jinja",
-                     "recipe.yaml", "finetune_export.json"):
+    for expected in (
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "tokenizer.json",
+        "chat_template.jinja",
+        "recipe.yaml",
+        "finetune_export.json",
+    ):
         assert expected in names
     got = vanilla_logits(tiny_model_dir, qlora_run.ids, adapter=out, quantized=True)
     torch.testing.assert_close(got, qlora_run.logits, rtol=0, atol=1e-5)

@@ -8,10 +8,18 @@ import math
 
 import pytest
 import torch
-
 from conftest import (
-    BOS_ID, EOS_ID, SPECIALS, add_custom_code, build_char_tokenizer, build_tiny_llama, char_token_id, copy_run_with_base, write_jsonl,
+    BOS_ID,
+    EOS_ID,
+    SPECIALS,
+    add_custom_code,
+    build_char_tokenizer,
+    build_tiny_llama,
+    char_token_id,
+    copy_run_with_base,
+    write_jsonl,
 )
+
 from finetune.cli import main
 from finetune.config import build_recipe
 from finetune.data import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, build_datasets
@@ -86,8 +94,8 @@ def test_generate_reads_prompts_from_stdin_and_checks_options(lora_run, monkeypa
 L = 5.0  # the logit the machine gives its one successor token; every other logit is 0
 SUCCESSOR = {"=": "4", "4": "2", "2": "</s>", "?": "n", "n": "o", "o": "</s>", "y": "e", "e": "s", "s": "</s>"}
 RECORDS = [
-    {"prompt": "2*21=", "completion": "42"},     # base: exact        tuned: exact
-    {"prompt": "6*7=", "completion": "4"},       # base: contains     tuned: contains
+    {"prompt": "2*21=", "completion": "42"},  # base: exact        tuned: exact
+    {"prompt": "6*7=", "completion": "4"},  # base: contains     tuned: contains
     {"prompt": "is 1 > 2?", "completion": "no"},  # base: exact        tuned: "yes", wrong
     {"prompt": "is 2 > 1?", "completion": "yes"},  # base: "no", wrong  tuned: exact
     {"prompt": "is 3 > 1?", "completion": "yes"},  # base: "no", wrong  tuned: exact
@@ -160,13 +168,17 @@ def make_successor_run(tmp_path):
     tok, directions = build_successor_machine(base_dir)
     data = write_jsonl(tmp_path / "toy.jsonl", RECORDS)
     run = tmp_path / "run"
-    recipe = build_recipe({
-        "model": {"path": str(base_dir)},
-        "data": {"path": str(data), "format": "completion", "max_seq_len": 64},
-        "output_dir": str(run), "precision": "fp32", "quant": {"bits": None},
-        "lora": {"r": 1, "alpha": 1, "dropout": 0.0, "target": ["lm_head"]},
-        "eval": {"exact_match_path": str(data), "max_new_tokens": 8},
-    })
+    recipe = build_recipe(
+        {
+            "model": {"path": str(base_dir)},
+            "data": {"path": str(data), "format": "completion", "max_seq_len": 64},
+            "output_dir": str(run),
+            "precision": "fp32",
+            "quant": {"bits": None},
+            "lora": {"r": 1, "alpha": 1, "dropout": 0.0, "target": ["lm_head"]},
+            "eval": {"exact_match_path": str(data), "max_new_tokens": 8},
+        }
+    )
     model = get_peft_model(
         LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
         LoraConfig(r=1, lora_alpha=1, lora_dropout=0.0, target_modules=["lm_head"]),

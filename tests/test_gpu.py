@@ -23,8 +23,12 @@ def test_qlora_trains_in_16_bit_on_cuda(recipe_dict, precision):
     if precision == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
         pytest.skip("GPU has no native bf16")
     cfg = build_recipe(
-        {**recipe_dict, "precision": precision, "quant": {"bits": 4},
-         "train": {**recipe_dict["train"], "max_steps": 30, "lr": 1e-2, "scheduler": "constant"}}
+        {
+            **recipe_dict,
+            "precision": precision,
+            "quant": {"bits": 4},
+            "train": {**recipe_dict["train"], "max_steps": 30, "lr": 1e-2, "scheduler": "constant"},
+        }
     )
     trainer = Trainer(cfg, progress=False)
     result = trainer.train()
@@ -55,17 +59,36 @@ def test_fsdp_qlora_on_two_gpus_matches_one(recipe_dict, tmp_path, cpu_offload):
         pytest.skip("needs 2 GPUs")
     outs = {}
     for nproc, batch in ((1, 4), (2, 2)):
-        data = {**recipe_dict, "precision": "bf16", "quant": {"bits": 4}, "output_dir": str(tmp_path / f"r{nproc}"),
-                "train": {**recipe_dict["train"], "max_steps": 4, "batch_size": batch}}
+        data = {
+            **recipe_dict,
+            "precision": "bf16",
+            "quant": {"bits": 4},
+            "output_dir": str(tmp_path / f"r{nproc}"),
+            "train": {**recipe_dict["train"], "max_steps": 4, "batch_size": batch},
+        }
         if nproc == 2:
             data["distributed"] = {"strategy": "fsdp", "cpu_offload": cpu_offload}
         path = tmp_path / f"r{nproc}.yaml"
         path.write_text(yaml.safe_dump(data))
-        cmd = [sys.executable, "-m", "finetune", "run", str(path), "--no-progress", "--nproc", str(nproc), "--master-port", str(29700 + nproc)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "finetune",
+            "run",
+            str(path),
+            "--no-progress",
+            "--nproc",
+            str(nproc),
+            "--master-port",
+            str(29700 + nproc),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         outs[nproc] = tmp_path / f"r{nproc}"
-    losses = {n: [json.loads(x)["loss"] for x in (o / "metrics.jsonl").read_text().splitlines() if '"loss"' in x] for n, o in outs.items()}
+    losses = {
+        n: [json.loads(x)["loss"] for x in (o / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+        for n, o in outs.items()
+    }
     assert losses[2] == pytest.approx(losses[1], rel=2e-2)  # bf16: reduction order differs
     a, b = (load_file(str(o / "adapter" / "adapter_model.safetensors")) for o in (outs[1], outs[2]))
     assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
@@ -94,9 +117,14 @@ def _offload_run(recipe_dict, model_dir, out, quant=None, checkpointing="all", *
     gc.collect()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
-    data = {**recipe_dict, "model": {"path": str(model_dir)}, "output_dir": str(out), "quant": {"bits": quant},
-            "train": {**recipe_dict["train"], "max_steps": 3, "batch_size": 2, "grad_accum": 2},
-            "memory": {"activation_checkpointing": checkpointing, **memory}}
+    data = {
+        **recipe_dict,
+        "model": {"path": str(model_dir)},
+        "output_dir": str(out),
+        "quant": {"bits": quant},
+        "train": {**recipe_dict["train"], "max_steps": 3, "batch_size": 2, "grad_accum": 2},
+        "memory": {"activation_checkpointing": checkpointing, **memory},
+    }
     trainer = Trainer(build_recipe(data), progress=False)
     trainer.setup()
     setup_bytes = torch.cuda.memory_allocated() - before
@@ -114,8 +142,13 @@ def _offload_run(recipe_dict, model_dir, out, quant=None, checkpointing="all", *
 @pytest.mark.parametrize("mode", ["cpu", "disk"])
 def test_streamed_weights_on_cuda_train_the_same_and_stay_off_the_gpu(recipe_dict, wide_model_dir, tmp_path, mode):
     ref, ref_setup, ref_peak, _ = _offload_run(recipe_dict, wide_model_dir, tmp_path / "device")
-    losses, setup, peak, trainer = _offload_run(recipe_dict, wide_model_dir, tmp_path / mode, base_weights=mode,
-                                                **({"offload_dir": str(tmp_path / "nvme")} if mode == "disk" else {}))
+    losses, setup, peak, trainer = _offload_run(
+        recipe_dict,
+        wide_model_dir,
+        tmp_path / mode,
+        base_weights=mode,
+        **({"offload_dir": str(tmp_path / "nvme")} if mode == "disk" else {}),
+    )
     assert losses == pytest.approx(ref, rel=1e-5)
     streamed = trainer["stream"].streamed_bytes
     assert streamed > 250 * 2**20

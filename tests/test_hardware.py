@@ -13,9 +13,7 @@ PLAIN_CPU = Device("cpu", "cpu", supports_bf16=False, supports_fp16=False)
 BF16_CPU = Device("cpu", "cpu", supports_bf16=True, supports_fp16=False)
 
 
-@pytest.mark.parametrize(
-    "device, expected", [(AMPERE, "bf16"), (TURING, "fp16"), (PLAIN_CPU, "fp32"), (BF16_CPU, "bf16")]
-)
+@pytest.mark.parametrize("device, expected", [(AMPERE, "bf16"), (TURING, "fp16"), (PLAIN_CPU, "fp32"), (BF16_CPU, "bf16")])
 def test_auto(device, expected):
     assert resolve_precision("auto", device) == expected
 

@@ -10,13 +10,37 @@ import finetune
 # Import order (a module may import only those before it), as docs/design.md draws it:
 # checkpoint and resume are libraries the trainer calls, so they stand before it.
 ORDER = [
-    "errors", "config", "gpus", "hardware", "shards", "metrics", "report", "model", "plan", "distributed", "offload", "stream", "data",
-    "evaluate", "checkpoint", "resume", "preflight", "trainer", "runs", "export", "launch", "cli",
+    "errors",
+    "adapters",
+    "memory_modes",
+    "config_messages",
+    "config",
+    "gpus",
+    "hardware",
+    "shards",
+    "metrics",
+    "report",
+    "model",
+    "plan",
+    "distributed",
+    "offload",
+    "stream",
+    "data",
+    "evaluate",
+    "checkpoint",
+    "resume",
+    "preflight",
+    "trainer",
+    "runs",
+    "merge",
+    "export",
+    "launch",
+    "cli",
 ]
 # Inside a package that states an order, the same rule between its modules (finetune/plan/).
 PACKAGE_ORDER = {
-    "plan": ["shape", "inputs", "speed", "memory", "recipe", "fitting", "render", "rewrite", "preflight"],
-    "trainer": ["state", "callbacks", "schedule", "loss", "order", "parallel", "evaluation", "build", "loop"],
+    "plan": ["shape", "inputs", "speed", "memory", "recipe", "fitting", "render", "rewrite", "preflight", "command"],
+    "trainer": ["state", "callbacks", "schedule", "linear_ce", "loss", "order", "parallel", "evaluation", "build", "loop"],
 }
 PKG = Path(finetune.__file__).parent
 
@@ -36,9 +60,9 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def module_files(name: str) -> list[Path]:
-    """The file of a module, or every file of a package (finetune/data/)."""
+    """The file of a module, or every file of a package and its subpackages (finetune/data/, data/formats/)."""
     if (PKG / name).is_dir():
-        return sorted((PKG / name).glob("*.py"))
+        return sorted((PKG / name).rglob("*.py"))
     return [PKG / f"{name}.py"] if (PKG / f"{name}.py").exists() else []
 
 
@@ -55,13 +79,15 @@ def test_imports_flow_one_way():
             bad = imported_modules(path) & later
             assert not bad, f"finetune.{name} ({path.name}) imports {bad}, which stand after it"
             # A module importing itself is only legal inside a package (finetune.data.x imports finetune.data.y).
-            assert name not in imported_modules(path) or path.parent.name == name, f"{path} imports itself"
+            assert name not in imported_modules(path) or path.relative_to(PKG).parts[0] == name, f"{path} imports itself"
 
 
 def test_package_modules_flow_one_way():
     for package, order in PACKAGE_ORDER.items():
         files = {p.stem: p for p in (PKG / package).glob("*.py")}
-        assert set(files) - {"__init__"} == set(order), f"finetune/{package}/: PACKAGE_ORDER lists {order}, files are {sorted(files)}"
+        assert set(files) - {"__init__"} == set(order), (
+            f"finetune/{package}/: PACKAGE_ORDER lists {order}, files are {sorted(files)}"
+        )
         for name in order:
             later = set(order[order.index(name) + 1 :])
             found = set()
@@ -76,7 +102,7 @@ def test_every_package_ships():
     import tomllib
 
     listed = set(tomllib.loads((PKG.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = {f"finetune.{p.parent.name}" for p in PKG.glob("*/__init__.py")}
+    found = {".".join(("finetune",) + p.parent.relative_to(PKG).parts) for p in PKG.glob("**/__init__.py") if p.parent != PKG}
     assert found <= listed, f"add {found - listed} to [tool.setuptools] packages in pyproject.toml"
 
 
@@ -95,7 +121,9 @@ def test_the_repository_carries_its_own_design_and_points_nowhere_outside():
     offenders = [
         str(p.relative_to(root))
         for p in root.rglob("*")
-        if p.is_file() and p.suffix in {".py", ".md", ".toml", ".yaml", ".yml", ".sbatch", ".cfg", ".txt"}
-        and ".git" not in p.parts and outside in p.read_text(errors="ignore")
+        if p.is_file()
+        and p.suffix in {".py", ".md", ".toml", ".yaml", ".yml", ".sbatch", ".cfg", ".txt"}
+        and ".git" not in p.parts
+        and outside in p.read_text(errors="ignore")
     ]
     assert not offenders, f"files refer to {outside}: {offenders}"

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import build_char_tokenizer, build_tiny_llama
 from safetensors.torch import load_file
 
-from conftest import build_char_tokenizer, build_tiny_llama
 from finetune.config import build_recipe
 from finetune.errors import ConfigError
 from finetune.metrics import read_metrics
@@ -211,7 +211,7 @@ def test_host_adamw_steps_like_adamw_and_its_state_loads_into_plain_adamw():
     host = HostAdamW(b, lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(host, lambda s: 1.0 / (s + 1))
     sched_plain = torch.optim.lr_scheduler.LambdaLR(plain, lambda s: 1.0 / (s + 1))
-    for step in range(4):
+    for _step in range(4):
         g = [torch.randn_like(p) for p in a]
         for p, q, gi in zip(a, b, g):
             p.grad, q.grad = gi.clone(), gi.clone()
@@ -266,8 +266,22 @@ def test_disk_trains_a_model_whose_weights_dwarf_its_anonymous_memory(tmp_path):
     # samples RssAnon every 2 ms (no timing is asserted).
     out = tmp_path / "disk.json"
     bench = Path(__file__).resolve().parents[1] / "benchmarks" / "offload.py"
-    cmd = [sys.executable, str(bench), "--hidden", "2048", "--layers", "10", "--steps", "2", "--batch", "1",
-           "--modes", "disk", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(bench),
+        "--hidden",
+        "2048",
+        "--layers",
+        "10",
+        "--steps",
+        "2",
+        "--batch",
+        "1",
+        "--modes",
+        "disk",
+        "--out",
+        str(out),
+    ]
     # On the CPU device: a CUDA run's heap holds the CUDA runtime, and its weights go to the GPU.
     env = {**os.environ, "TMPDIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -62,9 +62,14 @@ def build_model_dir(path, hidden, layers, vocab, heads=8, kv_heads=4, inter=None
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter or int(hidden * 2.6875),
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=1024, tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter or int(hidden * 2.6875),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
     )
     LlamaForCausalLM(cfg).save_pretrained(path)
     return path
@@ -98,13 +103,18 @@ def quant_state_tensors(model):
 
 
 def measure(model_dir, tmp_path, *, checkpointing: bool, dropout: float, batch: int, seq: int, quant: int | None = 4):
-    cfg = build_recipe({
-        "model": {"path": str(model_dir)}, "data": {"path": "unused.jsonl", "max_seq_len": seq},
-        "output_dir": str(tmp_path / "run"), "precision": "fp32", "quant": {"bits": quant},
-        "lora": {"r": 8, "alpha": 16, "dropout": dropout},
-        "train": {"batch_size": batch},
-        "memory": {"activation_checkpointing": "all" if checkpointing else "none"},
-    })
+    cfg = build_recipe(
+        {
+            "model": {"path": str(model_dir)},
+            "data": {"path": "unused.jsonl", "max_seq_len": seq},
+            "output_dir": str(tmp_path / "run"),
+            "precision": "fp32",
+            "quant": {"bits": quant},
+            "lora": {"r": 8, "alpha": 16, "dropout": dropout},
+            "train": {"batch_size": batch},
+            "memory": {"activation_checkpointing": "all" if checkpointing else "none"},
+        }
+    )
     torch.manual_seed(0)
     model = load_model(cfg, precision="fp32", device=torch.device("cpu"))
     model.train()
@@ -167,7 +177,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("which, checkpointing, dropout, batch, seq", CASES)
-def test_prediction_matches_measured_cpu_allocations(which, checkpointing, dropout, batch, seq, small_model, tiny_model, tmp_path):
+def test_prediction_matches_measured_cpu_allocations(
+    which, checkpointing, dropout, batch, seq, small_model, tiny_model, tmp_path
+):
     model_dir = small_model if which == "small" else tiny_model
     cfg, measured = measure(model_dir, tmp_path, checkpointing=checkpointing, dropout=dropout, batch=batch, seq=seq)
     _, predicted = predict(cfg, batch, seq, checkpointing)
@@ -181,12 +193,16 @@ if __name__ == "__main__":  # print the table of docs/plan.md: python tests/test
     from pathlib import Path
 
     tmp = Path(tempfile.mkdtemp())
-    dirs = {"small": build_model_dir(tmp / "small", hidden=512, layers=4, vocab=8000),
-            "tiny": build_model_dir(tmp / "tiny", hidden=128, layers=2, vocab=1000, heads=4, kv_heads=4)}
+    dirs = {
+        "small": build_model_dir(tmp / "small", hidden=512, layers=4, vocab=8000),
+        "tiny": build_model_dir(tmp / "tiny", hidden=128, layers=2, vocab=1000, heads=4, kv_heads=4),
+    }
     print("| model | checkpointing | LoRA dropout | batch x seq | what | measured | predicted | error |")
     print("|---|---|---|---|---|---|---|---|")
     for which, ck, dr, b, s in CASES:
         cfg, m = measure(dirs[which], tmp, checkpointing=ck, dropout=dr, batch=b, seq=s)
         _, p = predict(cfg, b, s, ck)
         for key in ("weights", "lora_state", "activations"):
-            print(f"| {which} | {'on' if ck else 'off'} | {dr} | {b} x {s} | {key} | {m[key]:,} B | {p[key]:,} B | {100 * (p[key] / m[key] - 1):+.1f}% |")
+            print(
+                f"| {which} | {'on' if ck else 'off'} | {dr} | {b} x {s} | {key} | {m[key]:,} B | {p[key]:,} B | {100 * (p[key] / m[key] - 1):+.1f}% |"
+            )

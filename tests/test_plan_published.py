@@ -66,49 +66,100 @@ def _gpu():
 
 def _unsloth(vram: int, context: int) -> Row:
     return Row(
-        "unsloth README, Hugging Face + FA2 column", UNSLOTH,
+        "unsloth README, Hugging Face + FA2 column",
+        UNSLOTH,
         f"Llama 3.1 8B Instruct, QLoRA all linear (q,k,v,o,gate,up,down) r=32, batch 1, sequences padded to {context:,}: "
         f"the longest context that fits {vram} GB",
         "standard HF QLoRA: prepare_model_for_kbit_training (fp32 embeddings/head/norms, gradient checkpointing), "
         "LoRA dropout 0, AdamW; published value = the card's memory",
-        "llama-3.1-8b", Setup(batch_size=1, grad_accum=1, seq_len=context, checkpoint_every=1),
-        HF_IMPL, dict(lora_r=32, lora_target="all-linear", lora_dropout=0.0), "fits", float(vram),
+        "llama-3.1-8b",
+        Setup(batch_size=1, grad_accum=1, seq_len=context, checkpoint_every=1),
+        HF_IMPL,
+        dict(lora_r=32, lora_target="all-linear", lora_dropout=0.0),
+        "fits",
+        float(vram),
     )
 
 
 ROWS = [
-    Row("Answer.AI fsdp_qlora benchmarks (2x4090, 'DDP')", ANSWERAI,
+    Row(
+        "Answer.AI fsdp_qlora benchmarks (2x4090, 'DDP')",
+        ANSWERAI,
         "Llama-2 7B QLoRA, train.py defaults (r=64, alpha 16, dropout 0.1, q/k/v/gate/up/down, bf16, AdamW), "
         "context 2048, batch 8, gradient checkpointing, full weights on each GPU; peak reserved",
         "dummy data fills every position (labels on all but the prompt)",
-        "llama-2-7b", Setup(batch_size=8, grad_accum=1, seq_len=2048, checkpoint_every=1),
-        ANSWERAI_IMPL, ANSWERAI_LORA, "reserved", 20.94),
-    Row("Answer.AI fsdp_qlora benchmarks (2x3090, FSDP)", ANSWERAI,
-        "as above, FSDP full shard over 2 GPUs, context 512, batch 1; peak reserved", "as above",
-        "llama-2-7b", Setup(batch_size=1, grad_accum=1, gpus=2, sharding="fsdp", seq_len=512, checkpoint_every=1),
-        ANSWERAI_IMPL, ANSWERAI_LORA, "reserved", 4.98,
+        "llama-2-7b",
+        Setup(batch_size=8, grad_accum=1, seq_len=2048, checkpoint_every=1),
+        ANSWERAI_IMPL,
+        ANSWERAI_LORA,
+        "reserved",
+        20.94,
+    ),
+    Row(
+        "Answer.AI fsdp_qlora benchmarks (2x3090, FSDP)",
+        ANSWERAI,
+        "as above, FSDP full shard over 2 GPUs, context 512, batch 1; peak reserved",
+        "as above",
+        "llama-2-7b",
+        Setup(batch_size=1, grad_accum=1, gpus=2, sharding="fsdp", seq_len=512, checkpoint_every=1),
+        ANSWERAI_IMPL,
+        ANSWERAI_LORA,
+        "reserved",
+        4.98,
         outside="the source reports 3.72 GiB already reserved right after wrapping, before training: each rank "
         "quantizes the whole model before FSDP shards it, and the allocator keeps that memory. The model predicts "
-        "training memory (3.5 GiB), which at this short context is less than that load-time reservation"),
-    Row("Answer.AI fsdp_qlora benchmarks (2x3090, FSDP)", ANSWERAI,
-        "as above, context 2048, batch 1", "as above",
-        "llama-2-7b", Setup(batch_size=1, grad_accum=1, gpus=2, sharding="fsdp", seq_len=2048, checkpoint_every=1),
-        ANSWERAI_IMPL, ANSWERAI_LORA, "reserved", 5.21),
-    Row("Answer.AI fsdp_qlora benchmarks (2x3090, FSDP)", ANSWERAI,
-        "as above, context 2048, batch 4", "as above",
-        "llama-2-7b", Setup(batch_size=4, grad_accum=1, gpus=2, sharding="fsdp", seq_len=2048, checkpoint_every=1),
-        ANSWERAI_IMPL, ANSWERAI_LORA, "reserved", 11.22),
-    Row("Answer.AI fsdp_qlora benchmarks (2x3090, FSDP)", ANSWERAI,
-        "as above, context 2048, batch 10", "as above",
-        "llama-2-7b", Setup(batch_size=10, grad_accum=1, gpus=2, sharding="fsdp", seq_len=2048, checkpoint_every=1),
-        ANSWERAI_IMPL, ANSWERAI_LORA, "reserved", 20.97),
-    Row("torchtune README, memory and training speed", TORCHTUNE,
+        "training memory (3.5 GiB), which at this short context is less than that load-time reservation",
+    ),
+    Row(
+        "Answer.AI fsdp_qlora benchmarks (2x3090, FSDP)",
+        ANSWERAI,
+        "as above, context 2048, batch 1",
+        "as above",
+        "llama-2-7b",
+        Setup(batch_size=1, grad_accum=1, gpus=2, sharding="fsdp", seq_len=2048, checkpoint_every=1),
+        ANSWERAI_IMPL,
+        ANSWERAI_LORA,
+        "reserved",
+        5.21,
+    ),
+    Row(
+        "Answer.AI fsdp_qlora benchmarks (2x3090, FSDP)",
+        ANSWERAI,
+        "as above, context 2048, batch 4",
+        "as above",
+        "llama-2-7b",
+        Setup(batch_size=4, grad_accum=1, gpus=2, sharding="fsdp", seq_len=2048, checkpoint_every=1),
+        ANSWERAI_IMPL,
+        ANSWERAI_LORA,
+        "reserved",
+        11.22,
+    ),
+    Row(
+        "Answer.AI fsdp_qlora benchmarks (2x3090, FSDP)",
+        ANSWERAI,
+        "as above, context 2048, batch 10",
+        "as above",
+        "llama-2-7b",
+        Setup(batch_size=10, grad_accum=1, gpus=2, sharding="fsdp", seq_len=2048, checkpoint_every=1),
+        ANSWERAI_IMPL,
+        ANSWERAI_LORA,
+        "reserved",
+        20.97,
+    ),
+    Row(
+        "torchtune README, memory and training speed",
+        TORCHTUNE,
         "Llama 3.1 8B QLoRA on 1x4090, batch 2, no accumulation, packed to 2048, torch.compile; config "
         "llama3_1/8B_qlora_single_device: r=8, alpha 16, dropout 0, q/k/v/o + MLP, activation checkpointing, "
         "fused AdamW, bf16, CEWithChunkedOutputLoss",
         "the figure is torch.cuda.max_memory_reserved (the metric torchtune's README named for its earlier table)",
-        "llama-3.1-8b", Setup(batch_size=2, grad_accum=1, seq_len=2048, checkpoint_every=1),
-        TORCHTUNE_IMPL, dict(lora_r=8, lora_target="all-linear", lora_dropout=0.0), "reserved", 7.4),
+        "llama-3.1-8b",
+        Setup(batch_size=2, grad_accum=1, seq_len=2048, checkpoint_every=1),
+        TORCHTUNE_IMPL,
+        dict(lora_r=8, lora_target="all-linear", lora_dropout=0.0),
+        "reserved",
+        7.4,
+    ),
     _unsloth(12, 932),
     _unsloth(16, 2551),
     _unsloth(24, 5789),
@@ -121,7 +172,9 @@ ROWS = [
 CHECKED = [r for r in ROWS if not r.outside]
 
 
-@pytest.mark.parametrize("row", CHECKED, ids=[f"{r.model}-{r.setup.batch_size}x{r.setup.seq_len}-{r.published_gib}" for r in CHECKED])
+@pytest.mark.parametrize(
+    "row", CHECKED, ids=[f"{r.model}-{r.setup.batch_size}x{r.setup.seq_len}-{r.published_gib}" for r in CHECKED]
+)
 def test_prediction_within_20_percent_of_published(row):
     predicted = row.predict_gib()
     err = predicted / row.published_gib - 1

@@ -7,8 +7,8 @@ import sys
 import types
 
 import pytest
-
 from conftest import train_tiny_run
+
 from finetune.cli import main
 from finetune.config import build_recipe
 from finetune.errors import ReportError

@@ -12,8 +12,8 @@ import signal
 
 import pytest
 import torch
-
 from conftest import write_jsonl
+
 from finetune.config import build_recipe
 from finetune.errors import CheckpointError, Preempted
 from finetune.metrics import read_metrics
@@ -93,7 +93,10 @@ def test_preempted_three_times_then_resumed_equals_straight_run(recipe_dict, tmp
         segments.append(run)
 
     assert [[s for s, _ in r.seen] for r in segments] == [
-        list(range(0, 3)), list(range(3, 10)), list(range(10, 12)), list(range(12, 20))
+        list(range(0, 3)),
+        list(range(3, 10)),
+        list(range(10, 12)),
+        list(range(12, 20)),
     ]  # each resume restored the position: nothing replayed, nothing skipped
     assert sum((r.seen for r in segments), []) == straight.seen  # same examples, same order
     assert rows(out) == rows(tmp_path / "a")  # losses, lrs and grad norms bitwise equal
@@ -209,8 +212,13 @@ def test_a_finished_run_is_extended_not_restarted(recipe_dict, tmp_path, capsys)
     from finetune.trainer import Trainer
 
     def cfg(out, steps, **extra):
-        data = {**recipe_dict, "output_dir": str(tmp_path / out), "checkpoint": {"every_steps": 100},
-                "train": {**recipe_dict["train"], "max_steps": steps, "scheduler": "constant"}, **extra}
+        data = {
+            **recipe_dict,
+            "output_dir": str(tmp_path / out),
+            "checkpoint": {"every_steps": 100},
+            "train": {**recipe_dict["train"], "max_steps": steps, "scheduler": "constant"},
+            **extra,
+        }
         return build_recipe(data)
 
     full = Trainer(cfg("full", 6), progress=False).train()
@@ -227,8 +235,13 @@ def test_every_step_after_resume_follows_the_new_schedule(recipe_dict, tmp_path)
     # A 3-step cosine run ends at lr 0; extended to 6 steps, step 4 must train at the
     # 6-step schedule's lr (as a straight 6-step run does), not at the restored 0.
     def cfg(out, steps, **extra):
-        data = {**recipe_dict, "output_dir": str(tmp_path / out), "checkpoint": {"every_steps": 100},
-                "train": {**recipe_dict["train"], "max_steps": steps, "scheduler": "cosine", "warmup_steps": 1}, **extra}
+        data = {
+            **recipe_dict,
+            "output_dir": str(tmp_path / out),
+            "checkpoint": {"every_steps": 100},
+            "train": {**recipe_dict["train"], "max_steps": steps, "scheduler": "cosine", "warmup_steps": 1},
+            **extra,
+        }
         return build_recipe(data)
 
     lrs = lambda out: {r["step"]: r["lr"] for r in read_metrics(tmp_path / out / "metrics.jsonl") if "loss" in r}  # noqa: E731

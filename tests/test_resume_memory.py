@@ -101,7 +101,10 @@ def straight(tiny_model_dir, runs_data, tmp_path_factory, request):
     recipe_dict = {
         "model": {"path": str(tiny_model_dir)},
         "data": {"path": str(runs_data), "format": "alpaca", "max_seq_len": 256},
-        "seed": 0, "precision": "fp32", "lora": {"r": 4, "alpha": 8}, "train": {},
+        "seed": 0,
+        "precision": "fp32",
+        "lora": {"r": 4, "alpha": 8},
+        "train": {},
     }
     Trainer(build_recipe(recipe_data(recipe_dict, out, request.param)), progress=False).train()
     return request.param, out, recipe_dict
@@ -133,8 +136,9 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run(tmp_path, straight):
     # The same thread count as this process, which trains the reference and the resumed part:
     # reductions split over another number of threads round differently.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    proc = subprocess.run([sys.executable, str(driver), str(recipe), "5"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(driver), str(recipe), "5"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert [r[0] for r in rows(out)] == [1, 2, 3, 4, 5]  # died as step 6 began; step-3 is the last checkpoint
     Trainer(build_recipe(recipe_data(recipe_dict, out, mode, resume="auto")), progress=False).train()

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import transformers
+from conftest import training_kernel_only
 from packaging.version import Version
 
 from finetune.config import build_recipe
@@ -15,7 +16,6 @@ from finetune.metrics import read_metrics
 from finetune.model import takes_boolean_logits_to_keep
 from finetune.report import plot_available
 from finetune.trainer import Trainer, lr_factor
-from conftest import training_kernel_only
 
 
 def make_cfg(recipe_dict, **sections):
@@ -134,8 +134,13 @@ def test_qlora_run_writes_exact_layout_and_peft_reloads_it(recipe_dict, tiny_mod
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4"]
     ckpt = out / "checkpoints" / "step-2"
     assert sorted(p.name for p in ckpt.iterdir()) == [
-        "adapter", "manifest.json", "optimizer.json", "optimizer.safetensors",
-        "rng.safetensors", "scheduler.json", "trainer_state.json",
+        "adapter",
+        "manifest.json",
+        "optimizer.json",
+        "optimizer.safetensors",
+        "rng.safetensors",
+        "scheduler.json",
+        "trainer_state.json",
     ]
     rows = read_metrics(out / "metrics.jsonl")
     train_rows = [r for r in rows if "loss" in r]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ALPACA_ROWS
 from safetensors.torch import load_file
 
-from conftest import ALPACA_ROWS
 from finetune import Callback, Trainer, TrainState
 from finetune.config import build_recipe
 from finetune.metrics import read_metrics
@@ -60,8 +60,14 @@ class Recorder(Callback):
 
 def test_a_callback_sees_every_step_eval_save_and_the_end(recipe_dict, tmp_path):
     rec = Recorder()
-    cfg = cfg_for(recipe_dict, tmp_path / "run", train={"max_steps": 6, "log_every_steps": 3},
-                  eval={"every_steps": 3}, data={"eval_fraction": 0.1}, checkpoint={"every_steps": 2, "keep_last": None})
+    cfg = cfg_for(
+        recipe_dict,
+        tmp_path / "run",
+        train={"max_steps": 6, "log_every_steps": 3},
+        eval={"every_steps": 3},
+        data={"eval_fraction": 0.1},
+        checkpoint={"every_steps": 2, "keep_last": None},
+    )
     result = Trainer(cfg, progress=False, callbacks=[rec]).train()
     kinds = [k for k, _ in rec.calls]
     assert kinds[0] == "begin" and kinds[-1] == "end"
@@ -103,8 +109,9 @@ def test_an_object_without_hooks_is_refused_as_a_callback(recipe_dict, tmp_path)
 
 def test_own_optimizer_and_scheduler_are_the_ones_that_train(recipe_dict, tmp_path):
     # SGD at lr 0 leaves LoRA's B at its zero init; AdamW (the default) moves it.
-    frozen = Trainer(cfg_for(recipe_dict, tmp_path / "sgd0"), progress=False,
-                     optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
+    frozen = Trainer(
+        cfg_for(recipe_dict, tmp_path / "sgd0"), progress=False, optimizer=lambda params: torch.optim.SGD(params, lr=0.0)
+    )
     frozen.train()
     assert isinstance(frozen.optimizer.optimizer, torch.optim.SGD)
     b = {k: v for k, v in adapter(tmp_path / "sgd0").items() if "lora_B" in k}
@@ -113,9 +120,12 @@ def test_own_optimizer_and_scheduler_are_the_ones_that_train(recipe_dict, tmp_pa
     assert any(torch.count_nonzero(v) > 0 for k, v in adapter(tmp_path / "adamw").items() if "lora_B" in k)
 
     # A scheduler function of the optimizer: its lr is the one each step logs.
-    halving = Trainer(cfg_for(recipe_dict, tmp_path / "halving", train={"max_steps": 3}), progress=False,
-                      optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-                      scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s))
+    halving = Trainer(
+        cfg_for(recipe_dict, tmp_path / "halving", train={"max_steps": 3}),
+        progress=False,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s),
+    )
     halving.train()
     assert [r["lr"] for r in read_metrics(tmp_path / "halving" / "metrics.jsonl") if "loss" in r] == [0.1, 0.05, 0.025]
 
@@ -138,9 +148,14 @@ def test_own_loss_function_is_the_objective(recipe_dict, tmp_path):
 def test_from_parts_needs_no_paths_and_trains_like_the_recipe(recipe_dict, tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    settings = {"seed": 0, "precision": "fp32", "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-                "train": {"max_steps": 3, "batch_size": 4, "lr": 1e-3}, "memory": {"activation_checkpointing": "none"},
-                "report": {"plot": False}}
+    settings = {
+        "seed": 0,
+        "precision": "fp32",
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+        "train": {"max_steps": 3, "batch_size": 4, "lr": 1e-3},
+        "memory": {"activation_checkpointing": "none"},
+        "report": {"plot": False},
+    }
     Trainer(cfg_for(recipe_dict, tmp_path / "recipe", **settings), progress=False).train()
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -163,8 +178,13 @@ def test_from_parts_needs_no_paths_and_trains_like_the_recipe(recipe_dict, tiny_
 
 
 def test_the_context_manager_deletes_the_streamed_weights_file(recipe_dict, tmp_path):
-    cfg = cfg_for(recipe_dict, tmp_path / "run", quant={"bits": 4}, train={"max_steps": 1},
-                  memory={"activation_checkpointing": "all", "base_weights": "disk", "offload_dir": str(tmp_path / "nvme")})
+    cfg = cfg_for(
+        recipe_dict,
+        tmp_path / "run",
+        quant={"bits": 4},
+        train={"max_steps": 1},
+        memory={"activation_checkpointing": "all", "base_weights": "disk", "offload_dir": str(tmp_path / "nvme")},
+    )
     with Trainer(cfg, progress=False) as trainer:
         trainer.train()
         store = trainer.stream.store

@@ -10,7 +10,8 @@ Every example is {"input_ids": [...], "labels": [...]} (packed rows add
 
 Modules, in the order data flows through them:
     sources    read files / folders / hub datasets, mix them with weights
-    records    what each data.format needs; ShareGPT -> messages; `validate`'s checks
+    formats/   one module per data.format (its columns, checks, prompt/response or messages), and the registry
+    records    applies the formats' checks to sources; column hints; `validate`'s checks
     templates  built-in chat templates (data.template) and end-of-turn tokens
     tokenize   records -> (input_ids, labels) for every format and data.train_on
     masks      the mask checker (data.mask_check)
@@ -22,12 +23,13 @@ Modules, in the order data flows through them:
 """
 
 from finetune.data.dataset import Collator, DataBundle, DataStats, TokenizedData, count_tokens
+from finetune.data.formats import FORMATS, get_format
 from finetune.data.packing import length_grouped, pack_rows
 from finetune.data.pipeline import build_datasets, build_examples, check_sample, held_out_indices, held_out_records
 from finetune.data.records import check_data_source
 from finetune.data.sources import load_records
 from finetune.data.templates import BUILTIN_TEMPLATES, use_template
-from finetune.data.tokenize import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, IGNORE_INDEX, prompt_and_answer
+from finetune.data.tokenize import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, IGNORE_INDEX, generation_prompt, prompt_and_answer
 
 __all__ = [
     "ALPACA_PROMPT",
@@ -36,6 +38,7 @@ __all__ = [
     "Collator",
     "DataBundle",
     "DataStats",
+    "FORMATS",
     "IGNORE_INDEX",
     "TokenizedData",
     "build_datasets",
@@ -43,6 +46,8 @@ __all__ = [
     "check_data_source",
     "check_sample",
     "count_tokens",
+    "generation_prompt",
+    "get_format",
     "held_out_indices",
     "held_out_records",
     "length_grouped",

@@ -60,7 +60,7 @@ def code_fingerprint() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     h = hashlib.sha256(str(CACHE_VERSION).encode())
-    for path in sorted(Path(__file__).parent.glob("*.py")):
+    for path in sorted(Path(__file__).parent.rglob("*.py")):  # formats/ included
         h.update(path.read_bytes())
     for lib in ("transformers", "tokenizers", "jinja2"):
         try:
@@ -93,16 +93,17 @@ def read_cache(path: Path) -> tuple[dict[str, TokenizedData | None], dict[str, D
             return None
         from safetensors.numpy import load_file
 
-        data, stats = {}, {}
+        data: dict[str, TokenizedData | None] = {}
+        stats: dict[str, DataStats | None] = {}
         for name in _FILES:
             if meta["stats"].get(name) is None:
                 data[name] = stats[name] = None
                 continue
             arrays = load_file(str(path / f"{name}.safetensors"))
-            data[name] = TokenizedData(**arrays)
-            stats[name] = DataStats(**meta["stats"][name])
-            if not _consistent(data[name], stats[name]):
+            tokenized, counted = TokenizedData(**arrays), DataStats(**meta["stats"][name])
+            if not _consistent(tokenized, counted):
                 return None
+            data[name], stats[name] = tokenized, counted
         return data, stats, meta["findings"]
     except Exception:  # noqa: BLE001 - any unreadable entry (truncated file, bad header, old layout) is rebuilt
         return None
@@ -120,7 +121,9 @@ def _consistent(data: TokenizedData, stats: DataStats) -> bool:
     return ok
 
 
-def write_cache(path: Path, data: dict[str, TokenizedData | None], stats: dict[str, DataStats | None], findings: list[dict]) -> None:
+def write_cache(
+    path: Path, data: dict[str, TokenizedData | None], stats: dict[str, DataStats | None], findings: list[dict]
+) -> None:
     """Write an entry atomically; a concurrent writer of the same key (another rank) is harmless."""
     from safetensors.numpy import save_file
 
@@ -130,8 +133,9 @@ def write_cache(path: Path, data: dict[str, TokenizedData | None], stats: dict[s
     tmp.mkdir()
     try:
         for name in _FILES:
-            if data.get(name) is not None:
-                save_file(data[name].arrays(), str(tmp / f"{name}.safetensors"))
+            part = data.get(name)
+            if part is not None:
+                save_file(part.arrays(), str(tmp / f"{name}.safetensors"))
         meta = {
             "version": CACHE_VERSION,
             "stats": {k: (v.to_dict() if v is not None else None) for k, v in stats.items()},

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -125,7 +126,7 @@ class TokenizedData(Sequence):
             return len(self) == len(other) and all(a == b for a, b in zip(self, other))
         return NotImplemented
 
-    __hash__ = None  # mutable arrays
+    __hash__ = None  # type: ignore[assignment]  # mutable arrays
 
     def __repr__(self) -> str:
         kind = "packed rows" if self.packed else "examples"
@@ -138,7 +139,7 @@ class TokenizedData(Sequence):
         return h.hexdigest()[:16]
 
     def arrays(self) -> dict[str, np.ndarray]:
-        out = {"input_ids": self.input_ids, "labels": self.labels, "offsets": self.offsets}
+        out: dict[str, np.ndarray] = {"input_ids": self.input_ids, "labels": self.labels, "offsets": self.offsets}
         return out if self.starts is None else {**out, "starts": self.starts}
 
 

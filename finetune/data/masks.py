@@ -82,8 +82,7 @@ def enforce(findings: dict[str, Finding], policy: str, key: str = "data") -> lis
     if policy == "error":
         fixes = "; ".join(f"{k}: {FIXES[k]}" for k in findings)  # one fix per kind found
         raise DataError(
-            f"{key}: the label-mask check failed, so training would learn the wrong tokens:\n    "
-            + "\n    ".join(lines),
+            f"{key}: the label-mask check failed, so training would learn the wrong tokens:\n    " + "\n    ".join(lines),
             hint=f"{fixes}. `finetune data RECIPE` shows the examples with trained tokens marked; "
             "data.mask_check=drop leaves the flagged examples out, warn trains them anyway",
         )
@@ -98,6 +97,6 @@ def _detail(kind: str, tokenizer: Any, enc: Encoded) -> str:
         return enc.boundary or ""
     if kind == "end_untrained":
         a, b = next((a, b) for a, b in enc.spans if b > a)
-        return f"reply ends in tokens {tokens(enc.input_ids[max(a, b - 6):b])}, none of them eos or an end-of-turn token"
+        return f"reply ends in tokens {tokens(enc.input_ids[max(a, b - 6) : b])}, none of them eos or an end-of-turn token"
     head = tokens(enc.input_ids[:16])
     return f"tokens {head}{' ...' if len(enc.input_ids) > 16 else ''}"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:

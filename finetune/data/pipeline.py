@@ -1,9 +1,9 @@
 """build_datasets: load -> check records -> split eval -> weight -> tokenize and mask -> check masks -> truncate -> pack.
 
-    from finetune.data import build_datasets, Collator
-    bundle = build_datasets(cfg, tokenizer)
-    print(bundle.train_stats.summary())
-    batch = Collator(pad_token_id=tokenizer.pad_token_id)(bundle.train[:4])
+from finetune.data import build_datasets, Collator
+bundle = build_datasets(cfg, tokenizer)
+print(bundle.train_stats.summary())
+batch = Collator(pad_token_id=tokenizer.pad_token_id)(bundle.train[:4])
 """
 
 from __future__ import annotations
@@ -69,7 +69,9 @@ def _encode_items(
         # fork: workers inherit the tokenizer instead of unpickling one each.
         methods = multiprocessing.get_all_start_methods()
         ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-        with ProcessPoolExecutor(min(num_proc, len(tasks)), mp_context=ctx, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+        with ProcessPoolExecutor(
+            min(num_proc, len(tasks)), mp_context=ctx, initializer=_init_worker, initargs=(tokenizer,)
+        ) as pool:
             results = list(pool.map(_encode_task, tasks))
     else:
         _init_worker(tokenizer)
@@ -220,12 +222,14 @@ def build_datasets(cfg: RecipeConfig, tokenizer: Any, *, use_cache: bool | None 
     cached = read_cache(entry) if entry is not None else None
     if cached is not None:
         data, stats, raw_findings = cached
-        findings = {f["kind"]: Finding(**f) for f in raw_findings}
-        stats["train"].warnings += enforce(findings, d.mask_check)
-        return DataBundle(data["train"], data["eval"], stats["train"], stats["eval"], from_cache=True)
+        found = {f["kind"]: Finding(**f) for f in raw_findings}
+        train_data, train_stats = data["train"], stats["train"]
+        assert train_data is not None and train_stats is not None, "a cache entry always holds the train set"
+        train_stats.warnings += enforce(found, d.mask_check)
+        return DataBundle(train_data, data["eval"], train_stats, stats["eval"], from_cache=True)
 
     sources: list[Source] = []
-    skipped = {"train": [], "eval": []}
+    skipped: dict[str, list[str]] = {"train": [], "eval": []}
     usable: list[list[int]] = []
     for spec in source_specs(cfg):
         src, keep, bad = _load_usable(spec, d.skip_bad_rows)
@@ -275,8 +279,12 @@ def build_datasets(cfg: RecipeConfig, tokenizer: Any, *, use_cache: bool | None 
     train_stats.warnings = [f"skipped: {s}" for s in (skipped["train"] + skipped["eval"])[:5]]
     if entry is not None:  # findings are stored, not enforced, so a later data.mask_check still applies
         try:
-            write_cache(entry, {"train": train, "eval": evals}, {"train": train_stats, "eval": eval_stats},
-                        [f.__dict__ for f in findings.values()])
+            write_cache(
+                entry,
+                {"train": train, "eval": evals},
+                {"train": train_stats, "eval": eval_stats},
+                [f.__dict__ for f in findings.values()],
+            )
         except OSError as exc:  # a full disk or read-only cache must not cost the tokenizing just done
             train_stats.warnings.append(f"could not write the tokenized cache at {entry.parent}: {exc}")
     train_stats.warnings += enforce(findings, d.mask_check)
@@ -310,5 +318,8 @@ def check_sample(cfg: RecipeConfig, tokenizer: Any, limit: int = 64) -> list[str
             problems.append(f"{exc.message}. {exc.hint}" if exc.hint else exc.message)
             continue
         if d.mask_check == "error":
-            problems += [f"{spec.key}: mask check on the first {len(keep)} records: {f.describe()}. {FIXES[f.kind]}" for f in findings.values()]
+            problems += [
+                f"{spec.key}: mask check on the first {len(keep)} records: {f.describe()}. {FIXES[f.kind]}"
+                for f in findings.values()
+            ]
     return problems

@@ -7,7 +7,8 @@ masked tokens are dimmed on a terminal and left as they are otherwise:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

@@ -157,9 +157,9 @@ def _read_file(
             lines[:] = [n for n, row in zip(lines, rows) if isinstance(row, dict)]
         rows = [row for row in rows if isinstance(row, dict)]
     elif bad:
-        at = f"line {lines[bad[0]]}" if lines else f"record {bad[0]} (0-based)"
+        where = f"line {lines[bad[0]]}" if lines else f"record {bad[0]} (0-based)"
         raise DataError(
-            f"{key}: '{path}' {at} is a {type(rows[bad[0]]).__name__}, not an object",
+            f"{key}: '{path}' {where} is a {type(rows[bad[0]]).__name__}, not an object",
             hint='each record must be an object such as {"instruction": ..., "output": ...}',
         )
     if not rows:

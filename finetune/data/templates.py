@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from finetune.data.formats import FORMATS
 from finetune.errors import DataError
 
 # Built-ins render role + content only: a tool call would be dropped without a word, so they refuse it.
@@ -27,15 +28,17 @@ _NO_TOOL_CALLS = (
 
 BUILTIN_TEMPLATES: dict[str, str] = {
     "chatml": (
-        "{% for m in messages %}" + _NO_TOOL_CALLS +
-        "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+        "{% for m in messages %}"
+        + _NO_TOOL_CALLS
+        + "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
         "{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
     ),
     "llama3": (
         "{{ bos_token }}"
-        "{% for m in messages %}" + _NO_TOOL_CALLS +
-        "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] + '<|eot_id|>' }}"
+        "{% for m in messages %}"
+        + _NO_TOOL_CALLS
+        + "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] + '<|eot_id|>' }}"
         "{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
     ),
@@ -43,8 +46,7 @@ BUILTIN_TEMPLATES: dict[str, str] = {
     "mistral": (
         "{{ bos_token }}"
         "{% set ns = namespace(system='') %}"
-        "{% for m in messages %}" + _NO_TOOL_CALLS +
-        "{% if m['role'] == 'system' %}{% set ns.system = m['content'] + '\n\n' %}"
+        "{% for m in messages %}" + _NO_TOOL_CALLS + "{% if m['role'] == 'system' %}{% set ns.system = m['content'] + '\n\n' %}"
         "{% elif m['role'] == 'user' %}{{ '[INST] ' + ns.system + m['content'] + ' [/INST]' }}{% set ns.system = '' %}"
         "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}"
         "{% else %}{{ raise_exception('the mistral template has no place for role ' + m['role']) }}"
@@ -52,8 +54,7 @@ BUILTIN_TEMPLATES: dict[str, str] = {
         "{% endfor %}"
     ),
     "alpaca": (
-        "{% for m in messages %}" + _NO_TOOL_CALLS +
-        "{% if m['role'] == 'system' %}{{ m['content'] + '\n\n' }}"
+        "{% for m in messages %}" + _NO_TOOL_CALLS + "{% if m['role'] == 'system' %}{{ m['content'] + '\n\n' }}"
         "{% elif m['role'] == 'user' %}{{ ('\n\n' if not loop.first and messages[loop.index0 - 1]['role'] != 'system' else '')"
         " + '### Instruction:\n' + m['content'] + '\n\n### Response:\n' }}"
         "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}"
@@ -76,7 +77,8 @@ def use_template(tokenizer: Any, name: str) -> str:
     if name == "auto":
         if not getattr(tokenizer, "chat_template", None):
             raise DataError(
-                "chat data (data.format=messages/sharegpt) needs a chat template, but the tokenizer has none",
+                f"chat data (data.format={'/'.join(n for n, f in FORMATS.items() if f.chat)}) needs a chat template, "
+                "but the tokenizer has none",
                 hint=f"set data.template to one of {', '.join(BUILTIN_TEMPLATES)} (chatml for base models), "
                 "use a chat/instruct model's tokenizer (model.tokenizer=...), or convert to data.format=completion",
             )

@@ -5,10 +5,10 @@ inside its loss, so labels[t] is the target predicted from positions < t. The fi
 token of an example is never trained (nothing precedes it), which also keeps packed
 examples from learning to predict one example's start from another's end.
 
-prompt/response formats (alpaca, completion, text) tokenize prompt + response as one
-text and mask the prompt's tokens, so the response is tokenized exactly as it would
-be in running text (tokenizing it alone would give SentencePiece tokenizers a
-spurious leading space). If tokenizing the prompt alone does not give a prefix of
+prompt/response formats (a Format with split: alpaca, completion, text, ...) tokenize
+prompt + response as one text and mask the prompt's tokens, so the response is
+tokenized exactly as it would be in running text (tokenizing it alone would give
+SentencePiece tokenizers a spurious leading space). If tokenizing the prompt alone does not give a prefix of
 the joint tokens, a token straddles the boundary: generation would start from
 different tokens than training saw. That is recorded as a `boundary` problem for
 the mask checker. Char tokenizer, completion prompt "Q: 2+2=", completion "4":
@@ -16,8 +16,9 @@ the mask checker. Char tokenizer, completion prompt "Q: 2+2=", completion "4":
     labels    = [-100] * 8                + [4, </s>]
 text "hi": input_ids = [<s>, h, i, </s>], labels = [-100, h, i, </s>].
 
-chat formats (messages, sharegpt) render the conversation with the chat template and
-find each assistant reply by rendering prefixes: reply i spans tokens
+chat formats (a Format with to_messages: messages, sharegpt, input_output, ...) render
+the conversation with the chat template and find each assistant reply by rendering
+prefixes: reply i spans tokens
 [len(tok(render(msgs[:i], add_generation_prompt))), len(tok(render(msgs[:i+1])))),
 which works for any Jinja template, with or without generation tags. ChatML,
 [user "hi", assistant "yo"] (char tokenizer; <|im_end|> is the reply's end token):
@@ -28,26 +29,18 @@ which works for any Jinja template, with or without generation tags. ChatML,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
+from finetune.data.formats import FORMATS, get_format
+from finetune.data.formats.alpaca import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT  # noqa: F401  (re-exported)
 from finetune.data.records import has_reply, record_problem, to_messages
 from finetune.errors import DataError
 
 IGNORE_INDEX = -100
 
-ALPACA_PROMPT = (
-    "Below is an instruction that describes a task, paired with an input that provides further context. "
-    "Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-)
-ALPACA_PROMPT_NO_INPUT = (
-    "Below is an instruction that describes a task. "
-    "Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Response:\n"
-)
-
-CHAT_FORMATS = ("messages", "sharegpt")
+CHAT_FORMATS = tuple(name for name, f in FORMATS.items() if f.chat)
 
 
 @dataclass
@@ -86,7 +79,7 @@ def encode_rendered(tokenizer: Any, text: str) -> list[int]:
     """Tokenize chat-template output as the template wrote it: no second BOS (templates like Llama 3's
     write one), and no eos appended by the tokenizer (the template decides where turns end)."""
     bos = getattr(tokenizer, "bos_token", None)
-    has_bos = bool(bos) and text.startswith(bos)
+    has_bos = isinstance(bos, str) and bool(bos) and text.startswith(bos)
     ids = list(tokenizer(text, add_special_tokens=not has_bos, verbose=False)["input_ids"])
     if not has_bos and ids and _appends_eos(tokenizer) and not text.endswith(tokenizer.eos_token or "\0"):
         ids.pop()
@@ -103,22 +96,6 @@ def render(tokenizer: Any, messages: list[dict], where: str, add_generation_prom
         ) from None
 
 
-def alpaca_prompt(rec: dict) -> str:
-    inp = rec.get("input") or ""
-    if inp.strip():
-        return ALPACA_PROMPT.format(instruction=rec["instruction"], input=inp)
-    return ALPACA_PROMPT_NO_INPUT.format(instruction=rec["instruction"])
-
-
-def split_text(rec: dict, fmt: str) -> tuple[str, str]:
-    """(prompt, response) text; text trains all of itself, so its prompt is empty (BOS only)."""
-    if fmt == "alpaca":
-        return alpaca_prompt(rec), rec["output"]
-    if fmt == "completion":
-        return rec["prompt"], rec["completion"]
-    return "", rec["text"]
-
-
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
@@ -129,11 +106,12 @@ def _show(tokenizer: Any, ids: list[int]) -> str:
 
 
 def encode_prompt_response(records: list[dict], fmt: str, tokenizer: Any, train_on: str) -> list[Encoded | None]:
-    """alpaca, completion, text. None for a record with an empty response (nothing to learn)."""
+    """Prompt/response formats (alpaca, completion, text, ...). None for a record with an empty response (nothing to learn)."""
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None:
         raise DataError("the tokenizer has no eos_token, so the model could not learn to stop", hint="use one that has")
-    texts = [split_text(r, fmt) for r in records]
+    f = get_format(fmt)
+    texts = [f.texts(r) for r in records]
     prompts = _encode_many(tokenizer, [p for p, _ in texts], True)
     joints = _encode_many(tokenizer, [p + r for p, r in texts], True)
     out: list[Encoded | None] = []
@@ -149,7 +127,7 @@ def encode_prompt_response(records: list[dict], fmt: str, tokenizer: Any, train_
             k = _common_prefix(p, j)
             boundary = (
                 f"the prompt alone ends in tokens {_show(tokenizer, p[k:][-4:])} but prompt + response has "
-                f"{_show(tokenizer, j[k:k + 4])} there: a token straddles the end of the prompt "
+                f"{_show(tokenizer, j[k : k + 4])} there: a token straddles the end of the prompt "
                 f"(prompt ends with {prompt_text[-12:]!r}, response starts with {response[:12]!r})"
                 + ("; strip the response's leading whitespace" if response[:1].isspace() else "")
                 + ("; move the prompt's trailing whitespace to the response" if prompt_text[-1:] in (" ", "\t") else "")
@@ -162,7 +140,7 @@ def encode_prompt_response(records: list[dict], fmt: str, tokenizer: Any, train_
 
 
 def encode_chat(rec: dict, fmt: str, tokenizer: Any, train_on: str, where: str, max_len: int | None = None) -> Encoded | None:
-    """messages, sharegpt. None when the conversation has no assistant reply to learn from.
+    """Chat formats (messages, sharegpt, input_output, ...). None when the conversation has no assistant reply to learn from.
 
     Replies with neither text nor tool calls are not trained (learning to say nothing
     teaches nothing); neither are assistant turns before the first user turn (a greeting
@@ -192,7 +170,7 @@ def encode_chat(rec: dict, fmt: str, tokenizer: Any, train_on: str, where: str, 
                 k = a
                 boundary = (
                     f"reply {i} starts with {msgs[i]['content'][:12]!r}, which merges with the template's "
-                    f"{start_text[-12:]!r} into token(s) {_show(tokenizer, ids[k:k + 2])}: the prompt the model "
+                    f"{start_text[-12:]!r} into token(s) {_show(tokenizer, ids[k : k + 2])}: the prompt the model "
                     "sees at generation ends differently than in training"
                 )
             else:
@@ -212,7 +190,7 @@ def encode_records(
     records: list[dict], fmt: str, tokenizer: Any, train_on: str, wheres: list[str], max_len: int | None = None
 ) -> list[Encoded | None]:
     """Records of one format (already checked by record_problem) -> Encoded, or None to drop."""
-    if fmt in CHAT_FORMATS:
+    if get_format(fmt).chat:
         return [encode_chat(r, fmt, tokenizer, train_on, w, max_len) for r, w in zip(records, wheres)]
     return encode_prompt_response(records, fmt, tokenizer, train_on)
 
@@ -220,20 +198,23 @@ def encode_records(
 def prompt_and_answer(record: dict, fmt: str, tokenizer: Any) -> tuple[list[int], str]:
     """The prompt ids exactly as training saw them, and the expected answer, for generation-based eval.
 
-    alpaca: (tok(alpaca prompt), output); completion: (tok(prompt), completion);
-    messages/sharegpt: (tok(render(turns before the last assistant reply, add_generation_prompt)),
+    Prompt/response formats: (tok(prompt), response), e.g. alpaca: (tok(alpaca prompt), output);
+    chat formats: (tok(render(turns before the last assistant reply, add_generation_prompt)),
     that reply's content). `record` is one of load_records' (data.columns already applied).
     """
-    if fmt == "text":
+    f = get_format(fmt)
+    if not f.answers:
+        names = [name for name, other in FORMATS.items() if other.answers]
+        scored = ", ".join(names[:-1]) + " or " + names[-1]
         raise DataError(
             f"data.format={fmt} has no prompt/answer split, so exact-match eval cannot score it",
-            hint="use eval.exact_match_path with alpaca, completion or messages data, or set eval.exact_match_path=null",
+            hint=f"use eval.exact_match_path with {scored} data, or set eval.exact_match_path=null",
         )
     problem = record_problem(record, fmt, {})
     if problem:
         raise DataError(f"record {problem[0]}", hint=problem[1])
-    if fmt in ("alpaca", "completion"):
-        prompt, answer = split_text(record, fmt)
+    if not f.chat:
+        prompt, answer = f.texts(record)
         return _encode_many(tokenizer, [prompt], True)[0], answer
     msgs = to_messages(record, fmt)
     last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
@@ -242,3 +223,18 @@ def prompt_and_answer(record: dict, fmt: str, tokenizer: Any) -> tuple[list[int]
         raise DataError("record has no assistant reply after a prompt to score", hint)
     text = render(tokenizer, msgs[:last], "record", add_generation_prompt=True)
     return encode_rendered(tokenizer, text), msgs[last]["content"]
+
+
+def generation_prompt(text: str, fmt: str, tokenizer: Any, context: str = "") -> list[int]:
+    """The tokens training put before a response, for a user's free text (`finetune generate`).
+
+    The format's prompt_record turns the text into a record with an empty answer, whose
+    prompt is built as prompt_and_answer builds it; a format without answers (text) has
+    the text itself as its prompt, to be continued (training saw BOS + text).
+    """
+    f = get_format(fmt)
+    record = f.prompt_record(text, context)
+    if not f.answers:
+        prompt, response = f.texts(record)
+        return _encode_many(tokenizer, [prompt + response], True)[0]
+    return prompt_and_answer(record, fmt, tokenizer)[0]

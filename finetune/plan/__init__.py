@@ -25,7 +25,18 @@ Modules, in the order a plan is made (each imports only those above it):
     preflight  preflight_memory: the check `finetune run` makes before loading weights
 """
 
-from finetune.plan.fitting import FIT_HEADROOM, KNOBS, Knob, candidates, fit, longest_fitting_seq, runnable, search
+from finetune.plan.fitting import (
+    FIT_HEADROOM,
+    KNOBS,
+    Knob,
+    LongestSeq,
+    candidates,
+    fit,
+    longest_fitting_seq,
+    longest_trainable_seq,
+    runnable,
+    search,
+)
 from finetune.plan.inputs import DEFAULT_IMPL, Implementation, Recipe, Setup, describe_setup, lora_targets
 from finetune.plan.memory import (
     ALLOCATOR_SLACK,
@@ -100,6 +111,8 @@ __all__ = [
     "gib",
     "layer_saved_bytes_per_token",
     "longest_fitting_seq",
+    "longest_trainable_seq",
+    "LongestSeq",
     "lora_targets",
     "loaded_weight_bytes",
     "loss_peak_bytes",

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import product
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from finetune import memory_modes
 from finetune.config import RecipeConfig
 from finetune.errors import PlanError
 from finetune.gpus import GiB, GpuSpec
@@ -55,20 +57,26 @@ KNOBS: list[Knob] = [
 ]
 
 
+def mode_settings(s: Setup, recipe: Recipe | None = None) -> memory_modes.Settings:
+    """A setup as finetune/memory_modes.py's rules read it (recipe None: a 4-bit LoRA recipe)."""
+    settings = memory_modes.Settings(
+        activation_checkpointing=memory_modes.checkpointing_value(s.checkpoint_every),
+        activation_offload=s.activation_offload,
+        base_weights=s.base_weights,
+        optimizer_offload=s.optimizer_offload,
+        fsdp=s.sharding == "fsdp" and s.gpus > 1,
+        cpu_offload=s.cpu_offload,
+        processes=s.gpus,
+    )
+    return settings if recipe is None else replace(settings, quant_bits=recipe.quant_bits, lora=recipe.lora_r is not None)
+
+
 def runnable(s: Setup, recipe: Recipe | None = None) -> bool:
-    """Whether the trainer runs this combination (config.fsdp_problems, config.memory_problems, trainer.py)."""
-    if (s.sharding == "fsdp" and s.gpus == 1) or (s.cpu_offload and s.sharding != "fsdp"):
+    """Whether the trainer runs this combination: no rule of finetune/memory_modes.py's table refuses it.
+    FSDP on one GPU is left out too: it runs as one process, the same setup as DDP's."""
+    if s.sharding == "fsdp" and s.gpus == 1:
         return False
-    if s.activation_offload and s.checkpoint_every == 1:
-        return False  # nothing to move: checkpointed layer inputs live inside the checkpoints
-    if s.sharding == "fsdp" and (s.streams_weights or s.optimizer_offload):
-        return False  # FSDP shards and offloads the weights and optimizer state itself
-    if s.streams_weights:
-        if s.gpus != 1 or s.checkpoint_every != 1:
-            return False  # one process; the recomputation brings each layer back before its backward
-        if recipe is not None and (recipe.quant_bits == 8 or recipe.lora_r is None):
-            return False
-    return True
+    return not memory_modes.problems(mode_settings(s, recipe))
 
 
 def candidates(base: Setup, max_gpus: int, recipe: Recipe | None = None) -> list[Setup]:
@@ -90,21 +98,27 @@ def _fits_with_headroom(e: Estimate, gpu: GpuSpec) -> bool:
     return e.peak_bytes <= (1 - FIT_HEADROOM) * gpu.memory_bytes
 
 
-def search(shape: ModelShape, recipe: Recipe, base: Setup, gpu: GpuSpec, max_gpus: int, host_ram: int | None = None,
-           **kw) -> tuple[Estimate | None, list[Estimate]]:
+def search(
+    shape: ModelShape, recipe: Recipe, base: Setup, gpu: GpuSpec, max_gpus: int, host_ram: int | None = None, **kw
+) -> tuple[Estimate | None, list[Estimate]]:
     """(fastest setup that fits with FIT_HEADROOM to spare, or None; every estimate made).
     host_ram: the machine's RAM, when known; setups that need more (offload, FSDP's load of
     the whole model per process) are left out. Ties go to less offloading, then fewer GPUs,
     then more headroom."""
     estimates = [estimate(shape, recipe, s, gpu, **kw) for s in candidates(base, max_gpus, recipe)]
     fitting = [e for e in estimates if _fits_with_headroom(e, gpu) and (host_ram is None or e.host_ram_bytes <= host_ram)]
-    best = min(fitting, key=lambda e: (round(e.step_time_s, 6), e.setup.offload_rank, e.setup.gpus, -e.headroom_bytes), default=None)
+    best = min(
+        fitting,
+        key=lambda e: (round(e.step_time_s, 6), e.setup.offload_rank, e.setup.gpus, -(e.headroom_bytes or 0)),
+        default=None,
+    )
     return best, estimates
 
 
-def longest_fitting_seq(shape: ModelShape, recipe: Recipe, base: Setup, gpu: GpuSpec, **kw) -> int:
-    """The longest data.max_seq_len at which batch 1 of `base` fits (0: not even 64 tokens)."""
-    lo, hi = 0, base.seq_len
+def longest_fitting_seq(shape: ModelShape, recipe: Recipe, base: Setup, gpu: GpuSpec, upper: int | None = None, **kw) -> int:
+    """The longest data.max_seq_len (up to `upper`, default base's) at which batch 1 of `base` fits
+    (0: not even 64 tokens)."""
+    lo, hi = 0, upper or base.seq_len
     probe = replace(base, batch_size=1, grad_accum=1)
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -115,12 +129,18 @@ def longest_fitting_seq(shape: ModelShape, recipe: Recipe, base: Setup, gpu: Gpu
     return lo if lo >= 64 else 0
 
 
-def fit(cfg: RecipeConfig, gpu: GpuSpec, max_gpus: int = 1, gpus: int | None = None, host_ram: int | None = None) -> tuple[Estimate, Estimate]:
+def fit(
+    cfg: RecipeConfig, gpu: GpuSpec, max_gpus: int = 1, gpus: int | None = None, host_ram: int | None = None
+) -> tuple[Estimate, Estimate]:
     """(the recipe as written on `gpus` GPUs, the fastest setup that fits; with host_ram, one whose
     offload also fits that much RAM). Raises PlanError when none fits."""
     shape = model_shape_of(cfg)
     recipe = Recipe.from_config(cfg, plan_precision(cfg, gpu))
-    kw = dict(keep_checkpoints=cfg.checkpoint.keep_last or 1, model_on_disk=Path(model_source(cfg)).is_dir(), shard_bytes=_shard_bytes(cfg))
+    kw: dict[str, Any] = dict(
+        keep_checkpoints=cfg.checkpoint.keep_last or 1,
+        model_on_disk=Path(model_source(cfg)).is_dir(),
+        shard_bytes=_shard_bytes(cfg),
+    )
     base = setup_of(cfg, gpus or max_gpus)
     current = estimate(shape, recipe, base, gpu, **kw)
     best, estimates = search(shape, recipe, base, gpu, max_gpus, host_ram=host_ram, **kw)
@@ -129,7 +149,7 @@ def fit(cfg: RecipeConfig, gpu: GpuSpec, max_gpus: int = 1, gpus: int | None = N
         least = min((e for e in estimates if _fits_with_headroom(e, gpu)), key=lambda e: e.host_ram_bytes)
         raise PlanError(
             f"every setup of '{cfg.model.path}' that fits {max_gpus} x {gpu.name} needs more host RAM than "
-            f"{gib(host_ram)}: the least needs {gib(least.host_ram_bytes)} ({describe_setup(least.setup)})",
+            f"{gib(host_ram or 0)}: the least needs {gib(least.host_ram_bytes)} ({describe_setup(least.setup)})",
             hint=f"plan for a machine with more RAM (--host-ram {math.ceil(least.host_ram_bytes / GiB)}GB)"
             + ("" if cfg.lora is None else "; memory.base_weights=disk keeps streamed weights in a file instead of RAM"),
         )
@@ -141,7 +161,9 @@ def fit(cfg: RecipeConfig, gpu: GpuSpec, max_gpus: int = 1, gpus: int | None = N
         how = [f"a GPU with at least {gib(need)} (--gpu-mem {math.ceil(need / GiB)}GB)"]
         if seq:
             how.append(f"data.max_seq_len={seq} (fits at batch 1 with the smallest setup)")
-        how.append("a smaller lora.r or fewer lora.target modules" if cfg.lora else "LoRA (lora.r=16) instead of full fine-tuning")
+        how.append(
+            "a smaller lora.r or fewer lora.target modules" if cfg.lora else "LoRA (lora.r=16) instead of full fine-tuning"
+        )
         raise PlanError(
             f"no setup of '{cfg.model.path}' at data.max_seq_len={base.seq_len} fits {max_gpus} x {gpu.name} "
             f"({gib(gpu.memory_bytes)} each, {FIT_HEADROOM:.0%} kept free): the smallest needs {gib(smallest.peak_bytes)} per GPU "
@@ -149,3 +171,38 @@ def fit(cfg: RecipeConfig, gpu: GpuSpec, max_gpus: int = 1, gpus: int | None = N
             hint="; or ".join(how),
         )
     return current, best
+
+
+LONGEST_SEQ_PROBED = 1 << 20  # plan --max-seq searches up to 1M tokens
+
+
+@dataclass(frozen=True)
+class LongestSeq:
+    as_written: int  # with the recipe's own settings, batch 1
+    best: int  # with the settings the search may choose (checkpointing, offload, the chunked loss, GPUs)
+    best_setup: Setup | None
+
+
+def longest_trainable_seq(cfg: RecipeConfig, gpu: GpuSpec, max_gpus: int = 1, host_ram: int | None = None) -> LongestSeq:
+    """The longest sequence a recipe trains at batch 1 on `gpu` (plan --max-seq): as written, and at best."""
+    shape = model_shape_of(cfg)
+    recipe = Recipe.from_config(cfg, plan_precision(cfg, gpu))
+    kw: dict[str, Any] = dict(
+        keep_checkpoints=cfg.checkpoint.keep_last or 1,
+        model_on_disk=Path(model_source(cfg)).is_dir(),
+        shard_bytes=_shard_bytes(cfg),
+    )
+    base = replace(setup_of(cfg, 1), batch_size=1, grad_accum=1)
+    as_written = longest_fitting_seq(shape, recipe, base, gpu, upper=LONGEST_SEQ_PROBED, **kw)
+    best, best_setup = as_written, None
+    tried = replace(base, loss="auto" if base.loss == "full" else base.loss)
+    for s in candidates(tried, max_gpus, recipe):
+        if best_setup is not None and s.gpus > best_setup.gpus and best >= LONGEST_SEQ_PROBED:
+            continue
+        seq = longest_fitting_seq(shape, recipe, s, gpu, upper=LONGEST_SEQ_PROBED, **kw)
+        fits_host = (
+            host_ram is None or estimate(shape, recipe, replace(s, seq_len=max(seq, 64)), gpu, **kw).host_ram_bytes <= host_ram
+        )
+        if seq > best and fits_host:
+            best, best_setup = seq, replace(s, seq_len=seq)
+    return LongestSeq(as_written, best, best_setup)

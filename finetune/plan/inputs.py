@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from finetune import adapters
 from finetune.config import RecipeConfig
 from finetune.plan.shape import LinearGroup, ModelShape
 
@@ -15,7 +16,8 @@ class Setup:
     """One way to run a recipe: the knobs the search turns, and the sequence length.
 
     A new memory mode is a field here, a Knob in KNOBS, its terms in `estimate`
-    and `step_time`, and its recipe key in `setup_of` / `changes_of`.
+    and `step_time`, its recipe key in `setup_of` / `changes_of`, and its field in
+    fitting.mode_settings (so the search tries only what finetune/memory_modes.py allows).
     """
 
     batch_size: int
@@ -28,10 +30,20 @@ class Setup:
     activation_offload: bool = False  # memory.activation_offload: saved activations wait in pinned host RAM
     base_weights: str = "device"  # memory.base_weights: device | cpu | disk (cpu/disk stream one layer at a time)
     optimizer_offload: bool = False  # memory.optimizer_offload: AdamW state and fp32 step in host RAM
+    loss: str = "full"  # memory.loss: full (every target's logits at once) | chunked | liger | auto (a recipe's default)
+    loss_chunk: int = 256  # memory.loss_chunk: target positions per chunk
 
     @property
     def global_batch(self) -> int:
         return self.batch_size * self.grad_accum * self.gpus
+
+    @property
+    def loss_rows(self) -> int:
+        """Target positions whose logits exist at once: one chunk when the head runs chunked (chunked,
+        liger, or auto outside FSDP, as trainer/build.configure_loss decides), else 0 (all of them)."""
+        fsdp = self.sharding == "fsdp" and self.gpus > 1
+        chunked = self.loss in ("chunked", "liger") or (self.loss == "auto" and not fsdp)
+        return self.loss_chunk if chunked else 0
 
     @property
     def streams_weights(self) -> bool:
@@ -44,8 +56,12 @@ class Setup:
     @property
     def offload_rank(self) -> int:
         """How much this setup leans on host RAM and the host link; ties in step time go to the lowest."""
-        return (int(self.activation_offload) + int(self.optimizer_offload) + int(self.cpu_offload)
-                + {"device": 0, "cpu": 2, "disk": 3}.get(self.base_weights, 3))
+        return (
+            int(self.activation_offload)
+            + int(self.optimizer_offload)
+            + int(self.cpu_offload)
+            + {"device": 0, "cpu": 2, "disk": 3}.get(self.base_weights, 3)
+        )
 
 
 @dataclass(frozen=True)
@@ -60,8 +76,12 @@ class Implementation:
 
     name: str = "finetune"
     adapter_bytes: int = 4  # peft keeps LoRA weights fp32 (autocast feeds them compute-dtype inputs)
-    unquantized_bytes: int | None = None  # None: compute dtype (model.py does not upcast); 4: peft's prepare_model_for_kbit_training
-    loss: str = "gather"  # gather: trainer.py's target-row fp32 CE; full_fp32: HF logits.float(); chunked: torchtune compiled chunked CE
+    unquantized_bytes: int | None = (
+        None  # None: compute dtype (model.py does not upcast); 4: peft's prepare_model_for_kbit_training
+    )
+    loss: str = (
+        "gather"  # gather: trainer.py's target-row fp32 CE; full_fp32: HF logits.float(); chunked: torchtune compiled chunked CE
+    )
     optimizer_states: int = 2  # AdamW: exp_avg and exp_avg_sq, in the adapters' dtype
 
 
@@ -77,10 +97,16 @@ class Recipe:
     lora_r: int | None  # None: full fine-tuning
     lora_target: str | tuple[str, ...]
     lora_dropout: float
-    dora: bool
+    dora: bool  # lora.method=dora (a published run's setting; `method` names any other)
     compute_bytes: int  # 2 for bf16/fp16, 4 for fp32
     # CUDA's fused dropout keeps a bool mask; the CPU kernel keeps a mask tensor of the input's dtype.
     dropout_mask_bytes: int = 1
+    method: str | None = None  # lora.method (finetune/adapters/); None: dora or lora, as `dora` says
+
+    @property
+    def adapter(self) -> adapters.AdapterMethod:
+        """The adapter method's planner facts (trained magnitudes, base weights read when wrapping)."""
+        return adapters.get(self.method or ("dora" if self.dora else "lora"))
 
     @classmethod
     def from_config(cls, cfg: RecipeConfig, precision: str, on_gpu: bool = True) -> Recipe:
@@ -92,9 +118,10 @@ class Recipe:
             lora_r=lora.r if lora else None,
             lora_target=target,
             lora_dropout=lora.dropout if lora else 0.0,
-            dora=bool(lora and lora.dora),
+            dora=bool(lora and lora.adapter.name == "dora"),
             compute_bytes=4 if precision == "fp32" else 2,
             dropout_mask_bytes=1 if on_gpu else (4 if precision == "fp32" else 2),
+            method=lora.adapter.name if lora else None,
         )
 
 
@@ -111,11 +138,20 @@ def lora_targets(shape: ModelShape, target: str | tuple[str, ...]) -> list[Linea
 
 def describe_setup(s: Setup) -> str:
     ckpt = {1: "all layers", 0: "off"}.get(s.checkpoint_every, f"every {s.checkpoint_every} layers")
-    offload = [name for name, on in [("activations", s.activation_offload), ("optimizer", s.optimizer_offload),
-                                     (f"base weights streamed from {s.base_weights}", s.streams_weights)] if on]
+    offload = [
+        name
+        for name, on in [
+            ("activations", s.activation_offload),
+            ("optimizer", s.optimizer_offload),
+            (f"base weights streamed from {s.base_weights}", s.streams_weights),
+        ]
+        if on
+    ]
     return (
         f"{s.gpus} GPU{'s' if s.gpus > 1 else ''}"
         f"{(' (FSDP, CPU offload)' if s.cpu_offload else ' (FSDP)') if s.sharding == 'fsdp' and s.gpus > 1 else ''}, "
         f"batch {s.batch_size} x accum {s.grad_accum} (global {s.global_batch}), seq {s.seq_len}, "
-        f"checkpointing {ckpt}" + (f", offload: {', '.join(offload)}" if offload else "")
+        f"checkpointing {ckpt}"
+        + (f", offload: {', '.join(offload)}" if offload else "")
+        + (f", loss in chunks of {s.loss_chunk}" if s.loss_rows else "")
     )

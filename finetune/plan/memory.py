@@ -148,8 +148,15 @@ def layer_saved_bytes_per_token(shape: ModelShape, recipe: Recipe, batch_size: i
     total += 3 * b * f  # MLP
     if recipe.lora_r is None:
         return total + b * (h + qd + h + f)  # full fine-tuning: every linear saves its input for the weight grad
-    inputs = {"q_proj": ("attn_in", h), "k_proj": ("attn_in", h), "v_proj": ("attn_in", h), "o_proj": ("o_in", qd),
-              "gate_proj": ("mlp_in", h), "up_proj": ("mlp_in", h), "down_proj": ("down_in", f)}
+    inputs = {
+        "q_proj": ("attn_in", h),
+        "k_proj": ("attn_in", h),
+        "v_proj": ("attn_in", h),
+        "o_proj": ("o_in", qd),
+        "gate_proj": ("mlp_in", h),
+        "up_proj": ("mlp_in", h),
+        "down_proj": ("down_in", f),
+    }
     shared: dict[str, int] = {}
     for g in lora_targets(shape, recipe.lora_target):
         source, width = inputs.get(g.name, (g.name, g.in_features))
@@ -192,8 +199,137 @@ def trainable_params(shape: ModelShape, recipe: Recipe) -> int:
     if not recipe.lora_r:
         return shape.total_params
     targets = lora_targets(shape, recipe.lora_target)
-    extra = sum(g.out_features * g.count for g in targets) if recipe.dora else 0
+    extra = sum(g.out_features * g.count for g in targets) if recipe.adapter.trains_magnitude else 0
     return sum(recipe.lora_r * (g.in_features + g.out_features) * g.count for g in targets) + extra
+
+
+@dataclass
+class _Static:
+    """What sits on each GPU (or host) whatever the step does: weights, adapters, grads, optimizer state."""
+
+    q_weight: int
+    q_const: int
+    unquantized: int
+    whole_model: int  # as loaded, before sharding or streaming
+    trainable: int
+    adapter_bytes: int
+    lora: int
+    grads: int
+    optim: int
+    gathered: int = 0  # FSDP: two layers gathered at a time
+    streamed_resident: int = 0  # base_weights=cpu|disk: the layers on the GPU
+    streamed_store: int = 0  # base_weights=cpu|disk: the layers in host RAM or the file
+    ddp_buckets: int = 0
+    offloaded: int = 0  # FSDP cpu_offload: every shard in host RAM
+    host_optimizer: int = 0  # optimizer_offload: HostAdamW's fp32 copies in host RAM
+
+    @property
+    def on_gpu(self) -> int:
+        return (
+            self.q_weight
+            + self.q_const
+            + self.streamed_resident
+            + self.unquantized
+            + self.lora
+            + self.grads
+            + self.optim
+            + self.ddp_buckets
+            + self.gathered
+        )
+
+
+def _static_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Implementation, fsdp: bool) -> _Static:
+    b, n_gpu, L = recipe.compute_bytes, max(setup.gpus, 1), shape.layers
+    unq_bytes = impl.unquantized_bytes or b
+    q_weight = q_const = 0
+    for g in shape.linears:
+        w, c = quantized_bytes(g.in_features * g.out_features, g.out_features, recipe.quant_bits, recipe.double_quant, b)
+        q_weight += w * g.count
+        q_const += c * g.count
+    unquantized = (shape.embedding_params + shape.head_params + shape.other_params) * unq_bytes
+    trainable = trainable_params(shape, recipe)
+    adapter_bytes = impl.adapter_bytes if recipe.lora_r else (4 if b == 4 else b)
+    grads = trainable * adapter_bytes
+    t = _Static(
+        q_weight,
+        q_const,
+        unquantized,
+        q_weight + q_const + unquantized,
+        trainable,
+        adapter_bytes,
+        lora=grads if recipe.lora_r else 0,
+        grads=grads,
+        optim=grads * impl.optimizer_states,
+    )
+    if fsdp:
+        # Decoder layers are sharded; the root unit (embeddings, head, final norm) stays whole.
+        # Two layers are gathered at a time (the running one and the prefetched one).
+        t.gathered = int(2 * (t.q_weight + t.q_const) / L)
+        t.q_weight, t.q_const = int(t.q_weight / n_gpu), int(t.q_const / n_gpu)
+        t.lora, t.grads, t.optim = t.lora // n_gpu, t.grads // n_gpu, t.optim // n_gpu
+    elif setup.streams_weights:
+        # memory.base_weights=cpu|disk (stream.py): the decoder linears' packed weights wait on the host
+        # and at most three layers' worth are on the GPU; their quantization constants stay resident.
+        t.streamed_store = t.q_weight
+        t.streamed_resident = int(min(STREAMED_LAYERS_RESIDENT, L) * t.q_weight / L)
+        t.q_weight = 0
+    t.ddp_buckets = t.grads if (n_gpu > 1 and not fsdp) else 0  # DDP's all-reduce buckets mirror the gradients
+    if fsdp and setup.cpu_offload:
+        # FSDP's CPUOffloadPolicy: every shard (4-bit weights, adapters, their gradients and AdamW
+        # state) stays in host RAM; the GPU holds only what is gathered for the running layers.
+        t.offloaded = t.q_weight + t.q_const + t.lora + t.grads + t.optim
+        t.q_weight = t.q_const = t.lora = t.grads = t.optim = 0
+    if setup.optimizer_offload and not setup.cpu_offload:
+        # HostAdamW (offload.py): an fp32 copy of each trainable weight, its fp32 gradient and both fp32
+        # moments live in host RAM (pinned); the GPU keeps the weights and their gradients.
+        t.host_optimizer = (trainable // n_gpu if fsdp else trainable) * 4 * 4
+        t.optim = 0
+    return t
+
+
+@dataclass
+class _Activations:
+    saved: int  # kept for backward on the GPU (or in flight to host RAM)
+    recompute: int  # one layer's activations, rebuilt during its backward
+    host: int  # activation_offload: what waits in host RAM
+    label: str  # which layers keep what
+
+
+def _activation_terms(shape: ModelShape, recipe: Recipe, setup: Setup, gpu: GpuSpec | None, trainable: int) -> _Activations:
+    """model.py checkpoints layers whose index is a multiple of k: they keep only their input; the
+    others keep every activation they save."""
+    b, L, T, B = recipe.compute_bytes, shape.layers, setup.seq_len, setup.batch_size
+    tokens = B * T
+    checkpointed = setup.checkpointed_layers(L)
+    input_only = tokens * b * shape.hidden  # a checkpointed layer's input, kept for the recompute
+    full_layer = tokens * layer_saved_bytes_per_token(shape, recipe, B)
+    layers_saved = checkpointed * input_only + (L - checkpointed) * full_layer
+    host = 0
+    if setup.activation_offload and checkpointed < L:
+        # offload.py moves what autograd saves, as forward makes it, on a side stream, and brings it
+        # back as backward reaches it. transformers holds a checkpointed layer's input inside the
+        # checkpoint, outside autograd's saved tensors, so those inputs stay on the GPU: only the
+        # layers that keep all their activations (checkpointing none or every k-th) offload. On the
+        # GPU: the layers in flight, plus the copies that fall behind when a layer saves more than
+        # the link carries while the next one computes (1 - compute/transfer of a layer per layer).
+        moved = (L - checkpointed) * full_layer
+        host = moved
+        backlog = 0.0
+        if gpu is not None:
+            copy_s = full_layer / (gpu.pcie_gbps * 1e9)
+            compute_s = forward_seconds(shape, recipe, setup, gpu, trainable) / L
+            backlog = max(0.0, 1 - compute_s / copy_s) * (L - checkpointed)
+        in_flight = int((min(OFFLOAD_LAYERS_IN_FLIGHT, L - checkpointed) + backlog) * full_layer)
+        layers_saved = checkpointed * input_only + min(moved, in_flight)
+    # The head's and the loss's buffers are not moved: they are made right before backward needs them.
+    saved = layers_saved + 2 * T * shape.head_dim * b  # + RoPE cos and sin, shared by the layers
+    if checkpointed == L:
+        label = " (checkpointed layer inputs)"
+    elif checkpointed == 0:
+        label = " (all layers)"
+    else:
+        label = f" ({checkpointed} checkpointed layers' inputs, all of {L - checkpointed} others)"
+    return _Activations(saved, full_layer if checkpointed else 0, host, label)
 
 
 def estimate(
@@ -211,169 +347,140 @@ def estimate(
     b = recipe.compute_bytes
     n_gpu = max(setup.gpus, 1)
     fsdp = setup.sharding == "fsdp" and n_gpu > 1
-    L, T, B = shape.layers, setup.seq_len, setup.batch_size
+    T, B = setup.seq_len, setup.batch_size
     tokens = B * T
     unq_bytes = impl.unquantized_bytes or b
-
-    # Static: weights, adapters, their grads and optimizer state.
-    q_weight = q_const = 0
-    for g in shape.linears:
-        w, c = quantized_bytes(g.in_features * g.out_features, g.out_features, recipe.quant_bits, recipe.double_quant, b)
-        q_weight += w * g.count
-        q_const += c * g.count
-    unquantized = (shape.embedding_params + shape.head_params + shape.other_params) * unq_bytes
-    whole_model = q_weight + q_const + unquantized  # as loaded, before sharding or streaming
-    trainable = trainable_params(shape, recipe)
-    adapter_bytes = impl.adapter_bytes if recipe.lora_r else (4 if b == 4 else b)
-    lora = trainable * adapter_bytes if recipe.lora_r else 0
-    grads = trainable * adapter_bytes
-    optim = trainable * adapter_bytes * impl.optimizer_states
-    layer_fraction = 1.0
-    gathered = 0
-    streamed_resident = streamed_store = 0
-    if fsdp:
-        # Decoder layers are sharded; the root unit (embeddings, head, final norm) stays whole.
-        # Two layers are gathered at a time (the running one and the prefetched one).
-        layer_fraction = 1.0 / n_gpu
-        gathered = int(2 * (q_weight + q_const) / L)
-        q_weight, q_const = int(q_weight / n_gpu), int(q_const / n_gpu)
-        lora, grads, optim = lora // n_gpu, grads // n_gpu, optim // n_gpu
-    elif setup.streams_weights:
-        # memory.base_weights=cpu|disk (stream.py): the decoder linears' packed weights wait on the host
-        # and at most three layers' worth are on the GPU; their quantization constants stay resident.
-        streamed_store = q_weight
-        streamed_resident = int(min(STREAMED_LAYERS_RESIDENT, L) * q_weight / L)
-        q_weight = 0
-    ddp_buckets = grads if (n_gpu > 1 and not fsdp) else 0  # DDP's all-reduce buckets mirror the gradients
-    offloaded = 0
-    if fsdp and setup.cpu_offload:
-        # FSDP's CPUOffloadPolicy: every shard (4-bit weights, adapters, their gradients and AdamW
-        # state) stays in host RAM; the GPU holds only what is gathered for the running layers.
-        offloaded = q_weight + q_const + lora + grads + optim
-        q_weight = q_const = lora = grads = optim = 0
-    host_optimizer = 0
-    if setup.optimizer_offload and not setup.cpu_offload:
-        # HostAdamW (offload.py): an fp32 copy of each trainable weight, its fp32 gradient and both fp32
-        # moments live in host RAM (pinned); the GPU keeps the weights and their gradients.
-        host_optimizer = (trainable // n_gpu if fsdp else trainable) * 4 * 4
-        optim = 0
-
-    # Activations. model.py checkpoints layers whose index is a multiple of k: they keep only their
-    # input; the others keep every activation they save.
-    per_layer = layer_saved_bytes_per_token(shape, recipe, B)
-    checkpointed = setup.checkpointed_layers(L)
-    input_only = tokens * b * shape.hidden  # a checkpointed layer's input, kept for the recompute
-    full_layer = tokens * per_layer
-    layers_saved = checkpointed * input_only + (L - checkpointed) * full_layer
-    recompute = full_layer if checkpointed else 0  # one layer's activations, rebuilt during its backward
-    host_activations = 0
-    if setup.activation_offload and checkpointed < L:
-        # offload.py moves what autograd saves, as forward makes it, on a side stream, and brings it
-        # back as backward reaches it. transformers holds a checkpointed layer's input inside the
-        # checkpoint, outside autograd's saved tensors, so those inputs stay on the GPU: only the
-        # layers that keep all their activations (checkpointing none or every k-th) offload. On the
-        # GPU: the layers in flight, plus the copies that fall behind when a layer saves more than
-        # the link carries while the next one computes (1 - compute/transfer of a layer per layer).
-        moved = (L - checkpointed) * full_layer
-        host_activations = moved
-        backlog = 0.0
-        if gpu is not None:
-            copy_s = full_layer / (gpu.pcie_gbps * 1e9)
-            compute_s = forward_seconds(shape, recipe, setup, gpu, trainable) / L
-            backlog = max(0.0, 1 - compute_s / copy_s) * (L - checkpointed)
-        in_flight = int((min(OFFLOAD_LAYERS_IN_FLIGHT, L - checkpointed) + backlog) * full_layer)
-        layers_saved = checkpointed * input_only + min(moved, in_flight)
-    # The head's and the loss's buffers are not moved: they are made right before backward needs them.
-    saved = layers_saved + 2 * T * shape.head_dim * b  # + RoPE cos and sin, shared by the layers
+    st = _static_terms(shape, recipe, setup, impl, fsdp)
+    act = _activation_terms(shape, recipe, setup, gpu, st.trainable)
     final_norm = tokens * 4 * shape.hidden
     logits_bytes = unq_bytes if impl.loss != "chunked" else b
-    loss = loss_peak_bytes(tokens, shape.vocab, logits_bytes, impl)
+    # memory.loss chunked (or auto): the logits of one chunk of target positions at a time.
+    loss = loss_peak_bytes(min(tokens, setup.loss_rows) if setup.loss_rows else tokens, shape.vocab, logits_bytes, impl)
     working = tokens * backward_working_bytes_per_token(shape, recipe)
     dequant = shape.largest_linear * b if recipe.quant_bits else 0  # the weight dequantized for one matmul
     mask = B * T * T if B > 1 else 0  # bool 4D attention mask transformers builds when the batch is padded
 
-    static = q_weight + q_const + streamed_resident + unquantized + lora + grads + optim + ddp_buckets + gathered
-    phase_loss = static + saved + mask + final_norm + loss
-    phase_backward = static + saved + mask + recompute + working + dequant
+    phase_loss = st.on_gpu + act.saved + mask + final_norm + loss
+    phase_backward = st.on_gpu + act.saved + mask + act.recompute + working + dequant
     loss_peak = phase_loss >= phase_backward
     peak_alloc = max(phase_loss, phase_backward)
     on_gpu = gpu is not None
     slack = int(ALLOCATOR_SLACK * peak_alloc) if on_gpu else 0
     context = CUDA_CONTEXT_BYTES if on_gpu else 0
-    where = {"cpu": "CPU RAM", "disk": "a file on disk"}.get(setup.base_weights, "")
-    if checkpointed == L:
-        kept = " (checkpointed layer inputs)"
-    elif checkpointed == 0:
-        kept = " (all layers)"
-    else:
-        kept = f" ({checkpointed} checkpointed layers' inputs, all of {L - checkpointed} others)"
     comps = [
-        Component("weights_quantized", f"base weights ({_quant_label(recipe)})", q_weight),
-        Component("weights_streamed", f"base weights streamed ({min(STREAMED_LAYERS_RESIDENT, L)} of {L} layers)",
-                  streamed_resident),
-        Component("quant_constants", "quantization constants (absmax)", q_const),
-        Component("weights_unquantized", f"embeddings, head, norms, biases ({_dtype_label(unq_bytes)})", unquantized),
-        Component("lora_weights", f"LoRA weights ({_dtype_label(adapter_bytes)})" if recipe.lora_r else "trained weights", lora),
-        Component("gradients", "gradients of trained weights", grads),
-        Component("optimizer_state", "AdamW state (2 moments)", optim),
-        Component("ddp_buckets", "DDP all-reduce buckets", ddp_buckets),
-        Component("fsdp_gathered", "FSDP gathered layers (2)", gathered),
-        Component("activations", ("activations in flight to/from host RAM" if setup.activation_offload
-                                  else "activations kept for backward") + kept, saved),
+        Component("weights_quantized", f"base weights ({_quant_label(recipe)})", st.q_weight),
+        Component(
+            "weights_streamed",
+            f"base weights streamed ({min(STREAMED_LAYERS_RESIDENT, shape.layers)} of {shape.layers} layers)",
+            st.streamed_resident,
+        ),
+        Component("quant_constants", "quantization constants (absmax)", st.q_const),
+        Component("weights_unquantized", f"embeddings, head, norms, biases ({_dtype_label(unq_bytes)})", st.unquantized),
+        Component(
+            "lora_weights", f"LoRA weights ({_dtype_label(st.adapter_bytes)})" if recipe.lora_r else "trained weights", st.lora
+        ),
+        Component("gradients", "gradients of trained weights", st.grads),
+        Component("optimizer_state", "AdamW state (2 moments)", st.optim),
+        Component("ddp_buckets", "DDP all-reduce buckets", st.ddp_buckets),
+        Component("fsdp_gathered", "FSDP gathered layers (2)", st.gathered),
+        Component(
+            "activations",
+            ("activations in flight to/from host RAM" if setup.activation_offload else "activations kept for backward")
+            + act.label,
+            act.saved,
+        ),
         Component("attention_mask", "padded-batch attention mask", mask),
         Component("logits_loss", "logits and loss buffers", loss, in_peak=loss_peak),
         Component("final_norm", "final norm input (fp32)", final_norm, in_peak=loss_peak),
-        Component("recompute_layer", "one layer recomputed in backward", recompute, in_peak=not loss_peak),
+        Component("recompute_layer", "one layer recomputed in backward", act.recompute, in_peak=not loss_peak),
         Component("backward_working", "backward gradients of one layer", working, in_peak=not loss_peak),
         Component("dequant_buffer", "dequantized weight of one matmul", dequant, in_peak=not loss_peak),
         Component("allocator_slack", f"allocator fragmentation ({ALLOCATOR_SLACK:.0%})", slack),
         Component("cuda_context", "CUDA context and cuBLAS workspace", context),
     ]
-    peak = peak_alloc + slack + context
-
     step, parts = step_time(
-        shape, recipe, setup, gpu, trainable, q_weight + q_const + offloaded, adapter_bytes, fsdp,
-        streamed_bytes=streamed_store, activation_bytes=host_activations,
+        shape,
+        recipe,
+        setup,
+        gpu,
+        st.trainable,
+        st.q_weight + st.q_const + st.offloaded,
+        st.adapter_bytes,
+        fsdp,
+        streamed_bytes=st.streamed_store,
+        activation_bytes=act.host,
     )
-    shard = shard_bytes or min(DEFAULT_SHARD_BYTES, shape.total_params * 2)
-    # Loading streams one shard at a time. Streaming loads (and quantizes) the whole model in CPU RAM
-    # (trainer.py: it would not fit the GPU even for a moment), then moves its layers to the store;
-    # base_weights=disk with 4-bit weights sends each one to the file as bitsandbytes quantizes it
-    # (stream.DiskStore.capture), so only the resident parts are ever in RAM.
-    # FSDP: every process builds (and quantizes) the whole model in CPU RAM, then shards it
-    # (trainer.py); the heap it frees is given back (release_free_heap), so the shards it keeps
-    # come after that peak, not on top of it.
-    captured = setup.base_weights == "disk" and recipe.quant_bits == 4 and not recipe.dora  # DoRA reads them at wrap time
-    if fsdp:
-        loading = shard + whole_model
-    else:
-        loading = shard + ((q_const + unquantized + (0 if captured else streamed_store)) if setup.streams_weights else 0)
-    pinned = (streamed_store if setup.base_weights == "cpu" else 0) + host_activations + host_optimizer + offloaded
-    host = HOST_BASELINE_BYTES + max(loading, pinned)  # per process
-    host_parts = {"libraries": HOST_BASELINE_BYTES, "loading": loading, "streamed_weights": streamed_store if setup.base_weights == "cpu" else 0,
-                  "activations": host_activations, "optimizer": host_optimizer, "fsdp_shards": offloaded}
-    state_bytes = trainable * adapter_bytes * (1 + impl.optimizer_states)
+    host_parts, captured = _host_ram(shape, recipe, setup, st, act, fsdp, shard_bytes)
+    state_bytes = st.trainable * st.adapter_bytes * (1 + impl.optimizer_states)
     disk_parts = {
         "download": 0 if model_on_disk else shape.total_params * 2,
         "checkpoints": keep_checkpoints * state_bytes,
-        "adapter": trainable * adapter_bytes,
-        "streamed_weights": streamed_store if setup.base_weights == "disk" else 0,
+        "adapter": st.trainable * st.adapter_bytes,
+        "streamed_weights": st.streamed_store if setup.base_weights == "disk" else 0,
     }
-    disk = sum(disk_parts.values())
+    return Estimate(
+        shape=shape,
+        setup=setup,
+        gpu=gpu,
+        components=comps,
+        peak_phase="loss" if loss_peak else "backward",
+        peak_allocated_bytes=peak_alloc,
+        peak_bytes=peak_alloc + slack + context,
+        step_time_s=step,
+        step_time_parts=parts,
+        host_ram_bytes=host_parts.pop("total") * n_gpu,
+        disk_bytes=sum(disk_parts.values()),
+        trainable_params=st.trainable,
+        impl=impl,
+        notes=_notes(setup, gpu, st),
+        host_ram_parts=host_parts,
+        disk_parts=disk_parts,
+        loads_whole_model=(setup.streams_weights and not captured) or fsdp,
+    )
+
+
+def _host_ram(
+    shape: ModelShape, recipe: Recipe, setup: Setup, st: _Static, act: _Activations, fsdp: bool, shard_bytes: int | None
+) -> tuple[dict[str, int], bool]:
+    """(host RAM per process by part, with "total"; whether disk mode captures 4-bit weights while loading).
+
+    Loading streams one shard at a time. Streaming loads (and quantizes) the whole model in CPU RAM
+    (trainer: it would not fit the GPU even for a moment), then moves its layers to the store;
+    base_weights=disk with 4-bit weights sends each one to the file as bitsandbytes quantizes it
+    (stream.DiskStore.capture), so only the resident parts are ever in RAM. FSDP: every process
+    builds (and quantizes) the whole model in CPU RAM, then shards it; the heap it frees is given
+    back (release_free_heap), so the shards it keeps come after that peak, not on top of it.
+    DoRA reads them, PiSSA rewrites them, when it wraps the model (trainer/build.py: no capture then).
+    """
+    shard = shard_bytes or min(DEFAULT_SHARD_BYTES, shape.total_params * 2)
+    captured = setup.base_weights == "disk" and recipe.quant_bits == 4 and not recipe.adapter.wrap_touches_base
+    if fsdp:
+        loading = shard + st.whole_model
+    else:
+        loading = shard + ((st.q_const + st.unquantized + (0 if captured else st.streamed_store)) if setup.streams_weights else 0)
+    streamed_pinned = st.streamed_store if setup.base_weights == "cpu" else 0
+    pinned = streamed_pinned + act.host + st.host_optimizer + st.offloaded
+    parts = {
+        "libraries": HOST_BASELINE_BYTES,
+        "loading": loading,
+        "streamed_weights": streamed_pinned,
+        "activations": act.host,
+        "optimizer": st.host_optimizer,
+        "fsdp_shards": st.offloaded,
+    }
+    return {**parts, "total": HOST_BASELINE_BYTES + max(loading, pinned)}, captured
+
+
+def _notes(setup: Setup, gpu: GpuSpec | None, st: _Static) -> list[str]:
     notes = []
     if gpu is not None and gpu.name == "custom":
         notes.append(f"unknown GPU: speed assumed {gpu.bf16_tflops:.0f} TFLOPs, {gpu.bandwidth_gbps:.0f} GB/s")
     if setup.base_weights == "disk":
         notes.append(
             f"base_weights=disk: step time assumes reads from the NVMe disk at {NVME_READ_GBPS:g} GB/s; with "
-            f"{gib(streamed_store)} of free RAM for the page cache the file stays cached and streams like base_weights=cpu"
+            f"{gib(st.streamed_store)} of free RAM for the page cache the file stays cached and streams like base_weights=cpu"
         )
-    return Estimate(
-        shape=shape, setup=setup, gpu=gpu, components=comps, peak_phase="loss" if loss_peak else "backward",
-        peak_allocated_bytes=peak_alloc, peak_bytes=peak, step_time_s=step, step_time_parts=parts,
-        host_ram_bytes=host * n_gpu, disk_bytes=disk, trainable_params=trainable, impl=impl, notes=notes,
-        host_ram_parts=host_parts, disk_parts=disk_parts, loads_whole_model=(setup.streams_weights and not captured) or fsdp,
-    )
+    return notes
 
 
 def _quant_label(recipe: Recipe) -> str:

@@ -44,7 +44,9 @@ def _preflight_memory(cfg: RecipeConfig, refuse: bool) -> tuple[list[str], list[
     model_shape_of(cfg)
     if detect_device().kind != "cuda":
         e = plan_recipe(cfg, None)
-        return [], [f"memory estimate: peak {gib(e.peak_allocated_bytes)} for tensors ({e.peak_phase} phase); checked only on CUDA"]
+        return [], [
+            f"memory estimate: peak {gib(e.peak_allocated_bytes)} for tensors ({e.peak_phase} phase); checked only on CUDA"
+        ]
     import torch
 
     gpu = gpu_for_device(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)

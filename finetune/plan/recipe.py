@@ -47,6 +47,8 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
         activation_offload=cfg.memory.activation_offload,
         base_weights=cfg.memory.base_weights,
         optimizer_offload=cfg.memory.optimizer_offload,
+        loss=cfg.memory.loss,
+        loss_chunk=cfg.memory.loss_chunk,
     )
 
 
@@ -54,7 +56,10 @@ def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Se
     shape = model_shape_of(cfg)
     recipe = Recipe.from_config(cfg, plan_precision(cfg, gpu), on_gpu=gpu is not None)
     return estimate(
-        shape, recipe, setup or setup_of(cfg, gpus), gpu,
+        shape,
+        recipe,
+        setup or setup_of(cfg, gpus),
+        gpu,
         keep_checkpoints=cfg.checkpoint.keep_last or 1,
         model_on_disk=Path(model_source(cfg)).is_dir(),
         shard_bytes=_shard_bytes(cfg),

@@ -15,7 +15,9 @@ def report(e: Estimate) -> str:
         f"setup      {describe_setup(e.setup)}",
         f"device     {e.gpu.description or e.gpu.name} ({gib(e.gpu.memory_bytes)})" if e.gpu else "device     CPU",
         "",
-        "per-GPU memory at the peak (" + ("end of forward: logits and loss" if e.peak_phase == "loss" else "backward of one layer") + "):",
+        "per-GPU memory at the peak ("
+        + ("end of forward: logits and loss" if e.peak_phase == "loss" else "backward of one layer")
+        + "):",
     ]
     for c in e.components:
         if c.bytes == 0:
@@ -25,12 +27,15 @@ def report(e: Estimate) -> str:
     lines.append(f"    {'peak':<48} {gib(e.peak_bytes):>12}")
     lines.append("  (~ = the other phase's transient buffers, not in the peak)")
     if e.gpu is not None:
-        room = e.headroom_bytes
-        verdict = (f"fits: {gib(room)} headroom ({100 * e.peak_bytes / e.gpu.memory_bytes:.0f}% of {e.gpu.name})" if e.fits
-                   else f"does NOT fit: {gib(-room)} over the {gib(e.gpu.memory_bytes)} of {e.gpu.name}")
+        room = e.headroom_bytes or 0
+        verdict = (
+            f"fits: {gib(room)} headroom ({100 * e.peak_bytes / e.gpu.memory_bytes:.0f}% of {e.gpu.name})"
+            if e.fits
+            else f"does NOT fit: {gib(-room)} over the {gib(e.gpu.memory_bytes)} of {e.gpu.name}"
+        )
         lines += ["", f"verdict    {verdict}"]
     lines += _host_lines(e)
-    if e.step_time_s:
+    if e.step_time_s and e.gpu is not None:
         p = e.step_time_parts
         lines.append(
             f"step time  ~{e.step_time_s:.2f} s/step, {e.tokens_per_step / e.step_time_s:,.0f} tokens/s "
@@ -62,11 +67,31 @@ def _host_lines(e: Estimate) -> list[str]:
     else:
         held = " (one weight shard)"
     loading = f"loading {gib(h.get('loading', 0))}{held}"
-    kept = [f"{label} {gib(h[k])}" for k, label in [("streamed_weights", "streamed base weights"), ("activations", "saved activations"),
-                                                    ("optimizer", "AdamW state + fp32 weights and grads"),
-                                                    ("fsdp_shards", "FSDP shards")] if h.get(k)]
-    text = f"libraries {gib(h.get('libraries', 0))} + " + (f"max({loading}; kept while training: {', '.join(kept)})" if kept else loading)
+    kept = [
+        f"{label} {gib(h[k])}"
+        for k, label in [
+            ("streamed_weights", "streamed base weights"),
+            ("activations", "saved activations"),
+            ("optimizer", "AdamW state + fp32 weights and grads"),
+            ("fsdp_shards", "FSDP shards"),
+        ]
+        if h.get(k)
+    ]
+    text = f"libraries {gib(h.get('libraries', 0))} + " + (
+        f"max({loading}; kept while training: {', '.join(kept)})" if kept else loading
+    )
     per = f", {e.setup.gpus} processes" if e.setup.gpus > 1 else ""
-    disk = [f"{label} {gib(d[k])}" for k, label in [("download", "bf16 weights if downloaded"), ("checkpoints", "checkpoints"),
-                                                    ("adapter", "adapter"), ("streamed_weights", "streamed-weights file")] if d.get(k)]
-    return [f"host RAM   {gib(e.host_ram_bytes)} (per process: {text}{per})", f"disk       {gib(e.disk_bytes)} ({', '.join(disk)})"]
+    disk = [
+        f"{label} {gib(d[k])}"
+        for k, label in [
+            ("download", "bf16 weights if downloaded"),
+            ("checkpoints", "checkpoints"),
+            ("adapter", "adapter"),
+            ("streamed_weights", "streamed-weights file"),
+        ]
+        if d.get(k)
+    ]
+    return [
+        f"host RAM   {gib(e.host_ram_bytes)} (per process: {text}{per})",
+        f"disk       {gib(e.disk_bytes)} ({', '.join(disk)})",
+    ]

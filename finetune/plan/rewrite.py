@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.config import build_recipe, read_recipe_file
+from finetune import memory_modes
+from finetune.config import RecipeConfig, build_recipe, read_recipe_file
 from finetune.plan.fitting import KNOBS
 from finetune.plan.inputs import Setup, describe_setup
 from finetune.plan.memory import Estimate, gib
@@ -15,18 +16,37 @@ from finetune.plan.memory import Estimate, gib
 def recipe_value(knob: str, value: Any) -> Any:
     """A Setup value as its recipe key takes it (checkpoint_every 1/0/k -> all/none/k)."""
     if knob == "checkpoint_every":
-        return {1: "all", 0: "none"}.get(value, value)
+        return memory_modes.checkpointing_value(value)
     return value
 
 
-def changes_of(best: Estimate, base: Setup) -> dict[str, Any]:
+def changes_of(best: Estimate, base: Setup, cfg: RecipeConfig | None = None) -> dict[str, Any]:
     """Recipe keys to write so a run uses `best` (grad_accum follows batch and GPUs)."""
+    return setup_changes(best.setup, base, cfg)
+
+
+def setup_changes(setup: Setup, base: Setup, cfg: RecipeConfig | None = None) -> dict[str, Any]:
+    """Recipe keys to write so a run of `base`'s recipe (cfg, when given) uses `setup`.
+
+    With cfg, also the keys a setup makes moot that the recipe's rules would still read
+    (finetune/memory_modes.py): distributed.strategy=fsdp and cpu_offload for a setup that
+    does not shard (one GPU: the Setup of such a recipe says ddp), memory.offload_dir for one
+    that does not stream from disk.
+    """
     out: dict[str, Any] = {}
     for knob in KNOBS:
-        if knob.recipe_key and getattr(best.setup, knob.name) != getattr(base, knob.name):
-            out[knob.recipe_key] = recipe_value(knob.name, getattr(best.setup, knob.name))
-    if best.setup.grad_accum != base.grad_accum:
-        out["train.grad_accum"] = best.setup.grad_accum
+        if knob.recipe_key and getattr(setup, knob.name) != getattr(base, knob.name):
+            out[knob.recipe_key] = recipe_value(knob.name, getattr(setup, knob.name))
+    if setup.grad_accum != base.grad_accum:
+        out["train.grad_accum"] = setup.grad_accum
+    if cfg is not None:
+        shards = setup.sharding == "fsdp" and setup.gpus > 1
+        if cfg.distributed.strategy == "fsdp" and not shards:
+            out.setdefault("distributed.strategy", "auto" if setup.gpus == 1 else "ddp")
+        if cfg.distributed.cpu_offload and not setup.cpu_offload:
+            out["distributed.cpu_offload"] = False
+        if cfg.memory.offload_dir is not None and setup.base_weights != "disk":
+            out["memory.offload_dir"] = None
     return out
 
 
@@ -63,7 +83,9 @@ def rewrite_recipe(text: str, values: dict[str, Any], comments: dict[str, str], 
         key = parts[-1]
         at = next((i for i in range(start, end) if lines[i].startswith(f"{indent}{key}:")), None)
         if at is None:  # insert at the end of the section's key lines
-            last = max((i for i in range(start, end) if lines[i].strip() and not lines[i].lstrip().startswith("#")), default=start - 1)
+            last = max(
+                (i for i in range(start, end) if lines[i].strip() and not lines[i].lstrip().startswith("#")), default=start - 1
+            )
             at = last + 1
             lines.insert(at, "")
             old_comment = comment or "set by finetune plan"
@@ -75,6 +97,20 @@ def rewrite_recipe(text: str, values: dict[str, Any], comments: dict[str, str], 
         body = f"{indent}{key}: {_yaml_value(value)}"
         lines[at] = f"{body:<32} # {comment or old_comment}"
     return "\n".join([f"# {command}", *[f"# {h}" for h in header], *lines]) + "\n"
+
+
+def with_values(tree: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a recipe dict with dotted `values` set."""
+    out = dict(tree)
+    for dotted, value in values.items():
+        node = out
+        *parents, key = dotted.split(".")
+        for part in parents:
+            child = node.get(part)
+            node[part] = dict(child) if isinstance(child, dict) else {}
+            node = node[part]
+        node[key] = value
+    return out
 
 
 @dataclass
@@ -89,8 +125,10 @@ def write_fitted_recipe(
 ) -> FittedRecipe:
     """Write `source` with the command line's overrides and the keys `best` changes, each changed key
     commented with why, and check the file loads back as the setup chosen."""
-    changes = changes_of(best, current.setup)
+    cfg = build_recipe(with_values(read_recipe_file(source), overrides), str(source))
+    changes = changes_of(best, current.setup, cfg)
     n, gpu = best.setup.gpus, best.gpu
+    assert gpu is not None, "a fitted setup is planned for a GPU"
     command = f"finetune run {out}" if n == 1 else f"finetune run {out} --nproc {n}"
     why = f"finetune plan --fit: {describe_setup(best.setup)}"
     header = [
@@ -98,7 +136,9 @@ def write_fitted_recipe(
         f"{n} x {gpu.name}, predicted peak {gib(best.peak_bytes)} of {gib(gpu.memory_bytes)} per GPU, ~{best.step_time_s:.1f} s/step.",
         "#",
     ]
-    text = rewrite_recipe(Path(source).read_text(encoding="utf-8"), {**overrides, **changes}, {k: why for k in changes}, command, header)
+    text = rewrite_recipe(
+        Path(source).read_text(encoding="utf-8"), {**overrides, **changes}, {k: why for k in changes}, command, header
+    )
     out.write_text(text, encoding="utf-8")
     written = build_recipe(read_recipe_file(out), str(out))
     if (written.train.batch_size, written.train.grad_accum) != (best.setup.batch_size, best.setup.grad_accum):

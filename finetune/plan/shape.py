@@ -130,18 +130,18 @@ def read_model_shape(source: str, trust_remote_code: bool = False, revision: str
             same = [m for m in mods if (m.in_features, m.out_features) == (fin, fout)]
             linears.append(LinearGroup(short, fin, fout, len(same), same[0].bias is not None))
     text = getattr(config, "get_text_config", lambda: config)()
-    heads = int(getattr(text, "num_attention_heads"))
-    hidden = int(getattr(text, "hidden_size"))
+    heads = int(text.num_attention_heads)
+    hidden = int(text.hidden_size)
     return ModelShape(
         source=source,
         model_type=str(getattr(config, "model_type", "?")),
-        layers=int(getattr(text, "num_hidden_layers")),
+        layers=int(text.num_hidden_layers),
         hidden=hidden,
         intermediate=int(getattr(text, "intermediate_size", 4 * hidden)),
         heads=heads,
         kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
-        vocab=int(getattr(text, "vocab_size")),
+        vocab=int(text.vocab_size),
         tied_embeddings=tied,
         linears=tuple(linears),
         embedding_params=embedding_params,

@@ -30,6 +30,8 @@ def _micro_batch_seconds(shape, recipe, setup, gpu, trainable) -> tuple[float, f
     # Backward of a frozen weight computes only the input gradient (1x forward); attention
     # backward is ~2x its forward; checkpointing replays the decoder forward once more.
     per_token = fwd * (2 + ckpt) + attn_fwd * (3 + ckpt) + (lora_flops if recipe.lora_r else 2 * fwd)
+    if setup.loss_rows:  # the chunked head runs again in backward to remake each chunk's logits
+        per_token += 2 * (shape.head_params or shape.embedding_params)
     rate = gpu.bf16_tflops * 1e12 * MATMUL_EFFICIENCY
     compute = tokens * per_token / rate
     dequant = 0.0
@@ -46,8 +48,19 @@ def forward_seconds(shape, recipe, setup, gpu, trainable) -> float:
     return _micro_batch_seconds(shape, recipe, setup, gpu, trainable)[2]
 
 
-def step_time(shape, recipe, setup, gpu, trainable, quantized_weight_bytes, adapter_bytes, fsdp, *,
-              streamed_bytes: int = 0, activation_bytes: int = 0) -> tuple[float, dict[str, float]]:
+def step_time(
+    shape,
+    recipe,
+    setup,
+    gpu,
+    trainable,
+    quantized_weight_bytes,
+    adapter_bytes,
+    fsdp,
+    *,
+    streamed_bytes: int = 0,
+    activation_bytes: int = 0,
+) -> tuple[float, dict[str, float]]:
     """Seconds per optimizer step: compute at MATMUL_EFFICIENCY of dense bf16 peak, NF4 dequantization
     at BANDWIDTH_EFFICIENCY of memory bandwidth, gradient all-reduce (DDP) or weight all-gather (FSDP)
     over the GPU link, and host-link copies of the offload modes. CPU runs (gpu=None) get 0: the plan
@@ -99,6 +112,12 @@ def step_time(shape, recipe, setup, gpu, trainable, quantized_weight_bytes, adap
     elif setup.optimizer_offload:
         # HostAdamW: gradients to the host, the fp32 AdamW step there, updated weights back; not overlapped.
         optimizer = 2 * trainable * adapter_bytes / host_link + trainable * HOST_ADAMW_BYTES_PER_PARAM / (HOST_ADAMW_GBPS * 1e9)
-    parts = {"compute": compute * setup.grad_accum, "dequantize": dequant * setup.grad_accum, "communication": comm,
-             "optimizer": optimizer, "host_transfer": transfer * setup.grad_accum, "host_transfer_exposed": exposed * setup.grad_accum}
+    parts = {
+        "compute": compute * setup.grad_accum,
+        "dequantize": dequant * setup.grad_accum,
+        "communication": comm,
+        "optimizer": optimizer,
+        "host_transfer": transfer * setup.grad_accum,
+        "host_transfer_exposed": exposed * setup.grad_accum,
+    }
     return micro * setup.grad_accum + comm + optimizer, parts

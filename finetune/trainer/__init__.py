@@ -17,6 +17,14 @@ from finetune.trainer.schedule import lr_factor
 from finetune.trainer.state import TrainResult, TrainState
 
 __all__ = [
-    "Callback", "CallbackList", "CausalLMLoss", "Parallel", "TrainResult", "TrainState", "Trainer",
-    "count_targets", "loss_sum_and_count", "lr_factor",
+    "Callback",
+    "CallbackList",
+    "CausalLMLoss",
+    "Parallel",
+    "TrainResult",
+    "TrainState",
+    "Trainer",
+    "count_targets",
+    "loss_sum_and_count",
+    "lr_factor",
 ]

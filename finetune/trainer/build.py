@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -19,11 +19,13 @@ from finetune.metrics import human_bytes
 from finetune.model import count_parameters, enable_gradient_checkpointing, load_model, wrap_lora
 from finetune.offload import HostAdamW
 from finetune.stream import DiskStore, WeightStream
+from finetune.trainer.linear_ce import liger_fused_loss
+from finetune.trainer.loss import CausalLMLoss
 from finetune.trainer.parallel import Parallel
 from finetune.trainer.schedule import build_scheduler
 
-OptimizerArg = Union[torch.optim.Optimizer, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], None]
-SchedulerArg = Union[torch.optim.lr_scheduler.LRScheduler, Callable[[torch.optim.Optimizer], Any], None]
+OptimizerArg = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None
+SchedulerArg = torch.optim.lr_scheduler.LRScheduler | Callable[[torch.optim.Optimizer], Any] | None
 
 
 def make_accelerator(precision: str):
@@ -110,10 +112,10 @@ def load_model_and_store(
         if model is None:
             torch.manual_seed(cfg.seed)  # LoRA init is drawn from the global RNG: the same on every rank
             load_on = parallel.load_device(streaming)
-            if cfg.memory.base_weights == "disk" and not (cfg.lora and cfg.lora.dora):
+            if cfg.memory.base_weights == "disk" and not (cfg.lora and cfg.lora.adapter.wrap_touches_base):
                 # 4-bit weights go to the file as bitsandbytes quantizes them: the whole
                 # quantized model (~37 GB for 70B) is never in RAM, not even while loading.
-                # (DoRA reads every base weight when it wraps the model: no capture then.)
+                # (DoRA reads, PiSSA rewrites, every base weight when it wraps the model: no capture then.)
                 disk_store = DiskStore(resolve_offload_dir(cfg))
                 with disk_store.capture():
                     model = load_model(cfg, precision=precision, device=load_on, shardable=parallel.sharded)
@@ -122,7 +124,9 @@ def load_model_and_store(
         say(model_summary(cfg, model))  # counted before the store takes the weights away
         stream = None
         if streaming:
-            stream = WeightStream.attach(model, cfg.memory.base_weights, parallel.device, resolve_offload_dir(cfg), store=disk_store)
+            stream = WeightStream.attach(
+                model, cfg.memory.base_weights, parallel.device, resolve_offload_dir(cfg), store=disk_store
+            )
     except BaseException:
         if disk_store is not None:
             disk_store.discard()  # tens of GB written for a model that will not train
@@ -144,19 +148,51 @@ def describe_store(stream: WeightStream, device, say: Callable[[str], None]) -> 
     )
 
 
-def build_optimizer(cfg: RecipeConfig, params: list[torch.nn.Parameter], given: OptimizerArg, parallel: Parallel) -> torch.optim.Optimizer:
+def configure_loss(loss: CausalLMLoss, cfg: RecipeConfig, parallel: Parallel) -> None:
+    """memory.loss on the default objective: full logits of the targets, chunked, or liger's fused kernel.
+    auto chunks batches with more targets than one chunk, except under FSDP (whose head is a shard
+    again once the forward has run: there the head runs on target positions only)."""
+    mode = cfg.memory.loss
+    if mode == "full" or (mode == "auto" and parallel.sharded):
+        return
+    if mode == "liger":
+        if parallel.device.type != "cuda":
+            raise ConfigError(
+                [
+                    f"memory.loss=liger runs liger-kernel's CUDA kernel; this run is on {parallel.device}. "
+                    "Use memory.loss=chunked (the same memory, any device)."
+                ]
+            )
+        loss.fused = liger_fused_loss()
+        if loss.fused is None:
+            raise ConfigError(["memory.loss=liger needs liger-kernel: pip install 'finetune[gpu]'; or use memory.loss=chunked."])
+    loss.chunk_rows = cfg.memory.loss_chunk
+    loss.chunk_only_above = mode == "auto"
+
+
+def build_optimizer(
+    cfg: RecipeConfig, params: list[torch.nn.Parameter], given: OptimizerArg, parallel: Parallel
+) -> torch.optim.Optimizer:
     """AdamW (in host RAM with memory.optimizer_offload), or the user's: an optimizer, or a function
     of the trainable parameters that builds one (needed under FSDP, whose parameters are the shards)."""
     if given is None:
         adamw = HostAdamW if cfg.memory.optimizer_offload else torch.optim.AdamW
         return adamw(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     if cfg.memory.optimizer_offload:
-        raise ConfigError(["memory.optimizer_offload builds its own host AdamW; it cannot offload an optimizer passed "
-                           "to Trainer(optimizer=...). Set memory.optimizer_offload=false, or pass no optimizer."])
+        raise ConfigError(
+            [
+                "memory.optimizer_offload builds its own host AdamW; it cannot offload an optimizer passed "
+                "to Trainer(optimizer=...). Set memory.optimizer_offload=false, or pass no optimizer."
+            ]
+        )
     if isinstance(given, torch.optim.Optimizer):
         if parallel.sharded:
-            raise ConfigError(["Trainer(optimizer=...): FSDP replaces the parameters with shards after the model is "
-                               "built; pass a function of the parameters instead, e.g. optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)"])
+            raise ConfigError(
+                [
+                    "Trainer(optimizer=...): FSDP replaces the parameters with shards after the model is "
+                    "built; pass a function of the parameters instead, e.g. optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)"
+                ]
+            )
         return given
     return given(params)
 

@@ -13,8 +13,13 @@ from finetune.trainer.parallel import Parallel
 
 @torch.no_grad()
 def held_out_loss(
-    model, examples: Sequence[dict] | None, cfg: EvalConfig, train_batch_size: int, collate: Collator,
-    parallel: Parallel, compute_loss: Callable,
+    model,
+    examples: Sequence[dict] | None,
+    cfg: EvalConfig,
+    train_batch_size: int,
+    collate: Collator,
+    parallel: Parallel,
+    compute_loss: Callable,
 ) -> float | None:
     """Mean loss per target token over `examples`, split over the processes; None without examples.
 

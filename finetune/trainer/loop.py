@@ -106,8 +106,14 @@ class Trainer:
 
     @classmethod
     def from_parts(
-        cls, model, tokenizer, train_data: Sequence[dict], *, eval_data: Sequence[dict] | None = None,
-        output_dir: str | Path = "runs/from-parts", **settings: Any,
+        cls,
+        model,
+        tokenizer,
+        train_data: Sequence[dict],
+        *,
+        eval_data: Sequence[dict] | None = None,
+        output_dir: str | Path = "runs/from-parts",
+        **settings: Any,
     ) -> Trainer:
         """A Trainer for a model, tokenizer and data you have in memory; no recipe file or paths.
 
@@ -121,7 +127,9 @@ class Trainer:
         The model's own name (config._name_or_path) stands for model.path in recipe.yaml.
         Keyword arguments of Trainer (callbacks, optimizer, ...) pass through.
         """
-        trainer_args = {k: settings.pop(k) for k in ("progress", "callbacks", "optimizer", "scheduler", "loss_fn") if k in settings}
+        trainer_args = {
+            k: settings.pop(k) for k in ("progress", "callbacks", "optimizer", "scheduler", "loss_fn") if k in settings
+        }
         cfg = build.recipe_for_parts(model, output_dir, settings)
         data = build.bundle_from_parts(cfg, tokenizer, train_data, eval_data)
         return cls(cfg, model=build.ready_given_model(cfg, model), tokenizer=tokenizer, data=data, **trainer_args)
@@ -183,6 +191,7 @@ class Trainer:
         self.model, self.stream = build.load_model_and_store(cfg, self.precision, parallel, self.say, given=self.model)
         if isinstance(self.loss_fn, CausalLMLoss):
             self.loss_fn.head_on_targets_only = takes_boolean_logits_to_keep(self.model)
+            build.configure_loss(self.loss_fn, cfg, parallel)
         if self.stream is not None:
             build.describe_store(self.stream, acc.device, self.say)
         if parallel.is_main:
@@ -278,8 +287,14 @@ class Trainer:
         state.step += 1
         state.loss = loss
         row = {
-            "step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": step_tokens_global,
-            "trained_tokens": int(n_global), "tokens_per_s": speed.tokens_per_s, "elapsed_s": state.elapsed_s,
+            "step": state.step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": step_tokens_global,
+            "trained_tokens": int(n_global),
+            "tokens_per_s": speed.tokens_per_s,
+            "elapsed_s": state.elapsed_s,
         }
         return row, finite
 
@@ -290,7 +305,9 @@ class Trainer:
         spike = finite and state.loss_ema is not None and row["loss"] > cfg.train.loss_spike_factor * state.loss_ema
         if spike:
             row["spike"] = True
-            progress.write(f"step {done}: loss spike {row['loss']:.4f} (> {cfg.train.loss_spike_factor} x recent mean {state.loss_ema:.4f})")
+            progress.write(
+                f"step {done}: loss spike {row['loss']:.4f} (> {cfg.train.loss_spike_factor} x recent mean {state.loss_ema:.4f})"
+            )
         if finite:
             state.loss_ema = row["loss"] if state.loss_ema is None else 0.9 * state.loss_ema + 0.1 * row["loss"]
         else:
@@ -416,10 +433,19 @@ class Trainer:
             eval_loss=state.eval_loss,
             extra={"plot": plot} if plot else {},
         )
-        self.callbacks("on_train_end", state, {
-            "final_loss": result.final_loss, "eval_loss": result.eval_loss, "steps": result.steps, "tokens": result.tokens,
-            "trained_tokens": result.trained_tokens, "elapsed_s": result.elapsed_s, "adapter_dir": str(adapter_dir),
-        })
+        self.callbacks(
+            "on_train_end",
+            state,
+            {
+                "final_loss": result.final_loss,
+                "eval_loss": result.eval_loss,
+                "steps": result.steps,
+                "tokens": result.tokens,
+                "trained_tokens": result.trained_tokens,
+                "elapsed_s": result.elapsed_s,
+                "adapter_dir": str(adapter_dir),
+            },
+        )
         self.say(self.summary(result))
         return result
 
@@ -442,8 +468,16 @@ class Trainer:
         model_state, optimizer_state = parallel.full_states(self.model, optimizer)  # collectives: every rank
         rank_rng = parallel.every_rank_rng()
         if parallel.is_main:
-            self.resume.save(step, parallel.unwrap(self.model), optimizer, self.scheduler, self.state.counters(),
-                             model_state, optimizer_state, rank_rng)
+            self.resume.save(
+                step,
+                parallel.unwrap(self.model),
+                optimizer,
+                self.scheduler,
+                self.state.counters(),
+                model_state,
+                optimizer_state,
+                rank_rng,
+            )
         parallel.wait()
         self.callbacks("on_save", self.state, {"step": step, "path": str(checkpoint_dir(self.out, step)), "kind": "checkpoint"})
 
@@ -462,8 +496,15 @@ class Trainer:
 
     def evaluate_loss(self) -> float | None:
         """Mean loss per target token over the eval set (all processes); None without one."""
-        return held_out_loss(self.parallel.unwrap(self.model), self.data.eval, self.cfg.eval, self.cfg.train.batch_size,
-                             self.collate, self.parallel, self.compute_loss)
+        return held_out_loss(
+            self.parallel.unwrap(self.model),
+            self.data.eval,
+            self.cfg.eval,
+            self.cfg.train.batch_size,
+            self.collate,
+            self.parallel,
+            self.compute_loss,
+        )
 
     def exact_match_records(self) -> list[dict] | None:
         return exact_match_records(self.cfg)
@@ -474,8 +515,11 @@ class Trainer:
         self.say(f"eval ({when}): {result.summary()}")
         for s in result.samples:
             self.say(f"    expected {s['expected']!r:<30} got {s['got']!r}")
-        self.callbacks("on_eval", self.state, {"step": self.state.step, "when": when, "exact_match": result.accuracy,
-                                               "contains_match": result.contains_accuracy})
+        self.callbacks(
+            "on_eval",
+            self.state,
+            {"step": self.state.step, "when": when, "exact_match": result.accuracy, "contains_match": result.contains_accuracy},
+        )
         return result
 
     # ------------------------------------------------------------------ preemption and cleanup

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from finetune.data import IGNORE_INDEX
 from finetune.evaluate import loss_sum_and_count, shifted_targets
+from finetune.trainer.linear_ce import CaptureHead, chunked_linear_cross_entropy, fusable_head, logits_transform
 
 
 def count_targets(batch: dict[str, torch.Tensor]) -> int:
@@ -26,6 +27,14 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
 
 
+def head_owner(model) -> torch.nn.Module | None:
+    """The module that owns the LM head (the *ForCausalLM inside peft's and DDP's wrappers)."""
+    for module in model.modules():
+        if "lm_head" in module._modules and hasattr(module, "config"):
+            return module
+    return None
+
+
 class CausalLMLoss:
     """Cross-entropy of the next token where a label is set.
 
@@ -33,16 +42,30 @@ class CausalLMLoss:
     logits_to_keep gives flat (n_targets, vocab) logits), so masked prompt positions cost
     no head matmul and no logits memory, which for a 150k vocabulary is most of the
     activation peak. Turned off for good by the first model that ignores or rejects it.
+
+    chunk_rows (memory.loss=chunked|auto): the head and the loss run together over chunks
+    of that many target positions (finetune.trainer.linear_ce), so the logits of one chunk
+    are all that ever exists; `auto` (chunk_only_above) takes that path only for batches
+    with more targets than one chunk holds.
     """
 
-    def __init__(self, head_on_targets_only: bool = True):
+    def __init__(self, head_on_targets_only: bool = True, chunk_rows: int | None = None, chunk_only_above: bool = False):
         self.head_on_targets_only = head_on_targets_only
+        self.chunk_rows = chunk_rows
+        self.chunk_only_above = chunk_only_above
+        self.fused = None  # memory.loss=liger: (weight, hidden, targets, bias) -> summed loss, for a plain head
+        self.chunked_batches = 0  # batches that took the chunked path (for tests and the planner's check)
 
     def __call__(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         inputs, labels = model_inputs(batch), batch["labels"]
+        keep = torch.zeros_like(labels, dtype=torch.bool)
+        keep[:, :-1] = shifted_targets(labels) != IGNORE_INDEX
+        if self.chunk_rows and not (self.chunk_only_above and int(keep.sum()) <= self.chunk_rows):
+            owner = head_owner(model)
+            if owner is not None:
+                self.chunked_batches += 1
+                return self._chunked(model, owner, inputs, labels, keep)
         if self.head_on_targets_only:
-            keep = torch.zeros_like(labels, dtype=torch.bool)
-            keep[:, :-1] = shifted_targets(labels) != IGNORE_INDEX
             try:
                 out = model(**inputs, use_cache=False, logits_to_keep=keep)
             except (TypeError, IndexError):
@@ -60,3 +83,30 @@ class CausalLMLoss:
                 return loss_sum_and_count(out.logits, labels)
         out = model(**inputs, use_cache=False)
         return loss_sum_and_count(out.logits, labels)
+
+    def _chunked(
+        self, model, owner: torch.nn.Module, inputs: dict, labels: torch.Tensor, keep: torch.Tensor
+    ) -> tuple[torch.Tensor, int]:
+        """The decoder runs with a stand-in head that keeps its input and makes no logits; the real
+        head then runs chunk by chunk inside the loss."""
+        head, capture = owner.lm_head, CaptureHead()
+        owner.lm_head = capture
+        try:
+            try:
+                model(**inputs, use_cache=False, logits_to_keep=keep)
+            except (TypeError, IndexError):  # no boolean logits_to_keep: the head sees every position
+                model(**inputs, use_cache=False)
+        finally:
+            owner.lm_head = head
+        hidden = capture.hidden
+        assert hidden is not None, "the model never called its lm_head"
+        assert isinstance(head, torch.nn.Module)
+        if hidden.dim() == 3:  # the whole (batch, seq, hidden): keep the positions that predict a target
+            hidden = hidden[keep]
+        targets = labels[:, 1:][keep[:, :-1]]
+        transform = logits_transform(owner.config)
+        if self.fused is not None and transform is None and fusable_head(head) and targets.numel():
+            return self.fused(head.weight, hidden, targets, head.bias), int(targets.numel())
+        assert self.chunk_rows is not None
+        loss = chunked_linear_cross_entropy(hidden, head, targets, self.chunk_rows, transform)
+        return loss, int(targets.numel())

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from finetune import memory_modes
 from finetune.checkpoint import rng_states
 from finetune.config import RecipeConfig
 from finetune.distributed import (
@@ -41,12 +42,11 @@ class Parallel:
         """The strategy for this launch (auto: DDP unless a replica would not fit), checked against the recipe."""
         strategy = resolve_strategy(cfg, accelerator.num_processes, accelerator.device)
         check_strategy(cfg, strategy)
-        if cfg.memory.base_weights != "device" and strategy != "single":
-            raise ConfigError([
-                f"memory.base_weights={cfg.memory.base_weights} streams the weights of one process; this launch has "
-                f"{accelerator.num_processes} processes. Run on one GPU, or use distributed.strategy=fsdp with "
-                "distributed.cpu_offload=true."
-            ])
+        problems = memory_modes.problems(
+            memory_modes.launch_settings(cfg, strategy, accelerator.num_processes), (memory_modes.LAUNCH,)
+        )
+        if problems:
+            raise ConfigError(problems)
         return cls(accelerator, strategy)
 
     # ------------------------------------------------------------------ who and where

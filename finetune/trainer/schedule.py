@@ -24,6 +24,4 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, kind: str) -> floa
 
 def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR (its value depends on the step alone, so a resume can recompute it: checkpoint.follow_schedule)."""
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, train.warmup_steps, total_steps, train.scheduler)
-    )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, train.warmup_steps, total_steps, train.scheduler))

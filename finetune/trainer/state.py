@@ -112,7 +112,8 @@ class TrainResult:
         lines = [
             "done.",
             f"  steps        {self.steps}",
-            f"  final loss   {self.final_loss:.4f}" + (f"   eval loss {self.eval_loss:.4f}" if self.eval_loss is not None else ""),
+            f"  final loss   {self.final_loss:.4f}"
+            + (f"   eval loss {self.eval_loss:.4f}" if self.eval_loss is not None else ""),
             f"  tokens       {self.tokens:,} ({self.trained_tokens:,} trained)",
             f"  time         {human_duration(self.elapsed_s)}",
             f"  peak {memory_kind:<8}{human_bytes(self.peak_memory_bytes)}",

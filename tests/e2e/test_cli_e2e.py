@@ -24,7 +24,12 @@ def finetune(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_qlora_run_from_a_clean_process(recipe_dict, tmp_path):
     recipe = tmp_path / "recipe.yaml"
-    data = {**recipe_dict, "quant": {"bits": 4}, "checkpoint": {"every_steps": 2}, "train": {**recipe_dict["train"], "max_steps": 3}}
+    data = {
+        **recipe_dict,
+        "quant": {"bits": 4},
+        "checkpoint": {"every_steps": 2},
+        "train": {**recipe_dict["train"], "max_steps": 3},
+    }
     recipe.write_text(yaml.safe_dump(data))
     proc = finetune("run", str(recipe), "--no-progress", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -52,8 +57,9 @@ def test_qlora_run_from_a_clean_process(recipe_dict, tmp_path):
     assert f"final loss   {rows[2]['loss']:.4f}" in resumed.stdout
 
     # ...and extends it when asked for more steps: step-3's state, steps 4-5 trained.
-    extended = finetune("run", str(recipe), "resume=auto", "train.max_steps=5", "resume_ignore_changes=true",
-                        "--no-progress", cwd=tmp_path)
+    extended = finetune(
+        "run", str(recipe), "resume=auto", "train.max_steps=5", "resume_ignore_changes=true", "--no-progress", cwd=tmp_path
+    )
     assert extended.returncode == 0, extended.stderr
     rows3 = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows3] == [1, 2, 3, 4, 5] and rows3[:3] == rows

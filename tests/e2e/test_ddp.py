@@ -13,9 +13,8 @@ import sys
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
-
 from conftest import assert_same_steps, step_rows, write_jsonl
+from safetensors.torch import load_file
 
 # WRONG_SCALE=1 doubles every gradient while the loss value stays the same: the kind of
 # bug (a wrong world-size or token-count factor in backward) the comparison must catch.
@@ -50,7 +49,17 @@ def run(recipe_dict, tmp_path, nproc: int, batch: int, name: str, wrong_scale: b
     recipe = tmp_path / f"{name}.yaml"
     recipe.write_text(yaml.safe_dump(data))
     port = 29500 + nproc + (10 if wrong_scale else 0)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port), str(driver), str(recipe)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(port),
+        str(driver),
+        str(recipe),
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out

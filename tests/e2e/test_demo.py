@@ -39,8 +39,20 @@ def test_demo_recipe_on_two_processes_as_a_user_runs_it(tmp_path, strategy, port
     import sys
 
     out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "finetune", "run", "demo-cpu", "--nproc", "2", f"distributed.strategy={strategy}",
-           f"output_dir={out}", "--no-progress", "--master-port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "finetune",
+        "run",
+        "demo-cpu",
+        "--nproc",
+        "2",
+        f"distributed.strategy={strategy}",
+        f"output_dir={out}",
+        "--no-progress",
+        "--master-port",
+        str(port),
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
-
 from conftest import assert_same_steps
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
 
@@ -68,8 +67,13 @@ def assert_adapters_close(a: dict, b: dict, atol: float = 1e-5) -> None:
 def test_fsdp_qlora_two_processes_match_one(recipe_dict, tmp_path):
     # 4-bit base (stored in fp32 so FSDP can shard it), LoRA sharded per decoder layer.
     # Clipping off: the gradient norms before clipping must agree too (a wrong scale hides behind clipping).
-    common = {"quant": {"bits": 4}, "train__max_steps": 4, "train__grad_accum": 2, "checkpoint": {"every_steps": 2},
-              "train__max_grad_norm": None}
+    common = {
+        "quant": {"bits": 4},
+        "train__max_steps": 4,
+        "train__grad_accum": 2,
+        "checkpoint": {"every_steps": 2},
+        "train__max_grad_norm": None,
+    }
     one_recipe, one = write(tmp_path, recipe_dict, "one", train__batch_size=4, **common)
     two_recipe, two = write(tmp_path, recipe_dict, "two", train__batch_size=2, distributed={"strategy": "fsdp"}, **common)
     finetune(str(one_recipe), cwd=tmp_path, port=29611)
@@ -91,17 +95,34 @@ def test_save_on_two_resume_on_one_and_two(recipe_dict, tmp_path, strategy):
     # Uninterrupted on 2 processes; then stopped at step 3 (max_steps) and resumed to step 6 on 1 and on 2.
     # Same global batch everywhere (2 x 2 processes = 4 x 1), so the losses must continue the same.
     common = {"quant": {"bits": 4}, "train__grad_accum": 1, "checkpoint": {"every_steps": 3}, "train__scheduler": "constant"}
-    full_recipe, full = write(tmp_path, recipe_dict, "full", train__batch_size=2, train__max_steps=6,
-                              distributed={"strategy": strategy}, **common)
+    full_recipe, full = write(
+        tmp_path, recipe_dict, "full", train__batch_size=2, train__max_steps=6, distributed={"strategy": strategy}, **common
+    )
     finetune(str(full_recipe), "--nproc", "2", cwd=tmp_path, port=29621)
     reference = losses(full)
     for nproc, batch, port in ((2, 2, 29622), (1, 4, 29623)):
-        recipe, out = write(tmp_path, recipe_dict, f"part{nproc}", train__batch_size=2, train__max_steps=3,
-                            distributed={"strategy": strategy}, **common)
+        recipe, out = write(
+            tmp_path,
+            recipe_dict,
+            f"part{nproc}",
+            train__batch_size=2,
+            train__max_steps=3,
+            distributed={"strategy": strategy},
+            **common,
+        )
         finetune(str(recipe), "--nproc", "2", cwd=tmp_path, port=port)
         # Continue the same run: six steps now, on nproc processes with the same global batch.
-        finetune(str(recipe), "--nproc", str(nproc), "train.max_steps=6", f"train.batch_size={batch}",
-                 "resume=auto", "resume_ignore_changes=true", cwd=tmp_path, port=port + 10)
+        finetune(
+            str(recipe),
+            "--nproc",
+            str(nproc),
+            "train.max_steps=6",
+            f"train.batch_size={batch}",
+            "resume=auto",
+            "resume_ignore_changes=true",
+            cwd=tmp_path,
+            port=port + 10,
+        )
         got = losses(out)
         assert len(got) == 6
         assert got == pytest.approx(reference, rel=1e-4), (nproc, got, reference)
@@ -113,8 +134,10 @@ def test_two_nodes_on_one_machine(recipe_dict, tmp_path):
     recipe, out = write(tmp_path, recipe_dict, "nodes", train__batch_size=2, train__max_steps=3, train__max_grad_norm=None)
     ref_recipe, ref = write(tmp_path, recipe_dict, "ref", train__batch_size=4, train__max_steps=3, train__max_grad_norm=None)
     finetune(str(ref_recipe), cwd=tmp_path, port=29631)
-    nodes = [finetune(str(recipe), "--nproc", "1", "--nnodes", "2", "--node-rank", str(r), cwd=tmp_path, port=29632, wait=False)
-             for r in (0, 1)]
+    nodes = [
+        finetune(str(recipe), "--nproc", "1", "--nnodes", "2", "--node-rank", str(r), cwd=tmp_path, port=29632, wait=False)
+        for r in (0, 1)
+    ]
     outputs = [n.communicate(timeout=420)[0] for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "parallel: ddp over 2 processes" in outputs[0]
@@ -193,14 +216,29 @@ def test_ddp_resume_with_dropout_continues_each_ranks_random_stream(recipe_dict,
     # Lengths that differ between ranks' batches: their generators then advance by different amounts.
     rows = [{"instruction": "Repeat " + "ab" * (i % 7 + 1), "input": "", "output": "ab" * (i % 7 + 1)} for i in range(48)]
     data = write_jsonl(tmp_path / "varied.jsonl", rows)
-    common = {"lora": {"r": 4, "alpha": 8, "dropout": 0.2}, "train__batch_size": 2, "checkpoint": {"every_steps": 3},
-              "train__scheduler": "constant", "train__lr": 5e-2, "data__path": str(data), "data__shuffle": True}
+    common = {
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.2},
+        "train__batch_size": 2,
+        "checkpoint": {"every_steps": 3},
+        "train__scheduler": "constant",
+        "train__lr": 5e-2,
+        "data__path": str(data),
+        "data__shuffle": True,
+    }
     full_recipe, full = write(tmp_path, recipe_dict, "full", train__max_steps=6, **common)
     finetune(str(full_recipe), "--nproc", "2", cwd=tmp_path, port=29661)
     part_recipe, part = write(tmp_path, recipe_dict, "part", train__max_steps=3, **common)
     finetune(str(part_recipe), "--nproc", "2", cwd=tmp_path, port=29662)
-    finetune(str(part_recipe), "--nproc", "2", "train.max_steps=6", "resume=auto", "resume_ignore_changes=true",
-             cwd=tmp_path, port=29663)
+    finetune(
+        str(part_recipe),
+        "--nproc",
+        "2",
+        "train.max_steps=6",
+        "resume=auto",
+        "resume_ignore_changes=true",
+        cwd=tmp_path,
+        port=29663,
+    )
     assert losses(part) == pytest.approx(losses(full), rel=1e-6)
     a, b = adapter(full), adapter(part)
     for k in a:  # bitwise on CPU fp32: the same masks, the same arithmetic

@@ -60,7 +60,9 @@ def write_recipe(recipe_dict, tmp_path, out, **train):
 
 
 def run_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "finetune", *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600
+    )
 
 
 def run_driver(tmp_path, recipe, kill_step=-1, kill_save=-1):
@@ -68,7 +70,11 @@ def run_driver(tmp_path, recipe, kill_step=-1, kill_save=-1):
     driver.write_text(DRIVER)
     return subprocess.run(
         [sys.executable, str(driver), str(recipe), str(kill_step), str(kill_save)],
-        cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600,
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 
@@ -123,7 +129,11 @@ def test_sigterm_checkpoints_and_exits_75(recipe_dict, tmp_path):
     recipe = write_recipe(recipe_dict, tmp_path, out, max_steps=100_000)
     proc = subprocess.Popen(
         [sys.executable, "-m", "finetune", "run", str(recipe), "--no-progress"],
-        cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 120
@@ -157,8 +167,12 @@ def test_custom_model_code_needs_trust_remote_code(tiny_model_dir, tmp_path, rec
         "class CustomForCausalLM(LlamaForCausalLM):\n    config_class = CustomConfig\n"
     )
     cfg = json.loads((model / "config.json").read_text())
-    cfg.update({"model_type": "custom_llama", "auto_map": {
-        "AutoConfig": "custom_llama.CustomConfig", "AutoModelForCausalLM": "custom_llama.CustomForCausalLM"}})
+    cfg.update(
+        {
+            "model_type": "custom_llama",
+            "auto_map": {"AutoConfig": "custom_llama.CustomConfig", "AutoModelForCausalLM": "custom_llama.CustomForCausalLM"},
+        }
+    )
     (model / "config.json").write_text(json.dumps(cfg))
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump({**recipe_dict, "model": {"path": str(model)}}))

@@ -1,0 +1,40 @@
+"""messages: OpenAI-style {"messages": [{"role": ..., "content": ...}, ...]}; every assistant reply trained.
+
+Roles: system, developer, user, assistant, tool, function. Tool-calling keys
+(tool_calls, name, tool_call_id, reasoning_content) pass through to the template; an
+assistant turn that only calls tools may have content null.
+"""
+
+from __future__ import annotations
+
+from finetune.data.formats.base import PASSED_KEYS, Format, conversation_problem, turns_problem
+
+
+def to_messages(rec: dict) -> list[dict]:
+    out = []
+    for m in rec["messages"]:
+        msg = {"role": m["role"], "content": m["content"] if m.get("content") is not None else ""}
+        msg.update({k: m[k] for k in PASSED_KEYS if m.get(k) is not None})
+        out.append(msg)
+    return out
+
+
+def check(rec: dict) -> tuple[str, str] | None:
+    sharegpt = (("from", "value"), "these are ShareGPT turns: set data.format=sharegpt")
+    example = '{"role": "user", "content": "..."}'
+    return turns_problem(rec["messages"], "messages", ("role", "content"), example, sharegpt) or conversation_problem(
+        to_messages(rec)
+    )
+
+
+FORMAT = Format(
+    name="messages",
+    columns=("messages",),
+    example='`{"messages": [{"role", "content"}, ...]}` (system, user, assistant, tool)',
+    trained="every assistant reply + its end-of-turn token",
+    chat=True,
+    to_messages=to_messages,
+    check=check,
+    prompt_record=lambda text, context: {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]},
+    synonyms={"messages": ("conversations", "conversation", "chat", "dialog", "turns")},
+)

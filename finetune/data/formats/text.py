@@ -1,0 +1,18 @@
+"""text: {"text": str}; every token trained (continued pretraining). No prompt, so no exact-match eval."""
+
+from __future__ import annotations
+
+from finetune.data.formats.base import Format, string_columns_problem
+
+FORMAT = Format(
+    name="text",
+    columns=("text",),
+    example='`{"text"}`',
+    trained="everything (continued pretraining)",
+    chat=False,
+    split=lambda rec: ("", rec["text"]),  # an empty prompt: BOS only, the text all trained
+    check=lambda rec: string_columns_problem(rec, ("text",)),
+    prompt_record=lambda text, context: {"text": text},  # generation continues the text
+    answers=False,
+    synonyms={"text": ("content", "document", "body", "sentence")},
+)

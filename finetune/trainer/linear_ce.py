@@ -1,0 +1,103 @@
+"""Linear cross-entropy that never holds the logits of more than one chunk of positions.
+
+    loss_sum = chunked_linear_cross_entropy(hidden, lm_head, targets, chunk_rows=4096)
+
+The logits of a 128k vocabulary at 8k positions are 4 GiB in bf16 and twice that
+upcast to fp32 for the loss: on one 24 GB card, more than the whole 4-bit 8B model.
+Here the LM head and the loss run together over chunks of target positions; each
+chunk is a checkpoint, so its logits exist only while its loss is computed and again,
+one chunk at a time, while backward recomputes them. The log-sum-exp is taken in
+fp32. Any head works (a LoRA-wrapped or 4-bit one too: it is called as a module),
+and a model's own transform of the logits (Gemma's soft-capping, Cohere's and
+Granite's scales) is applied per chunk.
+
+Ideas from torchtune's chunked loss, Liger's fused linear cross-entropy and Apple's
+cut-cross-entropy; this is our own, on torch.utils.checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+LogitsTransform = Callable[[torch.Tensor], torch.Tensor]
+
+
+def logits_transform(config) -> LogitsTransform | None:
+    """What a model's causal-LM forward does to the head's output before returning it, or None."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:
+        return lambda logits: torch.tanh(logits / cap) * cap
+    scale = getattr(config, "logit_scale", None)  # Cohere: logits * logit_scale
+    if scale not in (None, 1, 1.0) and isinstance(scale, (int, float)):
+        return lambda logits: logits * scale
+    divide = getattr(config, "logits_scaling", None)  # Granite: logits / logits_scaling
+    if divide not in (None, 1, 1.0) and isinstance(divide, (int, float)):
+        return lambda logits: logits / divide
+    return None
+
+
+def _chunk_loss(
+    hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, transform: LogitsTransform | None
+) -> torch.Tensor:
+    logits = head(hidden)
+    if transform is not None:
+        logits = transform(logits)
+    return F.cross_entropy(logits.float(), targets, reduction="sum")
+
+
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    targets: torch.Tensor,
+    chunk_rows: int,
+    transform: LogitsTransform | None = None,
+) -> torch.Tensor:
+    """Summed cross-entropy of head(hidden) against targets, chunk_rows positions at a time.
+
+    hidden: (n, hidden_size) states of the positions that predict a target; targets: (n,).
+    Equal to F.cross_entropy(head(hidden).float(), targets, reduction="sum") within fp32
+    rounding, gradients included (hidden, the head's weight, adapters on the head).
+    """
+    if hidden.shape[0] != targets.shape[0]:
+        raise ValueError(f"hidden has {hidden.shape[0]} positions, targets {targets.shape[0]}")
+    if hidden.shape[0] == 0:
+        return hidden.sum() * 0.0
+    total: torch.Tensor | None = None
+    for start in range(0, hidden.shape[0], chunk_rows):
+        h, t = hidden[start : start + chunk_rows], targets[start : start + chunk_rows]
+        # preserve_rng_state: dropout of an adapter on the head draws the same mask again in backward.
+        part = checkpoint(_chunk_loss, h, t, head, transform, use_reentrant=False, preserve_rng_state=True)
+        total = part if total is None else total + part
+    assert total is not None
+    return total
+
+
+class CaptureHead(torch.nn.Module):
+    """Stands in for lm_head during the decoder's forward: keeps the states the head would have
+    been given and returns no logits (a (..., 0) tensor), so the model computes none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.hidden = hidden
+        return hidden.new_empty(*hidden.shape[:-1], 0)
+
+
+def liger_fused_loss():
+    """liger-kernel's fused linear cross-entropy (summed), for memory.loss=liger on CUDA."""
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    return LigerFusedLinearCrossEntropyLoss(reduction="sum")
+
+
+def fusable_head(head: torch.nn.Module) -> bool:
+    """A plain linear head (no adapter on it, not quantized): what a fused kernel can take the weight of."""
+    return type(head) is torch.nn.Linear and type(head.weight) is torch.nn.Parameter

@@ -1,0 +1,112 @@
+"""Long context on one card: memory.loss=chunked|auto never holds the whole logits.
+
+The kernel's equality with the full path is in tests/test_linear_ce.py; here: the recipe
+keys, the rules, the trainer path and the planner's terms (plan --max-seq).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from finetune.config import build_recipe, load_recipe
+from finetune.errors import ConfigError
+from finetune.gpus import find_gpu
+from finetune.metrics import read_metrics
+from finetune.plan import longest_trainable_seq, plan_recipe
+from finetune.plan.inputs import DEFAULT_IMPL
+from finetune.plan.memory import loss_peak_bytes
+from finetune.trainer import Trainer
+
+LLAMA_31_8B = str(Path(__file__).parent / "fixtures" / "configs" / "llama-3.1-8b")
+
+
+def cfg_for(recipe_dict, out, **memory):
+    data = json.loads(json.dumps(recipe_dict))
+    data["output_dir"] = str(out)
+    data["report"] = {"plot": False}
+    data["train"]["max_steps"] = 3
+    data["memory"] = {**data["memory"], **memory}
+    return build_recipe(data)
+
+
+def test_chunked_loss_trains_like_the_full_logits(recipe_dict, tmp_path):
+    full = Trainer(cfg_for(recipe_dict, tmp_path / "full", loss="full"), progress=False)
+    full.train()
+    chunked = Trainer(cfg_for(recipe_dict, tmp_path / "chunked", loss="chunked", loss_chunk=16), progress=False)
+    chunked.train()
+    assert chunked.loss_fn.chunked_batches == 3 and full.loss_fn.chunked_batches == 0
+    losses = lambda out: [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]  # noqa: E731
+    assert losses(tmp_path / "chunked") == pytest.approx(losses(tmp_path / "full"), rel=1e-5)
+    # auto: these batches (a few dozen targets) fit one chunk of 256: the one-matmul path, bitwise the same run.
+    auto = Trainer(cfg_for(recipe_dict, tmp_path / "auto"), progress=False)
+    auto.train()
+    assert auto.loss_fn.chunked_batches == 0 and losses(tmp_path / "auto") == losses(tmp_path / "full")
+
+
+def test_chunked_loss_under_fsdp_is_refused_and_liger_needs_cuda(recipe_dict, tmp_path):
+    data = json.loads(json.dumps(recipe_dict))
+    data.update(output_dir=str(tmp_path / "r"), distributed={"strategy": "fsdp"}, quant={"bits": 4})
+    data["memory"] = {"loss": "chunked"}
+    with pytest.raises(ConfigError) as err:
+        build_recipe(data)
+    assert "memory.loss=chunked runs the LM head after the sharded forward" in str(err.value)
+    assert "use memory.loss=auto" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        Trainer(cfg_for(recipe_dict, tmp_path / "liger", loss="liger"), progress=False).train()
+    assert "memory.loss=liger runs liger-kernel's CUDA kernel" in str(err.value) and "memory.loss=chunked" in str(err.value)
+
+
+def test_the_planner_holds_one_chunk_of_logits():
+    # The issue's job: Llama-3.1-8B QLoRA, batch 2 x 2048, on a 4090 (128,256-token vocabulary).
+    gpu = find_gpu("rtx4090", None)
+    base = ["model.path=" + LLAMA_31_8B, "data.path=unused.jsonl", "train.batch_size=2", "data.max_seq_len=2048"]
+    full = plan_recipe(load_recipe("qlora-1x24gb", base + ["memory.loss=full"]), gpu)
+    auto = plan_recipe(load_recipe("qlora-1x24gb", base), gpu)
+    term = lambda e: next(c.bytes for c in e.components if c.key == "logits_loss")  # noqa: E731
+    assert term(full) == loss_peak_bytes(2 * 2048, 128256, 2, DEFAULT_IMPL)
+    assert term(auto) == loss_peak_bytes(256, 128256, 2, DEFAULT_IMPL)  # one chunk of memory.loss_chunk
+    assert full.peak_bytes - auto.peak_bytes >= 4 * 2**30  # the logits were most of the 14 GiB peak
+    assert auto.step_time_s > full.step_time_s  # the head runs again in backward
+
+
+def test_plan_max_seq_finds_the_longest_sequence_at_batch_1():
+    gpu = find_gpu("rtx4090", None)
+    base = ["model.path=" + LLAMA_31_8B, "data.path=unused.jsonl"]
+    full = longest_trainable_seq(load_recipe("qlora-1x24gb", base + ["memory.loss=full"]), gpu)
+    auto = longest_trainable_seq(load_recipe("qlora-1x24gb", base), gpu)
+    assert 6_000 < full.as_written < 10_000  # about 8k with whole logits (the issue's number)
+    assert auto.as_written > 2.5 * full.as_written
+    assert auto.best >= auto.as_written and full.best >= auto.as_written  # the search may chunk the loss too
+    # The answer is the edge: one token more does not fit as written.
+    cfg = load_recipe("qlora-1x24gb", base + ["train.batch_size=1", "train.grad_accum=1"])
+    edge = plan_recipe(cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_seq_len": auto.as_written})}), gpu)
+    over = plan_recipe(cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_seq_len": auto.as_written + 1})}), gpu)
+    assert edge.peak_bytes <= 0.9 * gpu.memory_bytes < over.peak_bytes
+
+
+def test_plan_max_seq_on_the_command_line(capsys):
+    from finetune.cli import main
+
+    assert (
+        main(
+            [
+                "plan",
+                "qlora-1x24gb",
+                "model.path=" + LLAMA_31_8B,
+                "data.path=unused.jsonl",
+                "--gpu",
+                "rtx4090",
+                "--max-seq",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    cfg = load_recipe("qlora-1x24gb", ["model.path=" + LLAMA_31_8B, "data.path=unused.jsonl"])
+    found = longest_trainable_seq(cfg, find_gpu("rtx4090", None))
+    assert (out["as_written"], out["best"]) == (found.as_written, found.best) and out["gpu"] == "rtx4090"
+    assert "loss in chunks of 256" in out["best_setup"]

@@ -1,0 +1,84 @@
+"""The memory-mode table (finetune/memory_modes.py): config, the launch and the --fit search read
+the same rules, so the search never proposes a setup that the recipe's rules or the launch refuse."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from finetune import memory_modes
+from finetune.config import build_recipe, fsdp_problems, load_recipe
+from finetune.plan.fitting import candidates, mode_settings, runnable
+from finetune.plan.inputs import Recipe, Setup
+from finetune.plan.recipe import setup_of
+from finetune.plan.rewrite import setup_changes, with_values
+
+PATHS = ["model.path=some/model", "data.path=train.jsonl"]
+
+
+@pytest.mark.parametrize(
+    "recipe, overrides, max_gpus",
+    [
+        ("qlora-1x24gb", [], 2),
+        ("qlora-fsdp-2x24gb", [], 2),
+        ("qlora-fsdp-2x24gb", [], 1),  # an FSDP recipe fitted to one GPU: strategy and cpu_offload become moot
+        ("qlora-stream-70b-1x24gb", [], 2),
+        ("qlora-stream-70b-1x24gb", ["memory.base_weights=disk", "memory.offload_dir=/nvme"], 1),
+        ("qlora-offload-1x12gb", [], 2),
+        ("qlora-1x24gb", ["quant.bits=8"], 2),  # int8: no FSDP, no streaming
+        ("qlora-1x24gb", ["quant.bits=null", "lora=null"], 2),  # full fine-tuning: no FSDP, no streaming
+    ],
+)
+def test_fit_search_proposes_only_setups_the_rules_accept(recipe, overrides, max_gpus):
+    cfg = load_recipe(recipe, PATHS + overrides)
+    base = setup_of(cfg, max_gpus)
+    found = candidates(base, max_gpus, Recipe.from_config(cfg, "bf16"))
+    assert found
+    for s in found:
+        # the recipe --fit would write for this setup loads (every config rule) and reads back as the setup
+        written = build_recipe(with_values(cfg.to_dict(), setup_changes(s, base, cfg)))
+        assert setup_of(written, s.gpus) == s
+        # and the launch on s.gpus processes accepts it (what Parallel.choose and check_strategy ask)
+        strategy = "single" if s.gpus == 1 else written.distributed.strategy.replace("auto", "ddp")
+        assert memory_modes.problems(memory_modes.launch_settings(written, strategy, s.gpus)) == []
+    # the search tried every mode the table allows: streaming and offloads are among the candidates
+    lora = cfg.lora is not None
+    assert any(s.streams_weights for s in found) == (lora and cfg.quant.bits != 8)
+    assert any(s.activation_offload for s in found) and any(s.optimizer_offload for s in found)
+    assert any(s.sharding == "fsdp" for s in found) == (max_gpus > 1 and lora and cfg.quant.bits != 8)
+
+
+def test_runnable_is_the_table():
+    # each rule, as the search sees it: the setup is refused exactly when the table has a message for it
+    for s in [
+        Setup(1, 1, base_weights="cpu", checkpoint_every=0),
+        Setup(1, 1, gpus=2, base_weights="disk"),
+        Setup(1, 1, gpus=2, sharding="fsdp", optimizer_offload=True),
+        Setup(1, 1, gpus=2, sharding="ddp", cpu_offload=True),
+        Setup(1, 1, activation_offload=True, checkpoint_every=1),
+        Setup(1, 1, activation_offload=True, checkpoint_every=2),
+    ]:
+        assert runnable(s) == (memory_modes.problems(mode_settings(s)) == [])
+    int8 = Recipe(8, False, 16, "all-linear", 0.05, False, 2)
+    assert not runnable(Setup(1, 1, gpus=2, sharding="fsdp"), int8)
+    assert runnable(Setup(1, 1, gpus=2, sharding="ddp"), int8)
+
+
+def test_launch_rules_need_the_process_count_and_fsdp_rules_name_what_chose_fsdp():
+    cfg = load_recipe("qlora-stream-70b-1x24gb", PATHS)
+    assert memory_modes.problems(memory_modes.recipe_settings(cfg)) == []  # the recipe alone does not say
+    (msg,) = memory_modes.problems(memory_modes.launch_settings(cfg, "ddp", 2), (memory_modes.LAUNCH,))
+    assert msg == (
+        "memory.base_weights=cpu streams the weights of one process; this launch has 2 processes. Run on one GPU, "
+        "or use distributed.strategy=fsdp with distributed.cpu_offload=true."
+    )
+    auto = fsdp_problems(cfg, "FSDP (chosen by distributed.strategy=auto)")
+    assert auto == [
+        "FSDP (chosen by distributed.strategy=auto) shards the weights itself; memory.base_weights=cpu streams them "
+        "on one process. Use distributed.cpu_offload=true for FSDP, or run on one GPU."
+    ]
+    # every row names the recipe keys it reads, and its message names each of them
+    for rule in memory_modes.RULES:
+        text = rule.message(replace(memory_modes.Settings(), processes=2))
+        assert all(key.split(".")[-1] in text for key in rule.keys), (rule.keys, text)
