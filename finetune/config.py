@@ -23,6 +23,7 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -226,6 +227,17 @@ class MemoryConfig(_Section):
         "when a batch has more targets than one chunk (full under FSDP); liger: liger-kernel's fused kernel (CUDA)",
     )
     loss_chunk: int = Field(256, ge=16, description="target positions per chunk of memory.loss=chunked|auto")
+    tiled_mlp: Literal["auto", "off"] | Annotated[int, Field(ge=1)] = Field(
+        "auto",
+        description="each decoder layer's MLP over N tiles of the sequence, each recomputed in backward: its "
+        "intermediate (3 x seq x intermediate_size) never exists whole; auto: tiles of 4096 positions when longer",
+    )
+
+    @field_validator("tiled_mlp", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare off/on as false/true: tiled_mlp: off means "off".
+        return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
 
     @property
     def checkpoint_every(self) -> int:

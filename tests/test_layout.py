@@ -21,6 +21,7 @@ ORDER = [
     "metrics",
     "report",
     "model",
+    "tiled_mlp",
     "plan",
     "distributed",
     "offload",

@@ -110,3 +110,63 @@ def test_plan_max_seq_on_the_command_line(capsys):
     found = longest_trainable_seq(cfg, find_gpu("rtx4090", None))
     assert (out["as_written"], out["best"]) == (found.as_written, found.best) and out["gpu"] == "rtx4090"
     assert "loss in chunks of 256" in out["best_setup"]
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "all"])
+def test_tiled_mlp_equals_the_whole_mlp_loss_and_gradients(recipe_dict, tmp_path, checkpointing):
+    # memory.tiled_mlp=3: every decoder MLP runs over 3 tiles of the sequence, each recomputed in
+    # backward (inside the layer's own recomputation when it is checkpointed too).
+    import torch
+
+    def loss_and_grads(tiles):
+        data = json.loads(json.dumps(recipe_dict))
+        data.update(output_dir=str(tmp_path / f"t{tiles}"), report={"plot": False})
+        data["lora"]["dropout"] = 0.0
+        data["memory"] = {"activation_checkpointing": checkpointing, "tiled_mlp": tiles}
+        trainer = Trainer(build_recipe(data), progress=False)
+        trainer.setup()
+        model, batch = trainer.model, trainer.step_batches(0)[0]
+        loss, n = trainer.compute_loss(model, batch)
+        loss.backward()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
+        return trainer, batch, loss.detach(), grads
+
+    whole_trainer, batch, whole, g_whole = loss_and_grads("off")
+    tiled_trainer, _, tiled, g_tiled = loss_and_grads(3)
+    assert batch["input_ids"].shape[1] >= 3  # something to tile
+    mlps = [layer.mlp for layer in tiled_trainer.model.base_model.model.model.layers]
+    assert all(getattr(m, "_finetune_tiled", False) for m in mlps)
+    assert not any(getattr(layer.mlp, "_finetune_tiled", False) for layer in whole_trainer.model.base_model.model.model.layers)
+    torch.testing.assert_close(tiled, whole, rtol=1e-5, atol=0)
+    assert g_tiled.keys() == g_whole.keys() and any("mlp" in k for k in g_whole)
+    for name in g_whole:
+        torch.testing.assert_close(g_tiled[name], g_whole[name], rtol=1e-5, atol=1e-6)
+
+
+def test_tiles_for_auto_off_and_a_number():
+    from finetune.tiled_mlp import tiles_for
+
+    assert tiles_for("off", 100_000, 4096) == 1
+    assert tiles_for("auto", 4096, 4096) == 1 and tiles_for("auto", 4097, 4096) == 2  # whole up to 4096 positions
+    assert tiles_for("auto", 32_768, 4096) == 8 and tiles_for("auto", 32_768, 8192) == 4  # tiles of max(4096, hidden)
+    assert tiles_for(4, 2048, 4096) == 4 and tiles_for(4, 3, 4096) == 3  # never more tiles than positions
+
+
+def test_the_planner_holds_one_mlp_tile():
+    # Llama-3.1-8B at 32k tokens: auto runs each MLP in 8 tiles of 4096 positions.
+    from finetune.plan.inputs import Recipe
+    from finetune.plan.memory import mlp_saved_bytes_per_token
+
+    gpu = find_gpu("rtx4090", None)
+    base = ["model.path=" + LLAMA_31_8B, "data.path=unused.jsonl", "train.batch_size=1", "data.max_seq_len=32768"]
+    whole = plan_recipe(load_recipe("qlora-1x24gb", base + ["memory.tiled_mlp=off"]), gpu)
+    tiled = plan_recipe(load_recipe("qlora-1x24gb", base), gpu)
+    term = lambda e: next(c.bytes for c in e.components if c.key == "recompute_layer")  # noqa: E731
+    cfg = load_recipe("qlora-1x24gb", base)
+    mlp = 32768 * mlp_saved_bytes_per_token(whole.shape, Recipe.from_config(cfg, "bf16"))
+    hidden_in = 32768 * 2 * whole.shape.hidden  # the MLP input each layer keeps instead
+    assert term(whole) - term(tiled) == mlp - mlp // 8 - hidden_in
+    assert tiled.peak_bytes < whole.peak_bytes and tiled.step_time_s > whole.step_time_s  # MLP forward once more
+    off = longest_trainable_seq(load_recipe("qlora-1x24gb", base[:2] + ["memory.tiled_mlp=off"]), gpu)
+    auto = longest_trainable_seq(load_recipe("qlora-1x24gb", base[:2]), gpu)
+    assert auto.as_written > off.as_written

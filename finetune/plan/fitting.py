@@ -195,7 +195,10 @@ def longest_trainable_seq(cfg: RecipeConfig, gpu: GpuSpec, max_gpus: int = 1, ho
     base = replace(setup_of(cfg, 1), batch_size=1, grad_accum=1)
     as_written = longest_fitting_seq(shape, recipe, base, gpu, upper=LONGEST_SEQ_PROBED, **kw)
     best, best_setup = as_written, None
-    tried = replace(base, loss="auto" if base.loss == "full" else base.loss)
+    # The search may also turn on the long-context levers the recipe switched off.
+    tried = replace(
+        base, loss="auto" if base.loss == "full" else base.loss, tiled_mlp="auto" if base.tiled_mlp == "off" else base.tiled_mlp
+    )
     for s in candidates(tried, max_gpus, recipe):
         if best_setup is not None and s.gpus > best_setup.gpus and best >= LONGEST_SEQ_PROBED:
             continue

@@ -32,6 +32,7 @@ class Setup:
     optimizer_offload: bool = False  # memory.optimizer_offload: AdamW state and fp32 step in host RAM
     loss: str = "full"  # memory.loss: full (every target's logits at once) | chunked | liger | auto (a recipe's default)
     loss_chunk: int = 256  # memory.loss_chunk: target positions per chunk
+    tiled_mlp: str | int = "off"  # memory.tiled_mlp: off | auto | N (a recipe's default is auto)
 
     @property
     def global_batch(self) -> int:
@@ -44,6 +45,12 @@ class Setup:
         fsdp = self.sharding == "fsdp" and self.gpus > 1
         chunked = self.loss in ("chunked", "liger") or (self.loss == "auto" and not fsdp)
         return self.loss_chunk if chunked else 0
+
+    def mlp_tiles(self, hidden: int) -> int:
+        """Tiles each decoder MLP runs in at this sequence length (1: whole), as finetune.tiled_mlp decides."""
+        from finetune.tiled_mlp import tiles_for
+
+        return tiles_for(self.tiled_mlp, self.seq_len, hidden)
 
     @property
     def streams_weights(self) -> bool:
@@ -154,4 +161,5 @@ def describe_setup(s: Setup) -> str:
         f"checkpointing {ckpt}"
         + (f", offload: {', '.join(offload)}" if offload else "")
         + (f", loss in chunks of {s.loss_chunk}" if s.loss_rows else "")
+        + (f", MLP in {s.tiled_mlp} tiles" if isinstance(s.tiled_mlp, int) and s.tiled_mlp > 1 else "")
     )

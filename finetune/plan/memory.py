@@ -120,6 +120,14 @@ def quantized_bytes(numel: int, out_features: int, bits: int | None, double_quan
     return (numel + 1) // 2, constants
 
 
+def mlp_saved_bytes_per_token(shape: ModelShape, recipe: Recipe) -> int:
+    """The MLP's share of layer_saved_bytes_per_token: gate, SiLU and up (intermediate-sized), and
+    down_proj's input when LoRA wraps it (what a tiled MLP holds for one tile only)."""
+    b, f = recipe.compute_bytes, shape.intermediate
+    wrapped = {g.name for g in lora_targets(shape, recipe.lora_target)} if recipe.lora_r else set()
+    return 3 * b * f + (b * f if recipe.lora_r is None or "down_proj" in wrapped else 0)
+
+
 def layer_saved_bytes_per_token(shape: ModelShape, recipe: Recipe, batch_size: int) -> int:
     """Bytes autograd keeps per token for one decoder layer (Llama-style: RMSNorm, attention, gated MLP).
 
@@ -303,6 +311,14 @@ def _activation_terms(shape: ModelShape, recipe: Recipe, setup: Setup, gpu: GpuS
     checkpointed = setup.checkpointed_layers(L)
     input_only = tokens * b * shape.hidden  # a checkpointed layer's input, kept for the recompute
     full_layer = tokens * layer_saved_bytes_per_token(shape, recipe, B)
+    rebuilt = full_layer  # what one layer's recomputation holds
+    tiles = setup.mlp_tiles(shape.hidden)
+    if tiles > 1:
+        # memory.tiled_mlp: each MLP tile is a checkpoint, so a layer keeps only the MLP's input, and
+        # one tile's intermediate (gate, SiLU, up; down_proj's LoRA input) exists at a time.
+        mlp = tokens * mlp_saved_bytes_per_token(shape, recipe)
+        full_layer = full_layer - mlp + input_only
+        rebuilt = full_layer + mlp // tiles
     layers_saved = checkpointed * input_only + (L - checkpointed) * full_layer
     host = 0
     if setup.activation_offload and checkpointed < L:
@@ -329,7 +345,7 @@ def _activation_terms(shape: ModelShape, recipe: Recipe, setup: Setup, gpu: GpuS
         label = " (all layers)"
     else:
         label = f" ({checkpointed} checkpointed layers' inputs, all of {L - checkpointed} others)"
-    return _Activations(saved, full_layer if checkpointed else 0, host, label)
+    return _Activations(saved, rebuilt if checkpointed else (rebuilt - full_layer), host, label)
 
 
 def estimate(

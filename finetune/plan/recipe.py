@@ -49,6 +49,7 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
         optimizer_offload=cfg.memory.optimizer_offload,
         loss=cfg.memory.loss,
         loss_chunk=cfg.memory.loss_chunk,
+        tiled_mlp=cfg.memory.tiled_mlp,
     )
 
 

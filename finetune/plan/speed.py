@@ -32,6 +32,8 @@ def _micro_batch_seconds(shape, recipe, setup, gpu, trainable) -> tuple[float, f
     per_token = fwd * (2 + ckpt) + attn_fwd * (3 + ckpt) + (lora_flops if recipe.lora_r else 2 * fwd)
     if setup.loss_rows:  # the chunked head runs again in backward to remake each chunk's logits
         per_token += 2 * (shape.head_params or shape.embedding_params)
+    if setup.mlp_tiles(shape.hidden) > 1:  # each MLP tile runs again in backward
+        per_token += 2 * 3 * shape.hidden * shape.intermediate * shape.layers
     rate = gpu.bf16_tflops * 1e12 * MATMUL_EFFICIENCY
     compute = tokens * per_token / rate
     dequant = 0.0

@@ -19,6 +19,7 @@ from finetune.metrics import human_bytes
 from finetune.model import count_parameters, enable_gradient_checkpointing, load_model, wrap_lora
 from finetune.offload import HostAdamW
 from finetune.stream import DiskStore, WeightStream
+from finetune.tiled_mlp import tile_mlps
 from finetune.trainer.linear_ce import liger_fused_loss
 from finetune.trainer.loss import CausalLMLoss
 from finetune.trainer.parallel import Parallel
@@ -121,6 +122,9 @@ def load_model_and_store(
                     model = load_model(cfg, precision=precision, device=load_on, shardable=parallel.sharded)
             else:
                 model = load_model(cfg, precision=precision, device=load_on, shardable=parallel.sharded)
+        tiled = tile_mlps(model, cfg.memory.tiled_mlp)
+        if tiled and cfg.memory.tiled_mlp != "auto":
+            say(f"memory: {tiled} decoder-layer MLPs run in {cfg.memory.tiled_mlp} tiles of the sequence")
         say(model_summary(cfg, model))  # counted before the store takes the weights away
         stream = None
         if streaming:
