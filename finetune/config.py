@@ -59,7 +59,11 @@ class ModelConfig(_Section):
     revision: str | None = None
     tokenizer: str | None = Field(None, description="tokenizer source; defaults to model.path")
     trust_remote_code: bool = False
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "flex_attention"] = Field(
+        "auto",
+        description="auto: the fastest the model supports (flash_attention_2 on a GPU when flash-attn is installed, "
+        "else sdpa, else eager), with a note when it falls back",
+    )
 
 
 class MixSource(_Section):

@@ -197,6 +197,7 @@ def load_base_model(cfg: RecipeConfig, precision: str | None = None, device: tor
     device = device or default_device()
     src = model_source(cfg)
     raise_for_model_config(Path(src))
+    attention, note = choose_attention(cfg, device, dtype)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             src,
@@ -204,19 +205,58 @@ def load_base_model(cfg: RecipeConfig, precision: str | None = None, device: tor
             dtype=dtype,
             quantization_config=quantization_config(cfg, dtype, storage_dtype=dtype if shardable else None),
             device_map={"": device},
-            attn_implementation=cfg.model.attn_implementation,
+            attn_implementation=attention,
             trust_remote_code=cfg.model.trust_remote_code,
         )
     except Exception as exc:
+        first = str(exc).splitlines()[0]
+        if attention and (attention in first or "attention" in first.lower()):
+            raise ModelError(
+                f"model.attn_implementation={attention}: {first}",
+                hint="set model.attn_implementation=auto (the fastest this model supports) or eager",
+            ) from None
         raise ModelError(
-            f"model.path: could not load a causal LM from '{src}': {str(exc).splitlines()[0]}",
+            f"model.path: could not load a causal LM from '{src}': {first}",
             hint="check model.path; models with custom code need model.trust_remote_code=true (only for sources you trust)",
         ) from None
+    model.finetune_attention_note = note
     model.config.use_cache = False  # the KV cache is useless in training and costs memory
     for p in model.parameters():
         p.requires_grad_(False)
     keep_4bit_numerics(model)
     return model
+
+
+def choose_attention(cfg: RecipeConfig, device: torch.device, dtype: torch.dtype) -> tuple[str | None, str | None]:
+    """(attn_implementation to load with, a one-line note when auto fell back from sdpa).
+
+    auto: flash_attention_2 on a CUDA device with flash-attn installed and a 16-bit dtype, else
+    sdpa, else eager, as the model's class says it supports them. A model class we cannot look up
+    (custom code) gets None: transformers' own default.
+    """
+    wanted = cfg.model.attn_implementation
+    if wanted != "auto":
+        return wanted, None
+    try:
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        config = AutoConfig.from_pretrained(
+            model_source(cfg), revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+        )
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except Exception:  # noqa: BLE001 - custom code or an unreachable config: loading reports real problems
+        return None, None
+    import importlib.util
+
+    flash = (
+        device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and importlib.util.find_spec("flash_attn") is not None
+    )
+    if flash and getattr(cls, "_supports_flash_attn", False):
+        return "flash_attention_2", None
+    if getattr(cls, "_supports_sdpa", False):
+        return "sdpa", None
+    return "eager", f"note: {cls.__name__} does not support sdpa attention; using eager (model.attn_implementation=auto)"
 
 
 def keep_4bit_numerics(model) -> None:

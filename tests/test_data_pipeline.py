@@ -488,3 +488,36 @@ def test_held_out_records_are_the_ones_training_held_out(tmp_path, tokenizer):
     held = held_out_records(cfg)
     assert len(held) == 5 and {r["prompt"][0] for r in held} <= {"a", "b"}
     assert build_examples(held, cfg, tokenizer, "eval")[0] == build_datasets(cfg, tokenizer).eval
+
+
+def test_a_template_that_drops_a_tool_call_is_refused_naming_the_record(tmp_path, tokenizer):
+    # Like DeepSeek-R1's template under transformers (which drops a null content before rendering):
+    # an assistant turn without text is rendered with its text only, and the call disappears.
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+        "{% if m['content'] %}{{ m['content'] }}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    with pytest.raises(DataError, match=r"train\.jsonl' line 1: the chat template dropped the tool call 'f' of message 1"):
+        build(tmp_path, tok, [{"messages": TOOL_CONVO}], format="messages")
+
+
+def test_a_conversation_whose_first_prompt_exceeds_max_seq_len_is_dropped_and_counted(tmp_path, tokenizer):
+    long_first = {"messages": [{"role": "user", "content": "x" * 80}, {"role": "assistant", "content": "A"}]}
+    fits = {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "B"}]}
+    b = build(tmp_path, tokenizer, [long_first, fits], format="messages", max_seq_len=48)
+    assert (b.train_stats.examples, b.train_stats.dropped) == (1, 1)
+    assert [t for t in b.train[0]["labels"] if t != M] == ids("B") + [IM_END_ID] + ids("\n")
+
+
+def test_a_lone_surrogate_is_a_data_error_naming_the_record(tmp_path, tokenizer):
+    path = tmp_path / "train.jsonl"
+    good = json.dumps({"prompt": "Q:", "completion": "4"})
+    path.write_text(good + "\n" + '{"prompt": "Q:", "completion": "bad \\ud800 text"}\n')
+    with pytest.raises(DataError) as err:
+        build_datasets(recipe(tmp_path, path, format="completion"), tokenizer)
+    text = str(err.value)
+    assert "line 2" in text and "lone surrogate \\ud800 at character 4 of completion" in text and "skip_bad_rows" in text
+    skipped = build_datasets(recipe(tmp_path, path, format="completion", skip_bad_rows=True), tokenizer)
+    assert (skipped.train_stats.examples, skipped.train_stats.skipped) == (1, 1)

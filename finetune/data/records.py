@@ -41,7 +41,26 @@ def record_problem(rec: dict, fmt: str, columns: dict[str, str]) -> Problem | No
         found = ", ".join(rec) or "none"
         what = f"has no column '{missing}' needed by data.format={fmt} (found columns: {found})"
         return what, _column_hint(missing, list(rec), fmt, columns)
-    return f.check(rec)
+    return _unencodable_text(rec) or f.check(rec)
+
+
+def _unencodable_text(value: object, at: str = "") -> Problem | None:
+    """A string no tokenizer can take: a lone UTF-16 surrogate such as "\\ud800" (JSON allows the
+    escape; UTF-8 has no encoding for it), found anywhere in the record."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            char = value[exc.start]
+            what = f"has text with a lone surrogate \\u{ord(char):04x} at character {exc.start}{' of ' + at if at else ''}"
+            return what, "fix the file's encoding (a broken emoji or a cut UTF-16 pair), or data.skip_bad_rows=true to skip it"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _unencodable_text(item, f"{at}.{key}" if at else str(key))
+        if found:
+            return found
+    return None
 
 
 def to_messages(rec: dict, fmt: str) -> list[dict]:
@@ -51,7 +70,7 @@ def to_messages(rec: dict, fmt: str) -> list[dict]:
 
 def has_reply(message: dict) -> bool:
     """An assistant turn with something to learn: text, or tool calls."""
-    return message["role"] == "assistant" and (bool(message["content"].strip()) or bool(message.get("tool_calls")))
+    return message["role"] == "assistant" and (bool((message["content"] or "").strip()) or bool(message.get("tool_calls")))
 
 
 def usable_records(source: Source, columns: dict[str, str], skip_bad: bool) -> tuple[list[int], list[str]]:

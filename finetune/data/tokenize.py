@@ -96,6 +96,24 @@ def render(tokenizer: Any, messages: list[dict], where: str, add_generation_prom
         ) from None
 
 
+def _check_tool_calls_rendered(msgs: list[dict], text: str, where: str) -> None:
+    """DataError when the chat template left out a tool call: the model would be trained on a reply
+    without the call it made. Templates disagree on an assistant turn with no text (content null):
+    transformers drops a null content before rendering, and some templates (DeepSeek's) then skip
+    the call. Every called function's name must appear in the rendered conversation."""
+    for i, m in enumerate(msgs):
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function", call) if isinstance(call, dict) else {}
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if isinstance(name, str) and name and name not in text:
+                raise DataError(
+                    f"{where}: the chat template dropped the tool call '{name}' of message {i} (its content: "
+                    f"{m.get('content')!r}): the reply would be trained without the call",
+                    hint="use a template that renders tool calls for this conversation (data.template, or the model's "
+                    "own tokenizer), or give the message content text; data.skip_bad_rows=true skips such records",
+                )
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
@@ -152,6 +170,7 @@ def encode_chat(rec: dict, fmt: str, tokenizer: Any, train_on: str, where: str, 
     if not trainable:
         return None
     full_text = render(tokenizer, msgs, where)
+    _check_tool_calls_rendered(msgs, full_text, where)
     ids = encode_rendered(tokenizer, full_text)
     labels = [IGNORE_INDEX] * len(ids) if train_on != "all" else list(ids)
     spans, boundary = [], None
@@ -159,6 +178,10 @@ def encode_chat(rec: dict, fmt: str, tokenizer: Any, train_on: str, where: str, 
         start_text = render(tokenizer, msgs[:i], where, add_generation_prompt=True)
         start = encode_rendered(tokenizer, start_text)
         if max_len is not None and len(start) >= max_len:
+            if not spans:
+                # Its first reply already starts beyond data.max_seq_len: nothing of it would be
+                # trained. Dropped and counted, like an alpaca record whose prompt is too long.
+                return None
             break  # this reply (and every later one) lies beyond the truncation point
         upto_text = render(tokenizer, msgs[: i + 1], where)
         upto = encode_rendered(tokenizer, upto_text)
@@ -222,7 +245,7 @@ def prompt_and_answer(record: dict, fmt: str, tokenizer: Any) -> tuple[list[int]
         hint = "each conversation needs an assistant turn after a user turn"
         raise DataError("record has no assistant reply after a prompt to score", hint)
     text = render(tokenizer, msgs[:last], "record", add_generation_prompt=True)
-    return encode_rendered(tokenizer, text), msgs[last]["content"]
+    return encode_rendered(tokenizer, text), msgs[last]["content"] or ""
 
 
 def generation_prompt(text: str, fmt: str, tokenizer: Any, context: str = "") -> list[int]:

@@ -122,6 +122,8 @@ def load_model_and_store(
                     model = load_model(cfg, precision=precision, device=load_on, shardable=parallel.sharded)
             else:
                 model = load_model(cfg, precision=precision, device=load_on, shardable=parallel.sharded)
+        if getattr(model, "finetune_attention_note", None):
+            say(model.finetune_attention_note)
         tiled = tile_mlps(model, cfg.memory.tiled_mlp)
         if tiled and cfg.memory.tiled_mlp != "auto":
             say(f"memory: {tiled} decoder-layer MLPs run in {cfg.memory.tiled_mlp} tiles of the sequence")
