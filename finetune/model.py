@@ -219,7 +219,7 @@ def load_base_model(cfg: RecipeConfig, precision: str | None = None, device: tor
             f"model.path: could not load a causal LM from '{src}': {first}",
             hint="check model.path; models with custom code need model.trust_remote_code=true (only for sources you trust)",
         ) from None
-    model.finetune_attention_note = note
+    model.finetune_attention_note = note  # type: ignore[assignment]  # a plain attribute for the trainer to print
     model.config.use_cache = False  # the KV cache is useless in training and costs memory
     for p in model.parameters():
         p.requires_grad_(False)
@@ -244,7 +244,7 @@ def choose_attention(cfg: RecipeConfig, device: torch.device, dtype: torch.dtype
         config = AutoConfig.from_pretrained(
             model_source(cfg), revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
         )
-        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except Exception:  # noqa: BLE001 - custom code or an unreachable config: loading reports real problems
         return None, None
     import importlib.util

@@ -173,7 +173,8 @@ def encode_chat(rec: dict, fmt: str, tokenizer: Any, train_on: str, where: str, 
     _check_tool_calls_rendered(msgs, full_text, where)
     ids = encode_rendered(tokenizer, full_text)
     labels = [IGNORE_INDEX] * len(ids) if train_on != "all" else list(ids)
-    spans, boundary = [], None
+    spans: list[tuple[int, int]] = []
+    boundary: str | None = None
     for i in trainable[-1:] if train_on == "last" else trainable:
         start_text = render(tokenizer, msgs[:i], where, add_generation_prompt=True)
         start = encode_rendered(tokenizer, start_text)
