@@ -247,3 +247,39 @@ def test_elastic_launch_uses_c10d_and_a_fresh_store_per_restart_round(monkeypatc
     plain = parser.parse_args(["run", "demo-cpu", "--nproc", "2"])
     assert "--rdzv_backend" not in launch_command(plain)
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in launch_env(plain)
+
+
+def test_kubernetes_example_runs_a_command_the_cli_accepts():
+    # The manifests cannot run here (no cluster); they must parse, wire the volume to output_dir,
+    # restart on the preemption exit code (75), resume, and run a recipe that validates.
+    from pathlib import Path
+
+    import yaml
+
+    from finetune.cli import build_parser
+    from finetune.config import load_recipe
+
+    folder = Path(__file__).resolve().parents[1] / "examples" / "kubernetes"
+    pvc = yaml.safe_load((folder / "pvc.yaml").read_text())
+    job = yaml.safe_load((folder / "pytorchjob.yaml").read_text())
+    assert (pvc["kind"], job["kind"], job["apiVersion"]) == ("PersistentVolumeClaim", "PyTorchJob", "kubeflow.org/v1")
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert worker["restartPolicy"] == "OnFailure"  # ExitCode would treat 75 (checkpointed, stopped) as permanent
+    pod = worker["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["name"] == "pytorch"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert volumes["runs"]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+
+    cmd = container["command"]
+    assert cmd[:4] == ["torchrun", "-m", "finetune", "run"]
+    args, extra = build_parser().parse_known_args(cmd[3:])
+    assert args.func.__name__ == "cmd_run" and not [e for e in extra if e.startswith("-")]
+    overrides = list(args.overrides) + extra
+    assert "resume=auto" in overrides
+    cfg = load_recipe(args.recipe, [o for o in overrides if not o.startswith("resume=")])
+    assert cfg.output_dir.startswith(mounts["runs"] + "/") and cfg.data.path.startswith(mounts["runs"] + "/")
+    gpus = worker["replicas"] * job["spec"]["elasticPolicy"]["nProcPerNode"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == job["spec"]["elasticPolicy"]["nProcPerNode"]
+    assert cfg.train.batch_size * cfg.train.grad_accum * gpus == 16  # the recipe's global batch, as the comment says
