@@ -180,9 +180,9 @@ def test_shard_writer_round_trips_every_dtype_and_shape(tmp_path):
 
 
 def test_corrupted_merge_fails_loudly_and_leaves_nothing(lora_run, tmp_path, monkeypatch, capsys):
-    import finetune.export as export
+    import finetune.merge as merge
 
-    real = export.merged_weight
+    real = merge.merged_weight
 
     def corrupt_one(weight, lora, quant):
         w = real(weight, lora, quant)
@@ -190,7 +190,7 @@ def test_corrupted_merge_fails_loudly_and_leaves_nothing(lora_run, tmp_path, mon
             w = w + 0.01 * w.abs().mean() * torch.randn(w.shape, generator=torch.Generator().manual_seed(0))
         return w
 
-    monkeypatch.setattr(export, "merged_weight", corrupt_one)
+    monkeypatch.setattr(merge, "merged_weight", corrupt_one)  # stream_merge's, in finetune/merge.py
     out = tmp_path / "merged"
     with pytest.raises(MergeCheckFailed) as err:
         export_run(lora_run.path, out, merge=True, dtype="fp32", say=quiet)
