@@ -6,17 +6,15 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import product
-from pathlib import Path
 from typing import Any
 
 from finetune import memory_modes
 from finetune.config import RecipeConfig
 from finetune.errors import PlanError
 from finetune.gpus import GiB, GpuSpec
-from finetune.model import model_source
 from finetune.plan.inputs import Recipe, Setup, describe_setup
 from finetune.plan.memory import Estimate, estimate, gib
-from finetune.plan.recipe import _shard_bytes, model_shape_of, plan_precision, setup_of
+from finetune.plan.recipe import planning_inputs, setup_of
 from finetune.plan.shape import ModelShape
 
 FIT_HEADROOM = 0.10  # --fit keeps 10% of the card free: the model's error on published runs reaches ~15%
@@ -134,13 +132,7 @@ def fit(
 ) -> tuple[Estimate, Estimate]:
     """(the recipe as written on `gpus` GPUs, the fastest setup that fits; with host_ram, one whose
     offload also fits that much RAM). Raises PlanError when none fits."""
-    shape = model_shape_of(cfg)
-    recipe = Recipe.from_config(cfg, plan_precision(cfg, gpu))
-    kw: dict[str, Any] = dict(
-        keep_checkpoints=cfg.checkpoint.keep_last or 1,
-        model_on_disk=Path(model_source(cfg)).is_dir(),
-        shard_bytes=_shard_bytes(cfg),
-    )
+    shape, recipe, kw = planning_inputs(cfg, gpu)
     base = setup_of(cfg, gpus or max_gpus)
     current = estimate(shape, recipe, base, gpu, **kw)
     best, estimates = search(shape, recipe, base, gpu, max_gpus, host_ram=host_ram, **kw)
@@ -185,13 +177,7 @@ class LongestSeq:
 
 def longest_trainable_seq(cfg: RecipeConfig, gpu: GpuSpec, max_gpus: int = 1, host_ram: int | None = None) -> LongestSeq:
     """The longest sequence a recipe trains at batch 1 on `gpu` (plan --max-seq): as written, and at best."""
-    shape = model_shape_of(cfg)
-    recipe = Recipe.from_config(cfg, plan_precision(cfg, gpu))
-    kw: dict[str, Any] = dict(
-        keep_checkpoints=cfg.checkpoint.keep_last or 1,
-        model_on_disk=Path(model_source(cfg)).is_dir(),
-        shard_bytes=_shard_bytes(cfg),
-    )
+    shape, recipe, kw = planning_inputs(cfg, gpu)
     base = replace(setup_of(cfg, 1), batch_size=1, grad_accum=1)
     as_written = longest_fitting_seq(shape, recipe, base, gpu, upper=LONGEST_SEQ_PROBED, **kw)
     best, best_setup = as_written, None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from finetune.config import RecipeConfig
 from finetune.gpus import GpuSpec
@@ -53,18 +54,19 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
     )
 
 
-def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Setup | None = None) -> Estimate:
-    shape = model_shape_of(cfg)
-    recipe = Recipe.from_config(cfg, plan_precision(cfg, gpu), on_gpu=gpu is not None)
-    return estimate(
-        shape,
-        recipe,
-        setup or setup_of(cfg, gpus),
-        gpu,
+def planning_inputs(cfg: RecipeConfig, gpu: GpuSpec | None) -> tuple[ModelShape, Recipe, dict[str, Any]]:
+    """(model shape, recipe inputs, estimate()'s keyword arguments) of a recipe on `gpu`."""
+    kw: dict[str, Any] = dict(
         keep_checkpoints=cfg.checkpoint.keep_last or 1,
         model_on_disk=Path(model_source(cfg)).is_dir(),
         shard_bytes=_shard_bytes(cfg),
     )
+    return model_shape_of(cfg), Recipe.from_config(cfg, plan_precision(cfg, gpu), on_gpu=gpu is not None), kw
+
+
+def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Setup | None = None) -> Estimate:
+    shape, recipe, kw = planning_inputs(cfg, gpu)
+    return estimate(shape, recipe, setup or setup_of(cfg, gpus), gpu, **kw)
 
 
 # The parts of an estimate that are weights: what loading a model for inference puts on its device.
