@@ -175,6 +175,12 @@ HARMLESS_CHANGES = (
     "eval.",
     "checkpoint.",
     "report.",
+    # How the same numbers are computed, not which: the objective is unchanged, only rounding
+    # (chunks, tiles, attention kernels) differs. Runs from before these keys resume, said.
+    "memory.loss",
+    "memory.loss_chunk",
+    "memory.tiled_mlp",
+    "model.attn_implementation",
 )
 
 

@@ -299,9 +299,18 @@ class RecipeConfig(_Section):
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
+# Keys added after runs were written, with the value that reproduces what those runs did.
+_OLDER_RUNS = {"memory": {"loss": "full", "loss_chunk": 256, "tiled_mlp": "off"}}
+
+
 def current_spelling(recipe: dict[str, Any]) -> dict[str, Any]:
     """A resolved recipe dict (an older run's recipe.yaml or checkpoint) as this version writes it:
-    lora.dora (true/false) becomes lora.method (dora/lora), so resuming such a run sees no change."""
+    lora.dora (true/false) becomes lora.method (dora/lora), and keys the run predates get the value
+    it ran with, so resuming such a run sees no change it did not make."""
+    recipe = dict(recipe)
+    for section, defaults in _OLDER_RUNS.items():
+        if isinstance(recipe.get(section), dict):
+            recipe[section] = {**defaults, **recipe[section]}
     lora = recipe.get("lora")
     if not isinstance(lora, dict) or "dora" not in lora:
         return recipe

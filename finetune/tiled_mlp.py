@@ -42,10 +42,10 @@ def tiles_for(setting: str | int, seq_len: int, hidden: int) -> int:
 
 
 def _tiled(forward: Callable[[torch.Tensor], torch.Tensor], setting: str | int, hidden: int):
-    def tiled_forward(x: torch.Tensor) -> torch.Tensor:
+    def tiled_forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         n = tiles_for(setting, x.shape[-2], hidden)
-        if n <= 1:
-            return forward(x)
+        if n <= 1 or args or kwargs:  # an MLP that takes more than the hidden states runs whole
+            return forward(x, *args, **kwargs)
         chunks = x.split(math.ceil(x.shape[-2] / n), dim=-2)
         if not torch.is_grad_enabled():  # eval and generation: nothing is saved, only the tile at a time
             return torch.cat([forward(c) for c in chunks], dim=-2)

@@ -137,3 +137,26 @@ def test_the_trainer_loss_chunked_equals_the_target_only_head(recipe_dict, tmp_p
     small = CausalLMLoss(chunk_rows=10_000, chunk_only_above=True)
     loss_and_grads(small)
     assert small.chunked_batches == 0
+
+
+def test_a_model_whose_logits_the_chunked_head_cannot_reproduce_trains_on_the_full_logits(recipe_dict, tmp_path):
+    # A config that claims soft-capping its Llama forward never applies: the probe against the
+    # model's own logits catches the mismatch and the loss falls back, with a warning.
+    import json
+
+    from finetune.config import build_recipe
+    from finetune.trainer import CausalLMLoss, Trainer
+
+    data = json.loads(json.dumps(recipe_dict))
+    data["output_dir"] = str(tmp_path / "run")
+    data["lora"]["dropout"] = 0.0
+    trainer = Trainer(build_recipe(data), progress=False)
+    trainer.setup()
+    model, batch = trainer.model, trainer.step_batches(0)[0]
+    whole, n = CausalLMLoss()(model, batch)
+    model.base_model.model.config.final_logit_softcapping = 5.0  # what logits_transform reads; Llama ignores it
+    chunked = CausalLMLoss(chunk_rows=7)
+    with pytest.warns(UserWarning, match="LlamaForCausalLM post-processes its logits"):
+        loss, n2 = chunked(model, batch)
+    assert chunked.checked and chunked.chunk_rows is None and chunked.chunked_batches == 0
+    assert n2 == n and torch.equal(loss.detach(), whole.detach())

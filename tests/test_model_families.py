@@ -59,7 +59,9 @@ def test_gemma2_trains_with_attention_auto_and_says_it_fell_back(recipe_dict, ti
     # The soft-capped head goes through the chunked loss the same way (transform per chunk).
     chunked = cfg_for(recipe_dict, tiny_gemma2, tmp_path / "chunked")
     chunked = chunked.model_copy(update={"memory": chunked.memory.model_copy(update={"loss": "chunked", "loss_chunk": 16})})
-    again = Trainer(chunked, progress=False).train()
+    trainer = Trainer(chunked, progress=False)
+    again = trainer.train()
+    assert trainer.loss_fn.chunked_batches == 3 and trainer.loss_fn.chunk_rows == 16  # the probe found soft-capping right
     assert [r["loss"] for r in read_metrics(again.metrics_path) if "loss" in r] == pytest.approx(losses, rel=1e-5)
 
 

@@ -256,3 +256,24 @@ def test_every_step_after_resume_follows_the_new_schedule(recipe_dict, tmp_path)
     preempt(cfg("pre", 4), 1)  # stopped after step 2
     Trainer(cfg("pre", 6, resume="auto"), progress=False).train()
     assert [lrs("pre")[s] for s in (3, 4, 5, 6)] == [lrs("full")[s] for s in (3, 4, 5, 6)]
+
+
+def test_a_run_from_before_the_long_context_keys_resumes_with_the_changes_said():
+    # recipe.yaml of a run written before memory.loss / loss_chunk / tiled_mlp existed, with the
+    # attention the recipes then named: resuming it with today's defaults is allowed and said.
+    from finetune.checkpoint import recipe_changes
+
+    old = {"model": {"path": "m", "attn_implementation": "sdpa"}, "memory": {"activation_checkpointing": "all"}, "seed": 0}
+    new = {
+        "model": {"path": "m", "attn_implementation": "auto"},
+        "memory": {"activation_checkpointing": "all", "loss": "auto", "loss_chunk": 256, "tiled_mlp": "auto"},
+        "seed": 0,
+    }
+    breaking, harmless = recipe_changes(old, new)
+    assert breaking == []
+    assert harmless == [
+        "memory.loss: 'full' -> 'auto'",
+        "memory.tiled_mlp: 'off' -> 'auto'",
+        "model.attn_implementation: 'sdpa' -> 'auto'",
+    ]
+    assert recipe_changes(old, {**new, "seed": 1})[0] == ["seed: 0 -> 1"]  # real changes are still refused

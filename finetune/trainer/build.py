@@ -98,7 +98,11 @@ def ready_given_model(cfg: RecipeConfig, model):
     if cfg.memory.checkpoint_every:
         enable_gradient_checkpointing(model, cfg.memory.checkpoint_every)
     torch.manual_seed(cfg.seed)  # LoRA's init, drawn as a recipe's run draws it
-    return wrap_lora(cfg, model)
+    wrapped = wrap_lora(cfg, model)
+    # The generator as a recipe's run leaves it after the init: setup() resumes from here, so
+    # dropout draws the same masks (it reseeds in between, for the tokenizer and data).
+    wrapped.finetune_rng_after_init = torch.get_rng_state()
+    return wrapped
 
 
 def load_model_and_store(
@@ -109,6 +113,9 @@ def load_model_and_store(
     streaming = cfg.memory.base_weights != "device"
     disk_store = None
     model = given
+    after_init = getattr(given, "finetune_rng_after_init", None)
+    if after_init is not None:  # Trainer.from_parts wrapped it: continue from its LoRA init
+        torch.set_rng_state(after_init)
     try:
         if model is None:
             torch.manual_seed(cfg.seed)  # LoRA init is drawn from the global RNG: the same on every rank

@@ -18,6 +18,7 @@ cut-cross-entropy; this is our own, on torch.utils.checkpoint.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,17 +28,55 @@ LogitsTransform = Callable[[torch.Tensor], torch.Tensor]
 
 
 def logits_transform(config) -> LogitsTransform | None:
-    """What a model's causal-LM forward does to the head's output before returning it, or None."""
+    """What a model's causal-LM forward does to the head's output before returning it, or None.
+
+    Known forms only; chunked_head_matches checks the result against the model itself before
+    training (trainer/build.configure_loss), so an unknown form falls back to the full logits."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     cap = getattr(config, "final_logit_softcapping", None)
     if cap:
         return lambda logits: torch.tanh(logits / cap) * cap
     scale = getattr(config, "logit_scale", None)  # Cohere: logits * logit_scale
     if scale not in (None, 1, 1.0) and isinstance(scale, (int, float)):
         return lambda logits: logits * scale
-    divide = getattr(config, "logits_scaling", None)  # Granite: logits / logits_scaling
-    if divide not in (None, 1, 1.0) and isinstance(divide, (int, float)):
-        return lambda logits: logits / divide
+    multiplier = getattr(config, "lm_head_multiplier", None)  # Falcon-H1: logits * lm_head_multiplier
+    if multiplier not in (None, 1, 1.0) and isinstance(multiplier, (int, float)):
+        return lambda logits: logits * multiplier
+    scaling = getattr(config, "logits_scaling", None)  # Granite divides by it; HyperCLOVAX multiplies
+    if scaling not in (None, 1, 1.0) and isinstance(scaling, (int, float)):
+        if "granite" in str(getattr(config, "model_type", "")):
+            return lambda logits: logits / scaling
+        return lambda logits: logits * scaling
     return None
+
+
+@torch.no_grad()
+def chunked_head_matches(model, owner: torch.nn.Module, device: torch.device, tokens: int = 8) -> bool:
+    """Whether the head + logits_transform reproduce the model's own logits, on a short probe in eval
+    mode (no dropout; the random generators are left as they were)."""
+    head: Any = owner.lm_head
+    transform = logits_transform(owner.config)
+    ids = torch.arange(1, tokens + 1, device=device).unsqueeze(0)
+    capture = CaptureHead()
+    was_training = model.training
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        model.eval()
+        try:
+            real = model(input_ids=ids, use_cache=False).logits[0].float()
+            owner.lm_head = capture
+            try:
+                model(input_ids=ids, use_cache=False)
+            finally:
+                owner.lm_head = head
+        finally:
+            model.train(was_training)
+    if capture.hidden is None:
+        return False
+    ours = head(capture.hidden.reshape(-1, capture.hidden.shape[-1]))
+    ours = (transform(ours) if transform else ours).float()
+    if ours.shape != real.shape:  # e.g. a model that cuts padded vocabulary entries off
+        return False
+    return bool(torch.allclose(ours, real, rtol=1e-3, atol=1e-3 * max(1.0, float(real.abs().max()))))
 
 
 def _chunk_loss(

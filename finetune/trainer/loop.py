@@ -313,6 +313,8 @@ class Trainer:
         else:
             row["skipped"] = True
         self.callbacks("on_step_end", state, row)
+        # Every rank must stop together, or the others wait forever in the next collective.
+        state.should_stop = self.parallel.global_sum(float(state.should_stop)) > 0
         if done % cfg.train.log_every_steps == 0 or self._last_step() or not finite or spike:
             self.metrics.write(row)
         if finite:

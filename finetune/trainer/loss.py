@@ -7,12 +7,20 @@ process, so pass your own `loss_fn` in the same form (see Trainer).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
 from finetune.data import IGNORE_INDEX
 from finetune.evaluate import loss_sum_and_count, shifted_targets
-from finetune.trainer.linear_ce import CaptureHead, chunked_linear_cross_entropy, fusable_head, logits_transform
+from finetune.trainer.linear_ce import (
+    CaptureHead,
+    chunked_head_matches,
+    chunked_linear_cross_entropy,
+    fusable_head,
+    logits_transform,
+)
 
 
 def count_targets(batch: dict[str, torch.Tensor]) -> int:
@@ -54,6 +62,7 @@ class CausalLMLoss:
         self.chunk_rows = chunk_rows
         self.chunk_only_above = chunk_only_above
         self.fused = None  # memory.loss=liger: (weight, hidden, targets, bias) -> summed loss, for a plain head
+        self.checked = False  # the chunked head was checked against this model's own logits
         self.chunked_batches = 0  # batches that took the chunked path (for tests and the planner's check)
 
     def __call__(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -62,7 +71,7 @@ class CausalLMLoss:
         keep[:, :-1] = shifted_targets(labels) != IGNORE_INDEX
         if self.chunk_rows and not (self.chunk_only_above and int(keep.sum()) <= self.chunk_rows):
             owner = head_owner(model)
-            if owner is not None:
+            if owner is not None and self._reproduces_logits(model, owner, inputs["input_ids"].device):
                 self.chunked_batches += 1
                 return self._chunked(model, owner, inputs, labels, keep)
         if self.head_on_targets_only:
@@ -84,6 +93,21 @@ class CausalLMLoss:
         out = model(**inputs, use_cache=False)
         return loss_sum_and_count(out.logits, labels)
 
+    def _reproduces_logits(self, model, owner: torch.nn.Module, device: torch.device) -> bool:
+        """Checked once, on the first batch that would be chunked: a model whose forward changes its
+        logits in a way logits_transform does not know trains on the full logits instead."""
+        if not self.checked:
+            self.checked = True
+            # The module inside DDP's wrapper: the probe must join no collective (ranks chunk independently).
+            if not chunked_head_matches(getattr(model, "module", model), owner, device):
+                self.chunk_rows = None
+                warnings.warn(
+                    f"memory.loss: {type(owner).__name__} post-processes its logits in a way the chunked loss does "
+                    "not reproduce; training on the full logits (set memory.loss=full to silence this)",
+                    stacklevel=2,
+                )
+        return self.chunk_rows is not None
+
     def _chunked(
         self, model, owner: torch.nn.Module, inputs: dict, labels: torch.Tensor, keep: torch.Tensor
     ) -> tuple[torch.Tensor, int]:
@@ -92,9 +116,12 @@ class CausalLMLoss:
         head, capture = owner.lm_head, CaptureHead()
         owner.lm_head = capture
         try:
-            try:
-                model(**inputs, use_cache=False, logits_to_keep=keep)
-            except (TypeError, IndexError):  # no boolean logits_to_keep: the head sees every position
+            if self.head_on_targets_only:
+                try:
+                    model(**inputs, use_cache=False, logits_to_keep=keep)
+                except (TypeError, IndexError):  # no boolean logits_to_keep: the head sees every position
+                    model(**inputs, use_cache=False)
+            else:
                 model(**inputs, use_cache=False)
         finally:
             owner.lm_head = head
