@@ -28,7 +28,7 @@ def main() -> None:
     cfg = load_recipe(args.recipe, ["output_dir=/tmp/step_time", "overwrite=true"] + args.overrides)
     trainer = Trainer(cfg, progress=False)
     trainer.setup()
-    print(f"threads {torch.get_num_threads()}, {trainer.window} {trainer.unit}/step")
+    print(f"threads {torch.get_num_threads()}, {trainer.state.window} {trainer.unit}/step")
     times = []
     for step in range(args.steps + 1):
         t0 = time.perf_counter()

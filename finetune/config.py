@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -29,21 +28,18 @@ from pydantic import (
 )
 
 from finetune import adapters, memory_modes
-from finetune.config_messages import _deep_merge, field_path, parse_overrides, schema_problems
+from finetune.config_messages import field_path, parse_overrides, schema_problems  # noqa: F401 - parse_overrides: the config API
 from finetune.errors import ConfigError
-
-# Paths that start with this prefix point into the package's bundled assets
-# (finetune/assets/), so the demo recipe works from any working directory.
-ASSET_PREFIX = "asset:"
-ASSETS_DIR = Path(__file__).resolve().parent / "assets"
-
-
-def resolve_path(value: str) -> str:
-    """Turn 'asset:NAME' into the absolute path of a bundled asset; other values unchanged."""
-    if value.startswith(ASSET_PREFIX):
-        return str(ASSETS_DIR / value[len(ASSET_PREFIX) :])
-    return os.path.expanduser(value)
-
+from finetune.recipe_files import (  # noqa: F401 - re-exported: the config API
+    ASSET_PREFIX,
+    ASSETS_DIR,
+    find_recipe,
+    read_recipe,
+    read_recipe_file,
+    recipe_description,
+    resolve_path,
+    shipped_recipes,
+)
 
 # data.format: the formats of finetune/data/formats/, one module each (that package checks this
 # list against its registry on import; config cannot import it: imports flow one way).
@@ -446,28 +442,6 @@ def check_recipe_dict(data: dict[str, Any], source: str | None = None) -> tuple[
     return stand_in, problems + [p for p in cross_field_problems(stand_in) if p not in problems]
 
 
-def read_recipe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError([f"recipe file '{path}' not found (cwd: {os.getcwd()}). Run `finetune ls` to see shipped recipes."])
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError([f"not valid YAML{where}: {getattr(exc, 'problem', exc)}"], str(path)) from None
-    return data if data is not None else {}
-
-
-def read_recipe(path: str | os.PathLike[str], overrides: list[str] | None = None) -> tuple[dict[str, Any], str]:
-    """The raw recipe dict with overrides applied, and where it came from."""
-    resolved = find_recipe(str(path))
-    data = read_recipe_file(resolved)
-    if isinstance(data, dict):
-        data = _deep_merge(data, parse_overrides(overrides))
-    return data, str(resolved)
-
-
 def load_recipe(path: str | os.PathLike[str], overrides: list[str] | None = None) -> RecipeConfig:
     """Read a recipe YAML, apply dotted key=value overrides, validate.
 
@@ -475,38 +449,3 @@ def load_recipe(path: str | os.PathLike[str], overrides: list[str] | None = None
     """
     data, source = read_recipe(path, overrides)
     return build_recipe(data, source=source)
-
-
-# --------------------------------------------------------------------------- shipped recipes
-
-
-def shipped_recipes() -> dict[str, Path]:
-    """name -> path of each recipe that ships with the package (finetune.recipes)."""
-    from importlib import resources
-
-    root = resources.files("finetune.recipes")
-    return {
-        Path(str(entry)).stem: Path(str(entry))
-        for entry in sorted(root.iterdir(), key=lambda e: str(e))
-        if str(entry).endswith(".yaml")
-    }
-
-
-def find_recipe(name_or_path: str) -> Path:
-    """A path as given when it exists, else a shipped recipe of that name."""
-    p = Path(name_or_path)
-    if p.exists():
-        return p
-    shipped = shipped_recipes()
-    key = p.stem if p.suffix in (".yaml", ".yml") else name_or_path
-    if key in shipped and len(p.parts) <= 2:
-        return shipped[key]
-    return p
-
-
-def recipe_description(path: Path) -> str:
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError:
-        return "(invalid YAML)"
-    return str(data.get("description", "")).strip().splitlines()[0] if data.get("description") else ""

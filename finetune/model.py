@@ -335,16 +335,24 @@ def wrap_lora(cfg: RecipeConfig, model):
         ) from None
 
 
+def head_owner(model) -> torch.nn.Module | None:
+    """The module that owns the LM head: the *ForCausalLM (or *ForConditionalGeneration) inside
+    peft's and DDP's wrappers, which only forward to it."""
+    for module in model.modules():
+        if "lm_head" in module._modules and hasattr(module, "config"):
+            return module
+    return None
+
+
 def takes_boolean_logits_to_keep(model) -> bool:
     """Whether the causal LM slices its hidden states with transformers' slice_logits_to_keep,
     which takes a boolean (batch, seq) mask (newer releases); older model code slices
     hidden_states[:, keep, :] and would fail only after running the whole decoder."""
-    for module in model.modules():
-        # The model class that owns the head (peft's PeftModelForCausalLM wraps it and only forwards).
-        if type(module).__name__.endswith("ForCausalLM") and "lm_head" in module._modules:
-            source = sys.modules.get(type(module).__module__)
-            return source is not None and hasattr(source, "slice_logits_to_keep")
-    return False
+    owner = head_owner(model)
+    if owner is None or not type(owner).__name__.endswith("ForCausalLM"):
+        return False
+    source = sys.modules.get(type(owner).__module__)
+    return source is not None and hasattr(source, "slice_logits_to_keep")
 
 
 def count_parameters(model) -> tuple[int, int]:

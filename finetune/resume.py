@@ -110,6 +110,12 @@ class Resume:
         self._keep_metrics(metrics, up_to=state["step"])  # rows logged after the checkpoint will be logged again
         return state
 
+    def last_logged_loss(self, default: float) -> float:
+        """The loss of the last step metrics.jsonl logged (a finished run reopened), else `default`."""
+        path = self.out / "metrics.jsonl"
+        logged = [r["loss"] for r in read_metrics(path) if "loss" in r] if path.exists() else []
+        return logged[-1] if logged and logged[-1] is not None else default
+
     def _keep_metrics(self, metrics: MetricsWriter, up_to: int | None) -> None:
         path = self.out / "metrics.jsonl"
         if not self.is_main or not path.exists():

@@ -526,7 +526,7 @@ def test_registry_names_agree_with_config_and_modules():
     assert {p.stem for p in folder.glob("*.py")} - {"__init__", "base"} == set(FORMATS)
     for name, f in FORMATS.items():
         assert f.name == name and set(f.columns).isdisjoint(f.optional)
-        assert f.check(f.prompt_record("hi", "")) is None, name  # generate's records pass the format's own check
+        assert f.problem(f.prompt_record("hi", "")) is None, name  # generate's records pass the format's own check
     from finetune.errors import ConfigError
 
     with pytest.raises(ConfigError, match="data.format: Input should be 'alpaca', 'completion', 'input_output', "):

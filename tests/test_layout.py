@@ -14,6 +14,7 @@ ORDER = [
     "adapters",
     "memory_modes",
     "config_messages",
+    "recipe_files",
     "config",
     "gpus",
     "hardware",
@@ -40,7 +41,7 @@ ORDER = [
 ]
 # Inside a package that states an order, the same rule between its modules (finetune/plan/).
 PACKAGE_ORDER = {
-    "plan": ["shape", "inputs", "speed", "memory", "recipe", "fitting", "render", "rewrite", "preflight", "command"],
+    "plan": ["shape", "inputs", "speed", "terms", "memory", "recipe", "fitting", "render", "rewrite", "preflight", "command"],
     "trainer": ["state", "callbacks", "schedule", "linear_ce", "loss", "order", "parallel", "evaluation", "build", "loop"],
 }
 PKG = Path(finetune.__file__).parent

@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import random
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from finetune.config import RecipeConfig, resolve_path
@@ -205,6 +206,19 @@ def _chat_template_needed(cfg: RecipeConfig, tokenizer: Any) -> None:
         use_template(tokenizer, cfg.data.template)
 
 
+def _cached_bundle(entry: Path, mask_check: str) -> DataBundle | None:
+    """The data of a cache entry, its stored mask findings judged by today's data.mask_check; None on a miss."""
+    cached = read_cache(entry)
+    if cached is None:
+        return None
+    data, stats, raw_findings = cached
+    found = {f["kind"]: Finding(**f) for f in raw_findings}
+    train_data, train_stats = data["train"], stats["train"]
+    assert train_data is not None and train_stats is not None, "a cache entry always holds the train set"
+    train_stats.warnings += enforce(found, mask_check)
+    return DataBundle(train_data, data["eval"], train_stats, stats["eval"], from_cache=True)
+
+
 def build_datasets(cfg: RecipeConfig, tokenizer: Any, *, use_cache: bool | None = None) -> DataBundle:
     """The train (and eval) data of a recipe, tokenized, masked, checked and (with data.packing) packed.
 
@@ -219,14 +233,9 @@ def build_datasets(cfg: RecipeConfig, tokenizer: Any, *, use_cache: bool | None 
     _chat_template_needed(cfg, tokenizer)
     use_cache = d.cache if use_cache is None else use_cache
     entry = cache_root(cfg) / cache_key(cfg, tokenizer, _content_ids(cfg)) if use_cache else None
-    cached = read_cache(entry) if entry is not None else None
+    cached = _cached_bundle(entry, d.mask_check) if entry is not None else None
     if cached is not None:
-        data, stats, raw_findings = cached
-        found = {f["kind"]: Finding(**f) for f in raw_findings}
-        train_data, train_stats = data["train"], stats["train"]
-        assert train_data is not None and train_stats is not None, "a cache entry always holds the train set"
-        train_stats.warnings += enforce(found, d.mask_check)
-        return DataBundle(train_data, data["eval"], train_stats, stats["eval"], from_cache=True)
+        return cached
 
     sources: list[Source] = []
     skipped: dict[str, list[str]] = {"train": [], "eval": []}

@@ -41,7 +41,7 @@ def record_problem(rec: dict, fmt: str, columns: dict[str, str]) -> Problem | No
         found = ", ".join(rec) or "none"
         what = f"has no column '{missing}' needed by data.format={fmt} (found columns: {found})"
         return what, _column_hint(missing, list(rec), fmt, columns)
-    return _unencodable_text(rec) or f.check(rec)
+    return _unencodable_text(rec) or f.problem(rec)
 
 
 def _unencodable_text(value: object, at: str = "") -> Problem | None:

@@ -4,14 +4,23 @@ host RAM and disk (`estimate`). What each tensor costs follows from how this too
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from finetune.gpus import GiB, GpuSpec
-from finetune.plan.inputs import DEFAULT_IMPL, Implementation, Recipe, Setup, lora_targets
+from finetune.plan.inputs import DEFAULT_IMPL, Implementation, Recipe, Setup
 from finetune.plan.shape import ModelShape
 from finetune.plan.speed import NVME_READ_GBPS, forward_seconds, step_time
+from finetune.plan.terms import (  # noqa: F401 - NF4_BLOCK*, quantized_bytes: re-exported with the rest of the model
+    NF4_BLOCK,
+    NF4_BLOCK2,
+    backward_working_bytes_per_token,
+    layer_saved_bytes_per_token,
+    loss_peak_bytes,
+    mlp_saved_bytes_per_token,
+    quantized_bytes,
+    trainable_params,
+)
 
 # One set of constants for every prediction (CLI, preflight, validation); each says where it comes from.
 # These are the memory ones; speed.py, fitting.py and preflight.py hold the others.
@@ -21,7 +30,6 @@ HOST_BASELINE_BYTES = 3 * GiB  # python + torch + CUDA libraries + tokenizer, pe
 STREAMED_LAYERS_RESIDENT = 3  # stream.py: the layer computing, the prefetched next one, and in backward the one finishing
 OFFLOAD_LAYERS_IN_FLIGHT = 2  # activation offload: the layer being copied out (forward) or back (backward) and the next
 DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size when the model's shards cannot be seen
-NF4_BLOCK, NF4_BLOCK2 = 64, 256  # bitsandbytes 4-bit block size, and double-quant block size of the absmax
 
 
 @dataclass
@@ -102,113 +110,6 @@ class Estimate:
     @property
     def tokens_per_step(self) -> int:
         return self.setup.global_batch * self.setup.seq_len
-
-
-def quantized_bytes(numel: int, out_features: int, bits: int | None, double_quant: bool, compute_bytes: int) -> tuple[int, int]:
-    """(weight bytes, quantization-constant bytes) of one linear weight as bitsandbytes stores it."""
-    if bits is None:
-        return numel * compute_bytes, 0
-    if bits == 8:  # LLM.int8: int8 weight + one fp32 scale per output row
-        return numel, out_features * 4
-    blocks = math.ceil(numel / NF4_BLOCK)
-    if double_quant:
-        # absmax quantized to uint8 per 64-block; its own fp32 absmax per 256 of those,
-        # a 256-entry fp32 code table and an fp32 offset.
-        constants = blocks + math.ceil(blocks / NF4_BLOCK2) * 4 + 256 * 4 + 4
-    else:
-        constants = blocks * 4
-    return (numel + 1) // 2, constants
-
-
-def mlp_saved_bytes_per_token(shape: ModelShape, recipe: Recipe) -> int:
-    """The MLP's share of layer_saved_bytes_per_token: gate, SiLU and up (intermediate-sized), and
-    down_proj's input when LoRA wraps it (what a tiled MLP holds for one tile only)."""
-    b, f = recipe.compute_bytes, shape.intermediate
-    wrapped = {g.name for g in lora_targets(shape, recipe.lora_target)} if recipe.lora_r else set()
-    return 3 * b * f + (b * f if recipe.lora_r is None or "down_proj" in wrapped else 0)
-
-
-def layer_saved_bytes_per_token(shape: ModelShape, recipe: Recipe, batch_size: int) -> int:
-    """Bytes autograd keeps per token for one decoder layer (Llama-style: RMSNorm, attention, gated MLP).
-
-    Worked out from what each op saves for backward, and checked against
-    saved_tensors_hooks on real models (tests/test_plan_measured.py):
-      RMSNorm (x2)       its input upcast to fp32 (4h); the fp32 variance is per token only
-      q/k after RoPE, v, attention output: compute dtype (flash / memory-efficient SDPA save
-                         no T x T matrix), plus the fp32 log-sum-exp per head
-      GQA                with padding in the batch (batch_size > 1) transformers repeats k/v to
-                         every head before SDPA (no GQA kernel under a mask), so k and v cost h each
-      gated MLP          gate (SiLU input), SiLU output, up: three intermediate-sized tensors
-      base linears       nothing: a frozen (quantized) weight needs only itself for the input grad
-      LoRA               each wrapped linear's input: with dropout a fresh copy plus its mask per
-                         linear; without, the shared input once (q/k/v share one, gate/up one); the
-                         o_proj input is a contiguous copy of the attention output; and lora_A's
-                         r-wide output, which lora_B keeps
-    """
-    b = recipe.compute_bytes
-    h, f, lse = shape.hidden, shape.intermediate, shape.heads * 4
-    qd = shape.heads * shape.head_dim
-    kvd = shape.kv_heads * shape.head_dim
-    if shape.kv_heads < shape.heads and batch_size > 1:
-        kvd = qd
-    total = 2 * 4 * h  # two RMSNorms
-    total += b * (qd + 2 * kvd + qd) + lse  # SDPA: q, k, v, out
-    total += 3 * b * f  # MLP
-    if recipe.lora_r is None:
-        return total + b * (h + qd + h + f)  # full fine-tuning: every linear saves its input for the weight grad
-    inputs = {
-        "q_proj": ("attn_in", h),
-        "k_proj": ("attn_in", h),
-        "v_proj": ("attn_in", h),
-        "o_proj": ("o_in", qd),
-        "gate_proj": ("mlp_in", h),
-        "up_proj": ("mlp_in", h),
-        "down_proj": ("down_in", f),
-    }
-    shared: dict[str, int] = {}
-    for g in lora_targets(shape, recipe.lora_target):
-        source, width = inputs.get(g.name, (g.name, g.in_features))
-        per_layer = g.count / shape.layers
-        total += int(b * recipe.lora_r * per_layer)
-        if recipe.lora_dropout > 0:
-            total += int((b + recipe.dropout_mask_bytes) * width * per_layer)  # dropout output + mask, per wrapped linear
-        else:
-            shared[source] = width
-    return total + b * sum(shared.values())
-
-
-def backward_working_bytes_per_token(shape: ModelShape, recipe: Recipe) -> int:
-    """Gradients alive while one layer runs backward: the residual-stream grads and the MLP's."""
-    b = recipe.compute_bytes
-    return b * (3 * shape.hidden + 3 * shape.intermediate) + 4 * shape.hidden  # + the fp32 RMSNorm grad
-
-
-def loss_peak_bytes(tokens: int, vocab: int, logits_bytes: int, impl: Implementation) -> int:
-    """Peak of the logits and the cross-entropy, for `tokens` positions that all carry a target.
-
-    gather (trainer.loss_sum_and_count): logits, the gathered target rows (copy), their fp32
-      upcast and the fp32 log-softmax in forward; in backward the saved log-softmax and two
-      fp32 gradients of it: 12 bytes a logit in bf16.
-    full_fp32 (transformers' loss): fp32 logits kept by the output, saved log-softmax, and its
-      two fp32 gradients: 16 bytes a logit.
-    chunked (torchtune, compiled): bf16 logits kept for backward plus one fp32 chunk of 8: ~3.
-    """
-    n = tokens * vocab
-    if impl.loss == "full_fp32":
-        return 16 * n
-    if impl.loss == "chunked":
-        return 2 * n + 8 * n // 8
-    upcast = 4 if logits_bytes < 4 else 0
-    return max(logits_bytes * n + logits_bytes * n + upcast * n + 4 * n, 12 * n)
-
-
-def trainable_params(shape: ModelShape, recipe: Recipe) -> int:
-    """LoRA A and B of every targeted linear (+ DoRA magnitudes); full fine-tuning: every parameter."""
-    if not recipe.lora_r:
-        return shape.total_params
-    targets = lora_targets(shape, recipe.lora_target)
-    extra = sum(g.out_features * g.count for g in targets) if recipe.adapter.trains_magnitude else 0
-    return sum(recipe.lora_r * (g.in_features + g.out_features) * g.count for g in targets) + extra
 
 
 @dataclass
@@ -360,30 +261,92 @@ def estimate(
     shard_bytes: int | None = None,
 ) -> Estimate:
     """Per-GPU memory, step time, host RAM and disk of one setup. gpu=None: a CPU run (no CUDA terms)."""
-    b = recipe.compute_bytes
     n_gpu = max(setup.gpus, 1)
     fsdp = setup.sharding == "fsdp" and n_gpu > 1
-    T, B = setup.seq_len, setup.batch_size
-    tokens = B * T
-    unq_bytes = impl.unquantized_bytes or b
+    unq_bytes = impl.unquantized_bytes or recipe.compute_bytes
     st = _static_terms(shape, recipe, setup, impl, fsdp)
     act = _activation_terms(shape, recipe, setup, gpu, st.trainable)
-    final_norm = tokens * 4 * shape.hidden
-    logits_bytes = unq_bytes if impl.loss != "chunked" else b
-    # memory.loss chunked (or auto): the logits of one chunk of target positions at a time.
-    loss = loss_peak_bytes(min(tokens, setup.loss_rows) if setup.loss_rows else tokens, shape.vocab, logits_bytes, impl)
-    working = tokens * backward_working_bytes_per_token(shape, recipe)
-    dequant = shape.largest_linear * b if recipe.quant_bits else 0  # the weight dequantized for one matmul
-    mask = B * T * T if B > 1 else 0  # bool 4D attention mask transformers builds when the batch is padded
-
-    phase_loss = st.on_gpu + act.saved + mask + final_norm + loss
-    phase_backward = st.on_gpu + act.saved + mask + act.recompute + working + dequant
+    tr = _transient_terms(shape, recipe, setup, impl)
+    phase_loss = st.on_gpu + act.saved + tr.mask + tr.final_norm + tr.loss
+    phase_backward = st.on_gpu + act.saved + tr.mask + act.recompute + tr.working + tr.dequant
     loss_peak = phase_loss >= phase_backward
     peak_alloc = max(phase_loss, phase_backward)
-    on_gpu = gpu is not None
-    slack = int(ALLOCATOR_SLACK * peak_alloc) if on_gpu else 0
-    context = CUDA_CONTEXT_BYTES if on_gpu else 0
-    comps = [
+    slack = int(ALLOCATOR_SLACK * peak_alloc) if gpu is not None else 0
+    context = CUDA_CONTEXT_BYTES if gpu is not None else 0
+    comps = _components(shape, recipe, setup, st, act, tr, unq_bytes, loss_peak, slack, context)
+    step, parts = step_time(
+        shape,
+        recipe,
+        setup,
+        gpu,
+        st.trainable,
+        st.q_weight + st.q_const + st.offloaded,
+        st.adapter_bytes,
+        fsdp,
+        streamed_bytes=st.streamed_store,
+        activation_bytes=act.host,
+    )
+    host_parts, captured = _host_ram(shape, recipe, setup, st, act, fsdp, shard_bytes)
+    disk_parts = _disk(shape, st, setup, impl, keep_checkpoints, model_on_disk)
+    return Estimate(
+        shape=shape,
+        setup=setup,
+        gpu=gpu,
+        components=comps,
+        peak_phase="loss" if loss_peak else "backward",
+        peak_allocated_bytes=peak_alloc,
+        peak_bytes=peak_alloc + slack + context,
+        step_time_s=step,
+        step_time_parts=parts,
+        host_ram_bytes=host_parts.pop("total") * n_gpu,
+        disk_bytes=sum(disk_parts.values()),
+        trainable_params=st.trainable,
+        impl=impl,
+        notes=_notes(setup, gpu, st),
+        host_ram_parts=host_parts,
+        disk_parts=disk_parts,
+        loads_whole_model=(setup.streams_weights and not captured) or fsdp,
+    )
+
+
+@dataclass
+class _Transient:
+    """Buffers that exist in one phase of the step only: the loss phase's, or one layer's backward."""
+
+    mask: int  # bool 4D attention mask transformers builds when the batch is padded
+    final_norm: int  # the final norm's fp32 input
+    loss: int  # logits and loss buffers (memory.loss chunked or auto: one chunk of target positions)
+    working: int  # gradients while one layer runs backward
+    dequant: int  # the weight dequantized for one matmul
+
+
+def _transient_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Implementation) -> _Transient:
+    b, T, B = recipe.compute_bytes, setup.seq_len, setup.batch_size
+    tokens = B * T
+    logits_bytes = (impl.unquantized_bytes or b) if impl.loss != "chunked" else b
+    return _Transient(
+        mask=B * T * T if B > 1 else 0,
+        final_norm=tokens * 4 * shape.hidden,
+        loss=loss_peak_bytes(min(tokens, setup.loss_rows) if setup.loss_rows else tokens, shape.vocab, logits_bytes, impl),
+        working=tokens * backward_working_bytes_per_token(shape, recipe),
+        dequant=shape.largest_linear * b if recipe.quant_bits else 0,
+    )
+
+
+def _components(
+    shape: ModelShape,
+    recipe: Recipe,
+    setup: Setup,
+    st: _Static,
+    act: _Activations,
+    tr: _Transient,
+    unq_bytes: int,
+    loss_peak: bool,
+    slack: int,
+    context: int,
+) -> list[Component]:
+    """Every term of the estimate, labelled."""
+    return [
         Component("weights_quantized", f"base weights ({_quant_label(recipe)})", st.q_weight),
         Component(
             "weights_streamed",
@@ -405,54 +368,27 @@ def estimate(
             + act.label,
             act.saved,
         ),
-        Component("attention_mask", "padded-batch attention mask", mask),
-        Component("logits_loss", "logits and loss buffers", loss, in_peak=loss_peak),
-        Component("final_norm", "final norm input (fp32)", final_norm, in_peak=loss_peak),
+        Component("attention_mask", "padded-batch attention mask", tr.mask),
+        Component("logits_loss", "logits and loss buffers", tr.loss, in_peak=loss_peak),
+        Component("final_norm", "final norm input (fp32)", tr.final_norm, in_peak=loss_peak),
         Component("recompute_layer", "one layer recomputed in backward", act.recompute, in_peak=not loss_peak),
-        Component("backward_working", "backward gradients of one layer", working, in_peak=not loss_peak),
-        Component("dequant_buffer", "dequantized weight of one matmul", dequant, in_peak=not loss_peak),
+        Component("backward_working", "backward gradients of one layer", tr.working, in_peak=not loss_peak),
+        Component("dequant_buffer", "dequantized weight of one matmul", tr.dequant, in_peak=not loss_peak),
         Component("allocator_slack", f"allocator fragmentation ({ALLOCATOR_SLACK:.0%})", slack),
         Component("cuda_context", "CUDA context and cuBLAS workspace", context),
     ]
-    step, parts = step_time(
-        shape,
-        recipe,
-        setup,
-        gpu,
-        st.trainable,
-        st.q_weight + st.q_const + st.offloaded,
-        st.adapter_bytes,
-        fsdp,
-        streamed_bytes=st.streamed_store,
-        activation_bytes=act.host,
-    )
-    host_parts, captured = _host_ram(shape, recipe, setup, st, act, fsdp, shard_bytes)
+
+
+def _disk(
+    shape: ModelShape, st: _Static, setup: Setup, impl: Implementation, keep_checkpoints: int, model_on_disk: bool
+) -> dict[str, int]:
     state_bytes = st.trainable * st.adapter_bytes * (1 + impl.optimizer_states)
-    disk_parts = {
+    return {
         "download": 0 if model_on_disk else shape.total_params * 2,
         "checkpoints": keep_checkpoints * state_bytes,
         "adapter": st.trainable * st.adapter_bytes,
         "streamed_weights": st.streamed_store if setup.base_weights == "disk" else 0,
     }
-    return Estimate(
-        shape=shape,
-        setup=setup,
-        gpu=gpu,
-        components=comps,
-        peak_phase="loss" if loss_peak else "backward",
-        peak_allocated_bytes=peak_alloc,
-        peak_bytes=peak_alloc + slack + context,
-        step_time_s=step,
-        step_time_parts=parts,
-        host_ram_bytes=host_parts.pop("total") * n_gpu,
-        disk_bytes=sum(disk_parts.values()),
-        trainable_params=st.trainable,
-        impl=impl,
-        notes=_notes(setup, gpu, st),
-        host_ram_parts=host_parts,
-        disk_parts=disk_parts,
-        loads_whole_model=(setup.streams_weights and not captured) or fsdp,
-    )
 
 
 def _host_ram(

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from finetune.config import RecipeConfig, build_recipe, resolve_offload_dir
-from finetune.data import DataBundle, DataStats, build_datasets, build_examples
+from finetune.data import IGNORE_INDEX, DataBundle, DataStats, build_datasets, build_examples
 from finetune.errors import ConfigError
 from finetune.metrics import human_bytes
 from finetune.model import count_parameters, enable_gradient_checkpointing, load_model, wrap_lora
@@ -77,7 +77,7 @@ def bundle_from_parts(cfg: RecipeConfig, tokenizer, train: Sequence[dict], eval:
     def tokenized(rows: Sequence[dict], key: str) -> tuple[Sequence[dict], DataStats]:
         if rows and all("input_ids" in r for r in rows):
             tokens = sum(len(r["input_ids"]) for r in rows)
-            trained = sum(sum(1 for t in r.get("labels", r["input_ids"])[1:] if t != -100) for r in rows)
+            trained = sum(sum(1 for t in r.get("labels", r["input_ids"])[1:] if t != IGNORE_INDEX) for r in rows)
             return rows, DataStats(examples=len(rows), dropped=0, truncated=0, tokens=tokens, trained_tokens=trained)
         return build_examples(list(rows), cfg, tokenizer, key=key)
 

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from finetune.config import EvalConfig, RecipeConfig, resolve_path
+from finetune.config import RecipeConfig, resolve_path
 from finetune.data import Collator, load_records
 from finetune.trainer.parallel import Parallel
 
@@ -15,8 +15,7 @@ from finetune.trainer.parallel import Parallel
 def held_out_loss(
     model,
     examples: Sequence[dict] | None,
-    cfg: EvalConfig,
-    train_batch_size: int,
+    cfg: RecipeConfig,
     collate: Collator,
     parallel: Parallel,
     compute_loss: Callable,
@@ -28,10 +27,10 @@ def held_out_loss(
     """
     if not examples:
         return None
-    bs = cfg.batch_size or train_batch_size
+    bs = cfg.eval.batch_size or cfg.train.batch_size
     batches = [examples[i : i + bs] for i in range(0, len(examples), bs)]
-    if cfg.max_batches:
-        batches = batches[: cfg.max_batches]
+    if cfg.eval.max_batches:
+        batches = batches[: cfg.eval.max_batches]
     model.eval()
     total = count = 0.0
     mine = batches[parallel.rank :: parallel.world]

@@ -34,7 +34,7 @@ from finetune.data import Collator, DataBundle, count_tokens, use_template
 from finetune.errors import DataError, OutputDirError, Preempted, TrainingError
 from finetune.evaluate import ExactMatch, exact_match
 from finetune.hardware import resolve_precision, torch_dtype
-from finetune.metrics import MetricsWriter, Progress, Throughput, peak_memory_bytes, read_metrics
+from finetune.metrics import MetricsWriter, Progress, Throughput, peak_memory_bytes
 from finetune.model import load_tokenizer, takes_boolean_logits_to_keep
 from finetune.offload import ActivationOffload
 from finetune.report import PLOT_NAME, open_sinks, plot_curves, require_extras
@@ -147,24 +147,8 @@ class Trainer:
             print(text, flush=True)
 
     @property
-    def strategy(self) -> str:
-        return self.parallel.strategy if hasattr(self, "parallel") else "single"
-
-    @property
     def unit(self) -> str:
         return self.order.unit if hasattr(self, "order") else "examples"
-
-    @property
-    def window(self) -> int:
-        return self.state.window
-
-    @property
-    def total_steps(self) -> int:
-        return self.state.total_steps
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.state.steps_per_epoch
 
     # ------------------------------------------------------------------ setup
 
@@ -302,15 +286,14 @@ class Trainer:
         """Spike and non-finite notes, metrics.jsonl, callbacks; stop on a non-finite step unless told to skip."""
         cfg, state = self.cfg, self.state
         done = state.step
-        spike = finite and state.loss_ema is not None and row["loss"] > cfg.train.loss_spike_factor * state.loss_ema
+        recent = state.loss_ema
+        spike = state.record_loss(row["loss"], finite, cfg.train.loss_spike_factor)
         if spike:
             row["spike"] = True
             progress.write(
-                f"step {done}: loss spike {row['loss']:.4f} (> {cfg.train.loss_spike_factor} x recent mean {state.loss_ema:.4f})"
+                f"step {done}: loss spike {row['loss']:.4f} (> {cfg.train.loss_spike_factor} x recent mean {recent:.4f})"
             )
-        if finite:
-            state.loss_ema = row["loss"] if state.loss_ema is None else 0.9 * state.loss_ema + 0.1 * row["loss"]
-        else:
+        if not finite:
             row["skipped"] = True
         self.callbacks("on_step_end", state, row)
         # Every rank must stop together, or the others wait forever in the next collective.
@@ -372,7 +355,7 @@ class Trainer:
             (self.out / "recipe.yaml").write_text(self.cfg.to_yaml(), encoding="utf-8")
         model = self.parallel.unwrap(self.model)
         state.restore(self.resume.restore(model, self.optimizer, self.scheduler, self.parallel.rank, self.metrics))
-        em_records = self.exact_match_records()
+        em_records = exact_match_records(self.cfg)
         em_before = self.run_exact_match(em_records, "before training") if em_records and state.step == 0 else None
         self.say(
             f"training {state.total_steps} steps ({state.steps_per_epoch} per epoch; {self.cfg.train.batch_size} x "
@@ -403,10 +386,7 @@ class Trainer:
             f"the run is already complete ({state.step} of {state.total_steps} steps): nothing to train; "
             "raise train.max_steps (or epochs) to extend it"
         )
-        path = self.out / "metrics.jsonl"
-        logged = [r["loss"] for r in read_metrics(path) if "loss" in r] if path.exists() else []
-        if logged and logged[-1] is not None:
-            state.loss = logged[-1]
+        state.loss = self.resume.last_logged_loss(state.loss)
 
     def _finish(self, em_records: list[dict] | None, em_before: ExactMatch | None) -> TrainResult:
         """Final eval, the adapter, exact match after training, the plot and the summary."""
@@ -435,19 +415,7 @@ class Trainer:
             eval_loss=state.eval_loss,
             extra={"plot": plot} if plot else {},
         )
-        self.callbacks(
-            "on_train_end",
-            state,
-            {
-                "final_loss": result.final_loss,
-                "eval_loss": result.eval_loss,
-                "steps": result.steps,
-                "tokens": result.tokens,
-                "trained_tokens": result.trained_tokens,
-                "elapsed_s": result.elapsed_s,
-                "adapter_dir": str(adapter_dir),
-            },
-        )
+        self.callbacks("on_train_end", state, result.end_metrics())
         self.say(self.summary(result))
         return result
 
@@ -498,18 +466,8 @@ class Trainer:
 
     def evaluate_loss(self) -> float | None:
         """Mean loss per target token over the eval set (all processes); None without one."""
-        return held_out_loss(
-            self.parallel.unwrap(self.model),
-            self.data.eval,
-            self.cfg.eval,
-            self.cfg.train.batch_size,
-            self.collate,
-            self.parallel,
-            self.compute_loss,
-        )
-
-    def exact_match_records(self) -> list[dict] | None:
-        return exact_match_records(self.cfg)
+        model = self.parallel.unwrap(self.model)
+        return held_out_loss(model, self.data.eval, self.cfg, self.collate, self.parallel, self.compute_loss)
 
     def run_exact_match(self, records: list[dict], when: str) -> ExactMatch:
         model = self.parallel.unwrap(self.model)
@@ -517,11 +475,8 @@ class Trainer:
         self.say(f"eval ({when}): {result.summary()}")
         for s in result.samples:
             self.say(f"    expected {s['expected']!r:<30} got {s['got']!r}")
-        self.callbacks(
-            "on_eval",
-            self.state,
-            {"step": self.state.step, "when": when, "exact_match": result.accuracy, "contains_match": result.contains_accuracy},
-        )
+        scores = {"exact_match": result.accuracy, "contains_match": result.contains_accuracy}
+        self.callbacks("on_eval", self.state, {"step": self.state.step, "when": when, **scores})
         return result
 
     # ------------------------------------------------------------------ preemption and cleanup

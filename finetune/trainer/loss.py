@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from finetune.data import IGNORE_INDEX
 from finetune.evaluate import loss_sum_and_count, shifted_targets
+from finetune.model import head_owner
 from finetune.trainer.linear_ce import (
     CaptureHead,
     chunked_head_matches,
@@ -33,14 +34,6 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     but only without a KV cache (use_cache=False), which transformers would otherwise take as a
     sign of generation and ignore the packing."""
     return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
-
-
-def head_owner(model) -> torch.nn.Module | None:
-    """The module that owns the LM head (the *ForCausalLM inside peft's and DDP's wrappers)."""
-    for module in model.modules():
-        if "lm_head" in module._modules and hasattr(module, "config"):
-            return module
-    return None
 
 
 class CausalLMLoss:

@@ -46,6 +46,14 @@ class TrainState:
         """Seconds of training over every attempt of the run."""
         return self.earlier_s + time.perf_counter() - self.started_at
 
+    def record_loss(self, loss: float, finite: bool, spike_factor: float) -> bool:
+        """Fold a step's loss into the recent mean (finite steps only); whether it was a spike above it."""
+        if not finite:
+            return False
+        spike = self.loss_ema is not None and loss > spike_factor * self.loss_ema
+        self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
+        return spike
+
     def counters(self) -> dict[str, Any]:
         """What a checkpoint keeps of this state (besides the step, which names it)."""
         return {
@@ -106,6 +114,11 @@ class TrainResult:
     exact_match_after: ExactMatch | None = None
     eval_loss: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def end_metrics(self) -> dict[str, Any]:
+        """What Callback.on_train_end is given."""
+        keys = ("final_loss", "eval_loss", "steps", "tokens", "trained_tokens", "elapsed_s")
+        return {**{k: getattr(self, k) for k in keys}, "adapter_dir": str(self.adapter_dir)}
 
     def summary(self, memory_kind: str = "RSS") -> str:
         """The lines printed when a run ends."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from finetune.data.formats.base import Format, string_columns_problem
+from finetune.data.formats.base import Format
 
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -31,7 +31,6 @@ FORMAT = Format(
     trained="output + EOS",
     chat=False,
     split=lambda rec: (alpaca_prompt(rec), rec["output"]),
-    check=lambda rec: string_columns_problem(rec, ("instruction", "output"), ("input",)),
     prompt_record=lambda text, context: {"instruction": text, "input": context, "output": ""},
     context="input",
     synonyms={

@@ -27,7 +27,8 @@ class Format:
     Chat formats (chat=True) give to_messages: the conversation is rendered with the chat
     template and every assistant reply is trained with its end-of-turn token.
     Prompt/response formats give split: (prompt text, response text); the response and
-    EOS are trained. check runs after every column in `columns` was found in the record.
+    EOS are trained. check runs after every column in `columns` was found in the record;
+    without one, every column (and each optional one present) must be a string.
     """
 
     name: str
@@ -35,11 +36,11 @@ class Format:
     example: str  # README "a record" cell (markdown)
     trained: str  # README "trained by default" cell
     chat: bool
-    check: Callable[[dict], Problem | None]
     prompt_record: Callable[[str, str], dict]  # (free text, --input context) -> a record with an empty answer
     to_messages: Callable[[dict], list[dict]] | None = None  # chat formats
     split: Callable[[dict], tuple[str, str]] | None = None  # prompt/response formats
     optional: tuple[str, ...] = ()  # read when present; missing or null = none
+    check: Callable[[dict], Problem | None] | None = None  # None: string columns (string_columns_problem)
     answers: bool = True  # a prompt/answer split exists (exact-match eval); text has none
     context: str | None = None  # the record field `finetune generate --input` fills, if the format has one
     synonyms: dict[str, tuple[str, ...]] = field(default_factory=dict)  # dataset column names for ours: hints only
@@ -48,6 +49,12 @@ class Format:
     def __post_init__(self) -> None:
         if self.chat != (self.to_messages is not None) or self.chat == (self.split is not None):
             raise TypeError(f"format {self.name!r}: a chat format gives to_messages, a prompt/response format gives split")
+
+    def problem(self, rec: dict) -> Problem | None:
+        """(what is wrong, how to fix) for a record with every required column, else None."""
+        if self.check is not None:
+            return self.check(rec)
+        return string_columns_problem(rec, self.columns, self.optional)
 
     @property
     def reads(self) -> tuple[str, ...]:

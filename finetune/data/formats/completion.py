@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from finetune.data.formats.base import Format, string_columns_problem
+from finetune.data.formats.base import Format
 
 FORMAT = Format(
     name="completion",
@@ -11,7 +11,6 @@ FORMAT = Format(
     trained="completion + EOS",
     chat=False,
     split=lambda rec: (rec["prompt"], rec["completion"]),
-    check=lambda rec: string_columns_problem(rec, ("prompt", "completion")),
     prompt_record=lambda text, context: {"prompt": text, "completion": ""},
     synonyms={
         "prompt": ("question", "instruction", "query", "input", "source"),

@@ -7,7 +7,7 @@ end-of-turn token, exactly as data.format=messages would train that conversation
 
 from __future__ import annotations
 
-from finetune.data.formats.base import Format, string_columns_problem
+from finetune.data.formats.base import Format
 
 
 def to_messages(rec: dict) -> list[dict]:
@@ -24,7 +24,6 @@ FORMAT = Format(
     trained="output + its end-of-turn token",
     chat=True,
     to_messages=to_messages,
-    check=lambda rec: string_columns_problem(rec, ("input", "output"), ("system",)),
     prompt_record=lambda text, context: {"input": text, "output": ""},
     synonyms={
         "input": ("prompt", "question", "instruction", "query", "source"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from finetune.data.formats.base import Format, string_columns_problem
+from finetune.data.formats.base import Format
 
 FORMAT = Format(
     name="text",
@@ -11,7 +11,6 @@ FORMAT = Format(
     trained="everything (continued pretraining)",
     chat=False,
     split=lambda rec: ("", rec["text"]),  # an empty prompt: BOS only, the text all trained
-    check=lambda rec: string_columns_problem(rec, ("text",)),
     prompt_record=lambda text, context: {"text": text},  # generation continues the text
     answers=False,
     synonyms={"text": ("content", "document", "body", "sentence")},

@@ -1,0 +1,118 @@
+"""What one tensor, token or layer costs in bytes, from what each op saves for backward and how
+bitsandbytes stores weights; memory.py adds them up into a setup's estimate."""
+
+from __future__ import annotations
+
+import math
+
+from finetune.plan.inputs import Implementation, Recipe, lora_targets
+from finetune.plan.shape import ModelShape
+
+NF4_BLOCK, NF4_BLOCK2 = 64, 256  # bitsandbytes 4-bit block size, and double-quant block size of the absmax
+
+
+def quantized_bytes(numel: int, out_features: int, bits: int | None, double_quant: bool, compute_bytes: int) -> tuple[int, int]:
+    """(weight bytes, quantization-constant bytes) of one linear weight as bitsandbytes stores it."""
+    if bits is None:
+        return numel * compute_bytes, 0
+    if bits == 8:  # LLM.int8: int8 weight + one fp32 scale per output row
+        return numel, out_features * 4
+    blocks = math.ceil(numel / NF4_BLOCK)
+    if double_quant:
+        # absmax quantized to uint8 per 64-block; its own fp32 absmax per 256 of those,
+        # a 256-entry fp32 code table and an fp32 offset.
+        constants = blocks + math.ceil(blocks / NF4_BLOCK2) * 4 + 256 * 4 + 4
+    else:
+        constants = blocks * 4
+    return (numel + 1) // 2, constants
+
+
+def mlp_saved_bytes_per_token(shape: ModelShape, recipe: Recipe) -> int:
+    """The MLP's share of layer_saved_bytes_per_token: gate, SiLU and up (intermediate-sized), and
+    down_proj's input when LoRA wraps it (what a tiled MLP holds for one tile only)."""
+    b, f = recipe.compute_bytes, shape.intermediate
+    wrapped = {g.name for g in lora_targets(shape, recipe.lora_target)} if recipe.lora_r else set()
+    return 3 * b * f + (b * f if recipe.lora_r is None or "down_proj" in wrapped else 0)
+
+
+def layer_saved_bytes_per_token(shape: ModelShape, recipe: Recipe, batch_size: int) -> int:
+    """Bytes autograd keeps per token for one decoder layer (Llama-style: RMSNorm, attention, gated MLP).
+
+    Worked out from what each op saves for backward, and checked against
+    saved_tensors_hooks on real models (tests/test_plan_measured.py):
+      RMSNorm (x2)       its input upcast to fp32 (4h); the fp32 variance is per token only
+      q/k after RoPE, v, attention output: compute dtype (flash / memory-efficient SDPA save
+                         no T x T matrix), plus the fp32 log-sum-exp per head
+      GQA                with padding in the batch (batch_size > 1) transformers repeats k/v to
+                         every head before SDPA (no GQA kernel under a mask), so k and v cost h each
+      gated MLP          gate (SiLU input), SiLU output, up: three intermediate-sized tensors
+      base linears       nothing: a frozen (quantized) weight needs only itself for the input grad
+      LoRA               each wrapped linear's input: with dropout a fresh copy plus its mask per
+                         linear; without, the shared input once (q/k/v share one, gate/up one); the
+                         o_proj input is a contiguous copy of the attention output; and lora_A's
+                         r-wide output, which lora_B keeps
+    """
+    b = recipe.compute_bytes
+    h, f, lse = shape.hidden, shape.intermediate, shape.heads * 4
+    qd = shape.heads * shape.head_dim
+    kvd = shape.kv_heads * shape.head_dim
+    if shape.kv_heads < shape.heads and batch_size > 1:
+        kvd = qd
+    total = 2 * 4 * h  # two RMSNorms
+    total += b * (qd + 2 * kvd + qd) + lse  # SDPA: q, k, v, out
+    total += 3 * b * f  # MLP
+    if recipe.lora_r is None:
+        return total + b * (h + qd + h + f)  # full fine-tuning: every linear saves its input for the weight grad
+    inputs = {
+        "q_proj": ("attn_in", h),
+        "k_proj": ("attn_in", h),
+        "v_proj": ("attn_in", h),
+        "o_proj": ("o_in", qd),
+        "gate_proj": ("mlp_in", h),
+        "up_proj": ("mlp_in", h),
+        "down_proj": ("down_in", f),
+    }
+    shared: dict[str, int] = {}
+    for g in lora_targets(shape, recipe.lora_target):
+        source, width = inputs.get(g.name, (g.name, g.in_features))
+        per_layer = g.count / shape.layers
+        total += int(b * recipe.lora_r * per_layer)
+        if recipe.lora_dropout > 0:
+            total += int((b + recipe.dropout_mask_bytes) * width * per_layer)  # dropout output + mask, per wrapped linear
+        else:
+            shared[source] = width
+    return total + b * sum(shared.values())
+
+
+def backward_working_bytes_per_token(shape: ModelShape, recipe: Recipe) -> int:
+    """Gradients alive while one layer runs backward: the residual-stream grads and the MLP's."""
+    b = recipe.compute_bytes
+    return b * (3 * shape.hidden + 3 * shape.intermediate) + 4 * shape.hidden  # + the fp32 RMSNorm grad
+
+
+def loss_peak_bytes(tokens: int, vocab: int, logits_bytes: int, impl: Implementation) -> int:
+    """Peak of the logits and the cross-entropy, for `tokens` positions that all carry a target.
+
+    gather (trainer.loss_sum_and_count): logits, the gathered target rows (copy), their fp32
+      upcast and the fp32 log-softmax in forward; in backward the saved log-softmax and two
+      fp32 gradients of it: 12 bytes a logit in bf16.
+    full_fp32 (transformers' loss): fp32 logits kept by the output, saved log-softmax, and its
+      two fp32 gradients: 16 bytes a logit.
+    chunked (torchtune, compiled): bf16 logits kept for backward plus one fp32 chunk of 8: ~3.
+    """
+    n = tokens * vocab
+    if impl.loss == "full_fp32":
+        return 16 * n
+    if impl.loss == "chunked":
+        return 2 * n + 8 * n // 8
+    upcast = 4 if logits_bytes < 4 else 0
+    return max(logits_bytes * n + logits_bytes * n + upcast * n + 4 * n, 12 * n)
+
+
+def trainable_params(shape: ModelShape, recipe: Recipe) -> int:
+    """LoRA A and B of every targeted linear (+ DoRA magnitudes); full fine-tuning: every parameter."""
+    if not recipe.lora_r:
+        return shape.total_params
+    targets = lora_targets(shape, recipe.lora_target)
+    extra = sum(g.out_features * g.count for g in targets) if recipe.adapter.trains_magnitude else 0
+    return sum(recipe.lora_r * (g.in_features + g.out_features) * g.count for g in targets) + extra
