@@ -129,3 +129,16 @@ def test_the_repository_carries_its_own_design_and_points_nowhere_outside():
         and outside in p.read_text(errors="ignore")
     ]
     assert not offenders, f"files refer to {outside}: {offenders}"
+
+
+def test_no_file_over_500_lines_and_no_function_over_80():
+    # One idea per file (docs/design.md); ruff format can push a file over without anyone noticing.
+    long_files, long_functions = [], []
+    for path in PKG.rglob("*.py"):
+        text = path.read_text()
+        if len(text.splitlines()) > 500:
+            long_files.append(f"{path.relative_to(PKG)}: {len(text.splitlines())}")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80:
+                long_functions.append(f"{path.relative_to(PKG)}:{node.lineno} {node.name}")
+    assert not long_files and not long_functions, (long_files, long_functions)
