@@ -1,4 +1,5 @@
-"""What memory.loss saves on one long sequence: whole logits vs the chunked head and loss.
+"""What memory.loss saves on one long sequence: whole logits vs the chunked head and loss
+(and, with memory.activation_offload, the checkpointed layers' inputs parked in host RAM).
 
     python benchmarks/long_context.py                          # CPU: vocab 128,256 (Llama 3), 4,096 tokens
     python benchmarks/long_context.py --seq 16384 --hidden 4096 --layers 2 --precision bf16   # a GPU
@@ -10,6 +11,10 @@ each in a fresh process so peaks do not mix. Reports the median step time and th
 peak memory of training: RssAnon on a CPU (sampled every 2 ms, over the figure right
 after setup), torch.cuda.max_memory_allocated on a GPU. The loss of the first step
 is printed too: the modes must agree. Numbers in benchmarks/README.md.
+
+chunked+offload parks each checkpointed layer's input in pinned host RAM (the first
+layer's is the embeddings' output, which autograd holds: use --layers 2 or more). On a
+CPU there is no other memory to move to: it only counts the bytes (parked MiB/step).
 """
 
 from __future__ import annotations
@@ -27,7 +32,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offload import PeakSampler, mib, rss_anon  # noqa: E402  (this folder's shared memory sampler)
 
-MODES = ("full", "chunked")
+# memory.* of each mode, on top of activation_checkpointing all and loss_chunk
+MODES = {
+    "full": {"loss": "full"},
+    "chunked": {"loss": "chunked"},
+    "chunked+offload": {"loss": "chunked", "activation_offload": True},
+}
 
 
 def child(args) -> dict:
@@ -68,7 +78,7 @@ def child(args) -> dict:
         data={"max_seq_len": args.seq, "shuffle": False},
         lora={"r": 16, "alpha": 32, "dropout": 0.0},
         train={"max_steps": args.steps, "batch_size": 1, "grad_accum": 1},
-        memory={"activation_checkpointing": "all", "loss": args.mode, "loss_chunk": args.chunk},
+        memory={"activation_checkpointing": "all", "loss_chunk": args.chunk, **MODES[args.mode]},
         checkpoint={"every_steps": None},
         report={"plot": False},
     )
@@ -84,16 +94,18 @@ def child(args) -> dict:
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            loss, targets, _ = trainer.accumulate_gradients(step)
+            totals = trainer.accumulate_gradients(step)
             trainer.optimizer.step()
             trainer.optimizer.zero_grad(set_to_none=True)
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-            losses.append(loss / targets)
+            losses.append(totals.loss_sum / totals.units)
     trainer.close()
+    offload = trainer.activation_offload
     return {
         "mode": args.mode,
+        "parked_bytes_per_step": offload.checkpoint_bytes // args.steps if offload else 0,
         "step_s_median": statistics.median(times[1:] or times),
         "first_loss": losses[0],
         "rss_anon_after_setup": base,
@@ -137,12 +149,14 @@ def main() -> None:
         f"{args.precision}; whole fp32 logits {mib(args.seq * args.vocab * 4)} MiB; chunk {args.chunk}"
     )
     print(
-        f"{'memory.loss':12} {'step s':>8} {'first loss':>11} {'RssAnon train peak - after setup, MiB':>39} {'CUDA peak MiB':>14}"
+        f"{'mode':16} {'step s':>8} {'first loss':>11} {'RssAnon train peak - after setup, MiB':>39} "
+        f"{'CUDA peak MiB':>14} {'parked MiB/step':>16}"
     )
     for r in results:
         print(
-            f"{r['mode']:12} {r['step_s_median']:8.3f} {r['first_loss']:11.5f} "
-            f"{mib(r['rss_anon_train_peak'] - r['rss_anon_after_setup']):>39} {mib(r['cuda_peak_allocated']):>14}"
+            f"{r['mode']:16} {r['step_s_median']:8.3f} {r['first_loss']:11.5f} "
+            f"{mib(r['rss_anon_train_peak'] - r['rss_anon_after_setup']):>39} {mib(r['cuda_peak_allocated']):>14} "
+            f"{mib(r['parked_bytes_per_step']):>16}"
         )
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))

@@ -32,7 +32,8 @@ def main() -> None:
     times = []
     for step in range(args.steps + 1):
         t0 = time.perf_counter()
-        _, targets, tokens = trainer.accumulate_gradients(step)
+        totals = trainer.accumulate_gradients(step)
+        targets, tokens = totals.units, totals.tokens
         trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0

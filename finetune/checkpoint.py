@@ -4,7 +4,8 @@ Layout under output_dir:
     recipe.yaml                  resolved config of the run
     metrics.jsonl                one JSON object per logged step
     checkpoints/step-N/          periodic: adapter/, optimizer.safetensors, optimizer.json,
-                                 rng.safetensors, trainer_state.json, manifest.json (written last)
+                                 rng.safetensors, trainer_state.json, manifest.json (written last);
+                                 grad_compression/rankR.{safetensors,json}: each rank's PowerSGD state
     adapter/                     final adapter in PEFT format (+ tokenizer)
 
 Every directory is written to a hidden temporary sibling and renamed into place
@@ -20,6 +21,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -268,6 +270,43 @@ def restore_rng_states(saved: dict[str, torch.Tensor], rank: int) -> None:
         torch.cuda.set_rng_state(cuda)
 
 
+@dataclass
+class RankState:
+    """What one process holds alone, for a resume that gives each rank back its own."""
+
+    rng: dict[str, torch.Tensor]  # rng_states()
+    powersgd: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None  # (tensors, JSON scalars)
+
+
+COMPRESSION_DIR = "grad_compression"
+
+
+def _save_rank_states(directory: Path, states: list[RankState]) -> None:
+    """rng.safetensors (`name.rankN`, and rank 0's plain) and each rank's PowerSGD state in files of its own."""
+    rng = rng_states()
+    for r, state in enumerate(states):
+        rng.update({f"{name}.rank{r}": t.clone() for name, t in state.rng.items()})  # own storage each
+        if state.powersgd is not None:
+            tensors, scalars = state.powersgd
+            (directory / COMPRESSION_DIR).mkdir(exist_ok=True)
+            save_file({k: t.contiguous() for k, t in tensors.items()}, str(directory / COMPRESSION_DIR / f"rank{r}.safetensors"))
+            write_json(directory / COMPRESSION_DIR / f"rank{r}.json", {"method": "powersgd", **scalars})
+    save_file(rng, str(directory / "rng.safetensors"))
+
+
+def _read_powersgd(directory: Path, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any], bool] | None:
+    """(tensors, scalars, own rank) of this rank's PowerSGD state, rank 0's when the checkpoint came from
+    fewer processes; None when the run that wrote it did not use PowerSGD."""
+    for r in (rank, 0):
+        path = directory / COMPRESSION_DIR / f"rank{r}.safetensors"
+        if path.is_file():
+            scalars = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
+            if scalars.get("method") != "powersgd" or "iter" not in scalars:
+                raise ValueError(f"{path.with_suffix('.json').name} is not a PowerSGD state this version reads")
+            return load_file(str(path)), scalars, r == rank
+    return None
+
+
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
     return Path(output_dir) / "checkpoints" / f"step-{step}"
 
@@ -282,12 +321,12 @@ def save_checkpoint(
     keep_last: int | None = None,
     model_state: dict[str, torch.Tensor] | None = None,
     optimizer_state: dict[str, Any] | None = None,
-    rank_rng_states: list[dict[str, torch.Tensor]] | None = None,
+    rank_states: list[RankState] | None = None,
 ) -> Path:
     """model_state / optimizer_state: full (gathered) states when the model and optimizer hold shards (FSDP).
 
-    rank_rng_states: every process's rng_states(), so that each continues its own dropout
-    stream on resume (with the same number of processes).
+    rank_states: what every process holds alone (generators, PowerSGD), so that each continues
+    its own dropout stream and error feedback on resume (with the same number of processes).
     """
     final = checkpoint_dir(output_dir, step)
     trainable = model_state or {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -301,10 +340,7 @@ def save_checkpoint(
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         write_json(tmp / "optimizer.json", meta)
         write_json(tmp / "scheduler.json", scheduler.state_dict())
-        rng = rng_states()
-        for r, states in enumerate(rank_rng_states or []):
-            rng.update({f"{name}.rank{r}": state.clone() for name, state in states.items()})  # own storage each
-        save_file(rng, str(tmp / "rng.safetensors"))
+        _save_rank_states(tmp, rank_states or [])
         write_json(tmp / "trainer_state.json", {"step": step, **trainer_state})
         write_manifest(tmp, {"step": step})
     prune_checkpoints(output_dir, keep_last)
@@ -368,12 +404,19 @@ def follow_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
 
 
 def load_checkpoint(
-    path: Path, model, optimizer, scheduler, check: Callable[[Path, dict], None] | None = None, rank: int = 0
+    path: Path,
+    model,
+    optimizer,
+    scheduler,
+    check: Callable[[Path, dict], None] | None = None,
+    rank: int = 0,
+    powersgd=None,
 ) -> dict[str, Any]:
     """Restore adapter weights, optimizer, scheduler and RNG from `path`; return trainer_state.
 
     `check(path, trainer_state)` runs after every file is read and before anything
-    is assigned; it may raise to refuse the checkpoint.
+    is assigned; it may raise to refuse the checkpoint. powersgd: this run's PowerSGD
+    (comm_hooks.PowerSGD), given its state back when the checkpoint holds one.
     """
     from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 
@@ -392,6 +435,7 @@ def load_checkpoint(
         opt_meta = json.loads((path / "optimizer.json").read_text(encoding="utf-8"))
         sched = json.loads((path / "scheduler.json").read_text(encoding="utf-8"))
         state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+        compression = _read_powersgd(path, rank) if powersgd is not None else None
     except Exception as exc:  # safetensors raises its own error types
         raise CheckpointError(f"checkpoint '{path}' cannot be read: {exc}") from None
     if check is not None:
@@ -423,4 +467,6 @@ def load_checkpoint(
     scheduler.load_state_dict(sched)
     follow_schedule(scheduler)
     restore_rng_states(rng, rank)
+    if compression is not None:
+        powersgd.load_state_dict(*compression[:2], own_rank=compression[2])
     return state

@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from finetune import adapters, memory_modes
+from finetune import adapters, grad_compression, memory_modes, objectives
 from finetune.config_messages import field_path, parse_overrides, schema_problems  # noqa: F401 - parse_overrides: the config API
 from finetune.errors import ConfigError
 from finetune.recipe_files import (  # noqa: F401 - re-exported: the config API
@@ -43,7 +43,7 @@ from finetune.recipe_files import (  # noqa: F401 - re-exported: the config API
 
 # data.format: the formats of finetune/data/formats/, one module each (that package checks this
 # list against its registry on import; config cannot import it: imports flow one way).
-DataFormat = Literal["alpaca", "completion", "input_output", "messages", "sharegpt", "text"]
+DataFormat = Literal["alpaca", "completion", "input_output", "messages", "preference", "sharegpt", "text"]
 
 
 class _Section(BaseModel):
@@ -170,6 +170,20 @@ class TrainConfig(_Section):
         "stop", description="non-finite loss/grad: stop (checkpoint of the last good state + error) or skip the update"
     )
     loss_spike_factor: float = Field(3.0, gt=1.0, description="log a warning when loss > factor x its recent mean")
+    objective: Literal["sft", "dpo", "orpo", "simpo"] = Field(
+        "sft",
+        description="sft: next-token loss on the responses; dpo, orpo, simpo: preference tuning on "
+        "data.format=preference pairs (finetune/objectives.py)",
+    )
+    beta: float | None = Field(
+        None, gt=0, description="preference strength; null: dpo 0.1 (KL to the reference), orpo 0.1, simpo 2.0"
+    )
+    simpo_gamma: float | None = Field(None, ge=0, description="simpo: target reward margin; null: beta / 2")
+    precompute_reference: bool = Field(
+        False,
+        description="dpo: the reference log-probabilities computed in one pass before training and cached, "
+        "instead of a forward with the adapter off at every step",
+    )
 
 
 class EvalConfig(_Section):
@@ -196,6 +210,17 @@ class DistributedConfig(_Section):
     reshard_after_forward: bool = Field(
         True, description="fsdp: free gathered layers after forward (less memory, one more all-gather)"
     )
+    grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = Field(
+        "none",
+        description="ddp: how gradients travel in the all-reduce (slow links between nodes): none (fp32), "
+        "bf16 | fp16 (half the bytes), powersgd (low-rank factors with error feedback: a fraction of them)",
+    )
+    powersgd_rank: int = Field(1, ge=1, description="powersgd: rank of the factors (torch: start at 1, then 2, 4 if loss lags)")
+    powersgd_warmup_steps: int | None = Field(
+        None,
+        ge=2,  # torch: DDP regroups its buckets after step 1, which PowerSGD's memory must not straddle
+        description="powersgd: optimizer steps of plain all-reduce first; null: train.warmup_steps, at least 10",
+    )
 
 
 class MemoryConfig(_Section):
@@ -206,8 +231,9 @@ class MemoryConfig(_Section):
     )
     activation_offload: bool = Field(
         False,
-        description="what autograd saves for backward waits in pinned CPU RAM (copied on a side stream): the activations "
-        "of layers that are not checkpointed, so pair it with activation_checkpointing none or k",
+        description="what autograd saves for backward waits in pinned CPU RAM (copied on a side stream): all the "
+        "activations of layers that are not checkpointed, and the input of each checkpointed one (brought back one "
+        "layer ahead of its recomputation); works with every activation_checkpointing setting",
     )
     base_weights: Literal["device", "cpu", "disk"] = Field(
         "device",
@@ -296,7 +322,11 @@ class RecipeConfig(_Section):
 
 
 # Keys added after runs were written, with the value that reproduces what those runs did.
-_OLDER_RUNS = {"memory": {"loss": "full", "loss_chunk": 256, "tiled_mlp": "off"}}
+_OLDER_RUNS: dict[str, dict[str, Any]] = {
+    "memory": {"loss": "full", "loss_chunk": 256, "tiled_mlp": "off"},
+    "train": {"objective": "sft", "beta": None, "simpo_gamma": None, "precompute_reference": False},
+    "distributed": {"grad_compression": "none", "powersgd_rank": 1, "powersgd_warmup_steps": None},
+}
 
 
 def current_spelling(recipe: dict[str, Any]) -> dict[str, Any]:
@@ -368,6 +398,8 @@ def cross_field_problems(cfg: RecipeConfig) -> list[str]:
     if cfg.resume is not None and cfg.overwrite:
         out.append("resume and overwrite=true contradict each other: resume continues a run, overwrite deletes it. Set one.")
     out += adapter_problems(cfg)
+    out += objectives.problems(cfg)
+    out += grad_compression.problems(cfg)
     return out
 
 

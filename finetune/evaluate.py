@@ -81,6 +81,53 @@ def mean_loss(model, examples: Sequence[dict], pad_token_id: int, batch_size: in
     return (total / count if count else None), count
 
 
+def row_logps(model, batch: dict[str, torch.Tensor], head_on_targets_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probability of each row's target tokens, their number), both shape (rows,).
+
+    head_on_targets_only: the LM head runs only where a target is predicted (a boolean
+    logits_to_keep), so a pair's prompt costs no logits."""
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    labels = batch["labels"]
+    targets = shifted_targets(labels)
+    mask = targets != IGNORE_INDEX
+    rows = labels.shape[0]
+    if head_on_targets_only:
+        keep = torch.zeros_like(labels, dtype=torch.bool)
+        keep[:, :-1] = mask
+        logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits  # (n_targets, vocab), row-major
+    else:
+        logits = model(**inputs, use_cache=False).logits[:, :-1][mask]
+    token_logps = -F.cross_entropy(logits.float(), targets[mask], reduction="none")
+    row_of_token = mask.nonzero()[:, 0]
+    sums = torch.zeros(rows, dtype=token_logps.dtype, device=token_logps.device).index_add(0, row_of_token, token_logps)
+    return sums, mask.sum(dim=1)
+
+
+def chosen_wins(
+    model, batch: dict[str, torch.Tensor], length_normalised: bool, head_on_targets_only: bool = False
+) -> tuple[torch.Tensor, int]:
+    """(pairs whose chosen side the model scores higher, pairs) for a batch of preference pairs (the
+    chosen rows, then the rejected ones): by summed log-probability, or per token (length_normalised)."""
+    logps, counts = row_logps(model, batch, head_on_targets_only)
+    if length_normalised:
+        logps = logps / counts.clamp(min=1)
+    pairs = logps.shape[0] // 2
+    return (logps[:pairs] > logps[pairs:]).sum().double(), pairs
+
+
+def pair_ranking(model, pairs: Sequence[dict], pad_token_id: int, length_normalised: bool, batch_size: int = 8) -> float | None:
+    """The fraction of preference pairs whose chosen response the model scores higher; None without pairs."""
+    device = next(model.parameters()).device
+    collate = Collator(pad_token_id=pad_token_id)
+    wins = total = 0.0
+    with torch.no_grad():
+        for start in range(0, len(pairs), batch_size):
+            batch = {k: v.to(device) for k, v in collate(list(pairs[start : start + batch_size])).items()}
+            won, n = chosen_wins(model, batch, length_normalised)
+            wins, total = wins + float(won), total + n
+    return wins / total if total else None
+
+
 # --------------------------------------------------------------------------- generation
 
 
@@ -176,6 +223,7 @@ class Scores:
     loss: float | None  # mean cross-entropy per trained token
     tokens: int  # trained tokens the loss averages over
     match: ExactMatch | None  # None for data.format=text (no answers to match)
+    preference: float | None = None  # preference pairs: the fraction whose chosen response scores higher
 
     @property
     def perplexity(self) -> float | None:
@@ -185,17 +233,29 @@ class Scores:
 
 
 def score(
-    model, tokenizer, records: list[dict], examples: Sequence[dict], fmt: str, max_new_tokens: int = 32, batch_size: int = 8
+    model,
+    tokenizer,
+    records: list[dict],
+    examples: Sequence[dict],
+    fmt: str,
+    max_new_tokens: int = 32,
+    batch_size: int = 8,
+    length_normalised: bool = False,
 ) -> Scores:
-    """Loss/perplexity over tokenized `examples` and exact/contains match over `records`."""
+    """Loss/perplexity over tokenized `examples` and exact/contains match over `records`. Preference
+    pairs: the loss of the chosen responses, and how many pairs the model ranks right (per token
+    with length_normalised, as orpo and simpo score)."""
     was_training = model.training
     model.eval()
+    pairs = bool(examples) and "chosen" in examples[0]
+    sequences = [ex["chosen"] for ex in examples] if pairs else examples
     try:
-        loss, tokens = mean_loss(model, examples, tokenizer.pad_token_id, batch_size) if examples else (None, 0)
+        loss, tokens = mean_loss(model, sequences, tokenizer.pad_token_id, batch_size) if examples else (None, 0)
+        ranking = pair_ranking(model, examples, tokenizer.pad_token_id, length_normalised, batch_size) if pairs else None
     finally:
         model.train(was_training)
     match = exact_match(model, tokenizer, records, fmt, max_new_tokens=max_new_tokens) if records and fmt != "text" else None
-    return Scores(loss=loss, tokens=tokens, match=match)
+    return Scores(loss=loss, tokens=tokens, match=match, preference=ranking)
 
 
 def comparison_table(columns: dict[str, Scores]) -> str:
@@ -220,6 +280,10 @@ def comparison_table(columns: dict[str, Scores]) -> str:
         ("exact match", [pct(s.match, "accuracy") for s in columns.values()]),
         ("contains match", [pct(s.match, "contains_accuracy") for s in columns.values()]),
     ]
+    if any(s.preference is not None for s in columns.values()):
+        rows.append(
+            ("preference acc", [num(None if s.preference is None else 100 * s.preference, ".1f") + "%" for s in columns.values()])
+        )
     width = max(12, *(len(name) for name in columns))
     lines = [f"{'metric':<16}" + "".join(f"{name:>{width}}" for name in columns)]
     lines += [f"{label:<16}" + "".join(f"{v:>{width}}" for v in values) for label, values in rows]

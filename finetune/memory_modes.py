@@ -132,15 +132,6 @@ RULES: tuple[Rule, ...] = (
         fix="Use LoRA.",
     ),
     Rule(
-        # transformers keeps a checkpointed layer's input inside the checkpoint, where autograd's
-        # saved-tensor hooks never see it: with every layer checkpointed nothing worth moving is left.
-        keys=("memory.activation_offload", "memory.activation_checkpointing"),
-        conflicts=lambda s: s.activation_offload and s.checkpoint_every == 1,
-        problem="memory.activation_offload moves the activations of layers that are not checkpointed, and "
-        "memory.activation_checkpointing=all checkpoints every layer, so it would move nothing.",
-        fix="Set activation_checkpointing to none or k (every k-th layer), or activation_offload=false.",
-    ),
-    Rule(
         # The chunked head runs after the model's forward, when FSDP has resharded the head again.
         keys=("distributed.strategy", "memory.loss"),
         conflicts=lambda s: s.fsdp and s.loss in ("chunked", "liger"),

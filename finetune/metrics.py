@@ -103,6 +103,9 @@ class Throughput:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+_SHOWN = ("rewards/accuracy", "rewards/margin")  # of a step's extra metrics, the ones the bar shows
+
+
 class Progress:
     """A tqdm bar on rank 0 showing loss, tokens/s and ETA; silent elsewhere."""
 
@@ -114,9 +117,11 @@ class Progress:
 
             self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
 
-    def update(self, loss: float, tokens_per_s: float, lr: float) -> None:
+    def update(self, loss: float, tokens_per_s: float, lr: float, extra: dict[str, float] | None = None) -> None:
+        """extra: the loss's own metrics (preference: rewards/accuracy, rewards/margin) shown by their last part."""
         if self._bar is not None:
-            self._bar.set_postfix_str(f"loss={loss:.4f} lr={lr:.2e} tok/s={tokens_per_s:,.0f}", refresh=False)
+            shown = "".join(f" {k.rsplit('/', 1)[-1][:3]}={v:.3f}" for k, v in (extra or {}).items() if k in _SHOWN)
+            self._bar.set_postfix_str(f"loss={loss:.4f}{shown} lr={lr:.2e} tok/s={tokens_per_s:,.0f}", refresh=False)
             self._bar.update(1)
 
     def write(self, text: str) -> None:

@@ -301,6 +301,16 @@ def enable_gradient_checkpointing(model, every: int = 1) -> None:
             layer.gradient_checkpointing = i % every == 0  # type: ignore[assignment]  # a bool attribute of the layer
 
 
+def checkpoint_with(model, function) -> int:
+    """Make `function` (torch.utils.checkpoint.checkpoint's signature) the one every checkpointing
+    module calls, as transformers' own _set_gradient_checkpointing does; returns how many take it.
+    memory.activation_offload gives offload.checkpoint, which parks each layer's input in host RAM."""
+    modules = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+    for module in modules:
+        module._gradient_checkpointing_func = function
+    return len(modules)
+
+
 def checkpointed_layers(model) -> list[int]:
     """Indices of the decoder layers whose activations are recomputed in backward."""
     return [i for i, layer in enumerate(decoder_layers(model)) if getattr(layer, "gradient_checkpointing", False)]

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from finetune.checkpoint import list_checkpoints, load_checkpoint, recipe_changes, save_checkpoint
+from finetune import comm_hooks
+from finetune.checkpoint import RankState, list_checkpoints, load_checkpoint, recipe_changes, save_checkpoint
 from finetune.config import RecipeConfig
 from finetune.errors import CheckpointError, ResumeMismatch
 from finetune.metrics import MetricsWriter, read_metrics
@@ -91,7 +92,15 @@ class Resume:
             try:
                 # All files are read and checked before anything is assigned, so a
                 # corrupt checkpoint leaves the model and optimizer untouched.
-                state = load_checkpoint(path, model, optimizer, scheduler, check=self.check_compatible, rank=rank)
+                state = load_checkpoint(
+                    path,
+                    model,
+                    optimizer,
+                    scheduler,
+                    check=self.check_compatible,
+                    rank=rank,
+                    powersgd=comm_hooks.attached(model),  # registered on this model by Parallel.prepare
+                )
             except CheckpointError as exc:
                 if self.cfg.resume != "auto" or isinstance(exc, ResumeMismatch):
                     raise  # an older checkpoint of a different run is no fallback
@@ -109,6 +118,14 @@ class Resume:
         self.say(f"resumed from {path} at step {state['step']}")
         self._keep_metrics(metrics, up_to=state["step"])  # rows logged after the checkpoint will be logged again
         return state
+
+    def reopen_finished(self, step: int, total_steps: int, loss: float) -> float:
+        """A finished run launched again: say so; the loss it ended with."""
+        self.say(
+            f"the run is already complete ({step} of {total_steps} steps): nothing to train; "
+            "raise train.max_steps (or epochs) to extend it"
+        )
+        return self.last_logged_loss(loss)
 
     def last_logged_loss(self, default: float) -> float:
         """The loss of the last step metrics.jsonl logged (a finished run reopened), else `default`."""
@@ -138,7 +155,7 @@ class Resume:
         counters: dict[str, Any],
         model_state: dict[str, torch.Tensor] | None = None,
         optimizer_state: dict[str, Any] | None = None,
-        rank_rng: list[dict[str, torch.Tensor]] | None = None,
+        rank_states: list[RankState] | None = None,
     ) -> Path:
         """Write checkpoints/step-N (rank 0 only calls this; the states are gathered already)."""
         return save_checkpoint(
@@ -151,5 +168,5 @@ class Resume:
             keep_last=self.cfg.checkpoint.keep_last,
             model_state=model_state,
             optimizer_state=optimizer_state,
-            rank_rng_states=rank_rng,
+            rank_states=rank_states,
         )

@@ -320,7 +320,8 @@ def evaluate_run(
     examples, _ = build_examples(records, cfg, tokenizer, key=source)
 
     def scored(m) -> Scores:
-        return score(m, tokenizer, records, examples, cfg.data.format, max_new, batch_size)
+        normalised = cfg.train.objective in ("orpo", "simpo")  # their rewards are per token
+        return score(m, tokenizer, records, examples, cfg.data.format, max_new, batch_size, normalised)
 
     tuned = scored(model)
     if run.is_adapter:

@@ -103,7 +103,7 @@ def test_each_rank_restores_its_own_cpu_and_cuda_generators(tmp_path, monkeypatc
     # (not rank 0's on every rank). No GPU here: the CUDA generator calls are recorded.
     import peft  # noqa: F401 - imported (with bitsandbytes) before CUDA is faked below
 
-    from finetune.checkpoint import load_checkpoint, save_checkpoint
+    from finetune.checkpoint import RankState, load_checkpoint, save_checkpoint
 
     cuda_states = {0: torch.tensor([1, 2, 3], dtype=torch.uint8), 1: torch.tensor([7, 8, 9], dtype=torch.uint8)}
     restored = []
@@ -111,12 +111,12 @@ def test_each_rank_restores_its_own_cpu_and_cuda_generators(tmp_path, monkeypatc
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *a, **k: cuda_states[0])  # this process is rank 0
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, *a, **k: restored.append(state.clone()))
     cpu = {r: torch.Generator().manual_seed(r + 10).get_state() for r in (0, 1)}
-    per_rank = [{"torch_cpu": cpu[r], "torch_cuda": cuda_states[r]} for r in (0, 1)]
+    per_rank = [RankState({"torch_cpu": cpu[r], "torch_cuda": cuda_states[r]}) for r in (0, 1)]
 
     model = TinyModel(2, 2)
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    path = save_checkpoint(tmp_path, 3, model, opt, sched, {}, rank_rng_states=per_rank)
+    path = save_checkpoint(tmp_path, 3, model, opt, sched, {}, rank_states=per_rank)
     for rank in (0, 1):
         load_checkpoint(path, model, opt, sched, rank=rank)
         assert torch.equal(restored[-1], cuda_states[rank]), rank
@@ -125,3 +125,41 @@ def test_each_rank_restores_its_own_cpu_and_cuda_generators(tmp_path, monkeypatc
     single = save_checkpoint(tmp_path, 4, model, opt, sched, {})
     load_checkpoint(single, model, opt, sched, rank=1)
     assert torch.equal(restored[-1], cuda_states[0])
+
+
+def test_each_rank_gets_its_own_powersgd_state_back_from_safetensors_and_json(tmp_path):
+    from finetune.checkpoint import RankState, load_checkpoint, rng_states, save_checkpoint
+    from finetune.comm_hooks import PowerSGD
+
+    model = TinyModel(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+    def held(rank: int) -> PowerSGD:
+        """What rank `rank` holds after 7 steps: its own error feedback, the shared factors."""
+        hook = PowerSGD(model, rank=1, warmup_steps=2)
+        hook.state.iter = 7
+        hook.state.rng.randint(10**9)  # the generator moved on
+        hook.pieces = {"error.weight": torch.full((16,), float(rank)), "p.weight": torch.ones(4), "q.weight": torch.ones(4)}
+        return hook
+
+    saved = [held(r).state_dict() for r in (0, 1)]
+    path = save_checkpoint(tmp_path, 7, model, opt, sched, {}, rank_states=[RankState(rng_states(), s) for s in saved])
+    names = sorted(p.name for p in (path / "grad_compression").iterdir())
+    assert names == ["rank0.json", "rank0.safetensors", "rank1.json", "rank1.safetensors"]
+    for rank in (0, 1):
+        hook = PowerSGD(model, rank=1, warmup_steps=2)
+        load_checkpoint(path, model, opt, sched, rank=rank, powersgd=hook)
+        tensors, scalars = hook.state_dict()
+        assert tensors.keys() == saved[rank][0].keys() and all(torch.equal(tensors[k], saved[rank][0][k]) for k in tensors)
+        assert tensors["error.weight"][0] == rank and scalars == saved[rank][1] and scalars["iter"] == 7
+    # A third process (resumed on 3): rank 0's counter, generator and factors; no one's error feedback.
+    hook = PowerSGD(model, rank=1, warmup_steps=2)
+    load_checkpoint(path, model, opt, sched, rank=2, powersgd=hook)
+    tensors, scalars = hook.state_dict()
+    assert "error.weight" not in tensors and torch.equal(tensors["p.weight"], torch.ones(4)) and scalars["iter"] == 7
+    # A checkpoint of a run without PowerSGD leaves a new PowerSGD as it was (plain steps first).
+    plain = save_checkpoint(tmp_path, 8, model, opt, sched, {})
+    hook = PowerSGD(model, rank=1, warmup_steps=2)
+    load_checkpoint(plain, model, opt, sched, powersgd=hook)
+    assert not (plain / "grad_compression").exists() and hook.state.iter == 0 and hook.pieces == {}

@@ -164,3 +164,58 @@ def test_fsdp_rules_hold_for_the_key_and_for_autos_choice():
     check_strategy(auto, "ddp")
     with pytest.raises(ConfigError, match=r"FSDP \(chosen by distributed.strategy=auto\) cannot shard 8-bit"):
         check_strategy(auto, "fsdp")
+
+
+def test_grad_compression_needs_ddp_and_a_powersgd_knob_needs_powersgd():
+    (p,) = problems_of({**MINIMAL, "distributed": {"strategy": "fsdp", "grad_compression": "bf16"}})
+    assert p == (
+        "distributed.grad_compression=bf16 compresses DDP's gradient all-reduce, but distributed.strategy=fsdp, "
+        "which reduces gradients its own way (no DDP all-reduce to compress). Set distributed.strategy=ddp "
+        "(a full replica per GPU) or distributed.grad_compression=none."
+    )
+    (p,) = problems_of({**MINIMAL, "distributed": {"grad_compression": "fp16", "powersgd_rank": 2, "powersgd_warmup_steps": 5}})
+    assert p == (
+        "distributed.powersgd_rank applies to distributed.grad_compression=powersgd (it is fp16). "
+        "Set grad_compression=powersgd, or remove distributed.powersgd_rank and distributed.powersgd_warmup_steps."
+    )
+    (p,) = problems_of({**MINIMAL, "distributed": {"grad_compression": "powersgd", "powersgd_warmup_steps": 1}})
+    assert p.startswith("distributed.powersgd_warmup_steps:") and "2" in p  # torch needs 2 plain steps at least
+
+
+def test_grad_compression_at_launch_refused_under_autos_fsdp_and_said_useless_on_one_process(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from finetune import grad_compression
+    from finetune.trainer import parallel
+
+    cfg = build_recipe({**MINIMAL, "distributed": {"grad_compression": "powersgd"}})
+    assert grad_compression.powersgd_warmup(cfg) == 10  # null: at least 10 plain steps...
+    assert grad_compression.powersgd_warmup(build_recipe({**cfg.to_dict(), "train": {"warmup_steps": 30}})) == 30
+    # distributed.strategy=auto is valid until auto picks FSDP at launch (a replica does not fit).
+    monkeypatch.setattr(parallel, "resolve_strategy", lambda *a: "fsdp")
+    accelerator = SimpleNamespace(num_processes=2, device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match="distributed.strategy=auto chose fsdp here, which reduces gradients its own way"):
+        parallel.Parallel.choose(cfg, accelerator)
+    # One process: nothing to all-reduce. Said, not refused (a multi-GPU recipe tried on one).
+    assert parallel.Parallel(accelerator, "single", cfg).describe() == (
+        "distributed.grad_compression=powersgd has no effect: one process has no gradients to all-reduce"
+    )
+    assert parallel.Parallel(accelerator, "ddp", cfg).describe() == (
+        "parallel: ddp over 2 processes, gradients all-reduced as rank-1 PowerSGD factors from step 11"
+    )
+
+
+def test_runs_from_before_grad_compression_resume_and_turning_it_on_changes_the_run():
+    import json
+
+    from finetune.checkpoint import recipe_changes
+
+    new = build_recipe(MINIMAL).to_dict()
+    old = json.loads(json.dumps(new))
+    for key in ("grad_compression", "powersgd_rank", "powersgd_warmup_steps"):
+        del old["distributed"][key]
+    assert recipe_changes(old, new) == ([], [])
+    on = build_recipe({**MINIMAL, "distributed": {"grad_compression": "bf16"}}).to_dict()
+    assert recipe_changes(new, on) == (["distributed.grad_compression: 'none' -> 'bf16'"], [])

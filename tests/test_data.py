@@ -140,7 +140,10 @@ def test_messages_template_with_bos_gets_no_double_bos(tmp_path, tokenizer):
 
 def test_messages_inconsistent_template_names_example(tmp_path, tokenizer):
     tok = copy.deepcopy(tokenizer)
-    tok.chat_template = "{{ messages|length }}" + tok.chat_template  # every prefix renders a different header
+    # A short conversation's length written before its generation prompt: the first reply's prompt is one
+    # the whole conversation never holds, so that reply cannot be placed (the last one can).
+    gen = "{% if add_generation_prompt %}"
+    tok.chat_template = tok.chat_template.replace(gen, "{% if messages|length < 3 %}{{ messages|length }}{% endif %}" + gen)
     no_reply = {"messages": CONVO[:2]}  # dropped before rendering, so record 1 is the first one checked
     with pytest.raises(
         DataError,

@@ -13,6 +13,8 @@ ORDER = [
     "errors",
     "adapters",
     "memory_modes",
+    "objectives",
+    "grad_compression",
     "config_messages",
     "recipe_files",
     "config",
@@ -25,6 +27,7 @@ ORDER = [
     "tiled_mlp",
     "plan",
     "distributed",
+    "comm_hooks",
     "offload",
     "stream",
     "data",
@@ -42,7 +45,19 @@ ORDER = [
 # Inside a package that states an order, the same rule between its modules (finetune/plan/).
 PACKAGE_ORDER = {
     "plan": ["shape", "inputs", "speed", "terms", "memory", "recipe", "fitting", "render", "rewrite", "preflight", "command"],
-    "trainer": ["state", "callbacks", "schedule", "linear_ce", "loss", "order", "parallel", "evaluation", "build", "loop"],
+    "trainer": [
+        "state",
+        "callbacks",
+        "schedule",
+        "linear_ce",
+        "loss",
+        "order",
+        "parallel",
+        "evaluation",
+        "preference",
+        "build",
+        "loop",
+    ],
 }
 PKG = Path(finetune.__file__).parent
 

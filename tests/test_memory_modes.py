@@ -82,3 +82,15 @@ def test_launch_rules_need_the_process_count_and_fsdp_rules_name_what_chose_fsdp
     for rule in memory_modes.RULES:
         text = rule.message(replace(memory_modes.Settings(), processes=2))
         assert all(key.split(".")[-1] in text for key in rule.keys), (rule.keys, text)
+
+
+@pytest.mark.parametrize("checkpointing", ["all", "none", 2])
+def test_activation_offload_runs_with_every_checkpointing_setting(checkpointing):
+    # Checkpointed layers' inputs are offloaded too (offload.checkpoint): no setting is left with nothing to move.
+    cfg = load_recipe(
+        "qlora-1x24gb", PATHS + ["memory.activation_offload=true", f"memory.activation_checkpointing={checkpointing}"]
+    )
+    assert memory_modes.problems(memory_modes.recipe_settings(cfg)) == []
+    setup = setup_of(cfg, 1)
+    assert (setup.activation_offload, setup.checkpoint_every) == (True, memory_modes.checkpoint_every(checkpointing))
+    assert runnable(setup)

@@ -14,6 +14,8 @@ import os
 import signal
 import subprocess
 import sys
+from contextlib import contextmanager
+from functools import partial
 
 import pytest
 import torch
@@ -23,8 +25,8 @@ from safetensors.torch import load_file
 from finetune.config import build_recipe
 from finetune.errors import Preempted
 from finetune.metrics import read_metrics
-from finetune.offload import HostAdamW
-from finetune.trainer import Trainer
+from finetune.offload import ActivationOffload, HostAdamW
+from finetune.trainer import Trainer, loop
 
 pytestmark = pytest.mark.slow
 
@@ -33,14 +35,33 @@ MODES = {
     "base_weights_cpu": ({"activation_checkpointing": "all", "base_weights": "cpu"}, 4),
     "base_weights_disk": ({"activation_checkpointing": "all", "base_weights": "disk"}, 4),
     "activation_offload": ({"activation_checkpointing": 2, "activation_offload": True}, None),
+    "offloaded_checkpoints": ({"activation_checkpointing": "all", "activation_offload": True}, None),
     "checkpointing_k": ({"activation_checkpointing": 2}, None),
 }
 
-# Runs a recipe in a fresh process and SIGKILLs itself when optimizer step KILL_STEP begins.
+# On a CPU device an ActivationOffload only counts what it would move; in these modes it copies anyway
+# (force_copy, every size), so the runs take the host round trip a GPU run takes.
+FORCE_COPY = {"activation_offload", "offloaded_checkpoints"}
+
+
+@contextmanager
+def copies_like_a_gpu(mode: str):
+    with pytest.MonkeyPatch.context() as patch:
+        if mode in FORCE_COPY:
+            patch.setattr(loop, "ActivationOffload", partial(ActivationOffload, min_bytes=0, force_copy=True))
+        yield
+
+
+# Runs a recipe in a fresh process and SIGKILLs itself when optimizer step KILL_STEP begins
+# (argv: recipe, step, and "force_copy" for the modes of FORCE_COPY).
 KILL_DRIVER = """
-import os, signal, sys
+import functools, os, signal, sys
 from finetune.config import load_recipe
-from finetune.trainer import Trainer
+from finetune.offload import ActivationOffload
+from finetune.trainer import Trainer, loop
+
+if sys.argv[3] == "force_copy":
+    loop.ActivationOffload = functools.partial(ActivationOffload, min_bytes=0, force_copy=True)
 
 class Dying(Trainer):
     def step_batches(self, step):
@@ -106,7 +127,8 @@ def straight(tiny_model_dir, runs_data, tmp_path_factory, request):
         "lora": {"r": 4, "alpha": 8},
         "train": {},
     }
-    Trainer(build_recipe(recipe_data(recipe_dict, out, request.param)), progress=False).train()
+    with copies_like_a_gpu(request.param):
+        Trainer(build_recipe(recipe_data(recipe_dict, out, request.param)), progress=False).train()
     return request.param, out, recipe_dict
 
 
@@ -116,11 +138,12 @@ def test_sigterm_then_resume_equals_the_uninterrupted_run(tmp_path, straight):
     out = tmp_path / "stopped"
     stopped = SignalsItself(build_recipe(recipe_data(recipe_dict, out, mode)), progress=False)
     stopped.at = 4  # during step 5: not a periodic checkpoint (every 3), one written for the signal
-    with pytest.raises(Preempted):
+    with copies_like_a_gpu(mode), pytest.raises(Preempted):
         stopped.train()
     stopped.close()
     assert (out / "checkpoints" / "step-5" / "manifest.json").is_file()
-    Trainer(build_recipe(recipe_data(recipe_dict, out, mode, resume="auto")), progress=False).train()
+    with copies_like_a_gpu(mode):
+        Trainer(build_recipe(recipe_data(recipe_dict, out, mode, resume="auto")), progress=False).train()
     assert [r[0] for r in rows(out)] == list(range(1, STEPS + 1))
     assert_same_run(out, reference)
 
@@ -137,11 +160,17 @@ def test_sigkill_then_resume_equals_the_uninterrupted_run(tmp_path, straight):
     # reductions split over another number of threads round differently.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(torch.get_num_threads())}
     proc = subprocess.run(
-        [sys.executable, str(driver), str(recipe), "5"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(driver), str(recipe), "5", "force_copy" if mode in FORCE_COPY else "-"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert [r[0] for r in rows(out)] == [1, 2, 3, 4, 5]  # died as step 6 began; step-3 is the last checkpoint
-    Trainer(build_recipe(recipe_data(recipe_dict, out, mode, resume="auto")), progress=False).train()
+    with copies_like_a_gpu(mode):
+        Trainer(build_recipe(recipe_data(recipe_dict, out, mode, resume="auto")), progress=False).train()
     assert [r[0] for r in rows(out)] == list(range(1, STEPS + 1))  # steps 4-5 trained again, logged once
     assert_same_run(out, reference)
 

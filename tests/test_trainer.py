@@ -76,9 +76,9 @@ def window_grads(recipe_dict, batch_size, grad_accum, **sections):
     )
     trainer = Trainer(cfg, progress=False)
     trainer.setup()
-    loss_sum, n_global, _ = trainer.accumulate_gradients(0)
+    totals = trainer.accumulate_gradients(0)
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-    return grads, loss_sum / n_global, trainer
+    return grads, totals.loss_sum / totals.units, trainer
 
 
 def test_grad_accum_equals_full_batch_on_variable_length_data(recipe_dict, tmp_path):

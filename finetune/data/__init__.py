@@ -18,6 +18,7 @@ Modules, in the order data flows through them:
     packing    bin packing (data.packing) and length grouping (data.group_by_length)
     dataset    flat-array storage, statistics, the collator
     cache      tokenized data on disk, keyed by everything that shapes it
+    pairs      preference pairs: each side encoded as its format trains it, stored side by side
     pipeline   build_datasets, which runs the above
     show       `finetune data`: examples with trained tokens marked, statistics
 """
@@ -25,6 +26,7 @@ Modules, in the order data flows through them:
 from finetune.data.dataset import Collator, DataBundle, DataStats, TokenizedData, count_tokens
 from finetune.data.formats import FORMATS, get_format
 from finetune.data.packing import length_grouped, pack_rows
+from finetune.data.pairs import PreferencePairs
 from finetune.data.pipeline import build_datasets, build_examples, check_sample, held_out_indices, held_out_records
 from finetune.data.records import check_data_source
 from finetune.data.sources import load_records
@@ -40,6 +42,7 @@ __all__ = [
     "DataStats",
     "FORMATS",
     "IGNORE_INDEX",
+    "PreferencePairs",
     "TokenizedData",
     "build_datasets",
     "build_examples",

@@ -27,6 +27,7 @@ from typing import Any
 
 from finetune.config import RecipeConfig
 from finetune.data.dataset import DataStats, TokenizedData
+from finetune.data.pairs import PreferencePairs
 
 CACHE_VERSION = 1  # bump when tokenization or the stored layout changes
 _FILES = ("train", "eval")
@@ -85,7 +86,10 @@ def cache_key(cfg: RecipeConfig, tokenizer: Any, content_ids: list[str]) -> str:
     return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def read_cache(path: Path) -> tuple[dict[str, TokenizedData | None], dict[str, DataStats | None], list[dict]] | None:
+Stored = TokenizedData | PreferencePairs
+
+
+def read_cache(path: Path) -> tuple[dict[str, Stored | None], dict[str, DataStats | None], list[dict]] | None:
     """(data, stats, findings) of a complete cache entry, or None (absent or unreadable: rebuild)."""
     try:
         meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
@@ -93,7 +97,7 @@ def read_cache(path: Path) -> tuple[dict[str, TokenizedData | None], dict[str, D
             return None
         from safetensors.numpy import load_file
 
-        data: dict[str, TokenizedData | None] = {}
+        data: dict[str, Stored | None] = {}
         stats: dict[str, DataStats | None] = {}
         for name in _FILES:
             if meta["stats"].get(name) is None:
@@ -101,15 +105,16 @@ def read_cache(path: Path) -> tuple[dict[str, TokenizedData | None], dict[str, D
                 continue
             arrays = load_file(str(path / f"{name}.safetensors"))
             tokenized, counted = TokenizedData(**arrays), DataStats(**meta["stats"][name])
-            if not _consistent(tokenized, counted):
+            pairs = name in meta.get("pairs", ())  # preference pairs: their sides interleaved
+            if not _consistent(tokenized, counted, 2 if pairs else 1):
                 return None
-            data[name], stats[name] = tokenized, counted
+            data[name], stats[name] = (PreferencePairs(tokenized) if pairs else tokenized), counted
         return data, stats, meta["findings"]
     except Exception:  # noqa: BLE001 - any unreadable entry (truncated file, bad header, old layout) is rebuilt
         return None
 
 
-def _consistent(data: TokenizedData, stats: DataStats) -> bool:
+def _consistent(data: TokenizedData, stats: DataStats, per_example: int = 1) -> bool:
     """Arrays that agree with each other and with the stats written beside them (a torn or edited entry does not)."""
     offsets = data.offsets
     ok = len(data.input_ids) == len(data.labels) == int(offsets[-1]) == stats.tokens and int(offsets[0]) == 0
@@ -117,13 +122,11 @@ def _consistent(data: TokenizedData, stats: DataStats) -> bool:
     if data.starts is not None:
         ok = ok and len(data.starts) == stats.examples and len(data) == stats.rows
     else:
-        ok = ok and len(data) == stats.examples
+        ok = ok and len(data) == stats.examples * per_example
     return ok
 
 
-def write_cache(
-    path: Path, data: dict[str, TokenizedData | None], stats: dict[str, DataStats | None], findings: list[dict]
-) -> None:
+def write_cache(path: Path, data: dict[str, Stored | None], stats: dict[str, DataStats | None], findings: list[dict]) -> None:
     """Write an entry atomically; a concurrent writer of the same key (another rank) is harmless."""
     from safetensors.numpy import save_file
 
@@ -135,9 +138,10 @@ def write_cache(
         for name in _FILES:
             part = data.get(name)
             if part is not None:
-                save_file(part.arrays(), str(tmp / f"{name}.safetensors"))
+                save_file((part.sides if isinstance(part, PreferencePairs) else part).arrays(), str(tmp / f"{name}.safetensors"))
         meta = {
             "version": CACHE_VERSION,
+            "pairs": [name for name, part in data.items() if isinstance(part, PreferencePairs)],
             "stats": {k: (v.to_dict() if v is not None else None) for k, v in stats.items()},
             "findings": findings,
         }

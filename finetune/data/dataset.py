@@ -166,6 +166,8 @@ class Collator:
     Padding then gets positions 0, 1, ... of its own, a segment nothing else sees.
     Labels are padded with IGNORE_INDEX by position, never by comparing ids with
     the pad id, so a tokenizer whose pad == eos still trains its eos.
+    B preference pairs ({"chosen", "rejected"}) become 2B rows: the chosen sides, then the
+    rejected ones in the same order, padded to one width so one forward scores both.
     """
 
     pad_token_id: int
@@ -176,6 +178,12 @@ class Collator:
 
         if not examples:
             raise ValueError("Collator got an empty batch")
+        if "chosen" in examples[0]:  # preference pairs: B chosen rows, then their B rejected rows
+            batch = self([ex["chosen"] for ex in examples] + [ex["rejected"] for ex in examples])
+            if "reference_logps" in examples[0]:  # precomputed: (chosen, rejected) of each pair
+                refs = [ex["reference_logps"][0] for ex in examples] + [ex["reference_logps"][1] for ex in examples]
+                batch["reference_logps"] = torch.tensor(refs, dtype=torch.float32)
+            return batch
         width = max(len(ex["input_ids"]) for ex in examples)
         if self.pad_to_multiple_of:
             width = math.ceil(width / self.pad_to_multiple_of) * self.pad_to_multiple_of

@@ -8,7 +8,9 @@ many examples have it, and the first one, with the file and record:
     none_masked     a conversation where every token is trained (the prompt mask did not apply)
     end_untrained   a reply whose trained tokens hold no eos / end-of-turn token: the model never learns to stop
     double_bos      the example starts with two BOS tokens (template writes one, tokenizer adds another)
-    boundary        prompt and response tokenize differently apart than together (see tokenize.py)
+    boundary        prompt and response tokenize differently apart than together (see tokenize.py), or a
+                    chat reply cannot be placed exactly in the rendered conversation (see replies.py): such
+                    a reply is never trained, so a conversation with no reply placed is not also all_masked
 
 data.mask_check=error (default) raises on any finding, warn prints them, drop leaves the
 flagged examples out (counted), off skips the check.
@@ -32,8 +34,9 @@ FIXES = {
     "double_bos": "the chat template writes bos_token and the tokenizer adds another; use a template without "
     "{{ bos_token }} or a tokenizer that does not add BOS",
     "boundary": "for prompt/response data, end the prompt at a token boundary (e.g. prompt 'Answer:' + "
-    "completion ' 4', not 'Answer: ' + '4'); for chat data, use a template that renders every prefix of a "
-    "conversation as the start of the whole (data.template=chatml, ...)",
+    "completion ' 4', not 'Answer: ' + '4'); for chat data, data.train_on=last where the finding says the final "
+    "reply is placed exactly, or a template whose replies render alike wherever they stand "
+    "(data.template=chatml/llama3/mistral)",
 }
 
 
@@ -53,7 +56,7 @@ def example_findings(enc: Encoded, chat: bool, train_on: str, bos: int | None, e
     found = []
     labels, ids = enc.labels, enc.input_ids
     n_masked = labels.count(IGNORE_INDEX)
-    if n_masked == len(labels):
+    if n_masked == len(labels) and not enc.boundary:
         found.append("all_masked")
     elif chat and train_on != "all" and n_masked <= 1:
         found.append("none_masked")  # a conversation always has a user turn to mask
@@ -84,7 +87,8 @@ def enforce(findings: dict[str, Finding], policy: str, key: str = "data") -> lis
         raise DataError(
             f"{key}: the label-mask check failed, so training would learn the wrong tokens:\n    " + "\n    ".join(lines),
             hint=f"{fixes}. `finetune data RECIPE` shows the examples with trained tokens marked; "
-            "data.mask_check=drop leaves the flagged examples out, warn trains them anyway",
+            "data.mask_check=drop leaves the flagged examples out, warn trains them anyway"
+            + (" (but never a chat reply that cannot be placed)" if "boundary" in findings else ""),
         )
     verb = "left out" if policy == "drop" else "kept"
     return [f"mask check ({verb}): {line}" for line in lines]

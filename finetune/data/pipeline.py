@@ -18,8 +18,10 @@ from typing import Any
 from finetune.config import RecipeConfig, resolve_path
 from finetune.data.cache import cache_key, cache_root, read_cache, write_cache
 from finetune.data.dataset import DataBundle, DataStats, TokenizedData
+from finetune.data.formats import FORMATS, get_format
 from finetune.data.masks import FIXES, Finding, enforce, example_findings, merge_findings
 from finetune.data.packing import pack_rows
+from finetune.data.pairs import EncodedPair, PreferencePairs, encode_pairs
 from finetune.data.records import usable_records
 from finetune.data.sources import (
     Source,
@@ -37,6 +39,8 @@ from finetune.data.tokenize import CHAT_FORMATS, IGNORE_INDEX, Encoded, encode_r
 from finetune.errors import DataError
 
 Item = tuple[int, int]  # (source index, record index)
+# Formats whose errors name the source only: prompt/response records (one batched tokenizer call).
+PLAIN_FORMATS = tuple(name for name, f in FORMATS.items() if not f.chat and f.pairs is None)
 _CHUNK = 2000  # records per tokenizing task: big enough for batched tokenizer calls, small enough to balance
 _worker_tokenizer: Any = None
 
@@ -46,14 +50,16 @@ def _init_worker(tokenizer: Any) -> None:
     _worker_tokenizer = tokenizer
 
 
-def _encode_task(args: tuple[list[dict], str, str, list[str], int]) -> list[Encoded | None]:
+def _encode_task(args: tuple[list[dict], str, str, list[str], int]) -> list[Encoded | EncodedPair | None]:
     records, fmt, train_on, wheres, max_len = args
-    return encode_records(records, fmt, _worker_tokenizer, train_on, wheres, max_len)
+    if get_format(fmt).pairs is not None:  # each side as its own format trains it; train_on does not apply
+        return list(encode_pairs(records, fmt, _worker_tokenizer, wheres, max_len))
+    return list(encode_records(records, fmt, _worker_tokenizer, train_on, wheres, max_len))
 
 
 def _encode_items(
     items: list[Item], sources: list[Source], tokenizer: Any, train_on: str, num_proc: int, max_len: int
-) -> dict[Item, Encoded | None]:
+) -> dict[Item, Encoded | EncodedPair | None]:
     """Tokenize each distinct item once, in chunks of one source (one format), on num_proc processes."""
     tasks, keys = [], []
     by_source: dict[int, list[int]] = {}
@@ -63,7 +69,7 @@ def _encode_items(
         src = sources[s]
         for c in range(0, len(idx), _CHUNK):
             chunk = idx[c : c + _CHUNK]
-            wheres = [src.where(i) for i in chunk] if src.format in CHAT_FORMATS else [src.key] * len(chunk)
+            wheres = [src.where(i) for i in chunk] if src.format not in PLAIN_FORMATS else [src.key] * len(chunk)
             tasks.append(([src.records[i] for i in chunk], src.format, train_on, wheres, max_len))
             keys.append([(s, i) for i in chunk])
     if num_proc > 1 and len(tasks) > 1:
@@ -82,18 +88,19 @@ def _encode_items(
 
 def _finish(
     items: list[Item],
-    encoded: dict[Item, Encoded | None],
+    encoded: dict[Item, Encoded | EncodedPair | None],
     sources: list[Source],
     cfg: RecipeConfig,
     tokenizer: Any,
     findings: dict[str, Finding],
     skipped: int,
     pack: bool,
-) -> tuple[TokenizedData, DataStats]:
+) -> tuple[TokenizedData | PreferencePairs, DataStats]:
     """Mask-check, truncate (or drop) and count the encoded items, then store (and pack) them."""
     d = cfg.data
     bos = getattr(tokenizer, "bos_token_id", None)
     ends = set(end_of_turn_ids(tokenizer))
+    pairs = get_format(d.format).pairs is not None  # (objectives: pair data is never mixed with other formats)
     stats = DataStats(0, 0, 0, 0, 0, skipped=skipped)
     examples: list[tuple[list[int], list[int]]] = []
     checked: set[Item] = set()
@@ -103,37 +110,58 @@ def _finish(
         if enc is None:  # empty reply: nothing to learn
             stats.dropped += 1
             continue
+        fmt = sources[item[0]].format
         if item not in checked:  # a weighted repeat is the same example: count its findings once
             checked.add(item)
-            kinds = example_findings(enc, sources[item[0]].format in CHAT_FORMATS, d.train_on, bos, ends)
-            if kinds:
-                merge_findings(findings, kinds, tokenizer, enc, sources[item[0]].where(item[1]))
-                flagged.add(item)
+            for side, chat, train_on in _checked_sides(enc, fmt in CHAT_FORMATS, d.train_on):
+                kinds = example_findings(side, chat, train_on, bos, ends)
+                if kinds:
+                    merge_findings(findings, kinds, tokenizer, side, sources[item[0]].where(item[1]))
+                    flagged.add(item)
         if item in flagged and d.mask_check == "drop":
             stats.mask_dropped += 1
             continue
-        ids, labels = enc.input_ids, enc.labels
-        if len(ids) > d.max_seq_len:
-            if d.truncation == "drop":
-                stats.too_long += 1
-                continue
-            ids, labels = ids[: d.max_seq_len], labels[: d.max_seq_len]
-            if labels.count(IGNORE_INDEX) == len(labels):  # the prompt alone fills max_seq_len
-                stats.dropped += 1
-                continue
-            stats.truncated += 1
-        elif labels.count(IGNORE_INDEX) == len(labels):
-            stats.dropped += 1  # (also a mask-check finding: a non-empty reply with nothing trained)
+        sides = enc.sides if isinstance(enc, EncodedPair) else (enc,)
+        results = [_fit(side, d.max_seq_len, d.truncation) for side in sides]
+        lost = [r for r in results if isinstance(r, str)]
+        if lost:  # a pair goes whole, or not at all
+            stats.too_long += lost[0] == "too_long"
+            stats.dropped += lost[0] == "dropped"
             continue
-        stats.tokens += len(ids)
-        stats.trained_tokens += len(labels) - labels.count(IGNORE_INDEX)
-        examples.append((ids, labels))
-    stats.examples = len(examples)
+        fitted = [r for r in results if not isinstance(r, str)]
+        stats.truncated += any(cut for _, _, cut in fitted)
+        for ids, labels, _ in fitted:
+            stats.tokens += len(ids)
+            stats.trained_tokens += len(labels) - labels.count(IGNORE_INDEX)
+            examples.append((ids, labels))
+    stats.examples = len(examples) // (2 if pairs else 1)
+    if pairs:
+        return PreferencePairs(TokenizedData.from_examples(examples)), stats
     if not pack or not examples:
         return TokenizedData.from_examples(examples), stats
     rows = pack_rows([len(ids) for ids, _ in examples], d.max_seq_len)
     stats.rows, stats.row_capacity = len(rows), d.max_seq_len
     return TokenizedData.from_examples(examples, rows), stats
+
+
+def _checked_sides(enc: Encoded | EncodedPair, chat: bool, train_on: str) -> list[tuple[Encoded, bool, str]]:
+    """What the mask checker judges: the example, or each side of a pair as its format trains it."""
+    if isinstance(enc, EncodedPair):
+        return [(side, enc.chat, enc.train_on) for side in enc.sides]
+    return [(enc, chat, train_on)]
+
+
+def _fit(enc: Encoded, max_len: int, truncation: str) -> tuple[list[int], list[int], bool] | str:
+    """(ids, labels, truncated) within max_len, or why the example is left out: "too_long"
+    (data.truncation=drop) or "dropped" (nothing trained within max_len)."""
+    ids, labels, cut = enc.input_ids, enc.labels, False
+    if len(ids) > max_len:
+        if truncation == "drop":
+            return "too_long"
+        ids, labels, cut = ids[:max_len], labels[:max_len], True
+    if labels.count(IGNORE_INDEX) == len(labels):  # (also a mask-check finding for a non-empty reply)
+        return "dropped"
+    return ids, labels, cut
 
 
 def held_out_indices(n_records: int, cfg: RecipeConfig) -> list[int]:
@@ -172,7 +200,9 @@ def held_out_records(cfg: RecipeConfig) -> list[dict]:
     return [sources[s].records[i] for s, i in _split_eval(cfg, pool)[1]]
 
 
-def build_examples(records: list[dict], cfg: RecipeConfig, tokenizer: Any, key: str) -> tuple[TokenizedData, DataStats]:
+def build_examples(
+    records: list[dict], cfg: RecipeConfig, tokenizer: Any, key: str
+) -> tuple[TokenizedData | PreferencePairs, DataStats]:
     """Records (data.columns already applied) formatted, tokenized, masked and truncated as training does them."""
     _chat_template_needed(cfg, tokenizer)
     src = Source(key, records, [(0, key, None)], cfg.data.format)

@@ -88,12 +88,14 @@ def use_template(tokenizer: Any, name: str) -> str:
 
 
 def end_of_turn_ids(tokenizer: Any) -> list[int]:
-    """Token ids that can end an assistant reply: eos, then the end-of-turn specials this tokenizer has.
+    """Token ids that can end an assistant reply: eos, then the end-of-turn tokens this tokenizer has.
 
-    Only special tokens count: a "</s>" that the tokenizer splits into pieces ends nothing.
+    Only tokens the tokenizer keeps whole count: a "</s>" that it splits into pieces ends
+    nothing. Special tokens, and added ones: Phi-3's tokenizer adds <|end|> without listing
+    it among its special tokens.
     """
     ids = [] if getattr(tokenizer, "eos_token_id", None) is None else [int(tokenizer.eos_token_id)]
-    specials = set(tokenizer.all_special_tokens)
+    specials = set(tokenizer.all_special_tokens) | set(getattr(tokenizer, "get_added_vocab", dict)())
     for name in END_OF_TURN_TOKENS:
         if name in specials:
             tid = tokenizer.convert_tokens_to_ids(name)

@@ -17,14 +17,16 @@ the mask checker. Char tokenizer, completion prompt "Q: 2+2=", completion "4":
 text "hi": input_ids = [<s>, h, i, </s>], labels = [-100, h, i, </s>].
 
 chat formats (a Format with to_messages: messages, sharegpt, input_output, ...) render
-the conversation with the chat template and find each assistant reply by rendering
-prefixes: reply i spans tokens
-[len(tok(render(msgs[:i], add_generation_prompt))), len(tok(render(msgs[:i+1])))),
-which works for any Jinja template, with or without generation tags. ChatML,
-[user "hi", assistant "yo"] (char tokenizer; <|im_end|> is the reply's end token):
+the conversation once with the chat template and train each assistant reply's text in
+that rendering: from the end of the generation prompt before it through its end-of-turn
+marker, up to the next message (replies.py finds that text, for templates that render
+every prefix of a conversation as the start of the whole and for those that do not).
+ChatML, [user "hi", assistant "yo"] (char tokenizer; <|im_end|> is the reply's end token):
     input_ids = [<s>, <|im_start|>, u,s,e,r,\\n, h,i, <|im_end|>, \\n, <|im_start|>, a,s,s,i,s,t,a,n,t,\\n,
                  y, o, <|im_end|>, \\n]
     labels    = [-100] * 22 + [y, o, <|im_end|>, \\n]
+A reply edge inside a token (the reply's first characters merge with the template's
+text before them) is a `boundary` problem, as for prompt/response formats.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 from finetune.data.formats import FORMATS, get_format
 from finetune.data.formats.alpaca import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT  # noqa: F401  (re-exported)
 from finetune.data.records import has_reply, record_problem, to_messages
+from finetune.data.replies import Conversation, common_prefix, encode_rendered, render
 from finetune.errors import DataError
 
 IGNORE_INDEX = -100
@@ -50,7 +53,7 @@ class Encoded:
     input_ids: list[int]
     labels: list[int]
     spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each trained reply
-    boundary: str | None = None  # how prompt and response tokenization disagree, if they do
+    boundary: str | None = None  # how prompt and response tokenization disagree, or why a reply is not placed exactly
 
 
 def _encode_many(tokenizer: Any, texts: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
@@ -59,41 +62,6 @@ def _encode_many(tokenizer: Any, texts: Sequence[str], add_special_tokens: bool)
         return []
     # verbose=False: long examples are expected here (truncation comes later); no "longer than maximum" warning.
     return [list(x) for x in tokenizer(list(texts), add_special_tokens=add_special_tokens, verbose=False)["input_ids"]]
-
-
-def _appends_eos(tokenizer: Any) -> bool:
-    """Whether add_special_tokens=True also appends eos (some tokenizers do; a rendered prefix must not end in it)."""
-    cached = getattr(tokenizer, "_finetune_appends_eos", None)
-    if cached is None:
-        eos = getattr(tokenizer, "eos_token_id", None)
-        ids = tokenizer("a", add_special_tokens=True)["input_ids"]
-        cached = eos is not None and len(ids) > 0 and ids[-1] == eos
-        try:
-            tokenizer._finetune_appends_eos = cached
-        except AttributeError:  # a tokenizer that refuses attributes: ask again next time
-            pass
-    return cached
-
-
-def encode_rendered(tokenizer: Any, text: str) -> list[int]:
-    """Tokenize chat-template output as the template wrote it: no second BOS (templates like Llama 3's
-    write one), and no eos appended by the tokenizer (the template decides where turns end)."""
-    bos = getattr(tokenizer, "bos_token", None)
-    has_bos = isinstance(bos, str) and bool(bos) and text.startswith(bos)
-    ids = list(tokenizer(text, add_special_tokens=not has_bos, verbose=False)["input_ids"])
-    if not has_bos and ids and _appends_eos(tokenizer) and not text.endswith(tokenizer.eos_token or "\0"):
-        ids.pop()
-    return ids
-
-
-def render(tokenizer: Any, messages: list[dict], where: str, add_generation_prompt: bool = False) -> str:
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as exc:
-        raise DataError(
-            f"{where}: the chat template failed on this conversation: {type(exc).__name__}: {exc}",
-            hint="check the roles and their order (many templates require user/assistant alternation)",
-        ) from None
 
 
 def _check_tool_calls_rendered(msgs: list[dict], text: str, where: str) -> None:
@@ -112,11 +80,6 @@ def _check_tool_calls_rendered(msgs: list[dict], text: str, where: str) -> None:
                     hint="use a template that renders tool calls for this conversation (data.template, or the model's "
                     "own tokenizer), or give the message content text; data.skip_bad_rows=true skips such records",
                 )
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def _show(tokenizer: Any, ids: list[int]) -> str:
@@ -142,7 +105,7 @@ def encode_prompt_response(records: list[dict], fmt: str, tokenizer: Any, train_
         boundary = None
         k = len(p)
         if j[:k] != p:
-            k = _common_prefix(p, j)
+            k = common_prefix(p, j)
             boundary = (
                 f"the prompt alone ends in tokens {_show(tokenizer, p[k:][-4:])} but prompt + response has "
                 f"{_show(tokenizer, j[k : k + 4])} there: a token straddles the end of the prompt "
@@ -158,56 +121,83 @@ def encode_prompt_response(records: list[dict], fmt: str, tokenizer: Any, train_
 
 
 def encode_chat(rec: dict, fmt: str, tokenizer: Any, train_on: str, where: str, max_len: int | None = None) -> Encoded | None:
-    """Chat formats (messages, sharegpt, input_output, ...). None when the conversation has no assistant reply to learn from.
+    """Chat formats (messages, sharegpt, input_output, ...). None when the conversation has no assistant reply to learn from."""
+    return encode_messages(to_messages(rec, fmt), tokenizer, train_on, where, max_len)
+
+
+def encode_messages(msgs: list[dict], tokenizer: Any, train_on: str, where: str, max_len: int | None = None) -> Encoded | None:
+    """A conversation [{"role", "content", ...}, ...] -> Encoded; None when it has no assistant reply to learn from.
 
     Replies with neither text nor tool calls are not trained (learning to say nothing
     teaches nothing); neither are assistant turns before the first user turn (a greeting
-    has nothing to answer). Prefixes past max_len are not rendered: truncation drops them.
+    has nothing to answer). Replies past max_len are not placed: truncation drops them.
+    A reply that cannot be placed exactly is left untrained and reported as `boundary`.
     """
-    msgs = to_messages(rec, fmt)
     first_user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), len(msgs))
     trainable = [i for i, m in enumerate(msgs) if i > first_user and has_reply(m)]
     if not trainable:
         return None
-    full_text = render(tokenizer, msgs, where)
-    _check_tool_calls_rendered(msgs, full_text, where)
-    ids = encode_rendered(tokenizer, full_text)
+    conv = Conversation(tokenizer, msgs, where)
+    _check_tool_calls_rendered(msgs, conv.text, where)
+    ids = conv.ids
     labels = [IGNORE_INDEX] * len(ids) if train_on != "all" else list(ids)
     spans: list[tuple[int, int]] = []
-    boundary: str | None = None
+    problems: dict[int, str] = {}  # reply index -> why its tokens are not exactly its own
+    placed: list[int] = []  # replies whose tokens are exactly their own
     for i in trainable[-1:] if train_on == "last" else trainable:
-        start_text = render(tokenizer, msgs[:i], where, add_generation_prompt=True)
-        start = encode_rendered(tokenizer, start_text)
-        if max_len is not None and len(start) >= max_len:
-            if not spans:
+        start = conv.start(i)
+        if isinstance(start, str):
+            problems[i] = start  # left untrained: never guessed
+            continue
+        a, a_straddled = conv.token_at(start)
+        if max_len is not None and a >= max_len:
+            if not spans and not problems:
                 # Its first reply already starts beyond data.max_seq_len: nothing of it would be
                 # trained. Dropped and counted, like an alpaca record whose prompt is too long.
                 return None
             break  # this reply (and every later one) lies beyond the truncation point
-        upto_text = render(tokenizer, msgs[: i + 1], where)
-        upto = encode_rendered(tokenizer, upto_text)
-        a, b = _common_prefix(ids, start), _common_prefix(ids, upto)
-        if (a, b) != (len(start), len(upto)) and boundary is None:
-            if full_text.startswith(start_text) and full_text.startswith(upto_text):
-                # The text is consistent; the tokens are not: the reply's first characters
-                # merge with the template's text before them (e.g. a reply starting with "\n").
-                k = a
-                boundary = (
-                    f"reply {i} starts with {msgs[i]['content'][:12]!r}, which merges with the template's "
-                    f"{start_text[-12:]!r} into token(s) {_show(tokenizer, ids[k : k + 2])}: the prompt the model "
-                    "sees at generation ends differently than in training"
-                )
-            else:
-                # Templates that rewrite earlier turns (e.g. strip reasoning from all but the
-                # last reply) render a prefix unlike the start of the whole: no exact mask exists.
-                boundary = (
-                    f"the chat template renders the conversation up to message {i} differently from the start of "
-                    "the whole conversation, so the reply's tokens cannot be located exactly"
-                )
+        end = conv.end(i)
+        if isinstance(end, str):
+            problems[i] = end
+            continue
+        b, b_straddled = conv.token_at(end)
+        merged = _merge_problem(
+            tokenizer, msgs[i], i, conv, (start, a) if a_straddled else None, (end, b) if b_straddled else None
+        )
+        if merged:
+            problems[i] = merged
+        else:
+            placed.append(i)
         spans.append((a, b))
         labels[a:b] = ids[a:b]
     labels[0] = IGNORE_INDEX
-    return Encoded(ids, labels, spans, boundary)
+    return Encoded(ids, labels, spans, _boundary(problems, trainable[-1] in placed))
+
+
+def _merge_problem(
+    tokenizer: Any, msg: dict, i: int, conv: Conversation, start: tuple[int, int] | None, end: tuple[int, int] | None
+) -> str | None:
+    """Why reply i's edges fall inside tokens of the whole: start/end are (character, token index) of an
+    edge that a token straddles, or None."""
+    if start is not None:
+        (at, k), content = start, msg["content"] or ""
+        return (
+            f"reply {i} starts with {content[:12]!r}, which merges with the template's {conv.text[:at][-12:]!r} into "
+            f"token(s) {_show(tokenizer, conv.ids[k : k + 2])}: the prompt the model sees at generation ends "
+            "differently than in training" + ("; strip the replies' leading whitespace" if content[:1].isspace() else "")
+        )
+    if end is not None:
+        (at, k), after = end, conv.text[end[0] : end[0] + 12]
+        return f"the end of reply {i} merges with the text after it ({after!r}) into token(s) {_show(tokenizer, conv.ids[k : k + 2])}"
+    return None
+
+
+def _boundary(problems: dict[int, str], last_placed: bool) -> str | None:
+    """The first reply problem of a conversation, naming train_on=last when the final reply is placed exactly."""
+    if not problems:
+        return None
+    hint = "; data.train_on=last trains only the final reply, which is placed exactly" if last_placed else ""
+    return problems[min(problems)] + hint
 
 
 def encode_records(
@@ -224,7 +214,8 @@ def prompt_and_answer(record: dict, fmt: str, tokenizer: Any) -> tuple[list[int]
 
     Prompt/response formats: (tok(prompt), response), e.g. alpaca: (tok(alpaca prompt), output);
     chat formats: (tok(render(turns before the last assistant reply, add_generation_prompt)),
-    that reply's content). `record` is one of load_records' (data.columns already applied).
+    that reply's content); preference pairs: as their sides' format, with the chosen response.
+    `record` is one of load_records' (data.columns already applied).
     """
     f = get_format(fmt)
     if not f.answers:
@@ -237,6 +228,9 @@ def prompt_and_answer(record: dict, fmt: str, tokenizer: Any) -> tuple[list[int]
     problem = record_problem(record, fmt, {})
     if problem:
         raise DataError(f"record {problem[0]}", hint=problem[1])
+    if f.pairs is not None:  # a preference pair: its prompt, and the chosen response as the answer
+        side_fmt, chosen, _ = f.pairs(record)
+        return prompt_and_answer(chosen, side_fmt, tokenizer)
     if not f.chat:
         prompt, answer = f.texts(record)
         return _encode_many(tokenizer, [prompt], True)[0], answer

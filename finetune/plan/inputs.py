@@ -33,6 +33,13 @@ class Setup:
     loss: str = "full"  # memory.loss: full (every target's logits at once) | chunked | liger | auto (a recipe's default)
     loss_chunk: int = 256  # memory.loss_chunk: target positions per chunk
     tiled_mlp: str | int = "off"  # memory.tiled_mlp: off | auto | N (a recipe's default is auto)
+    sequences_per_example: int = 1  # preference pairs: chosen and rejected in one forward (finetune/objectives.py)
+    reference_passes: int = 0  # dpo: forwards without gradients (adapter off) per micro-batch, for the reference
+
+    @property
+    def rows(self) -> int:
+        """Sequences in one forward: the micro-batch's examples times the sequences of each."""
+        return self.batch_size * self.sequences_per_example
 
     @property
     def global_batch(self) -> int:
@@ -158,7 +165,12 @@ def describe_setup(s: Setup) -> str:
         f"{s.gpus} GPU{'s' if s.gpus > 1 else ''}"
         f"{(' (FSDP, CPU offload)' if s.cpu_offload else ' (FSDP)') if s.sharding == 'fsdp' and s.gpus > 1 else ''}, "
         f"batch {s.batch_size} x accum {s.grad_accum} (global {s.global_batch}), seq {s.seq_len}, "
-        f"checkpointing {ckpt}"
+        + (
+            f"pairs ({s.rows} sequences per forward{', + a reference forward' if s.reference_passes else ''}), "
+            if s.sequences_per_example > 1
+            else ""
+        )
+        + f"checkpointing {ckpt}"
         + (f", offload: {', '.join(offload)}" if offload else "")
         + (f", loss in chunks of {s.loss_chunk}" if s.loss_rows else "")
         + (f", MLP in {s.tiled_mlp} tiles" if isinstance(s.tiled_mlp, int) and s.tiled_mlp > 1 else "")

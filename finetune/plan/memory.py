@@ -29,6 +29,7 @@ ALLOCATOR_SLACK = 0.10  # caching-allocator reserved / allocated - 1: block roun
 HOST_BASELINE_BYTES = 3 * GiB  # python + torch + CUDA libraries + tokenizer, per process
 STREAMED_LAYERS_RESIDENT = 3  # stream.py: the layer computing, the prefetched next one, and in backward the one finishing
 OFFLOAD_LAYERS_IN_FLIGHT = 2  # activation offload: the layer being copied out (forward) or back (backward) and the next
+# (for checkpointed layers' inputs: the one recomputing and the one prefetched for the recomputation after it)
 DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size when the model's shards cannot be seen
 
 
@@ -207,7 +208,7 @@ class _Activations:
 def _activation_terms(shape: ModelShape, recipe: Recipe, setup: Setup, gpu: GpuSpec | None, trainable: int) -> _Activations:
     """model.py checkpoints layers whose index is a multiple of k: they keep only their input; the
     others keep every activation they save."""
-    b, L, T, B = recipe.compute_bytes, shape.layers, setup.seq_len, setup.batch_size
+    b, L, T, B = recipe.compute_bytes, shape.layers, setup.seq_len, setup.rows  # sequences per forward
     tokens = B * T
     checkpointed = setup.checkpointed_layers(L)
     input_only = tokens * b * shape.hidden  # a checkpointed layer's input, kept for the recompute
@@ -222,22 +223,19 @@ def _activation_terms(shape: ModelShape, recipe: Recipe, setup: Setup, gpu: GpuS
         rebuilt = full_layer + mlp // tiles
     layers_saved = checkpointed * input_only + (L - checkpointed) * full_layer
     host = 0
-    if setup.activation_offload and checkpointed < L:
+    if setup.activation_offload:
         # offload.py moves what autograd saves, as forward makes it, on a side stream, and brings it
-        # back as backward reaches it. transformers holds a checkpointed layer's input inside the
-        # checkpoint, outside autograd's saved tensors, so those inputs stay on the GPU: only the
-        # layers that keep all their activations (checkpointing none or every k-th) offload. On the
-        # GPU: the layers in flight, plus the copies that fall behind when a layer saves more than
-        # the link carries while the next one computes (1 - compute/transfer of a layer per layer).
-        moved = (L - checkpointed) * full_layer
-        host = moved
-        backlog = 0.0
-        if gpu is not None:
-            copy_s = full_layer / (gpu.pcie_gbps * 1e9)
-            compute_s = forward_seconds(shape, recipe, setup, gpu, trainable) / L
-            backlog = max(0.0, 1 - compute_s / copy_s) * (L - checkpointed)
-        in_flight = int((min(OFFLOAD_LAYERS_IN_FLIGHT, L - checkpointed) + backlog) * full_layer)
-        layers_saved = checkpointed * input_only + min(moved, in_flight)
+        # back as backward reaches it: all of it for the layers that are not checkpointed, the input
+        # of each checkpointed one (offload.checkpoint; its recomputation's input comes back one
+        # layer ahead, on the side stream). On the GPU: the layers in flight (out in forward, back in
+        # backward), plus the copies that fall behind when a layer saves more than the link carries
+        # while the next one computes. The first layer's input stays: it is the embeddings' output,
+        # a leaf that trains (enable_input_require_grads), which autograd holds until backward anyway.
+        kept, parked = L - checkpointed, max(checkpointed - 1, 0)
+        host = kept * full_layer + parked * input_only
+        compute_s = forward_seconds(shape, recipe, setup, gpu, trainable) / L if gpu is not None else 0.0
+        first = input_only if checkpointed else 0
+        layers_saved = _in_flight(full_layer, kept, compute_s, gpu) + first + _in_flight(input_only, parked, compute_s, gpu)
     # The head's and the loss's buffers are not moved: they are made right before backward needs them.
     saved = layers_saved + 2 * T * shape.head_dim * b  # + RoPE cos and sin, shared by the layers
     if checkpointed == L:
@@ -247,6 +245,16 @@ def _activation_terms(shape: ModelShape, recipe: Recipe, setup: Setup, gpu: GpuS
     else:
         label = f" ({checkpointed} checkpointed layers' inputs, all of {L - checkpointed} others)"
     return _Activations(saved, rebuilt if checkpointed else (rebuilt - full_layer), host, label)
+
+
+def _in_flight(per_layer: int, layers: int, compute_s: float, gpu: GpuSpec | None) -> int:
+    """Of `layers` layers offloading `per_layer` bytes each, what is on the GPU at the peak: the
+    OFFLOAD_LAYERS_IN_FLIGHT being copied, plus a backlog of 1 - compute/copy of a layer per layer."""
+    backlog = 0.0
+    if gpu is not None and layers:
+        copy_s = per_layer / (gpu.pcie_gbps * 1e9)
+        backlog = max(0.0, 1 - compute_s / copy_s) * layers
+    return int(min(layers, (min(OFFLOAD_LAYERS_IN_FLIGHT, layers) + backlog)) * per_layer)
 
 
 def estimate(
@@ -321,7 +329,7 @@ class _Transient:
 
 
 def _transient_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Implementation) -> _Transient:
-    b, T, B = recipe.compute_bytes, setup.seq_len, setup.batch_size
+    b, T, B = recipe.compute_bytes, setup.seq_len, setup.rows  # sequences per forward
     tokens = B * T
     logits_bytes = (impl.unquantized_bytes or b) if impl.loss != "chunked" else b
     return _Transient(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from finetune import objectives
 from finetune.config import RecipeConfig
 from finetune.gpus import GpuSpec
 from finetune.model import model_source
@@ -36,7 +37,10 @@ def _shard_bytes(cfg: RecipeConfig) -> int | None:
 
 
 def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
+    objective = objectives.get(cfg.train.objective)
     return Setup(
+        sequences_per_example=objective.sequences_per_example,
+        reference_passes=0 if cfg.train.precompute_reference else objective.reference_passes,
         batch_size=cfg.train.batch_size,
         grad_accum=cfg.train.grad_accum,
         gpus=gpus,

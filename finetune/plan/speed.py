@@ -21,7 +21,7 @@ def _micro_batch_seconds(shape, recipe, setup, gpu, trainable) -> tuple[float, f
     forward: the first pass over the layer stack (its matmuls, attention and one dequantize pass),
     the rest of compute + dequantize being the recompute and backward."""
     T = setup.seq_len
-    tokens = setup.batch_size * T
+    tokens = setup.rows * T
     matmul_params = shape.linear_params + (shape.head_params or shape.embedding_params)
     lora_flops = 2 * trainable if recipe.lora_r else 0
     fwd = 2 * matmul_params + lora_flops
@@ -43,6 +43,9 @@ def _micro_batch_seconds(shape, recipe, setup, gpu, trainable) -> tuple[float, f
         one_pass = shape.linear_params * 4.5 / (gpu.bandwidth_gbps * 1e9 * BANDWIDTH_EFFICIENCY)
         dequant = (2 + ckpt) * one_pass
     forward = tokens * (fwd + attn_fwd) / rate + one_pass
+    # DPO's reference: the same forward again without gradients (adapter off), per micro-batch.
+    compute += setup.reference_passes * tokens * (fwd + attn_fwd) / rate
+    dequant += setup.reference_passes * one_pass
     return compute, dequant, forward
 
 

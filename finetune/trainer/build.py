@@ -12,17 +12,20 @@ from typing import Any
 
 import torch
 
+from finetune import objectives
 from finetune.config import RecipeConfig, build_recipe, resolve_offload_dir
 from finetune.data import IGNORE_INDEX, DataBundle, DataStats, build_datasets, build_examples
 from finetune.errors import ConfigError
 from finetune.metrics import human_bytes
-from finetune.model import count_parameters, enable_gradient_checkpointing, load_model, wrap_lora
+from finetune.model import checkpoint_with, count_parameters, enable_gradient_checkpointing, load_model, wrap_lora
 from finetune.offload import HostAdamW
+from finetune.offload import checkpoint as offloaded_checkpoint
 from finetune.stream import DiskStore, WeightStream
 from finetune.tiled_mlp import tile_mlps
 from finetune.trainer.linear_ce import liger_fused_loss
 from finetune.trainer.loss import CausalLMLoss
 from finetune.trainer.parallel import Parallel
+from finetune.trainer.preference import PreferenceLoss
 from finetune.trainer.schedule import build_scheduler
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None
@@ -131,6 +134,8 @@ def load_model_and_store(
                 model = load_model(cfg, precision=precision, device=load_on, shardable=parallel.sharded)
         if getattr(model, "finetune_attention_note", None):
             say(model.finetune_attention_note)
+        if cfg.memory.activation_offload and cfg.memory.checkpoint_every:
+            checkpoint_with(model, offloaded_checkpoint)  # each checkpointed layer's input waits in host RAM
         tiled = tile_mlps(model, cfg.memory.tiled_mlp)
         if tiled and cfg.memory.tiled_mlp != "auto":
             say(f"memory: {tiled} decoder-layer MLPs run in {cfg.memory.tiled_mlp} tiles of the sequence")
@@ -159,6 +164,15 @@ def describe_store(stream: WeightStream, device, say: Callable[[str], None]) -> 
         f"memory: {human_bytes(stream.streamed_bytes)} of frozen decoder-layer weights live in {where} "
         f"and stream to {device} one layer at a time"
     )
+
+
+def default_loss(cfg: RecipeConfig) -> CausalLMLoss | PreferenceLoss:
+    """The loss of train.objective (finetune/objectives.py)."""
+    objective = objectives.get(cfg.train.objective)
+    if not objective.pairs:
+        return CausalLMLoss()
+    gamma = objectives.simpo_gamma(cfg.train) if objective.name == "simpo" else 0.0
+    return PreferenceLoss(objective.name, objectives.beta(cfg.train), gamma)
 
 
 def configure_loss(loss: CausalLMLoss, cfg: RecipeConfig, parallel: Parallel) -> None:

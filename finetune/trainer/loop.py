@@ -31,8 +31,8 @@ import torch
 from finetune.checkpoint import checkpoint_dir, output_dir_problem, prepare_output_dir, save_adapter
 from finetune.config import RecipeConfig
 from finetune.data import Collator, DataBundle, count_tokens, use_template
-from finetune.errors import DataError, OutputDirError, Preempted, TrainingError
-from finetune.evaluate import ExactMatch, exact_match
+from finetune.errors import OutputDirError, Preempted, TrainingError
+from finetune.evaluate import exact_match
 from finetune.hardware import resolve_precision, torch_dtype
 from finetune.metrics import MetricsWriter, Progress, Throughput, peak_memory_bytes
 from finetune.model import load_tokenizer, takes_boolean_logits_to_keep
@@ -46,7 +46,8 @@ from finetune.trainer.evaluation import exact_match_records, held_out_loss
 from finetune.trainer.loss import CausalLMLoss, count_targets
 from finetune.trainer.order import DataOrder
 from finetune.trainer.parallel import Parallel
-from finetune.trainer.state import TrainResult, TrainState, stop_signals
+from finetune.trainer.preference import PreferenceLoss, attach_reference, preference_accuracy
+from finetune.trainer.state import HeldOutScores, StepTotals, TrainResult, TrainState, stop_signals
 
 LossFn = Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
 
@@ -84,7 +85,7 @@ class Trainer:
             self.data = data
         self.progress_enabled = progress
         self.callbacks = CallbackList(list(callbacks or []))
-        self.loss_fn: LossFn = loss_fn or CausalLMLoss()
+        self.loss_fn: LossFn = loss_fn or build.default_loss(cfg)
         self._given_optimizer, self._given_scheduler = optimizer, scheduler
         self.out = Path(cfg.output_dir)
         self.state = TrainState()
@@ -92,6 +93,7 @@ class Trainer:
         self.stream: WeightStream | None = None  # memory.base_weights=cpu|disk
         self.activation_offload: ActivationOffload | None = None  # memory.activation_offload
         self.params: list[torch.nn.Parameter] = []
+        self._trained = False  # train() returned: every rank got through the run
 
     # Built by setup() (declared here, typed; absent until then), or passed in:
     data: DataBundle
@@ -115,10 +117,8 @@ class Trainer:
         output_dir: str | Path = "runs/from-parts",
         **settings: Any,
     ) -> Trainer:
-        """A Trainer for a model, tokenizer and data you have in memory; no recipe file or paths.
-
-            trainer = Trainer.from_parts(model, tokenizer, records, output_dir="runs/nb",
-                                         train={"max_steps": 50, "lr": 1e-4}, lora={"r": 8})
+        """A Trainer for a model, tokenizer and data you have in memory; no recipe file or paths
+        (e.g. from_parts(model, tok, records, train={"max_steps": 50}, lora={"r": 8})).
 
         train_data / eval_data: records in data.format (alpaca unless data={"format": ...}),
         tokenized and masked as recipe data is, or examples already tokenized
@@ -142,8 +142,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ helpers
 
-    def say(self, text: str) -> None:
-        if self.accelerator is None or self.accelerator.is_main_process:
+    def say(self, text: str | None) -> None:
+        if text and (self.accelerator is None or self.accelerator.is_main_process):
             print(text, flush=True)
 
     @property
@@ -173,8 +173,9 @@ class Trainer:
 
         parallel = self.parallel = Parallel.choose(cfg, acc)
         self.model, self.stream = build.load_model_and_store(cfg, self.precision, parallel, self.say, given=self.model)
-        if isinstance(self.loss_fn, CausalLMLoss):
+        if isinstance(self.loss_fn, (CausalLMLoss, PreferenceLoss)):
             self.loss_fn.head_on_targets_only = takes_boolean_logits_to_keep(self.model)
+        if isinstance(self.loss_fn, CausalLMLoss):
             build.configure_loss(self.loss_fn, cfg, parallel)
         if self.stream is not None:
             build.describe_store(self.stream, acc.device, self.say)
@@ -182,9 +183,7 @@ class Trainer:
             prepare_output_dir(cfg)
         parallel.wait()
         self.model = parallel.shard(self.model, cfg, torch_dtype(self.precision))
-        described = parallel.describe()
-        if described:
-            self.say(described)
+        self.say(parallel.describe())
 
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = build.build_optimizer(cfg, self.params, self._given_optimizer, parallel)
@@ -192,6 +191,9 @@ class Trainer:
             self.activation_offload = ActivationOffload(acc.device)
         self.scheduler = build.build_lr_schedule(cfg, optimizer, self.state.total_steps, self._given_scheduler)
         self.model, self.optimizer = parallel.prepare(self.model, optimizer)
+        if cfg.train.precompute_reference:  # one pass over the pairs with the adapter off, cached
+            self.data = attach_reference(self, parallel.unwrap(self.model))
+            self.order.train = self.data.train
         self.resume = Resume(cfg, self.out, self.data.train, self.say, parallel.is_main)
         sinks = open_sinks(cfg, self.out) if parallel.is_main else []
         self.metrics = MetricsWriter(self.out / "metrics.jsonl", enabled=parallel.is_main, sinks=sinks)
@@ -203,14 +205,7 @@ class Trainer:
         self.order = DataOrder(self.data.train, cfg, self.collate, acc.process_index, acc.num_processes, acc.device)
         state.window, state.steps_per_epoch = self.order.window, self.order.steps_per_epoch
         state.is_main = acc.is_main_process
-        if state.steps_per_epoch == 0:
-            raise DataError(
-                f"data.path: the train set has {len(self.data.train)} {self.unit}, fewer than one optimizer step needs "
-                f"(train.batch_size {cfg.train.batch_size} x train.grad_accum {cfg.train.grad_accum} x "
-                f"{acc.num_processes} processes = {state.window})",
-                hint="lower train.batch_size or train.grad_accum, or add data",
-            )
-        state.total_steps = cfg.train.max_steps or cfg.train.epochs * state.steps_per_epoch
+        state.total_steps = self.order.total_steps()
 
     # ------------------------------------------------------------------ the step
 
@@ -223,51 +218,56 @@ class Trainer:
         """The grad_accum micro-batches this process trains on at optimizer step `step`."""
         return self.order.step_batches(step)
 
-    def accumulate_gradients(self, step: int) -> tuple[float, float, int]:
-        """Backward over the step's window; returns (summed loss here, global target tokens, tokens here).
+    def accumulate_gradients(self, step: int) -> StepTotals:
+        """Backward over the step's window.
 
-        Each micro-batch's summed loss is divided by the target-token count of the
-        whole window on all processes, so the accumulated gradient is the gradient
-        of the window's token-mean loss however the window is split.
+        Each micro-batch's summed loss is divided by the units (target tokens, or pairs) of
+        the whole window on all processes, so the accumulated gradient is the gradient of the
+        window's mean loss however the window is split.
         """
         parallel, model = self.parallel, self.model
         batches = self.step_batches(step)
-        n_global = parallel.global_sum(sum(count_targets(b) for b in batches))
+        units = getattr(self.loss_fn, "count", count_targets)  # a loss may say what it averages over
+        n_global = parallel.global_sum(sum(units(b) for b in batches))
         # DDP averages gradients over processes: multiply back by their number.
         scale = parallel.world / max(n_global, 1)
-        loss_total = 0.0
+        totals = StepTotals(0.0, n_global, sum(count_tokens(b) for b in batches), sum(count_targets(b) for b in batches))
         for i, batch in enumerate(batches):
             with parallel.gradient_sync(model, last=i == len(batches) - 1):
                 with self.activation_offload.saving() if self.activation_offload else nullcontext():
                     loss_sum, _ = self.compute_loss(model, batch)
                 self.accelerator.backward(loss_sum * scale)
-            loss_total += float(loss_sum.detach())
-        tokens = sum(count_tokens(b) for b in batches)
-        return loss_total, n_global, tokens
+            totals.loss_sum += float(loss_sum.detach())
+            for key, value in getattr(self.loss_fn, "last_sums", {}).items():
+                totals.sums[key] = totals.sums.get(key, 0.0) + value
+        return totals
 
     def _optimizer_step(self, speed: Throughput, progress: Progress) -> tuple[dict[str, Any], bool]:
         """One optimizer step: gradients, clipping, the update (never a non-finite one). (row, finite)."""
         cfg, state, acc = self.cfg, self.state, self.accelerator
         speed.start()
-        loss_total, n_global, step_tokens = self.accumulate_gradients(state.step)
+        totals = self.accumulate_gradients(state.step)
+        n_global = totals.units
         grad_norm = float(acc.clip_grad_norm_(self.params, cfg.train.max_grad_norm or float("inf")))
         lr = self.scheduler.get_last_lr()[0]
-        loss = self.parallel.global_sum(loss_total) / max(n_global, 1)
+        loss = self.parallel.global_sum(totals.loss_sum) / max(n_global, 1)
+        extra = {k: self.parallel.global_sum(v) / max(n_global, 1) for k, v in totals.sums.items()}
         # A non-finite loss or gradient must never reach the weights or the optimizer state.
         # (fp16: an inf gradient is the GradScaler's business; it skips that step itself and lowers the scale.)
         finite = math.isfinite(loss) and (math.isfinite(grad_norm) or self.precision == "fp16")
-        step_tokens_global = int(self.parallel.global_sum(step_tokens))
+        step_tokens_global = int(self.parallel.global_sum(totals.tokens))
+        trained_global = int(self.parallel.global_sum(totals.trained_tokens))
         if finite:
             self.optimizer.step()
             if not acc.optimizer_step_was_skipped:  # the schedule follows applied updates, not GradScaler skips
                 self.scheduler.step()
             state.tokens += step_tokens_global
-            state.trained_tokens += int(n_global)
+            state.trained_tokens += trained_global
         else:
             state.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
-        speed.stop(step_tokens_global, int(n_global))
-        progress.update(loss, speed.tokens_per_s, lr)
+        speed.stop(step_tokens_global, trained_global)
+        progress.update(loss, speed.tokens_per_s, lr, extra)
         state.step += 1
         state.loss = loss
         row = {
@@ -276,9 +276,10 @@ class Trainer:
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens": step_tokens_global,
-            "trained_tokens": int(n_global),
+            "trained_tokens": trained_global,
             "tokens_per_s": speed.tokens_per_s,
             "elapsed_s": state.elapsed_s,
+            **extra,
         }
         return row, finite
 
@@ -341,7 +342,9 @@ class Trainer:
 
     def train(self) -> TrainResult:
         try:
-            return self._train()
+            result = self._train()
+            self._trained = True
+            return result
         finally:
             # TensorBoard/W&B are closed however the run ends (done, NaN stop, preempted).
             if hasattr(self, "metrics"):
@@ -356,7 +359,7 @@ class Trainer:
         model = self.parallel.unwrap(self.model)
         state.restore(self.resume.restore(model, self.optimizer, self.scheduler, self.parallel.rank, self.metrics))
         em_records = exact_match_records(self.cfg)
-        em_before = self.run_exact_match(em_records, "before training") if em_records and state.step == 0 else None
+        before = self.score_held_out(em_records, "before training") if state.step == 0 else HeldOutScores()
         self.say(
             f"training {state.total_steps} steps ({state.steps_per_epoch} per epoch; {self.cfg.train.batch_size} x "
             f"{self.cfg.train.grad_accum} accum x {self.parallel.world} proc = {state.window} {self.unit}/step), "
@@ -367,7 +370,7 @@ class Trainer:
         progress = Progress(state.total_steps, initial=state.step, enabled=self.progress_enabled, is_main=self.parallel.is_main)
         state.restore({**state.counters(), "step": state.step, "elapsed_s": state.earlier_s})  # the clock starts now
         if state.step >= state.total_steps:
-            self._say_already_complete()
+            state.loss = self.resume.reopen_finished(state.step, state.total_steps, state.loss)
         self.callbacks("on_train_begin", state, {"start_step": state.step, "total_steps": state.total_steps})
         try:
             with stop_signals(state):
@@ -378,17 +381,9 @@ class Trainer:
         finally:
             progress.close()
             self.metrics.close()
-        return self._finish(em_records, em_before)
+        return self._finish(em_records, before)
 
-    def _say_already_complete(self) -> None:
-        state = self.state
-        self.say(
-            f"the run is already complete ({state.step} of {state.total_steps} steps): nothing to train; "
-            "raise train.max_steps (or epochs) to extend it"
-        )
-        state.loss = self.resume.last_logged_loss(state.loss)
-
-    def _finish(self, em_records: list[dict] | None, em_before: ExactMatch | None) -> TrainResult:
+    def _finish(self, em_records: list[dict] | None, before: HeldOutScores) -> TrainResult:
         """Final eval, the adapter, exact match after training, the plot and the summary."""
         cfg, state, parallel = self.cfg, self.state, self.parallel
         if state.eval_loss is None and self.data.eval and not cfg.eval.every_steps:
@@ -396,27 +391,23 @@ class Trainer:
             self.metrics.close()
         parallel.wait()
         adapter_dir = self._save_final_weights()
-        em_after = self.run_exact_match(em_records, "after training") if em_records else None
+        after = self.score_held_out(em_records, "after training")
         plot = None
         if cfg.report.plot and parallel.is_main:
             plot = plot_curves(self.out / "metrics.jsonl", self.out / PLOT_NAME, title=f"{self.out.name}: {cfg.model.path}")
-        result = TrainResult(
-            final_loss=state.loss,
-            steps=state.step if state.should_stop else state.total_steps,
-            tokens=state.tokens,
-            trained_tokens=state.trained_tokens,
-            elapsed_s=state.elapsed_s,
+        result = state.result(
             peak_memory_bytes=peak_memory_bytes(self.accelerator.device),
             output_dir=self.out,
             adapter_dir=adapter_dir,
             metrics_path=self.out / "metrics.jsonl",
-            exact_match_before=em_before,
-            exact_match_after=em_after,
-            eval_loss=state.eval_loss,
+            exact_match_before=before.exact_match,
+            exact_match_after=after.exact_match,
+            preference_accuracy_before=before.preference_accuracy,
+            preference_accuracy_after=after.preference_accuracy,
             extra={"plot": plot} if plot else {},
         )
         self.callbacks("on_train_end", state, result.end_metrics())
-        self.say(self.summary(result))
+        self.say(result.summary(memory_kind="GPU memory" if self.accelerator.device.type == "cuda" else "RSS"))
         return result
 
     def _save_final_weights(self) -> Path:
@@ -469,15 +460,26 @@ class Trainer:
         model = self.parallel.unwrap(self.model)
         return held_out_loss(model, self.data.eval, self.cfg, self.collate, self.parallel, self.compute_loss)
 
-    def run_exact_match(self, records: list[dict], when: str) -> ExactMatch:
-        model = self.parallel.unwrap(self.model)
-        result = exact_match(model, self.tokenizer, records, self.cfg.data.format, max_new_tokens=self.cfg.eval.max_new_tokens)
-        self.say(f"eval ({when}): {result.summary()}")
-        for s in result.samples:
-            self.say(f"    expected {s['expected']!r:<30} got {s['got']!r}")
-        scores = {"exact_match": result.accuracy, "contains_match": result.contains_accuracy}
-        self.callbacks("on_eval", self.state, {"step": self.state.step, "when": when, **scores})
-        return result
+    def score_held_out(self, em_records: list[dict] | None, when: str) -> HeldOutScores:
+        """Exact match on eval.exact_match_path's records, and for preference objectives the held-out
+        preference accuracy: scored before and after training, printed, given to on_eval."""
+        model, found = self.parallel.unwrap(self.model), HeldOutScores()
+        if em_records:
+            found.exact_match = exact_match(
+                model, self.tokenizer, em_records, self.cfg.data.format, max_new_tokens=self.cfg.eval.max_new_tokens
+            )
+            self.say(f"eval ({when}): {found.exact_match.summary()}")
+            for s in found.exact_match.samples:
+                self.say(f"    expected {s['expected']!r:<30} got {s['got']!r}")
+        if isinstance(self.loss_fn, PreferenceLoss) and self.data.eval:
+            head_only = self.loss_fn.head_on_targets_only
+            found.preference_accuracy = preference_accuracy(
+                model, self.data.eval, self.cfg, self.collate, self.parallel, head_only
+            )
+            self.say(f"eval ({when}): preference accuracy {found.pref_text} on {len(self.data.eval)} held-out pairs")
+        if found.scores:
+            self.callbacks("on_eval", self.state, {"step": self.state.step, "when": when, **found.scores})
+        return found
 
     # ------------------------------------------------------------------ preemption and cleanup
 
@@ -491,7 +493,7 @@ class Trainer:
         if self.stream is not None:
             self.stream.close()
         if hasattr(self, "parallel"):
-            self.parallel.close()
-
-    def summary(self, r: TrainResult) -> str:
-        return r.summary(memory_kind="GPU memory" if self.accelerator.device.type == "cuda" else "RSS")
+            if self._trained:  # our references to the sharded model go first (see Parallel.close)
+                self.model = self.optimizer = self.scheduler = None
+                self.params = []
+            self.parallel.close(all_finished=self._trained)

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 import torch
 
 from finetune.config import RecipeConfig
-from finetune.data import Collator, length_grouped
+from finetune.data import Collator, PreferencePairs, length_grouped
+from finetune.errors import DataError
 
 
 class DataOrder:
@@ -24,8 +25,22 @@ class DataOrder:
 
     @property
     def unit(self) -> str:
-        """What one item of the train set is: an example, or a packed row of several."""
+        """What one item of the train set is: an example, a packed row of several, or a preference pair."""
+        if isinstance(self.train, PreferencePairs):
+            return "pairs"
         return "packed rows" if getattr(self.train, "packed", False) else "examples"
+
+    def total_steps(self) -> int:
+        """The run's length in optimizer steps: train.max_steps, or train.epochs of this launch's steps."""
+        cfg = self.cfg
+        if self.steps_per_epoch == 0:
+            raise DataError(
+                f"data.path: the train set has {len(self.train)} {self.unit}, fewer than one optimizer step needs "
+                f"(train.batch_size {cfg.train.batch_size} x train.grad_accum {cfg.train.grad_accum} x "
+                f"{self.world} processes = {self.window})",
+                hint="lower train.batch_size or train.grad_accum, or add data",
+            )
+        return cfg.train.max_steps or cfg.train.epochs * self.steps_per_epoch
 
     def epoch_order(self, epoch: int) -> list[int]:
         """Example order of an epoch. Kept for the current epoch: step_batches asks for it every

@@ -2,7 +2,7 @@
 
     parallel = Parallel.choose(cfg, accelerator)      # resolves distributed.strategy=auto
     model = parallel.shard(model, cfg, dtype)          # FSDP: before the optimizer exists
-    model, optimizer = parallel.prepare(model, optimizer)
+    model, optimizer = parallel.prepare(model, optimizer)    # DDP: distributed.grad_compression's hook too
     with parallel.gradient_sync(model, last_micro_batch):
         loss.backward()
 
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from finetune import memory_modes
-from finetune.checkpoint import rng_states
+from finetune import comm_hooks, grad_compression, memory_modes
+from finetune.checkpoint import RankState, rng_states
 from finetune.config import RecipeConfig
 from finetune.distributed import (
     check_strategy,
@@ -33,9 +33,12 @@ from finetune.hardware import release_free_heap
 
 
 class Parallel:
-    def __init__(self, accelerator, strategy: str):
+    def __init__(self, accelerator, strategy: str, cfg: RecipeConfig):
         self.accelerator = accelerator
         self.strategy = strategy  # single | ddp | fsdp
+        self.cfg = cfg
+        self.powersgd: comm_hooks.PowerSGD | None = None  # its state goes into every checkpoint, per rank
+        self._gloo = None
 
     @classmethod
     def choose(cls, cfg: RecipeConfig, accelerator) -> Parallel:
@@ -45,9 +48,11 @@ class Parallel:
         problems = memory_modes.problems(
             memory_modes.launch_settings(cfg, strategy, accelerator.num_processes), (memory_modes.LAUNCH,)
         )
+        if cfg.distributed.strategy == "auto":
+            problems += grad_compression.problems(cfg, strategy)
         if problems:
             raise ConfigError(problems)
-        return cls(accelerator, strategy)
+        return cls(accelerator, strategy, cfg)
 
     # ------------------------------------------------------------------ who and where
 
@@ -72,7 +77,13 @@ class Parallel:
         return self.strategy == "fsdp"
 
     def describe(self) -> str | None:
-        return None if self.strategy == "single" else f"parallel: {self.strategy} over {self.world} processes"
+        compression = self.cfg.distributed.grad_compression
+        if self.strategy == "single":
+            if compression == "none":
+                return None
+            return f"distributed.grad_compression={compression} has no effect: one process has no gradients to all-reduce"
+        where = f"parallel: {self.strategy} over {self.world} processes"
+        return where if compression == "none" else f"{where}, {grad_compression.describe(self.cfg)}"
 
     def load_device(self, streaming: bool) -> torch.device:
         """Where the model is loaded. FSDP loads into CPU RAM and moves only this rank's shard to the
@@ -92,10 +103,15 @@ class Parallel:
         return model
 
     def prepare(self, model, optimizer):
-        """accelerate's wrappers: DDP for the model (not for FSDP, which prepare() would wrap in DDP)."""
+        """accelerate's wrappers: DDP for the model (not for FSDP, which prepare() would wrap in DDP),
+        with distributed.grad_compression's communication hook. (accelerate's own comm_hook option
+        keeps PowerSGD's state where a checkpoint cannot reach it, and refuses bf16 on gloo.)"""
         if self.sharded:
             return model, self.accelerator.prepare(optimizer)
-        return self.accelerator.prepare(model, optimizer)
+        model, optimizer = self.accelerator.prepare(model, optimizer)
+        if self.strategy == "ddp":
+            self.powersgd = comm_hooks.register(model, self.cfg)
+        return model, optimizer
 
     def unwrap(self, model):
         return self.accelerator.unwrap_model(model)
@@ -135,19 +151,41 @@ class Parallel:
     def full_weights(self, model) -> dict[str, torch.Tensor] | None:
         return full_trainable_state(model) if self.sharded else None
 
-    def every_rank_rng(self) -> list[dict[str, torch.Tensor]] | None:
-        """Each rank's generator states (its own dropout streams), for a resume that continues each."""
+    def every_rank_rng(self) -> list[RankState] | None:
+        """What each rank holds alone, for a resume that continues each: its generator states (its own
+        dropout streams) and PowerSGD's state (its own error feedback). A collective; rank 0 gets
+        the list, the others None."""
         if self.world == 1:
             return None
         import torch.distributed as dist
 
-        states: list[Any] = [None] * self.world
-        dist.all_gather_object(states, rng_states())
+        mine = RankState(rng_states(), self.powersgd.state_dict() if self.powersgd else None)
+        states: list[Any] | None = [None] * self.world if self.is_main else None
+        dist.gather_object(mine, states, dst=0, group=self._cpu_group())
         return states
 
-    def close(self) -> None:
-        if self.world > 1:
-            # A process group left to interpreter exit can abort a finished worker (seen once in
-            # 10+ FSDP runs: SIGABRT, "terminate called without an active exception"); torch
-            # asks for destroy_process_group before exit.
-            self.accelerator.state.destroy_process_group()
+    def _cpu_group(self):
+        """Over NCCL an object gathered passes through GPU memory, and PowerSGD's error feedback is as
+        large as the trainable weights, once per rank: it travels in a gloo group, in host RAM."""
+        import torch.distributed as dist
+
+        if self.powersgd is None or dist.get_backend() == "gloo":
+            return None
+        if self._gloo is None:
+            self._gloo = dist.new_group(backend="gloo")  # every rank gets here: a checkpoint is a collective
+        return self._gloo
+
+    def close(self, all_finished: bool = False) -> None:
+        """Destroy the process group. all_finished: every rank got through the run."""
+        if self.world == 1:
+            return
+        if all_finished:
+            # A rank that tore its group down while a gloo peer still worked, or whose FSDP groups
+            # (held by the sharded model) were left to interpreter exit, aborted after a good run
+            # ("terminate called without an active exception", SIGABRT; seen in CI with FSDP).
+            # So: every rank done, the prepared model and optimizer freed while the interpreter
+            # is whole, then the group destroyed. Not after a failure: the barrier would wait
+            # on a rank that is gone.
+            self.wait()
+            self.accelerator.free_memory()
+        self.accelerator.state.destroy_process_group()

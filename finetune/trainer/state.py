@@ -64,6 +64,18 @@ class TrainState:
             "skipped_steps": self.skipped_steps,
         }
 
+    def result(self, **parts: Any) -> TrainResult:
+        """The run's outcome: what this state counted, and the parts the trainer made (paths, evals)."""
+        return TrainResult(
+            final_loss=self.loss,
+            steps=self.step if self.should_stop else self.total_steps,
+            tokens=self.tokens,
+            trained_tokens=self.trained_tokens,
+            elapsed_s=self.elapsed_s,
+            eval_loss=self.eval_loss,
+            **parts,
+        )
+
     def restore(self, saved: dict[str, Any]) -> None:
         """Continue the counters of a checkpoint's trainer_state.json (empty: a fresh start)."""
         self.step = int(saved.get("step", 0))
@@ -75,6 +87,38 @@ class TrainState:
 
 
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")  # what Slurm (--signal) and Kubernetes send before killing
+
+
+@dataclass
+class HeldOutScores:
+    """What a before/after evaluation found (None: not scored)."""
+
+    exact_match: ExactMatch | None = None
+    preference_accuracy: float | None = None
+
+    @property
+    def pref_text(self) -> str:
+        return "-" if self.preference_accuracy is None else f"{100 * self.preference_accuracy:.1f}%"
+
+    @property
+    def scores(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self.exact_match is not None:
+            out.update(exact_match=self.exact_match.accuracy, contains_match=self.exact_match.contains_accuracy)
+        if self.preference_accuracy is not None:
+            out["preference_accuracy"] = self.preference_accuracy
+        return out
+
+
+@dataclass
+class StepTotals:
+    """What one optimizer step's window added up to on this process (units: all processes)."""
+
+    loss_sum: float  # summed loss here
+    units: float  # what the loss is a mean over, on all processes: target tokens (sft) or pairs
+    tokens: int  # tokens here
+    trained_tokens: int  # target tokens here
+    sums: dict[str, float] = field(default_factory=dict)  # the loss's own metrics (summed over its units), here
 
 
 @contextmanager
@@ -112,6 +156,8 @@ class TrainResult:
     metrics_path: Path
     exact_match_before: ExactMatch | None = None
     exact_match_after: ExactMatch | None = None
+    preference_accuracy_before: float | None = None  # preference objectives: held-out pairs the model ranks right
+    preference_accuracy_after: float | None = None
     eval_loss: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -135,6 +181,12 @@ class TrainResult:
             before = f"{100 * self.exact_match_before.accuracy:.1f}%" if self.exact_match_before else "-"
             after = f"{100 * self.exact_match_after.accuracy:.1f}%" if self.exact_match_after else "-"
             lines.append(f"  exact match  {before} -> {after}")
+        if self.preference_accuracy_before is not None or self.preference_accuracy_after is not None:
+            before, after = (
+                f"{100 * a:.1f}%" if a is not None else "-"
+                for a in (self.preference_accuracy_before, self.preference_accuracy_after)
+            )
+            lines.append(f"  preference   {before} -> {after} (held-out pairs ranked right)")
         lines.append(f"  adapter      {self.adapter_dir}")
         lines.append(f"  metrics      {self.metrics_path}")
         if self.extra.get("plot"):

@@ -27,7 +27,8 @@ class Format:
     Chat formats (chat=True) give to_messages: the conversation is rendered with the chat
     template and every assistant reply is trained with its end-of-turn token.
     Prompt/response formats give split: (prompt text, response text); the response and
-    EOS are trained. check runs after every column in `columns` was found in the record;
+    EOS are trained. Pair formats (preference) give pairs: each side is a record of one of
+    those formats. check runs after every column in `columns` was found in the record;
     without one, every column (and each optional one present) must be a string.
     """
 
@@ -45,9 +46,14 @@ class Format:
     context: str | None = None  # the record field `finetune generate --input` fills, if the format has one
     synonyms: dict[str, tuple[str, ...]] = field(default_factory=dict)  # dataset column names for ours: hints only
     prompt_template: Any = None  # prompt/response formats: how the prompt is built, for export metadata
+    # Preference pairs: record -> (the format both sides are encoded as, chosen record, rejected record).
+    pairs: Callable[[dict], tuple[str, dict, dict]] | None = None
 
     def __post_init__(self) -> None:
-        if self.chat != (self.to_messages is not None) or self.chat == (self.split is not None):
+        if self.pairs is not None:
+            if self.chat or self.split is not None:
+                raise TypeError(f"format {self.name!r}: a pair format encodes its sides as other formats do; no chat/split")
+        elif self.chat != (self.to_messages is not None) or self.chat == (self.split is not None):
             raise TypeError(f"format {self.name!r}: a chat format gives to_messages, a prompt/response format gives split")
 
     def problem(self, rec: dict) -> Problem | None:
