@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from finetune.config import RecipeConfig, current_spelling
 from finetune.data.sources import file_digest
-from finetune.distributed import is_sharded, load_full_trainable_state, shard_optimizer_state
+from finetune.distributed import is_sharded, load_full_trainable_state, shard_optimizer_state, zero_load, zero_optimizer
 from finetune.errors import CheckpointError, OutputDirError
 
 RUN_MARKERS = ("recipe.yaml", "metrics.jsonl", "adapter", "checkpoints")
@@ -177,12 +177,20 @@ HARMLESS_CHANGES = (
     "eval.",
     "checkpoint.",
     "report.",
+    "profile.",  # torch.profiler watches the steps; it changes no number of the run
     # How the same numbers are computed, not which: the objective is unchanged, only rounding
     # (chunks, tiles, attention kernels) differs. Runs from before these keys resume, said.
     "memory.loss",
     "memory.loss_chunk",
     "memory.tiled_mlp",
     "model.attn_implementation",
+    # How the processes share the work, not what they compute (checkpoints hold whole tensors; the
+    # reduction order differs in the last bits): a ZeRO run resumes under DDP, FSDP or on one process.
+    "distributed.strategy",
+    "distributed.zero_stage",
+    "distributed.offload_optimizer",
+    "distributed.offload_params",
+    "distributed.nvme_dir",
 )
 
 
@@ -440,7 +448,12 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint '{path}' cannot be read: {exc}") from None
     if check is not None:
         check(path, state)
-    if is_peft and is_sharded(model):
+    zero = zero_optimizer(optimizer)
+    if is_peft and zero is not None:
+        # DeepSpeed ZeRO: the parameters of this rank may be empty (ZeRO-3); peft names them as the file does.
+        view = get_peft_model_state_dict(model, state_dict=dict(model.named_parameters()))
+        unexpected = sorted(set(weights) ^ set(view))
+    elif is_peft and is_sharded(model):
         # FSDP: the file holds full tensors; each rank keeps its shard. peft's own state-dict
         # view names every adapter tensor as the file does and shares the parameters' storage.
         view = get_peft_model_state_dict(model)
@@ -461,9 +474,13 @@ def load_checkpoint(
             f"checkpoint '{path}': weights do not match this model ({len(unexpected)} differ, e.g. {unexpected[0]})",
             hint="the recipe's LoRA shape or base model changed since the checkpoint was written",
         )
-    # Optimizer.load_state_dict moves state to each parameter's device itself; sharded
-    # parameters get their state sharded the same way first.
-    optimizer.load_state_dict(shard_optimizer_state(optimizer, _optimizer_from_tensors(opt_tensors, opt_meta)))
+    full_optimizer = _optimizer_from_tensors(opt_tensors, opt_meta)
+    if zero is not None:  # each rank keeps its partitions of the whole tensors
+        zero_load(zero, zero.finetune_param_groups, [(view[k], weights[k]) for k in sorted(weights)], full_optimizer)
+    else:
+        # Optimizer.load_state_dict moves state to each parameter's device itself; sharded
+        # parameters get their state sharded the same way first.
+        optimizer.load_state_dict(shard_optimizer_state(optimizer, full_optimizer))
     scheduler.load_state_dict(sched)
     follow_schedule(scheduler)
     restore_rng_states(rng, rank)

@@ -95,6 +95,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             "--nproc/--nnodes/--max-restarts were given to a process that torchrun/accelerate already launched",
             hint="either launch with `finetune run RECIPE --nproc N` or with `torchrun ... -m finetune run RECIPE`, not both",
         )
+    if args.profile:  # an override, so the launched processes get it too
+        args.overrides = [*args.overrides, f"profile.steps={args.profile}"]
     if args.max_restarts > 0 and not any(o.split("=", 1)[0].strip() == "resume" for o in args.overrides):
         # A restarted worker must continue from the last checkpoint, not start over or refuse the output_dir.
         args.overrides = [*args.overrides, "resume=auto"]
@@ -339,6 +341,9 @@ def _add_recipe_commands(sub) -> None:
     run.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to metrics.jsonl)")
     run.add_argument(
         "--skip-memory-check", action="store_true", help="run even when the planner predicts the GPU runs out of memory"
+    )
+    run.add_argument(
+        "--profile", metavar="STEPS", help="record optimizer steps with torch.profiler, e.g. 5-7 (= profile.steps=5-7)"
     )
     dist = run.add_argument_group("multi-process (through torchrun)")
     dist.add_argument("--nproc", type=int, default=1, help="processes on this node, one per GPU (default 1)")

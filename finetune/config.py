@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from finetune import adapters, grad_compression, memory_modes, objectives
+from finetune import adapters, grad_compression, memory_modes, objectives, zero
 from finetune.config_messages import field_path, parse_overrides, schema_problems  # noqa: F401 - parse_overrides: the config API
 from finetune.errors import ConfigError
 from finetune.recipe_files import (  # noqa: F401 - re-exported: the config API
@@ -203,13 +203,15 @@ class CheckpointConfig(_Section):
 
 
 class DistributedConfig(_Section):
-    strategy: Literal["auto", "ddp", "fsdp"] = Field(
-        "auto", description="ddp: a full replica per process; fsdp: weights and optimizer state sharded over processes"
+    strategy: Literal["auto", "ddp", "fsdp", "deepspeed"] = Field(
+        "auto", description="ddp: a replica per process; fsdp: weights and optimizer state sharded; deepspeed: ZeRO (zero.py)"
     )
     cpu_offload: bool = Field(False, description="fsdp: sharded parameters, gradients and optimizer state live in CPU RAM")
-    reshard_after_forward: bool = Field(
-        True, description="fsdp: free gathered layers after forward (less memory, one more all-gather)"
-    )
+    reshard_after_forward: bool = Field(True, description="fsdp: free gathered layers after forward (less memory, more traffic)")
+    zero_stage: Literal[2, 3] = Field(2, description="deepspeed: 2 partitions optimizer state and gradients; 3 the weights too")
+    offload_optimizer: zero.Offload = Field("none", description="deepspeed: the optimizer state and its step on cpu or nvme")
+    offload_params: zero.Offload = Field("none", description="deepspeed zero_stage 3: the weight partitions wait on cpu or nvme")
+    nvme_dir: str | None = Field(None, description="deepspeed: folder on an NVMe disk for the offloads set to nvme")
     grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = Field(
         "none",
         description="ddp: how gradients travel in the all-reduce (slow links between nodes): none (fp32), "
@@ -283,6 +285,19 @@ class ReportConfig(_Section):
     plot: bool = Field(True, description="output_dir/loss.png at the end of the run (pip install 'finetune[plot]')")
 
 
+class ProfileConfig(_Section):
+    steps: str | None = Field(None, description="steps to record, 5-7 or 5: trace in output_dir/profile/, op table in the log")
+    memory_timeline: bool = Field(True, description="CUDA: also a memory snapshot of those steps, for pytorch.org/memory_viz")
+
+    @field_validator("steps", mode="before")
+    @classmethod
+    def _range(cls, value: Any) -> Any:
+        first, dash, last = str(value).replace(" ", "").partition("-")
+        if value is not None and not (first.isdigit() and (last.isdigit() or not dash) and 0 < int(first) <= int(last or first)):
+            raise ValueError("not a range of optimizer steps: write FIRST-LAST, 1 <= FIRST <= LAST (e.g. 5-7), or one step")
+        return value if value is None else first + dash + last
+
+
 class RecipeConfig(_Section):
     description: str = ""
     model: ModelConfig
@@ -298,6 +313,7 @@ class RecipeConfig(_Section):
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     report: ReportConfig = Field(default_factory=ReportConfig)
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)  # torch.profiler (trainer/profiling.py); results unchanged
     resume: str | None = Field(None, description="null | auto | path to a checkpoint directory")
     resume_ignore_changes: bool = Field(
         False, description="resume even though seed/batch/data/model/LoRA changed (the run is then not exact)"
@@ -325,7 +341,8 @@ class RecipeConfig(_Section):
 _OLDER_RUNS: dict[str, dict[str, Any]] = {
     "memory": {"loss": "full", "loss_chunk": 256, "tiled_mlp": "off"},
     "train": {"objective": "sft", "beta": None, "simpo_gamma": None, "precompute_reference": False},
-    "distributed": {"grad_compression": "none", "powersgd_rank": 1, "powersgd_warmup_steps": None},
+    "distributed": {"grad_compression": "none", "powersgd_rank": 1, "powersgd_warmup_steps": None, **zero.DEFAULTS},
+    "profile": {"steps": None, "memory_timeline": True},
 }
 
 
@@ -335,8 +352,8 @@ def current_spelling(recipe: dict[str, Any]) -> dict[str, Any]:
     it ran with, so resuming such a run sees no change it did not make."""
     recipe = dict(recipe)
     for section, defaults in _OLDER_RUNS.items():
-        if isinstance(recipe.get(section), dict):
-            recipe[section] = {**defaults, **recipe[section]}
+        if isinstance(recipe.get(section, {}), dict):  # a section the run predates: its defaults whole
+            recipe[section] = {**defaults, **recipe.get(section, {})}
     lora = recipe.get("lora")
     if not isinstance(lora, dict) or "dora" not in lora:
         return recipe
@@ -399,7 +416,7 @@ def cross_field_problems(cfg: RecipeConfig) -> list[str]:
         out.append("resume and overwrite=true contradict each other: resume continues a run, overwrite deletes it. Set one.")
     out += adapter_problems(cfg)
     out += objectives.problems(cfg)
-    out += grad_compression.problems(cfg)
+    out += grad_compression.problems(cfg) + zero.problems(cfg)
     return out
 
 

@@ -38,7 +38,15 @@ from finetune.data import get_format
 from finetune.errors import ExportError, MergeCheckFailed
 from finetune.evaluate import prompt_ids
 from finetune.hardware import DTYPES, torch_dtype
-from finetune.merge import Lora, Quant4, merged_weight, quantized_weights, read_adapter, stream_merge  # noqa: F401 - the API
+from finetune.merge import (  # noqa: F401 - the API
+    Lora,
+    Quant4,
+    expert_loras,
+    merged_weight,
+    quantized_weights,
+    read_adapter,
+    stream_merge,
+)
 from finetune.model import DAMAGED_CONFIG_HINT, config_json_problem, default_device, model_source
 from finetune.runs import (
     Run,
@@ -164,6 +172,7 @@ class Reference:
     tokenizer: Any
     device: torch.device | None = None  # where both models run (None: default_device())
     trust_remote_code: bool = False  # the user's opt-in, which the merged model (a custom architecture) needs too
+    expert_lora: dict[str, list[Lora]] = field(default_factory=dict)  # LoRA on fused MoE experts (peft ParamWrapper)
 
 
 def reference(run: Run, device: torch.device | None = None) -> Reference:
@@ -176,10 +185,12 @@ def reference(run: Run, device: torch.device | None = None) -> Reference:
     if run.is_adapter:
         with model.disable_adapter():
             base_logits = _logits(model, prompts, device)
-    quantized = quantized_weights(model)
+    quantized, experts = quantized_weights(model), expert_loras(model)
     del model  # the merge that follows must not share memory with a whole model
     gc.collect()
-    return Reference(prompts, logits, base_logits, quantized, precision, tokenizer, device, run.cfg.model.trust_remote_code)
+    return Reference(
+        prompts, logits, base_logits, quantized, precision, tokenizer, device, run.cfg.model.trust_remote_code, experts
+    )
 
 
 def available_memory_bytes() -> int | None:
@@ -314,8 +325,11 @@ def export_run(
     say(f"merge: computing reference logits of the run as trained ({len(VERIFY_PROMPTS)} prompts)")
     ref = reference(run, device)
     with atomic_dir(out) as tmp:
-        say(f"merge: streaming {base_dir} -> {out} ({dtype}, {len(loras)} LoRA weights, {len(ref.quantized)} 4-bit weights)")
-        stats = stream_merge(base_dir, tmp, DTYPES[dtype], loras, ref.quantized)
+        say(
+            f"merge: streaming {base_dir} -> {out} ({dtype}, {len(loras) + len(ref.expert_lora)} LoRA weights, {len(ref.quantized)} 4-bit weights)"
+        )
+        model_type = str(base_config.get("model_type", ""))
+        stats = stream_merge(base_dir, tmp, DTYPES[dtype], loras, ref.quantized, ref.expert_lora, model_type)
         write_model_config(base_config, base_dir, tmp, dtype)
         ref.tokenizer.save_pretrained(tmp)
         shutil.copyfile(run.path / "recipe.yaml", tmp / "recipe.yaml")

@@ -103,11 +103,14 @@ class Throughput:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-_SHOWN = ("rewards/accuracy", "rewards/margin")  # of a step's extra metrics, the ones the bar shows
+# Of a step's row, what the bar shows besides loss, lr and tokens/s, and how: the loss's own metrics
+# (preference: rewards/accuracy, rewards/margin) after the loss, the model's FLOPs rate after tokens/s.
+_SHOWN_LOSS = {"rewards/accuracy": "acc={:.3f}", "rewards/margin": "mar={:.3f}"}
+_SHOWN_SPEED = {"tflops": "TFLOP/s={:.3g}", "mfu": "MFU={:.1%}"}
 
 
 class Progress:
-    """A tqdm bar on rank 0 showing loss, tokens/s and ETA; silent elsewhere."""
+    """A tqdm bar on rank 0 showing loss, tokens/s, MFU and ETA; silent elsewhere."""
 
     def __init__(self, total: int, initial: int = 0, enabled: bool = True, is_main: bool = True):
         self._bar = None
@@ -117,11 +120,13 @@ class Progress:
 
             self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
 
-    def update(self, loss: float, tokens_per_s: float, lr: float, extra: dict[str, float] | None = None) -> None:
-        """extra: the loss's own metrics (preference: rewards/accuracy, rewards/margin) shown by their last part."""
+    def update(self, loss: float, tokens_per_s: float, lr: float, extra: dict[str, Any] | None = None) -> None:
+        """extra: the step's row, of which the keys of _SHOWN_LOSS and _SHOWN_SPEED are shown."""
         if self._bar is not None:
-            shown = "".join(f" {k.rsplit('/', 1)[-1][:3]}={v:.3f}" for k, v in (extra or {}).items() if k in _SHOWN)
-            self._bar.set_postfix_str(f"loss={loss:.4f}{shown} lr={lr:.2e} tok/s={tokens_per_s:,.0f}", refresh=False)
+            row = extra or {}
+            shown = "".join(" " + f.format(row[k]) for k, f in _SHOWN_LOSS.items() if row.get(k) is not None)
+            speed = "".join(" " + f.format(row[k]) for k, f in _SHOWN_SPEED.items() if row.get(k) is not None)
+            self._bar.set_postfix_str(f"loss={loss:.4f}{shown} lr={lr:.2e} tok/s={tokens_per_s:,.0f}{speed}", refresh=False)
             self._bar.update(1)
 
     def write(self, text: str) -> None:

@@ -12,11 +12,13 @@ import json
 import os
 import re
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from finetune import moe
 from finetune.config import RecipeConfig, resolve_path
 from finetune.errors import ModelError
 from finetune.hardware import resolve_precision, torch_dtype
@@ -198,16 +200,20 @@ def load_base_model(cfg: RecipeConfig, precision: str | None = None, device: tor
     src = model_source(cfg)
     raise_for_model_config(Path(src))
     attention, note = choose_attention(cfg, device, dtype)
+    # 4-bit: bitsandbytes quantizes nn.Linear weights; the fused 3-D experts of MoE models are
+    # quantized here as they load (finetune/moe.py), else they would stay 16-bit.
+    fused_4bit = moe.quantizing_experts(cfg.quant.quant_type, cfg.quant.double_quant) if cfg.quant.bits == 4 else nullcontext()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            src,
-            revision=cfg.model.revision,
-            dtype=dtype,
-            quantization_config=quantization_config(cfg, dtype, storage_dtype=dtype if shardable else None),
-            device_map={"": device},
-            attn_implementation=attention,
-            trust_remote_code=cfg.model.trust_remote_code,
-        )
+        with fused_4bit:
+            model = AutoModelForCausalLM.from_pretrained(
+                src,
+                revision=cfg.model.revision,
+                dtype=dtype,
+                quantization_config=quantization_config(cfg, dtype, storage_dtype=dtype if shardable else None),
+                device_map={"": device},
+                attn_implementation=attention,
+                trust_remote_code=cfg.model.trust_remote_code,
+            )
     except Exception as exc:
         first = str(exc).splitlines()[0]
         if attention and (attention in first or "attention" in first.lower()):
@@ -219,6 +225,14 @@ def load_base_model(cfg: RecipeConfig, precision: str | None = None, device: tor
             f"model.path: could not load a causal LM from '{src}': {first}",
             hint="check model.path; models with custom code need model.trust_remote_code=true (only for sources you trust)",
         ) from None
+    if moe.attach(model) and (shardable or cfg.memory.base_weights != "device"):
+        raise ModelError(
+            f"model.path: '{src}' is a mixture-of-experts model whose fused experts finetune stores 4-bit itself; "
+            + (
+                "FSDP does not shard them" if shardable else f"memory.base_weights={cfg.memory.base_weights} does not stream them"
+            ),
+            hint="train it on one GPU (or with distributed.strategy=ddp) with memory.base_weights=device",
+        )
     model.finetune_attention_note = note  # type: ignore[assignment]  # a plain attribute for the trainer to print
     model.config.use_cache = False  # the KV cache is useless in training and costs memory
     for p in model.parameters():
@@ -322,27 +336,45 @@ def lora_targets(cfg: RecipeConfig) -> str | list[str]:
 
 
 def wrap_lora(cfg: RecipeConfig, model):
-    """Add peft adapters of lora.method (finetune/adapters/) on cfg.lora.target. Returns the PeftModel."""
+    """Add peft adapters of lora.method (finetune/adapters/) on cfg.lora.target. Returns the PeftModel.
+
+    MoE models (finetune/moe.py): `all-linear` leaves the routers and the fused experts
+    out; `experts` in a lora.target list adapts the experts through peft's target_parameters."""
     from peft import LoraConfig, get_peft_model
 
     assert cfg.lora is not None
+    modules, params = moe.split_targets(model, lora_targets(cfg))
     peft_cfg = LoraConfig(
         r=cfg.lora.r,
         lora_alpha=cfg.lora.alpha,  # type: ignore[arg-type]  # peft annotates int; a float alpha works
-        lora_dropout=cfg.lora.dropout,
-        target_modules=lora_targets(cfg),
+        lora_dropout=0.0 if params else cfg.lora.dropout,  # peft refuses dropout with target_parameters: set below
+        target_modules=modules,
+        target_parameters=params or None,
         bias="none",
         task_type="CAUSAL_LM",
         **cfg.lora.adapter.peft_kwargs,
     )
     try:
-        return get_peft_model(model, peft_cfg)
+        wrapped = get_peft_model(model, peft_cfg)
     except ValueError as exc:
         names = linear_layer_names(model)
         raise ModelError(
             f"lora.target={cfg.lora.target!r}: {str(exc).splitlines()[0]}",
             hint=f"use 'all-linear' or a list of module names; this model's linear layers: {', '.join(names)}",
         ) from None
+    remapped = set(getattr(wrapped.peft_config["default"], "target_parameters", None) or ()) - set(params)
+    if remapped:
+        # peft (>= 0.19, transformers 5) reads gate_proj/up_proj/down_proj/w1/w2/w3/gate on some MoE
+        # architectures as their transformers-4 expert names and adapts the fused experts instead.
+        raise ModelError(
+            f"lora.target={cfg.lora.target!r}: peft adapts the fused experts ({sorted(remapped)[0]}, ...) of "
+            f"{type(model).__name__} for dense MLP names in the target (its transformers-4 compatibility mapping)",
+            hint="list the modules to adapt without gate_proj/up_proj/down_proj (e.g. [q_proj, k_proj, v_proj, o_proj]) "
+            "and add `experts` to adapt the experts",
+        )
+    if params and cfg.lora.dropout:
+        moe.set_linear_dropout(wrapped, cfg.lora.dropout)  # the experts' fold cannot take dropout
+    return wrapped
 
 
 def head_owner(model) -> torch.nn.Module | None:

@@ -219,3 +219,81 @@ def test_runs_from_before_grad_compression_resume_and_turning_it_on_changes_the_
     assert recipe_changes(old, new) == ([], [])
     on = build_recipe({**MINIMAL, "distributed": {"grad_compression": "bf16"}}).to_dict()
     assert recipe_changes(new, on) == (["distributed.grad_compression: 'none' -> 'bf16'"], [])
+
+
+def test_deepspeed_keys_and_what_zero_cannot_run_with():
+    ds = {"strategy": "deepspeed"}
+    cfg = build_recipe({**MINIMAL, "distributed": {**ds, "zero_stage": 3, "offload_params": "cpu", "offload_optimizer": "cpu"}})
+    assert (cfg.distributed.zero_stage, cfg.distributed.offload_params) == (3, "cpu")
+    assert problems_of({**MINIMAL, "distributed": {"zero_stage": 3}}) == [
+        "distributed.zero_stage applies to distributed.strategy=deepspeed (it is auto). "
+        "Set strategy=deepspeed, or remove distributed.zero_stage."
+    ]
+    (p,) = problems_of({**MINIMAL, "distributed": {**ds, "offload_params": "cpu"}})
+    assert p.startswith("distributed.offload_params=cpu offloads the weight partitions of ZeRO-3; zero_stage=2")
+    assert problems_of({**MINIMAL, "distributed": {**ds, "offload_optimizer": "nvme"}}) == [
+        "distributed.offload_optimizer=nvme needs distributed.nvme_dir: a folder on an NVMe disk."
+    ]
+    (p,) = problems_of({**MINIMAL, "distributed": {**ds, "nvme_dir": "/nvme"}})
+    assert p.startswith("distributed.nvme_dir is only used by offload_optimizer=nvme or offload_params=nvme")
+    build_recipe({**MINIMAL, "distributed": {**ds, "zero_stage": 3, "offload_params": "nvme", "nvme_dir": "/nvme"}})
+    # Streaming with ZeRO-3, FSDP's keys, our own optimizer offload, 8-bit under ZeRO-3: refused, saying what works.
+    problems = problems_of(
+        {
+            **MINIMAL,
+            "quant": {"bits": 8},
+            "distributed": {**ds, "zero_stage": 3, "cpu_offload": True},
+            "memory": {"base_weights": "cpu", "optimizer_offload": True},
+        }
+    )
+    assert any(p.startswith("distributed.cpu_offload is FSDP's; distributed.strategy=deepspeed offloads with") for p in problems)
+    assert any(
+        "memory.base_weights=cpu streams them on one process. What works: zero_stage=3 with offload_params" in p for p in problems
+    )
+    assert any(
+        p.startswith("memory.optimizer_offload is for one process; under distributed.strategy=deepspeed set") for p in problems
+    )
+    assert "ZeRO-3 cannot partition 8-bit (int8) weights; use quant.bits=4 or null, or distributed.zero_stage=2." in problems
+    (p,) = problems_of({**MINIMAL, "distributed": {**ds, "grad_compression": "bf16"}})
+    assert p.startswith(
+        "distributed.grad_compression=bf16 compresses DDP's gradient all-reduce, but distributed.strategy=deepspeed"
+    )
+
+
+def test_deepspeed_missing_says_how_to_install_it(monkeypatch):
+    import sys
+
+    from finetune import zero
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
+    with pytest.raises(ConfigError) as err:
+        zero.require()
+    assert "pip install 'finetune[deepspeed]'" in err.value.problems[0]
+
+
+def test_deepspeed_config_leaves_accumulation_to_the_trainer_and_runs_from_before_it_resume():
+    import json
+
+    from finetune import zero
+    from finetune.checkpoint import recipe_changes
+
+    cfg = build_recipe(
+        {
+            **MINIMAL,
+            "train": {"batch_size": 3, "max_grad_norm": 0.5},
+            "distributed": {"strategy": "deepspeed", "zero_stage": 3, "offload_params": "nvme", "nvme_dir": "/nv"},
+        }
+    )
+    c = zero.ds_config(cfg, "bf16", on_gpu=True)
+    assert (c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"], c["gradient_clipping"]) == (3, 1, 0.5)
+    assert c["zero_optimization"]["offload_param"] == {"device": "nvme", "pin_memory": True, "nvme_path": "/nv"}
+    assert "offload_optimizer" not in c["zero_optimization"] and c["bf16"] == {"enabled": True}
+    assert c["zero_force_ds_cpu_optimizer"] and not zero.ds_config(cfg, "bf16", on_gpu=False)["zero_force_ds_cpu_optimizer"]
+    new = build_recipe(MINIMAL).to_dict()
+    old = json.loads(json.dumps(new))
+    for key in zero.DEFAULTS:
+        del old["distributed"][key]
+    assert recipe_changes(old, new) == ([], [])
+    # How the processes share the work is not what they compute: a ZeRO run resumes under DDP or alone.
+    moved = build_recipe({**MINIMAL, "distributed": {"strategy": "deepspeed", "zero_stage": 3}}).to_dict()
+    assert recipe_changes(moved, new) == ([], ["distributed.strategy: 'deepspeed' -> 'auto'", "distributed.zero_stage: 3 -> 2"])

@@ -152,6 +152,17 @@ def test_messages_inconsistent_template_names_example(tmp_path, tokenizer):
         build(tmp_path, tok, [no_reply, {"messages": CONVO}], format="messages")
 
 
+def test_data_emptied_by_unplaceable_replies_names_the_mask_problem(tmp_path, tokenizer):
+    # Every record's only reply cannot be placed, so nothing is left to train: the error is the
+    # mask check's (what went wrong, with its fix), not a bare "no training examples left".
+    tok = copy.deepcopy(tokenizer)
+    gen = "{% if add_generation_prompt %}"
+    tok.chat_template = tok.chat_template.replace(gen, "{% if messages|length < 3 %}{{ messages|length }}{% endif %}" + gen)
+    with pytest.raises(DataError, match=r"boundary: 2 examples") as e:
+        build(tmp_path, tok, [{"messages": CONVO[:2] + [CONVO[2]]}] * 2, format="messages")
+    assert "no training examples left" not in e.value.message
+
+
 def test_messages_without_chat_template(tmp_path, tokenizer):
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = None

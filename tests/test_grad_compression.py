@@ -2,7 +2,7 @@
 
 In-process, on a one-process gloo group: a bucket here is what DDP hands a communication hook
 (index, flat buffer, gradient views, parameters), so the hook's arithmetic is the real one.
-The 2-process runs through the launcher: tests/e2e/test_grad_compression.py.
+The 2-process runs through the launcher: tests/e2e/test_compression_ddp.py.
 """
 
 from __future__ import annotations

@@ -27,7 +27,9 @@ from finetune.plan import (
     read_model_shape,
     runnable,
     search,
+    setup_of,
 )
+from finetune.plan.speed import MATMUL_EFFICIENCY, forward_seconds, predicted_mfu, token_flops
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 
@@ -563,3 +565,178 @@ def test_fit_streams_from_disk_when_ram_cannot_pin_the_weights_and_names_ram_whe
     with pytest.raises(PlanError) as err:
         fit(cfg, find_gpu("rtx4090"), host_ram=8 * GiB)
     assert "needs more host RAM than 8.00 GiB" in str(err.value) and "--host-ram" in err.value.hint
+
+
+def test_a_preference_pair_is_two_sequences_and_dpo_adds_a_reference_forward():
+    shape = read_model_shape(str(CONFIGS / "llama-3.1-8b"))
+    r = Recipe(4, True, 16, "all-linear", 0.0, False, 2)
+    gpu = find_gpu("rtx4090")
+    sft = estimate(shape, r, Setup(batch_size=4, grad_accum=1, seq_len=1024), gpu)
+    simpo = estimate(shape, r, Setup(batch_size=2, grad_accum=1, seq_len=1024, sequences_per_example=2), gpu)
+    dpo = estimate(shape, r, Setup(batch_size=2, grad_accum=1, seq_len=1024, sequences_per_example=2, reference_passes=1), gpu)
+    # 2 pairs = 4 sequences: the same activations, logits and compute as 4 SFT examples.
+    assert simpo.peak_bytes == sft.peak_bytes and simpo.step_time_s == sft.step_time_s
+    # DPO's reference is one more forward without gradients: its time, not its memory.
+    assert dpo.peak_bytes == simpo.peak_bytes
+    one_forward = forward_seconds(
+        shape, r, Setup(batch_size=2, grad_accum=1, seq_len=1024, sequences_per_example=2), gpu, sft.trainable_params
+    )
+    assert dpo.step_time_s == pytest.approx(simpo.step_time_s + one_forward, rel=1e-9)
+
+
+def test_the_dpo_recipe_plans_its_pairs(tmp_path):
+    cfg = load_recipe("dpo-qlora-1x24gb", [f"model.path={CONFIGS / 'llama-3.1-8b'}", "data.path=d.jsonl"])
+    setup = setup_of(cfg)
+    assert (setup.batch_size, setup.rows, setup.reference_passes) == (2, 4, 1)
+    pre = setup_of(load_recipe("dpo-qlora-1x24gb", ["train.precompute_reference=true", "data.path=d.jsonl"]))
+    assert pre.reference_passes == 0
+
+
+def test_plan_prints_the_mfu_it_predicts_next_to_the_step_time():
+    from finetune.plan import report
+
+    shape = read_model_shape(str(CONFIGS / "llama-3-8b"))
+    gpu = find_gpu("h100")
+    found = {}
+    for ckpt in (0, 1):
+        setup = Setup(batch_size=2, grad_accum=4, checkpoint_every=ckpt, seq_len=2048)
+        e = estimate(shape, NF4, setup, gpu)
+        # MFU: the model's FLOPs of a step (no recomputation) over the GPU's peak for the step's time.
+        model_flops = 2 * 2048 * 4 * token_flops(shape, NF4, setup, e.trainable_params).model
+        mfu = model_flops / (e.step_time_s * gpu.bf16_tflops * 1e12)
+        assert predicted_mfu(e.step_time_s, e.step_time_parts) == pytest.approx(mfu, rel=1e-9)
+        assert f"s/step, {e.tokens_per_step / e.step_time_s:,.0f} tokens/s, MFU {mfu:.0%} (compute" in report(e)
+        found[ckpt] = (e, mfu)
+    (plain, mfu0), (replayed, mfu1) = found[0], found[1]
+    assert 0.25 < mfu1 < mfu0 < MATMUL_EFFICIENCY  # dequantization and the replayed layers cost time, not model FLOPs
+    # The replayed layers are the recompute part: the same model seconds either way.
+    model_s = [e.step_time_parts["compute"] - e.step_time_parts["recompute"] for e in (plain, replayed)]
+    assert model_s[0] == pytest.approx(model_s[1], rel=1e-12)
+    assert replayed.step_time_parts["recompute"] > plain.step_time_parts["recompute"] == 0  # loss full, no tiles
+    assert mfu0 == pytest.approx(MATMUL_EFFICIENCY * plain.step_time_parts["compute"] / plain.step_time_s, rel=1e-9)
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+
+
+def test_moe_parameters_every_expert_for_memory_the_active_ones_for_flops():
+    from finetune.plan.speed import token_flops
+
+    shape = read_model_shape(str(CONFIGS / "qwen3-30b-a3b"))
+    L, h, V, E, k, f = 48, 2048, 151936, 128, 8, 768  # Qwen3-30B-A3B's config.json
+    attention = L * (h * 32 * 128 + 2 * h * 4 * 128 + 32 * 128 * h)  # q, k, v, o (head_dim 128, 4 kv heads)
+    expert = 3 * f * h  # gate, up, down of one expert
+    rest = L * E * h + L * (2 * h + 2 * 128) + h + 2 * V * h  # routers, norms (q/k norms too), embeddings and head
+    assert shape.total_params == attention + L * E * expert + rest == 30_532_122_624
+    assert shape.active_params == attention + L * k * expert + rest == 3_353_032_704
+    assert shape.total_params == pytest.approx(30.5e9, rel=0.002)  # the model card: 30.5B total,
+    assert shape.active_params == pytest.approx(3.3e9, rel=0.02)  # 3.3B activated
+    assert shape.linear_params + shape.expert_params + shape.embedding_params + shape.head_params + shape.other_params == (
+        shape.total_params
+    )
+    assert shape.expert_layer_params == E * expert and shape.intermediate == k * f  # one token's experts: k x 768 wide
+    # Memory: every expert 4-bit, one fused tensor per parameter and layer (finetune/moe.py).
+    setup = Setup(batch_size=1, grad_accum=1)
+    e = estimate(shape, NF4, setup, find_gpu("rtx4090"))
+    groups = [(g.in_features * g.out_features, g.out_features, g.count) for g in shape.linears]
+    groups += [(g.experts * g.in_features * g.out_features, g.out_features, g.count) for g in shape.experts]
+    assert e.component("weights_quantized") + e.component("quant_constants") == sum(
+        sum(quantized_bytes(n, out, 4, True, 2)) * count for n, out, count in groups
+    )
+    # int8 leaves the experts 16-bit (bitsandbytes converts nn.Linear only)
+    int8 = estimate(shape, replace(NF4, quant_bits=8), setup, find_gpu("h100"))
+    assert int8.component("weights_unquantized") >= shape.expert_params * 2
+    # FLOPs: a token multiplies by its 8 active experts, not the 128
+    attn = 2 * 2048 * 32 * 128 * L
+    assert (
+        token_flops(shape, NF4, setup, 0).forward
+        == 2 * (shape.linear_params + shape.active_expert_params + shape.head_params) + attn
+    )
+
+
+def test_moe_lora_on_the_experts_counts_an_adapter_per_expert():
+    shape = read_model_shape(str(CONFIGS / "qwen3-30b-a3b"))
+    attention = estimate(shape, replace(NF4, lora_target=("q_proj", "k_proj", "v_proj", "o_proj")), Setup(1, 1), None)
+    experts = estimate(shape, replace(NF4, lora_target=("q_proj", "k_proj", "v_proj", "o_proj", "experts")), Setup(1, 1), None)
+    per_expert = 16 * ((2048 + 1536) + (768 + 2048))  # peft's ParamWrapper: r rows of A and columns of B per expert
+    assert experts.trainable_params - attention.trainable_params == 128 * 48 * per_expert
+    # backward holds the gradient of a layer's folded expert stack (W + B @ A, bf16)
+    assert experts.component("dequant_buffer") == shape.expert_layer_params * 2
+
+
+def test_moe_recipe_fits_one_24gb_card_and_needs_its_checkpointing():
+    path = REPO_RECIPES / "qlora-moe-1x24gb.yaml"
+    cfg = load_recipe(path, [f"model.path={CONFIGS / 'qwen3-30b-a3b'}"])
+    card = find_gpu("rtx4090")
+    e = plan_recipe(cfg, card)
+    assert e.peak_bytes <= 0.9 * card.memory_bytes
+    assert f"{e.peak_bytes / GiB:.2f} GiB" in path.read_text()  # the recipe states what the planner says
+    # without checkpointing every MoE layer keeps its dequantized expert stack (1.1 GiB) for backward
+    assert plan_recipe(replace_memory(cfg, activation_checkpointing="none"), card).peak_bytes > 4 * card.memory_bytes
+    # --fit never proposes what model.py refuses for the 4-bit experts: streaming them or sharding them with FSDP
+    best, tried = search(read_model_shape(str(CONFIGS / "qwen3-30b-a3b")), NF4, Setup(2, 8), card, max_gpus=2)
+    assert best is not None and tried
+    assert not any(e.setup.streams_weights or (e.setup.gpus > 1 and e.setup.sharding in ("fsdp", "zero3")) for e in tried)
+
+
+def test_zero_terms_partition_what_each_stage_partitions(tmp_path):
+    cfg = recipe_for("llama-3-8b", tmp_path)
+    base = setup_of(cfg, gpus=2)
+    shape, gpu = read_model_shape(str(CONFIGS / "llama-3-8b")), find_gpu("rtx4090")
+    r = Recipe.from_config(cfg, "bf16")
+    ddp, z2, z3, z3_off = (
+        estimate(shape, r, replace(base, **knobs), gpu)
+        for knobs in (
+            {},
+            {"sharding": "zero2"},
+            {"sharding": "zero3"},
+            {"sharding": "zero3", "cpu_offload": True, "optimizer_offload": True},
+        )
+    )
+    # ZeRO-2: optimizer state and gradients halved on 2 GPUs, weights whole, no DDP buckets.
+    assert z2.component("optimizer_state") == ddp.component("optimizer_state") // 2
+    assert z2.component("gradients") == ddp.component("gradients") // 2 and z2.component("ddp_buckets") == 0
+    assert z2.component("weights_quantized") == ddp.component("weights_quantized")
+    # ZeRO-3: the weights too, embeddings and head included (FSDP keeps those whole).
+    assert z3.component("weights_quantized") == ddp.component("weights_quantized") // 2
+    assert z3.component("weights_unquantized") == ddp.component("weights_unquantized") // 2
+    # Offloaded: no weight or optimizer state on the GPU; they are in host RAM (per process, 2 processes).
+    assert z3_off.component("weights_quantized") == z3_off.component("optimizer_state") == 0
+    assert z3_off.host_ram_parts["fsdp_shards"] > 0 and z3_off.host_ram_parts["optimizer"] == z3_off.trainable_params // 2 * 16
+    assert z3_off.peak_bytes < z3.peak_bytes and z2.peak_bytes < ddp.peak_bytes
+
+
+def test_zero3_start_from_the_whole_model_bounds_the_peak_whatever_the_offload(tmp_path):
+    # 70B in 4-bit is ~37 GiB: ZeRO-3 builds its engine from all of it on each GPU before partitioning.
+    cfg = recipe_for("llama-3-70b", tmp_path, batch_size=1, grad_accum=16)
+    off = replace(setup_of(cfg, gpus=8), sharding="zero3", cpu_offload=True, optimizer_offload=True)
+    a100 = find_gpu("a100-80gb")
+    e = plan_recipe(cfg, a100, gpus=8, setup=off)
+    one = plan_recipe(cfg, a100, gpus=1)
+    whole = sum(one.component(k) for k in ("weights_quantized", "quant_constants", "weights_unquantized"))
+    assert e.peak_phase == "start" and e.peak_allocated_bytes == whole and whole > 35 * GiB
+    assert any(n.startswith("ZeRO-3 starts from the whole model on each GPU") for n in e.notes)
+    fsdp = plan_recipe(cfg, a100, gpus=8, setup=replace(off, sharding="fsdp", optimizer_offload=False))
+    assert fsdp.peak_bytes < e.peak_bytes  # FSDP loads in CPU RAM and moves only its shards
+
+
+def test_plan_on_two_gpus_shows_ddp_fsdp_and_zero_side_by_side(tmp_path, capsys):
+    src = tmp_path / "r.yaml"
+    src.write_text(
+        yaml.safe_dump({"model": {"path": str(CONFIGS / "llama-3-8b")}, "data": {"path": "x.jsonl"}, "output_dir": "o"})
+    )
+    assert main(["plan", str(src), "--gpu", "rtx4090", "--gpus", "2"]) == 0
+    table = capsys.readouterr().out.split("strategies on 2 GPUs")[1].splitlines()[1:]
+    labels = [row.split(" peak ")[0].strip() for row in table]
+    assert labels == [
+        "ddp",
+        "fsdp",
+        "fsdp cpu_offload",
+        "deepspeed zero2",
+        "deepspeed zero2 offload_optimizer=cpu",
+        "deepspeed zero3",
+        "deepspeed zero3 offload_optimizer+params=cpu",
+    ]
+    assert main(["plan", str(src), "--gpu", "rtx4090", "--gpus", "2", "--json"]) == 0
+    side = json.loads(capsys.readouterr().out)["strategies"]
+    assert side["deepspeed zero2"]["peak_bytes"] < side["ddp"]["peak_bytes"]

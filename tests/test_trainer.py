@@ -145,7 +145,18 @@ def test_qlora_run_writes_exact_layout_and_peft_reloads_it(recipe_dict, tiny_mod
     rows = read_metrics(out / "metrics.jsonl")
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
-    assert set(train_rows[0]) == {"step", "loss", "lr", "grad_norm", "tokens", "trained_tokens", "tokens_per_s", "elapsed_s"}
+    assert set(train_rows[0]) == {
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens",
+        "trained_tokens",
+        "tokens_per_s",
+        "elapsed_s",
+        "tflops",
+        "mfu",
+    }
     assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4]
     assert build_recipe(__import__("yaml").safe_load((out / "recipe.yaml").read_text())) == cfg
 

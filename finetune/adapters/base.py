@@ -8,6 +8,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+EXPERTS = "experts"  # the lora.target entry for MoE models' fused expert weights (finetune/moe.py)
+
+
+def lists_experts(cfg: Any) -> bool:
+    """lora.target lists `experts`: LoRA on the fused expert parameters, through peft's ParamWrapper."""
+    target = cfg.lora.target if cfg.lora is not None else None
+    return isinstance(target, list) and EXPERTS in target
+
 
 @dataclass(frozen=True)
 class Rule:

@@ -17,7 +17,7 @@ initialised; runs do not keep that. The randomized "pissa_niter_N" initialisatio
 its residual cannot be recomputed from the base, so neither loading nor merging could reproduce it.
 """
 
-from finetune.adapters.base import AdapterMethod, Rule
+from finetune.adapters.base import AdapterMethod, Rule, lists_experts
 
 METHOD = AdapterMethod(
     name="pissa",
@@ -29,6 +29,11 @@ METHOD = AdapterMethod(
             "{key} replaces each base weight by its residual (W minus its top-r singular part) when it wraps the "
             "model, which peft does on 16/32-bit weights, not on quant.bits={cfg.quant.bits}. Set quant.bits=null, "
             "or lora.method=lora to train on a quantized base.",
+        ),
+        Rule(
+            lists_experts,
+            "{key} cannot adapt MoE experts: peft's LoRA on fused expert weights (lora.target `experts`) has no "
+            "PiSSA initialisation. Remove `experts` from lora.target, or use lora.method=lora or rslora.",
         ),
     ),
     wrap_touches_base=True,

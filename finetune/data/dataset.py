@@ -104,12 +104,9 @@ class TokenizedData(Sequence):
         return np.diff(np.append(self.starts, self.offsets[-1]))
 
     def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
+        i = range(len(self))[i]  # negative indices, slices and IndexError as a list has them
+        if isinstance(i, range):
+            return [self[j] for j in i]
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         row = {"input_ids": self.input_ids[a:b].tolist(), "labels": self.labels[a:b].tolist()}
         if self.starts is not None:

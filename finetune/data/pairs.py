@@ -76,12 +76,9 @@ class PreferencePairs(Sequence):
         return len(self.sides) // 2
 
     def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
+        i = range(len(self))[i]  # negative indices, slices and IndexError as a list has them
+        if isinstance(i, range):
+            return [self[j] for j in i]
         return {"chosen": self.sides[2 * i], "rejected": self.sides[2 * i + 1]}
 
     def lengths(self) -> np.ndarray:

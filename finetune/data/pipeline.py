@@ -298,6 +298,7 @@ def build_datasets(cfg: RecipeConfig, tokenizer: Any, *, use_cache: bool | None 
     findings: dict[str, Finding] = {}
     train, train_stats = _finish(train_items, encoded, sources, cfg, tokenizer, findings, len(skipped["train"]), d.packing)
     if not len(train):
+        enforce(findings, d.mask_check)  # a mask problem that emptied the data is the one to name
         raise DataError(
             f"data.path: no training examples left: {train_stats.dropped} of {len(train_items)} dropped "
             f"(empty response, or nothing trained within data.max_seq_len={d.max_seq_len})"

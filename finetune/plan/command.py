@@ -18,6 +18,8 @@ def plan_command(args: argparse.Namespace) -> int:
     from finetune.config import build_recipe, parse_overrides
     from finetune.gpus import find_gpu, parse_bytes
     from finetune.plan import describe_setup, fit, gib, physical_ram, plan_recipe, report, write_fitted_recipe
+    from finetune.plan.recipe import compare_strategies
+    from finetune.plan.render import strategy_table
 
     data, source = read_recipe(args.recipe, args.overrides)
     cfg = build_recipe(data, source)  # planning needs no data file or output_dir: schema only
@@ -28,10 +30,14 @@ def plan_command(args: argparse.Namespace) -> int:
     if not args.fit:
         est = plan_recipe(cfg, gpu, gpus=args.gpus)
         host_ok = host_ram is None or est.host_ram_bytes <= host_ram
+        strategies = compare_strategies(cfg, gpu, args.gpus) if args.gpus > 1 else []
         if args.json:
-            print(json.dumps({**est.to_dict(), "host_ram_fits": host_ok}, indent=2))
+            side = {label: e.to_dict() for label, e in strategies}
+            print(json.dumps({**est.to_dict(), "host_ram_fits": host_ok, **({"strategies": side} if side else {})}, indent=2))
         else:
             print(report(est))
+            if strategies:
+                print("\n" + strategy_table(strategies))
             if host_ram is not None:
                 print(f"host RAM   {'enough' if host_ok else 'NOT enough'}: {gib(est.host_ram_bytes)} needed of {gib(host_ram)}")
             if not est.fits:

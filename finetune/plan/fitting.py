@@ -103,7 +103,10 @@ def search(
     host_ram: the machine's RAM, when known; setups that need more (offload, FSDP's load of
     the whole model per process) are left out. Ties go to less offloading, then fewer GPUs,
     then more headroom."""
-    estimates = [estimate(shape, recipe, s, gpu, **kw) for s in candidates(base, max_gpus, recipe)]
+    setups = candidates(base, max_gpus, recipe)
+    if shape.experts:  # MoE: finetune/moe.py's 4-bit experts are neither streamed nor sharded (model.py refuses)
+        setups = [s for s in setups if not (s.streams_weights or (s.gpus > 1 and s.sharding in ("fsdp", "zero3")))]
+    estimates = [estimate(shape, recipe, s, gpu, **kw) for s in setups]
     fitting = [e for e in estimates if _fits_with_headroom(e, gpu) and (host_ram is None or e.host_ram_bytes <= host_ram)]
     best = min(
         fitting,

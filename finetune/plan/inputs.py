@@ -25,16 +25,21 @@ class Setup:
     gpus: int = 1
     checkpoint_every: int = 1  # memory.activation_checkpointing: 1 all layers, 0 none, k every k-th layer
     seq_len: int = 2048
-    sharding: str = "ddp"  # ddp: a full copy per GPU; fsdp: layers sharded over the GPUs
-    cpu_offload: bool = False  # fsdp: the shards (weights, grads, optimizer state) live in host RAM
+    sharding: str = "ddp"  # ddp: a full copy per GPU; fsdp: layers sharded; zero2 | zero3: DeepSpeed ZeRO (zero.py)
+    cpu_offload: bool = False  # fsdp: the shards (weights, grads, optimizer state) live in host RAM; zero3: the weights
     activation_offload: bool = False  # memory.activation_offload: saved activations wait in pinned host RAM
     base_weights: str = "device"  # memory.base_weights: device | cpu | disk (cpu/disk stream one layer at a time)
-    optimizer_offload: bool = False  # memory.optimizer_offload: AdamW state and fp32 step in host RAM
+    optimizer_offload: bool = False  # memory.optimizer_offload (zero2|3: offload_optimizer): AdamW state and step in host RAM
     loss: str = "full"  # memory.loss: full (every target's logits at once) | chunked | liger | auto (a recipe's default)
     loss_chunk: int = 256  # memory.loss_chunk: target positions per chunk
     tiled_mlp: str | int = "off"  # memory.tiled_mlp: off | auto | N (a recipe's default is auto)
     sequences_per_example: int = 1  # preference pairs: chosen and rejected in one forward (finetune/objectives.py)
     reference_passes: int = 0  # dpo: forwards without gradients (adapter off) per micro-batch, for the reference
+
+    @property
+    def partitions_weights(self) -> bool:
+        """The base weights are split over the GPUs (FSDP, ZeRO-3), gathered a layer at a time."""
+        return self.sharding in ("fsdp", "zero3") and self.gpus > 1
 
     @property
     def rows(self) -> int:
@@ -49,8 +54,7 @@ class Setup:
     def loss_rows(self) -> int:
         """Target positions whose logits exist at once: one chunk when the head runs chunked (chunked,
         liger, or auto outside FSDP, as trainer/build.configure_loss decides), else 0 (all of them)."""
-        fsdp = self.sharding == "fsdp" and self.gpus > 1
-        chunked = self.loss in ("chunked", "liger") or (self.loss == "auto" and not fsdp)
+        chunked = self.loss in ("chunked", "liger") or (self.loss == "auto" and not self.partitions_weights)
         return self.loss_chunk if chunked else 0
 
     def mlp_tiles(self, hidden: int) -> int:
@@ -150,20 +154,28 @@ def lora_targets(shape: ModelShape, target: str | tuple[str, ...]) -> list[Linea
     return [g for g in shape.linears if g.name in target]
 
 
+def _sharding_label(s: Setup) -> str:
+    if s.gpus <= 1 or s.sharding == "ddp":
+        return ""
+    if s.sharding == "fsdp":
+        return " (FSDP, CPU offload)" if s.cpu_offload else " (FSDP)"
+    offload = [name for name, on in (("optimizer", s.optimizer_offload), ("weights", s.cpu_offload)) if on]
+    return f" (ZeRO-{s.sharding[-1]}{', ' + ' + '.join(offload) + ' on CPU' if offload else ''})"
+
+
 def describe_setup(s: Setup) -> str:
     ckpt = {1: "all layers", 0: "off"}.get(s.checkpoint_every, f"every {s.checkpoint_every} layers")
     offload = [
         name
         for name, on in [
             ("activations", s.activation_offload),
-            ("optimizer", s.optimizer_offload),
+            ("optimizer", s.optimizer_offload and not s.sharding.startswith("zero")),
             (f"base weights streamed from {s.base_weights}", s.streams_weights),
         ]
         if on
     ]
     return (
-        f"{s.gpus} GPU{'s' if s.gpus > 1 else ''}"
-        f"{(' (FSDP, CPU offload)' if s.cpu_offload else ' (FSDP)') if s.sharding == 'fsdp' and s.gpus > 1 else ''}, "
+        f"{s.gpus} GPU{'s' if s.gpus > 1 else ''}{_sharding_label(s)}, "
         f"batch {s.batch_size} x accum {s.grad_accum} (global {s.global_batch}), seq {s.seq_len}, "
         + (
             f"pairs ({s.rows} sequences per forward{', + a reference forward' if s.reference_passes else ''}), "

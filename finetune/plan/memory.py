@@ -14,7 +14,10 @@ from finetune.plan.speed import NVME_READ_GBPS, forward_seconds, step_time
 from finetune.plan.terms import (  # noqa: F401 - NF4_BLOCK*, quantized_bytes: re-exported with the rest of the model
     NF4_BLOCK,
     NF4_BLOCK2,
+    adapts_experts,
     backward_working_bytes_per_token,
+    expert_stack_saved_bytes,
+    expert_weight_bytes,
     layer_saved_bytes_per_token,
     loss_peak_bytes,
     mlp_saved_bytes_per_token,
@@ -157,6 +160,8 @@ def _static_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Impleme
         q_weight += w * g.count
         q_const += c * g.count
     unquantized = (shape.embedding_params + shape.head_params + shape.other_params) * unq_bytes
+    w, c, u = expert_weight_bytes(shape, recipe)  # MoE: every expert (finetune/moe.py)
+    q_weight, q_const, unquantized = q_weight + w, q_const + c, unquantized + u
     trainable = trainable_params(shape, recipe)
     adapter_bytes = impl.adapter_bytes if recipe.lora_r else (4 if b == 4 else b)
     grads = trainable * adapter_bytes
@@ -171,28 +176,38 @@ def _static_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Impleme
         grads=grads,
         optim=grads * impl.optimizer_states,
     )
+    zero = setup.sharding if setup.sharding.startswith("zero") and n_gpu > 1 else ""
     if fsdp:
-        # Decoder layers are sharded; the root unit (embeddings, head, final norm) stays whole.
-        # Two layers are gathered at a time (the running one and the prefetched one).
+        # Decoder layers are sharded; FSDP's root unit (embeddings, head, final norm) stays whole,
+        # ZeRO-3 partitions those too. Two layers are gathered at a time (the running one and the
+        # prefetched one; ZeRO-3's prefetch bucket is smaller than a 7B+ layer: the same bound).
         t.gathered = int(2 * (t.q_weight + t.q_const) / L)
         t.q_weight, t.q_const = int(t.q_weight / n_gpu), int(t.q_const / n_gpu)
         t.lora, t.grads, t.optim = t.lora // n_gpu, t.grads // n_gpu, t.optim // n_gpu
+        t.unquantized = t.unquantized // n_gpu if zero else t.unquantized
+    elif zero:  # ZeRO-2: gradients and optimizer state partitioned, every weight whole on every GPU
+        t.grads, t.optim = t.grads // n_gpu, t.optim // n_gpu
     elif setup.streams_weights:
         # memory.base_weights=cpu|disk (stream.py): the decoder linears' packed weights wait on the host
         # and at most three layers' worth are on the GPU; their quantization constants stay resident.
         t.streamed_store = t.q_weight
         t.streamed_resident = int(min(STREAMED_LAYERS_RESIDENT, L) * t.q_weight / L)
         t.q_weight = 0
-    t.ddp_buckets = t.grads if (n_gpu > 1 and not fsdp) else 0  # DDP's all-reduce buckets mirror the gradients
-    if fsdp and setup.cpu_offload:
+    t.ddp_buckets = t.grads if (n_gpu > 1 and setup.sharding == "ddp") else 0  # DDP's all-reduce buckets mirror the gradients
+    if zero == "zero3" and setup.cpu_offload:
+        # offload_params: the weight partitions wait in host RAM; gathered to the GPU as each layer runs.
+        t.offloaded = t.q_weight + t.q_const + t.lora + t.unquantized
+        t.q_weight = t.q_const = t.lora = t.unquantized = 0
+    elif fsdp and setup.cpu_offload:
         # FSDP's CPUOffloadPolicy: every shard (4-bit weights, adapters, their gradients and AdamW
         # state) stays in host RAM; the GPU holds only what is gathered for the running layers.
         t.offloaded = t.q_weight + t.q_const + t.lora + t.grads + t.optim
         t.q_weight = t.q_const = t.lora = t.grads = t.optim = 0
-    if setup.optimizer_offload and not setup.cpu_offload:
-        # HostAdamW (offload.py): an fp32 copy of each trainable weight, its fp32 gradient and both fp32
-        # moments live in host RAM (pinned); the GPU keeps the weights and their gradients.
-        t.host_optimizer = (trainable // n_gpu if fsdp else trainable) * 4 * 4
+    if setup.optimizer_offload and (zero or not setup.cpu_offload):
+        # HostAdamW (offload.py), or ZeRO's offload_optimizer (its partition): an fp32 copy of each
+        # trainable weight, its fp32 gradient and both fp32 moments live in host RAM (pinned); the GPU
+        # keeps the weights and their gradients.
+        t.host_optimizer = (trainable // n_gpu if fsdp or zero else trainable) * 4 * 4
         t.optim = 0
     return t
 
@@ -212,9 +227,9 @@ def _activation_terms(shape: ModelShape, recipe: Recipe, setup: Setup, gpu: GpuS
     tokens = B * T
     checkpointed = setup.checkpointed_layers(L)
     input_only = tokens * b * shape.hidden  # a checkpointed layer's input, kept for the recompute
-    full_layer = tokens * layer_saved_bytes_per_token(shape, recipe, B)
+    full_layer = tokens * layer_saved_bytes_per_token(shape, recipe, B) + expert_stack_saved_bytes(shape, recipe)
     rebuilt = full_layer  # what one layer's recomputation holds
-    tiles = setup.mlp_tiles(shape.hidden)
+    tiles = 1 if shape.experts else setup.mlp_tiles(shape.hidden)  # tiled_mlp.py leaves MoE blocks whole
     if tiles > 1:
         # memory.tiled_mlp: each MLP tile is a checkpoint, so a layer keeps only the MLP's input, and
         # one tile's intermediate (gate, SiLU, up; down_proj's LoRA input) exists at a time.
@@ -270,7 +285,7 @@ def estimate(
 ) -> Estimate:
     """Per-GPU memory, step time, host RAM and disk of one setup. gpu=None: a CPU run (no CUDA terms)."""
     n_gpu = max(setup.gpus, 1)
-    fsdp = setup.sharding == "fsdp" and n_gpu > 1
+    fsdp = setup.partitions_weights  # FSDP or ZeRO-3: the base weights are split over the GPUs
     unq_bytes = impl.unquantized_bytes or recipe.compute_bytes
     st = _static_terms(shape, recipe, setup, impl, fsdp)
     act = _activation_terms(shape, recipe, setup, gpu, st.trainable)
@@ -279,6 +294,11 @@ def estimate(
     phase_backward = st.on_gpu + act.saved + tr.mask + act.recompute + tr.working + tr.dequant
     loss_peak = phase_loss >= phase_backward
     peak_alloc = max(phase_loss, phase_backward)
+    # ZeRO-3 builds its engine from the whole model on each GPU (our loader places it with a
+    # device_map, which zero.Init refuses) and partitions it then: offload cannot lower that.
+    start = st.whole_model if setup.sharding == "zero3" and n_gpu > 1 else 0
+    phase = "start" if start > peak_alloc else "loss" if loss_peak else "backward"
+    peak_alloc = max(peak_alloc, start)
     slack = int(ALLOCATOR_SLACK * peak_alloc) if gpu is not None else 0
     context = CUDA_CONTEXT_BYTES if gpu is not None else 0
     comps = _components(shape, recipe, setup, st, act, tr, unq_bytes, loss_peak, slack, context)
@@ -294,14 +314,15 @@ def estimate(
         streamed_bytes=st.streamed_store,
         activation_bytes=act.host,
     )
-    host_parts, captured = _host_ram(shape, recipe, setup, st, act, fsdp, shard_bytes)
+    fsdp_loads = setup.sharding == "fsdp" and n_gpu > 1  # ZeRO loads on the GPU: one shard at a time in RAM
+    host_parts, captured = _host_ram(shape, recipe, setup, st, act, fsdp_loads, shard_bytes)
     disk_parts = _disk(shape, st, setup, impl, keep_checkpoints, model_on_disk)
     return Estimate(
         shape=shape,
         setup=setup,
         gpu=gpu,
         components=comps,
-        peak_phase="loss" if loss_peak else "backward",
+        peak_phase=phase,
         peak_allocated_bytes=peak_alloc,
         peak_bytes=peak_alloc + slack + context,
         step_time_s=step,
@@ -310,10 +331,10 @@ def estimate(
         disk_bytes=sum(disk_parts.values()),
         trainable_params=st.trainable,
         impl=impl,
-        notes=_notes(setup, gpu, st),
+        notes=_notes(setup, gpu, st, start),
         host_ram_parts=host_parts,
         disk_parts=disk_parts,
-        loads_whole_model=(setup.streams_weights and not captured) or fsdp,
+        loads_whole_model=(setup.streams_weights and not captured) or fsdp_loads,
     )
 
 
@@ -325,7 +346,7 @@ class _Transient:
     final_norm: int  # the final norm's fp32 input
     loss: int  # logits and loss buffers (memory.loss chunked or auto: one chunk of target positions)
     working: int  # gradients while one layer runs backward
-    dequant: int  # the weight dequantized for one matmul
+    dequant: int  # the weight dequantized for one matmul (LoRA on MoE experts: the gradient of a layer's stack)
 
 
 def _transient_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Implementation) -> _Transient:
@@ -337,7 +358,7 @@ def _transient_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Impl
         final_norm=tokens * 4 * shape.hidden,
         loss=loss_peak_bytes(min(tokens, setup.loss_rows) if setup.loss_rows else tokens, shape.vocab, logits_bytes, impl),
         working=tokens * backward_working_bytes_per_token(shape, recipe),
-        dequant=shape.largest_linear * b if recipe.quant_bits else 0,
+        dequant=max(shape.largest_linear * b if recipe.quant_bits else 0, shape.expert_layer_params * b * adapts_experts(recipe)),
     )
 
 
@@ -431,8 +452,14 @@ def _host_ram(
     return {**parts, "total": HOST_BASELINE_BYTES + max(loading, pinned)}, captured
 
 
-def _notes(setup: Setup, gpu: GpuSpec | None, st: _Static) -> list[str]:
+def _notes(setup: Setup, gpu: GpuSpec | None, st: _Static, zero3_start: int = 0) -> list[str]:
     notes = []
+    if zero3_start:
+        notes.append(
+            f"ZeRO-3 starts from the whole model on each GPU ({gib(zero3_start)}) and partitions it when the engine "
+            "is built: the peak is at least that, offload or not (why ZeRO-3 + QLoRA + CPU offload can need more GPU "
+            "memory than its training terms; FSDP loads in CPU RAM and moves only its shards)"
+        )
     if gpu is not None and gpu.name == "custom":
         notes.append(f"unknown GPU: speed assumed {gpu.bf16_tflops:.0f} TFLOPs, {gpu.bandwidth_gbps:.0f} GB/s")
     if setup.base_weights == "disk":

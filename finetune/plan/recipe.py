@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,14 @@ def _shard_bytes(cfg: RecipeConfig) -> int | None:
     return max((f.stat().st_size for f in files), default=None)
 
 
+def _sharding(cfg: RecipeConfig) -> str:
+    strategy = cfg.distributed.strategy
+    return f"zero{cfg.distributed.zero_stage}" if strategy == "deepspeed" else "fsdp" if strategy == "fsdp" else "ddp"
+
+
 def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
     objective = objectives.get(cfg.train.objective)
+    zero = cfg.distributed.strategy == "deepspeed"  # nvme offloads plan as cpu's on the GPU (host RAM: not counted)
     return Setup(
         sequences_per_example=objective.sequences_per_example,
         reference_passes=0 if cfg.train.precompute_reference else objective.reference_passes,
@@ -47,11 +54,11 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
         checkpoint_every=cfg.memory.checkpoint_every,
         seq_len=cfg.data.max_seq_len,
         # auto runs DDP unless a replica does not fit (finetune.distributed.resolve_strategy).
-        sharding="fsdp" if cfg.distributed.strategy == "fsdp" and gpus > 1 else "ddp",
-        cpu_offload=cfg.distributed.cpu_offload and cfg.distributed.strategy == "fsdp" and gpus > 1,
+        sharding=_sharding(cfg) if gpus > 1 else "ddp",
+        cpu_offload=gpus > 1 and (cfg.distributed.cpu_offload or (zero and cfg.distributed.offload_params != "none")),
         activation_offload=cfg.memory.activation_offload,
         base_weights=cfg.memory.base_weights,
-        optimizer_offload=cfg.memory.optimizer_offload,
+        optimizer_offload=cfg.memory.optimizer_offload or (zero and gpus > 1 and cfg.distributed.offload_optimizer != "none"),
         loss=cfg.memory.loss,
         loss_chunk=cfg.memory.loss_chunk,
         tiled_mlp=cfg.memory.tiled_mlp,
@@ -71,6 +78,29 @@ def planning_inputs(cfg: RecipeConfig, gpu: GpuSpec | None) -> tuple[ModelShape,
 def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Setup | None = None) -> Estimate:
     shape, recipe, kw = planning_inputs(cfg, gpu)
     return estimate(shape, recipe, setup or setup_of(cfg, gpus), gpu, **kw)
+
+
+# `finetune plan --gpus N`: the recipe under each way of spreading it over the GPUs, side by side
+# (label, the recipe keys, the Setup fields they set). nvme offloads plan as cpu's on the GPU.
+STRATEGIES: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("ddp", {"sharding": "ddp", "cpu_offload": False}),
+    ("fsdp", {"sharding": "fsdp", "cpu_offload": False, "optimizer_offload": False}),
+    ("fsdp cpu_offload", {"sharding": "fsdp", "cpu_offload": True, "optimizer_offload": False}),
+    ("deepspeed zero2", {"sharding": "zero2", "cpu_offload": False, "optimizer_offload": False}),
+    ("deepspeed zero2 offload_optimizer=cpu", {"sharding": "zero2", "cpu_offload": False, "optimizer_offload": True}),
+    ("deepspeed zero3", {"sharding": "zero3", "cpu_offload": False, "optimizer_offload": False}),
+    ("deepspeed zero3 offload_optimizer+params=cpu", {"sharding": "zero3", "cpu_offload": True, "optimizer_offload": True}),
+)
+
+
+def compare_strategies(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int) -> list[tuple[str, Estimate]]:
+    """(label, estimate) of the recipe under each of STRATEGIES on `gpus` GPUs; memory.* modes as written."""
+    base = setup_of(cfg, gpus)
+    ddp_offload = {"optimizer_offload": cfg.memory.optimizer_offload}  # the recipe's own HostAdamW, one replica each
+    return [
+        (label, plan_recipe(cfg, gpu, gpus, setup=replace(base, **{**(ddp_offload if label == "ddp" else {}), **knobs})))
+        for label, knobs in STRATEGIES
+    ]
 
 
 # The parts of an estimate that are weights: what loading a model for inference puts on its device.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from finetune.plan.inputs import describe_setup
 from finetune.plan.memory import Estimate, gib
-from finetune.plan.speed import BANDWIDTH_EFFICIENCY, MATMUL_EFFICIENCY, NVME_READ_GBPS
+from finetune.plan.speed import BANDWIDTH_EFFICIENCY, MATMUL_EFFICIENCY, NVME_READ_GBPS, predicted_mfu
 
 
 def report(e: Estimate) -> str:
@@ -16,7 +16,9 @@ def report(e: Estimate) -> str:
         f"device     {e.gpu.description or e.gpu.name} ({gib(e.gpu.memory_bytes)})" if e.gpu else "device     CPU",
         "",
         "per-GPU memory at the peak ("
-        + ("end of forward: logits and loss" if e.peak_phase == "loss" else "backward of one layer")
+        + {"loss": "end of forward: logits and loss", "start": "start: the whole model, before ZeRO-3 partitions it"}.get(
+            e.peak_phase, "backward of one layer"
+        )
         + "):",
     ]
     for c in e.components:
@@ -37,9 +39,12 @@ def report(e: Estimate) -> str:
     lines += _host_lines(e)
     if e.step_time_s and e.gpu is not None:
         p = e.step_time_parts
+        # MFU counts the model's FLOPs only: time spent replaying (checkpointing, chunks, tiles) lowers it.
+        replayed = f", {p['recompute']:.2f} s of it recomputation" if p["recompute"] >= 0.005 else ""
         lines.append(
-            f"step time  ~{e.step_time_s:.2f} s/step, {e.tokens_per_step / e.step_time_s:,.0f} tokens/s "
-            f"(compute {p['compute']:.2f} s at {MATMUL_EFFICIENCY:.0%} of {e.gpu.bf16_tflops:g} TFLOPs, "
+            f"step time  ~{e.step_time_s:.2f} s/step, {e.tokens_per_step / e.step_time_s:,.0f} tokens/s, "
+            f"MFU {predicted_mfu(e.step_time_s, p):.0%} (compute {p['compute']:.2f} s at {MATMUL_EFFICIENCY:.0%} of "
+            f"{e.gpu.bf16_tflops:g} TFLOPs{replayed}, "
             f"dequantize {p['dequantize']:.2f} s at {BANDWIDTH_EFFICIENCY:.0%} of {e.gpu.bandwidth_gbps:g} GB/s, "
             f"communication {p['communication']:.2f} s, optimizer {p['optimizer']:.2f} s)"
         )
@@ -53,6 +58,17 @@ def report(e: Estimate) -> str:
                 f"with compute: they add {p['host_transfer_exposed']:.2f} s/step"
             )
     lines += [f"note       {n}" for n in e.notes]
+    return "\n".join(lines)
+
+
+def strategy_table(rows: list[tuple[str, Estimate]]) -> str:
+    """`finetune plan --gpus N`: per-GPU peak, verdict, step time and host RAM of each strategy."""
+    n = rows[0][1].setup.gpus
+    lines = [f"strategies on {n} GPUs (the recipe's memory.* modes; distributed.strategy=... to switch):"]
+    for label, e in rows:
+        verdict = "" if e.gpu is None else ("fits" if e.fits else "does NOT fit")
+        step = f"~{e.step_time_s:.2f} s/step" if e.step_time_s else ""
+        lines.append(f"  {label:<44} peak {gib(e.peak_bytes):>10}  {verdict:<12} {step:<14} host RAM {gib(e.host_ram_bytes)}")
     return "\n".join(lines)
 
 
@@ -73,7 +89,7 @@ def _host_lines(e: Estimate) -> list[str]:
             ("streamed_weights", "streamed base weights"),
             ("activations", "saved activations"),
             ("optimizer", "AdamW state + fp32 weights and grads"),
-            ("fsdp_shards", "FSDP shards"),
+            ("fsdp_shards", "offloaded weight shards (FSDP, ZeRO-3)"),
         ]
         if h.get(k)
     ]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune import memory_modes
+from finetune import memory_modes, zero
 from finetune.config import RecipeConfig, build_recipe, read_recipe_file
 from finetune.plan.fitting import KNOBS
 from finetune.plan.inputs import Setup, describe_setup
@@ -45,6 +45,9 @@ def setup_changes(setup: Setup, base: Setup, cfg: RecipeConfig | None = None) ->
             out.setdefault("distributed.strategy", "auto" if setup.gpus == 1 else "ddp")
         if cfg.distributed.cpu_offload and not setup.cpu_offload:
             out["distributed.cpu_offload"] = False
+        if cfg.distributed.strategy == "deepspeed" and not setup.sharding.startswith("zero"):
+            # The search tries DDP and FSDP (not ZeRO): ZeRO's keys would be refused without strategy=deepspeed.
+            out.update({f"distributed.{k}": v for k, v in zero.DEFAULTS.items() if getattr(cfg.distributed, k) != v})
         if cfg.memory.offload_dir is not None and setup.base_weights != "disk":
             out["memory.offload_dir"] = None
     return out

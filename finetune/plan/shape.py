@@ -1,7 +1,10 @@
 """The model's shape: every parameter of config.json's model, counted by the kind of module that holds it.
 
 The model is built on the meta device (no memory, no weights). Linears are grouped
-by short name (q_proj, ...): what bitsandbytes quantizes and LoRA targets.
+by short name (q_proj, ...): what bitsandbytes quantizes and LoRA targets. Mixture-of-experts
+models' fused 3-D expert parameters (transformers 5: experts.gate_up_proj, experts.down_proj)
+are grouped the same way with their expert count and how many of them each token runs through:
+every expert is in memory, only the active ones compute.
 """
 
 from __future__ import annotations
@@ -27,6 +30,22 @@ class LinearGroup:
 
 
 @dataclass(frozen=True)
+class ExpertGroup:
+    """One fused expert parameter of every MoE layer (experts.gate_up_proj, ...): each expert's matrix."""
+
+    name: str
+    experts: int
+    in_features: int
+    out_features: int
+    count: int  # MoE layers
+    active: int  # experts a token runs through (config.num_experts_per_tok)
+
+    @property
+    def params(self) -> int:
+        return self.experts * self.in_features * self.out_features * self.count
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """Everything the memory model needs from config.json, counted on a meta-device model."""
 
@@ -43,12 +62,32 @@ class ModelShape:
     linears: tuple[LinearGroup, ...]  # decoder linears: what bitsandbytes quantizes and LoRA targets
     embedding_params: int
     head_params: int  # 0 when the head is tied to the embedding
-    other_params: int  # norms, biases, anything not in a quantizable linear
+    other_params: int  # norms, biases, routers, anything not in a quantizable linear or an expert
     total_params: int
+    experts: tuple[ExpertGroup, ...] = ()  # MoE: fused expert parameters (finetune/moe.py stores them 4-bit)
 
     @property
     def linear_params(self) -> int:
         return sum(g.in_features * g.out_features * g.count for g in self.linears)
+
+    @property
+    def expert_params(self) -> int:
+        """Every expert's weights: what memory holds."""
+        return sum(g.params for g in self.experts)
+
+    @property
+    def active_expert_params(self) -> int:
+        """The experts' weights one token multiplies by: what compute costs."""
+        return sum(g.active * g.in_features * g.out_features * g.count for g in self.experts)
+
+    @property
+    def active_params(self) -> int:
+        return self.total_params - self.expert_params + self.active_expert_params
+
+    @property
+    def expert_layer_params(self) -> int:
+        """One MoE layer's expert stack: what is dequantized at once (finetune/moe.py)."""
+        return sum(g.experts * g.in_features * g.out_features for g in self.experts)
 
     @property
     def largest_linear(self) -> int:
@@ -103,6 +142,8 @@ def read_model_shape(source: str, trust_remote_code: bool = False, revision: str
     groups: dict[str, list[Any]] = {}
     counted: set[int] = set()
     other = 0
+    text = getattr(config, "get_text_config", lambda: config)()
+    experts = _expert_groups(model, text, counted)
     for name, module in model.named_modules():
         if module is head or module is embed:
             continue
@@ -129,15 +170,20 @@ def read_model_shape(source: str, trust_remote_code: bool = False, revision: str
         for fin, fout in sorted(shapes):
             same = [m for m in mods if (m.in_features, m.out_features) == (fin, fout)]
             linears.append(LinearGroup(short, fin, fout, len(same), same[0].bias is not None))
-    text = getattr(config, "get_text_config", lambda: config)()
     heads = int(text.num_attention_heads)
     hidden = int(text.hidden_size)
+    intermediate = int(getattr(text, "intermediate_size", 4 * hidden))
+    if experts:
+        # What one token's MLP computes: its active experts (plus a shared expert), each of the expert
+        # width; the activation terms (finetune/plan/terms.py) read this like a dense MLP's width.
+        width = getattr(text, "moe_intermediate_size", None) or intermediate
+        intermediate = experts[0].active * int(width) + int(getattr(text, "shared_expert_intermediate_size", 0) or 0)
     return ModelShape(
         source=source,
         model_type=str(getattr(config, "model_type", "?")),
         layers=int(text.num_hidden_layers),
         hidden=hidden,
-        intermediate=int(getattr(text, "intermediate_size", 4 * hidden)),
+        intermediate=intermediate,
         heads=heads,
         kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
@@ -148,4 +194,24 @@ def read_model_shape(source: str, trust_remote_code: bool = False, revision: str
         head_params=head_params,
         other_params=other,
         total_params=total,
+        experts=experts,
     )
+
+
+def _expert_groups(model, text, counted: set[int]) -> tuple[ExpertGroup, ...]:
+    """The fused expert parameters, grouped by name and shape (their ids added to `counted`)."""
+    from finetune.moe import is_expert_param
+
+    found: dict[tuple[str, int, int, int], int] = {}
+    for module in model.modules():
+        for attr, p in module._parameters.items():
+            if not is_expert_param(module, p):
+                continue
+            counted.add(id(p))
+            e, a, b = p.shape
+            # (experts, out, in) unless the module says it stores (experts, in, out) (gpt-oss)
+            fin, fout = (a, b) if getattr(module, "is_transposed", False) else (b, a)
+            key = (attr, int(e), int(fin), int(fout))
+            found[key] = found.get(key, 0) + 1
+    top_k = getattr(text, "num_experts_per_tok", None) or getattr(text, "experts_per_token", None)
+    return tuple(ExpertGroup(name, e, fin, fout, n, int(top_k or e)) for (name, e, fin, fout), n in sorted(found.items()))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 # One set of constants for every prediction (CLI, preflight, validation); each says where it comes from.
 # These are the speed ones; memory.py, fitting.py and preflight.py hold the others.
 MATMUL_EFFICIENCY = 0.45  # fraction of dense bf16 peak that LoRA training matmuls reach (MFU of tuned 7B runs: 0.35-0.55)
@@ -15,42 +17,71 @@ HOST_ADAMW_GBPS = 10.0  # host-memory traffic torch's CPU AdamW sustains (an ass
 HOST_ADAMW_BYTES_PER_PARAM = 64  # fp32 weight, grad and 2 moments, read and written over AdamW's elementwise passes
 
 
-def _micro_batch_seconds(shape, recipe, setup, gpu, trainable) -> tuple[float, float, float]:
-    """(compute, dequantize, forward) seconds of one micro-batch on one GPU, nothing moved over a link.
+@dataclass(frozen=True)
+class TokenFlops:
+    """FLOPs per token of one micro-batch, by what they are for."""
 
-    forward: the first pass over the layer stack (its matmuls, attention and one dequantize pass),
-    the rest of compute + dequantize being the recompute and backward."""
-    T = setup.seq_len
-    tokens = setup.rows * T
-    matmul_params = shape.linear_params + (shape.head_params or shape.embedding_params)
+    forward: float  # the first pass over the model: its matmuls (LoRA's included) and attention
+    model: float  # what training needs: forward, backward (input gradients through frozen weights, weight
+    # gradients of what trains) and DPO's reference forwards. MFU's numerator (finetune/trainer/profiling.py)
+    recompute: float  # what memory modes add: checkpointed layers, chunked-head and MLP-tile replays in backward
+
+
+def token_flops(shape, recipe, setup, trainable, seq_len: float | None = None) -> TokenFlops:
+    """FLOPs per token of a micro-batch of `setup` (matmuls and attention; norms and elementwise ops are noise).
+    seq_len: the length attention spans, setup.seq_len unless given (a run's mean row length)."""
+    T = setup.seq_len if seq_len is None else seq_len
+    # MoE: a token multiplies by its active experts only (memory holds them all: memory.py).
+    matmul_params = shape.linear_params + shape.active_expert_params + (shape.head_params or shape.embedding_params)
     lora_flops = 2 * trainable if recipe.lora_r else 0
     fwd = 2 * matmul_params + lora_flops
     attn_fwd = 2 * T * shape.heads * shape.head_dim * shape.layers  # QK^T and AV, causal half
     ckpt = setup.checkpointed_layers(shape.layers) / shape.layers  # the share of layers replayed
     # Backward of a frozen weight computes only the input gradient (1x forward); attention
     # backward is ~2x its forward; checkpointing replays the decoder forward once more.
-    per_token = fwd * (2 + ckpt) + attn_fwd * (3 + ckpt) + (lora_flops if recipe.lora_r else 2 * fwd)
+    model = fwd * 2 + attn_fwd * 3 + (lora_flops if recipe.lora_r else 2 * fwd)
+    model += setup.reference_passes * (fwd + attn_fwd)  # DPO's reference: the forward again, adapter off
+    recompute = (fwd + attn_fwd) * ckpt
     if setup.loss_rows:  # the chunked head runs again in backward to remake each chunk's logits
-        per_token += 2 * (shape.head_params or shape.embedding_params)
-    if setup.mlp_tiles(shape.hidden) > 1:  # each MLP tile runs again in backward
-        per_token += 2 * 3 * shape.hidden * shape.intermediate * shape.layers
+        recompute += 2 * (shape.head_params or shape.embedding_params)
+    if setup.mlp_tiles(shape.hidden) > 1 and not shape.experts:  # each MLP tile runs again in backward (not MoE's)
+        recompute += 2 * 3 * shape.hidden * shape.intermediate * shape.layers
+    return TokenFlops(forward=fwd + attn_fwd, model=model, recompute=recompute)
+
+
+def _micro_batch_seconds(shape, recipe, setup, gpu, trainable) -> tuple[float, float, float, float]:
+    """(compute, dequantize, forward, recompute) seconds of one micro-batch on one GPU, nothing moved over a link.
+
+    forward: the first pass over the layer stack (its matmuls, attention and one dequantize pass),
+    the rest of compute + dequantize being the recompute and backward. recompute: the part of
+    compute that memory modes add (what MFU does not count)."""
+    tokens = setup.rows * setup.seq_len
+    flops = token_flops(shape, recipe, setup, trainable)
     rate = gpu.bf16_tflops * 1e12 * MATMUL_EFFICIENCY
-    compute = tokens * per_token / rate
+    compute = tokens * (flops.model + flops.recompute) / rate
     dequant = 0.0
     one_pass = 0.0
     if recipe.quant_bits:
         # Each pass over a 4-bit weight reads it (0.5 B/param), writes it in bf16 (2) and the matmul reads that (2).
         one_pass = shape.linear_params * 4.5 / (gpu.bandwidth_gbps * 1e9 * BANDWIDTH_EFFICIENCY)
-        dequant = (2 + ckpt) * one_pass
-    forward = tokens * (fwd + attn_fwd) / rate + one_pass
-    # DPO's reference: the same forward again without gradients (adapter off), per micro-batch.
-    compute += setup.reference_passes * tokens * (fwd + attn_fwd) / rate
-    dequant += setup.reference_passes * one_pass
-    return compute, dequant, forward
+        # MoE (4-bit only; int8 leaves experts 16-bit): finetune/moe.py dequantizes a layer's
+        # whole expert stack once per forward and keeps it for backward, where a linear dequantizes again.
+        experts = (shape.expert_params if recipe.quant_bits == 4 else 0) * 4.5 / (gpu.bandwidth_gbps * 1e9 * BANDWIDTH_EFFICIENCY)
+        ckpt = setup.checkpointed_layers(shape.layers) / shape.layers
+        dequant = (2 + ckpt + setup.reference_passes) * one_pass + (1 + ckpt + setup.reference_passes) * experts
+        one_pass += experts
+    forward = tokens * flops.forward / rate + one_pass
+    return compute, dequant, forward, tokens * flops.recompute / rate
 
 
 def forward_seconds(shape, recipe, setup, gpu, trainable) -> float:
     return _micro_batch_seconds(shape, recipe, setup, gpu, trainable)[2]
+
+
+def predicted_mfu(step_time_s: float, parts: dict[str, float]) -> float:
+    """MFU a plan predicts: the model's FLOPs of a step (compute less recomputation, at MATMUL_EFFICIENCY
+    of the peak) over what the GPU could do at its peak in the whole step (dequantization, links, optimizer)."""
+    return MATMUL_EFFICIENCY * (parts["compute"] - parts["recompute"]) / step_time_s if step_time_s else 0.0
 
 
 def step_time(
@@ -75,7 +106,7 @@ def step_time(
     activation_bytes: saved activations sent to host RAM per micro-batch (activation_offload)."""
     if gpu is None:
         return 0.0, {}
-    compute, dequant, forward = _micro_batch_seconds(shape, recipe, setup, gpu, trainable)
+    compute, dequant, forward, recompute = _micro_batch_seconds(shape, recipe, setup, gpu, trainable)
     micro = compute + dequant
     host_link = gpu.pcie_gbps * 1e9
     transfer = exposed = 0.0
@@ -119,6 +150,7 @@ def step_time(
         optimizer = 2 * trainable * adapter_bytes / host_link + trainable * HOST_ADAMW_BYTES_PER_PARAM / (HOST_ADAMW_GBPS * 1e9)
     parts = {
         "compute": compute * setup.grad_accum,
+        "recompute": recompute * setup.grad_accum,  # of compute: what memory modes replay (not in MFU)
         "dequantize": dequant * setup.grad_accum,
         "communication": comm,
         "optimizer": optimizer,

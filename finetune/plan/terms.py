@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from finetune.adapters.base import EXPERTS
 from finetune.plan.inputs import Implementation, Recipe, lora_targets
 from finetune.plan.shape import ModelShape
 
@@ -110,9 +111,40 @@ def loss_peak_bytes(tokens: int, vocab: int, logits_bytes: int, impl: Implementa
 
 
 def trainable_params(shape: ModelShape, recipe: Recipe) -> int:
-    """LoRA A and B of every targeted linear (+ DoRA magnitudes); full fine-tuning: every parameter."""
+    """LoRA A and B of every targeted linear (+ DoRA magnitudes), and of every expert when lora.target
+    lists `experts` (peft's ParamWrapper: r x experts rows of A, columns of B); full fine-tuning: every parameter."""
     if not recipe.lora_r:
         return shape.total_params
     targets = lora_targets(shape, recipe.lora_target)
     extra = sum(g.out_features * g.count for g in targets) if recipe.adapter.trains_magnitude else 0
+    if adapts_experts(recipe):
+        extra += sum(recipe.lora_r * g.experts * (g.in_features + g.out_features) * g.count for g in shape.experts)
     return sum(recipe.lora_r * (g.in_features + g.out_features) * g.count for g in targets) + extra
+
+
+def adapts_experts(recipe: Recipe) -> bool:
+    """lora.target lists `experts`: LoRA on the fused expert parameters (finetune/moe.py)."""
+    return bool(recipe.lora_r) and not isinstance(recipe.lora_target, str) and EXPERTS in recipe.lora_target
+
+
+def expert_weight_bytes(shape: ModelShape, recipe: Recipe) -> tuple[int, int, int]:
+    """(4-bit weight, quantization-constant, compute-dtype bytes) of an MoE model's experts. finetune/moe.py
+    stores each fused expert parameter 4-bit as one tensor; under quant.bits=8 (bitsandbytes converts
+    nn.Linear only) or null they stay in the compute dtype."""
+    b = recipe.compute_bytes
+    if recipe.quant_bits == 8:
+        return 0, 0, shape.expert_params * b
+    sizes = [
+        (quantized_bytes(e.params // e.count, e.out_features, recipe.quant_bits, recipe.double_quant, b), e.count)
+        for e in shape.experts
+    ]
+    return sum(w * n for (w, _), n in sizes), sum(c * n for (_, c), n in sizes), 0
+
+
+def expert_stack_saved_bytes(shape: ModelShape, recipe: Recipe) -> int:
+    """What an MoE layer keeps for its backward besides activations: the expert stack its matmuls read,
+    when it is a tensor of its own (4-bit experts dequantized for the layer's forward, or W + LoRA
+    folded by peft); autograd holds it until the layer's backward. 16-bit experts without LoRA: the
+    parameters themselves. With LoRA on the experts, backward adds the stack's gradient (transient)."""
+    own = recipe.quant_bits == 4 or adapts_experts(recipe)
+    return shape.expert_layer_params * recipe.compute_bytes if own else 0

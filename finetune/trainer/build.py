@@ -6,13 +6,14 @@ Parts a user passed in (model, tokenizer, data, optimizer, scheduler) are used a
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from finetune import objectives
+from finetune import objectives, zero
 from finetune.config import RecipeConfig, build_recipe, resolve_offload_dir
 from finetune.data import IGNORE_INDEX, DataBundle, DataStats, build_datasets, build_examples
 from finetune.errors import ConfigError
@@ -22,18 +23,22 @@ from finetune.offload import HostAdamW
 from finetune.offload import checkpoint as offloaded_checkpoint
 from finetune.stream import DiskStore, WeightStream
 from finetune.tiled_mlp import tile_mlps
+from finetune.trainer.callbacks import Callback
 from finetune.trainer.linear_ce import liger_fused_loss
 from finetune.trainer.loss import CausalLMLoss
 from finetune.trainer.parallel import Parallel
 from finetune.trainer.preference import PreferenceLoss
+from finetune.trainer.profiling import ModelFlops, StepProfiler
 from finetune.trainer.schedule import build_scheduler
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None
 SchedulerArg = torch.optim.lr_scheduler.LRScheduler | Callable[[torch.optim.Optimizer], Any] | None
 
 
-def make_accelerator(precision: str):
-    from accelerate import Accelerator
+def make_accelerator(precision: str, cfg: RecipeConfig | None = None):
+    """accelerate's Accelerator for this launch; with DeepSpeed's plugin when the recipe asks for
+    distributed.strategy=deepspeed and torchrun started several processes (one process: no ZeRO)."""
+    from accelerate import Accelerator, PartialState
     from accelerate.state import AcceleratorState
 
     # accelerate keeps one mixed-precision setting per process and refuses a second
@@ -41,7 +46,27 @@ def make_accelerator(precision: str):
     # in PartialState, is kept).
     AcceleratorState._reset_state()
     mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[precision]
-    return Accelerator(mixed_precision=mixed, cpu=not torch.cuda.is_available())
+    cpu = not torch.cuda.is_available()
+    if cfg is None or cfg.distributed.strategy != "deepspeed" or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # set for good by an earlier DeepSpeed Accelerator
+        return Accelerator(mixed_precision=mixed, cpu=cpu)
+    zero.require()
+    from accelerate.utils import DeepSpeedPlugin
+
+    if cpu:
+        # accelerate turns DeepSpeed off for cpu=True, and without it finds no backend on a machine
+        # with no GPU: the process group is made for CPUs first (gloo, torchrun's ranks), and
+        # DeepSpeed (its CPU accelerator) runs on it.
+        PartialState(cpu=True)
+    plugin = DeepSpeedPlugin(hf_ds_config=zero.ds_config(cfg, precision, on_gpu=not cpu), zero3_init_flag=False)
+    accelerator = Accelerator(mixed_precision=mixed, deepspeed_plugin=plugin)
+    # accelerate tells transformers about ZeRO-3 at once, and from_pretrained then refuses the
+    # device_map our loader places the model with: the weights load whole, and ZeRO-3 partitions
+    # them when the engine is built (Parallel.prepare tells transformers again).
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    return accelerator
 
 
 def load_data(cfg: RecipeConfig, tokenizer, accelerator, say: Callable[[str], None]) -> DataBundle:
@@ -231,3 +256,12 @@ def build_lr_schedule(cfg: RecipeConfig, optimizer: torch.optim.Optimizer, total
     if isinstance(given, torch.optim.lr_scheduler.LRScheduler):
         return given
     return given(optimizer)
+
+
+def recipe_callbacks(trainer: Any) -> list[Callback]:
+    """The callbacks a recipe asks for, run before the user's: MFU on every step, torch.profiler on profile.steps.
+    They read the trainer's parts (model, device, precision) when training begins."""
+    found: list[Callback] = [ModelFlops(trainer)]
+    if trainer.cfg.profile.steps:
+        found.append(StepProfiler(trainer, trainer.cfg.profile.steps))
+    return found

@@ -12,6 +12,11 @@
 Every hook gets the live TrainState and a dict of numbers. They run on every process
 of a multi-process run (the same numbers on each); write files only where
 `state.is_main`. A callback that raises stops the run with its error.
+
+A hook gets a copy of the numbers: what it changes is not logged. A callback whose
+`adds_metrics` is True gets the step's row itself in on_step_end: keys it adds go to
+metrics.jsonl (on logged steps), the progress bar and the callbacks after it. The
+recipe's own callbacks (MFU, the profiler: finetune/trainer/profiling.py) run first.
 """
 
 from __future__ import annotations
@@ -20,18 +25,24 @@ from typing import Any
 
 from finetune.trainer.state import TrainState
 
-HOOKS = ("on_train_begin", "on_step_end", "on_eval", "on_save", "on_train_end")
+HOOKS = ("on_train_begin", "on_step_begin", "on_step_end", "on_eval", "on_save", "on_train_end")
 
 
 class Callback:
     """Override the hooks you need; the others do nothing."""
 
+    adds_metrics = False  # True: on_step_end gets the row that is logged, not a copy (see above)
+
     def on_train_begin(self, state: TrainState, metrics: dict[str, Any]) -> None:
         """Before the first step (after a resume: before the first resumed step). metrics: start_step, total_steps."""
 
+    def on_step_begin(self, state: TrainState, metrics: dict[str, Any]) -> None:
+        """Before every optimizer step, its gradients included. metrics: step (the one about to run, from 1)."""
+
     def on_step_end(self, state: TrainState, metrics: dict[str, Any]) -> None:
         """After every optimizer step, logged or not. metrics: step, loss, lr, grad_norm, tokens,
-        trained_tokens, tokens_per_s, elapsed_s (and skipped/spike when they happen)."""
+        trained_tokens, tokens_per_s, elapsed_s, tflops and mfu (when the model's FLOPs are known; see
+        finetune/trainer/profiling.py), and skipped/spike when they happen."""
 
     def on_eval(self, state: TrainState, metrics: dict[str, Any]) -> None:
         """After an evaluation. metrics: step and eval_loss, or step, when ("before training" /
@@ -59,4 +70,5 @@ class CallbackList:
         for cb in self.callbacks:
             method = getattr(cb, hook, None)
             if method is not None:
-                method(state, dict(metrics))  # a copy: a callback cannot change what is logged
+                # A copy, unless the callback says it adds metrics: others cannot change what is logged.
+                method(state, metrics if getattr(cb, "adds_metrics", False) else dict(metrics))

@@ -15,7 +15,7 @@ bug that hit HF Trainer and others in 2024 averaged per micro-batch instead).
 The rooms: state.py (what a run counts), build.py (parts from a recipe),
 order.py (which examples each step), parallel.py (single / DDP / FSDP),
 loss.py (the objective), schedule.py (lr), callbacks.py (your code),
-finetune/resume.py (checkpoints to continue from).
+finetune/resume.py (checkpoints to continue from), profiling.py (MFU, torch.profiler).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class Trainer:
       optimizer                   an optimizer, or a function of the trainable parameters that builds one
       scheduler                   an LR scheduler, or a function of the optimizer that builds one
       loss_fn                     (model, batch) -> (summed loss over target tokens, their number)
-      callbacks                   finetune.Callback objects (on_train_begin, on_step_end, on_eval, on_save, on_train_end)
+      callbacks                   finetune.Callback objects (on_train_begin, on_step_begin/_end, on_eval, on_save, on_train_end)
     Use it as a context manager (or call close()) to free what outlives a run: a streamed
     weights file, the process group of a multi-process launch.
     """
@@ -84,7 +84,7 @@ class Trainer:
         if data is not None:
             self.data = data
         self.progress_enabled = progress
-        self.callbacks = CallbackList(list(callbacks or []))
+        self.callbacks = CallbackList(build.recipe_callbacks(self) + list(callbacks or []))  # the recipe's first
         self.loss_fn: LossFn = loss_fn or build.default_loss(cfg)
         self._given_optimizer, self._given_scheduler = optimizer, scheduler
         self.out = Path(cfg.output_dir)
@@ -155,7 +155,7 @@ class Trainer:
     def setup(self) -> None:
         cfg = self.cfg
         self.precision = resolve_precision(cfg.precision)
-        acc = self.accelerator = build.make_accelerator(self.precision)
+        acc = self.accelerator = build.make_accelerator(self.precision, cfg)
         problem = output_dir_problem(cfg)  # refuse early; delete an old run (overwrite) only once loading worked
         if problem:
             raise OutputDirError(problem)
@@ -242,7 +242,7 @@ class Trainer:
                 totals.sums[key] = totals.sums.get(key, 0.0) + value
         return totals
 
-    def _optimizer_step(self, speed: Throughput, progress: Progress) -> tuple[dict[str, Any], bool]:
+    def _optimizer_step(self, speed: Throughput) -> tuple[dict[str, Any], bool]:
         """One optimizer step: gradients, clipping, the update (never a non-finite one). (row, finite)."""
         cfg, state, acc = self.cfg, self.state, self.accelerator
         speed.start()
@@ -267,7 +267,6 @@ class Trainer:
             state.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
         speed.stop(step_tokens_global, trained_global)
-        progress.update(loss, speed.tokens_per_s, lr, extra)
         state.step += 1
         state.loss = loss
         row = {
@@ -285,8 +284,7 @@ class Trainer:
 
     def _log_step(self, row: dict[str, Any], finite: bool, progress: Progress) -> None:
         """Spike and non-finite notes, metrics.jsonl, callbacks; stop on a non-finite step unless told to skip."""
-        cfg, state = self.cfg, self.state
-        done = state.step
+        cfg, state, done = self.cfg, self.state, self.state.step
         recent = state.loss_ema
         spike = state.record_loss(row["loss"], finite, cfg.train.loss_spike_factor)
         if spike:
@@ -297,6 +295,7 @@ class Trainer:
         if not finite:
             row["skipped"] = True
         self.callbacks("on_step_end", state, row)
+        progress.update(row["loss"], row["tokens_per_s"], row["lr"], row)  # with what callbacks added (MFU)
         # Every rank must stop together, or the others wait forever in the next collective.
         state.should_stop = self.parallel.global_sum(float(state.should_stop)) > 0
         if done % cfg.train.log_every_steps == 0 or self._last_step() or not finite or spike:
@@ -375,7 +374,8 @@ class Trainer:
         try:
             with stop_signals(state):
                 while state.step < state.total_steps and not state.should_stop:
-                    row, finite = self._optimizer_step(speed, progress)
+                    self.callbacks("on_step_begin", state, {"step": state.step + 1})
+                    row, finite = self._optimizer_step(speed)
                     self._log_step(row, finite, progress)
                     self._after_step(progress)
         finally:
@@ -427,7 +427,7 @@ class Trainer:
         parallel.wait()
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         model_state, optimizer_state = parallel.full_states(self.model, optimizer)  # collectives: every rank
-        rank_rng = parallel.every_rank_rng()
+        rank_states = parallel.every_rank_state()
         if parallel.is_main:
             self.resume.save(
                 step,
@@ -437,7 +437,7 @@ class Trainer:
                 self.state.counters(),
                 model_state,
                 optimizer_state,
-                rank_rng,
+                rank_states,
             )
         parallel.wait()
         self.callbacks("on_save", self.state, {"step": step, "path": str(checkpoint_dir(self.out, step)), "kind": "checkpoint"})

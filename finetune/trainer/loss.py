@@ -3,6 +3,12 @@
 A loss function takes (model, batch) and returns (summed loss, number of target tokens);
 the trainer divides by the target tokens of the whole accumulation window on every
 process, so pass your own `loss_fn` in the same form (see Trainer).
+
+Mixture-of-experts models that compute a load-balancing loss (transformers' aux_loss, with
+output_router_logits) get it added as transformers' own forward adds it to the mean
+cross-entropy, `router_aux_loss_coef * aux`: in the summed form that is coef * aux * (the
+micro-batch's target tokens), so after the trainer's division each micro-batch's aux weighs
+what its share of the window's targets weighs (one micro-batch: exactly transformers' loss).
 """
 
 from __future__ import annotations
@@ -57,9 +63,22 @@ class CausalLMLoss:
         self.fused = None  # memory.loss=liger: (weight, hidden, targets, bias) -> summed loss, for a plain head
         self.checked = False  # the chunked head was checked against this model's own logits
         self.chunked_batches = 0  # batches that took the chunked path (for tests and the planner's check)
+        self.aux_coef: float | None = None  # router_aux_loss_coef of an MoE model (0: none), read on the first batch
 
     def __call__(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        inputs, labels = model_inputs(batch), batch["labels"]
+        inputs: dict = model_inputs(batch)
+        if self.aux_coef is None:
+            self.aux_coef = router_aux_coef(model)
+        if self.aux_coef:
+            inputs["output_router_logits"] = True
+        loss, n, out = self._cross_entropy(model, inputs, batch["labels"])
+        aux = getattr(out, "aux_loss", None)
+        if self.aux_coef and isinstance(aux, torch.Tensor):
+            loss = loss + self.aux_coef * n * aux.to(loss.dtype)
+        return loss, n
+
+    def _cross_entropy(self, model, inputs: dict, labels: torch.Tensor) -> tuple[torch.Tensor, int, object]:
+        """(summed cross-entropy, target tokens, the model's output: aux_loss and all)."""
         keep = torch.zeros_like(labels, dtype=torch.bool)
         keep[:, :-1] = shifted_targets(labels) != IGNORE_INDEX
         if self.chunk_rows and not (self.chunk_only_above and int(keep.sum()) <= self.chunk_rows):
@@ -78,13 +97,13 @@ class CausalLMLoss:
             if out is not None and out.logits.dim() == 2:
                 n = int(keep.sum())
                 if n == 0:
-                    return out.logits.sum() * 0.0, 0
-                return F.cross_entropy(out.logits.float(), labels[:, 1:][keep[:, :-1]], reduction="sum"), n
+                    return out.logits.sum() * 0.0, 0, out
+                return F.cross_entropy(out.logits.float(), labels[:, 1:][keep[:, :-1]], reduction="sum"), n, out
             self.head_on_targets_only = False  # this model ignores or rejects it: full logits from now on
             if out is not None:
-                return loss_sum_and_count(out.logits, labels)
+                return (*loss_sum_and_count(out.logits, labels), out)
         out = model(**inputs, use_cache=False)
-        return loss_sum_and_count(out.logits, labels)
+        return (*loss_sum_and_count(out.logits, labels), out)
 
     def _reproduces_logits(self, model, owner: torch.nn.Module, device: torch.device) -> bool:
         """Checked once, on the first batch that would be chunked: a model whose forward changes its
@@ -103,7 +122,7 @@ class CausalLMLoss:
 
     def _chunked(
         self, model, owner: torch.nn.Module, inputs: dict, labels: torch.Tensor, keep: torch.Tensor
-    ) -> tuple[torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, int, object]:
         """The decoder runs with a stand-in head that keeps its input and makes no logits; the real
         head then runs chunk by chunk inside the loss."""
         head, capture = owner.lm_head, CaptureHead()
@@ -111,11 +130,11 @@ class CausalLMLoss:
         try:
             if self.head_on_targets_only:
                 try:
-                    model(**inputs, use_cache=False, logits_to_keep=keep)
+                    out = model(**inputs, use_cache=False, logits_to_keep=keep)
                 except (TypeError, IndexError):  # no boolean logits_to_keep: the head sees every position
-                    model(**inputs, use_cache=False)
+                    out = model(**inputs, use_cache=False)
             else:
-                model(**inputs, use_cache=False)
+                out = model(**inputs, use_cache=False)
         finally:
             owner.lm_head = head
         hidden = capture.hidden
@@ -126,7 +145,17 @@ class CausalLMLoss:
         targets = labels[:, 1:][keep[:, :-1]]
         transform = logits_transform(owner.config)
         if self.fused is not None and transform is None and fusable_head(head) and targets.numel():
-            return self.fused(head.weight, hidden, targets, head.bias), int(targets.numel())
+            return self.fused(head.weight, hidden, targets, head.bias), int(targets.numel()), out
         assert self.chunk_rows is not None
         loss = chunked_linear_cross_entropy(hidden, head, targets, self.chunk_rows, transform)
-        return loss, int(targets.numel())
+        return loss, int(targets.numel()), out
+
+
+def router_aux_coef(model) -> float:
+    """The weight of the model's load-balancing loss (config.router_aux_loss_coef) when it computes one
+    (transformers' MoE models: config.output_router_logits exists), else 0."""
+    owner = head_owner(model) if isinstance(model, torch.nn.Module) else None  # a plain callable: a test's stand-in
+    config = getattr(owner, "config", None)
+    if config is None or not hasattr(config, "output_router_logits"):
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)

@@ -1,10 +1,10 @@
-"""One object for how a run is spread over processes: single, DDP or FSDP.
+"""One object for how a run is spread over processes: single, DDP, FSDP or DeepSpeed ZeRO.
 
     parallel = Parallel.choose(cfg, accelerator)      # resolves distributed.strategy=auto
     model = parallel.shard(model, cfg, dtype)          # FSDP: before the optimizer exists
     model, optimizer = parallel.prepare(model, optimizer)    # DDP: distributed.grad_compression's hook too
     with parallel.gradient_sync(model, last_micro_batch):
-        loss.backward()
+        accelerator.backward(loss)       # DeepSpeed: the last micro-batch's backward also steps the engine
 
 Every strategy branch of the trainer lives here; the loop asks, never checks names.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from finetune import comm_hooks, grad_compression, memory_modes
+from finetune import comm_hooks, grad_compression, memory_modes, zero
 from finetune.checkpoint import RankState, rng_states
 from finetune.config import RecipeConfig
 from finetune.distributed import (
@@ -27,6 +27,9 @@ from finetune.distributed import (
     place_sharded,
     resolve_strategy,
     shard_model,
+    zero_full_optimizer_state,
+    zero_full_weights,
+    zero_optimizer,
 )
 from finetune.errors import ConfigError
 from finetune.hardware import release_free_heap
@@ -35,10 +38,11 @@ from finetune.hardware import release_free_heap
 class Parallel:
     def __init__(self, accelerator, strategy: str, cfg: RecipeConfig):
         self.accelerator = accelerator
-        self.strategy = strategy  # single | ddp | fsdp
+        self.strategy = strategy  # single | ddp | fsdp | deepspeed
         self.cfg = cfg
         self.powersgd: comm_hooks.PowerSGD | None = None  # its state goes into every checkpoint, per rank
         self._gloo = None
+        self._zero_groups: list[list[torch.nn.Parameter]] = []  # deepspeed: the optimizer's parameters, as built
 
     @classmethod
     def choose(cls, cfg: RecipeConfig, accelerator) -> Parallel:
@@ -50,6 +54,11 @@ class Parallel:
         )
         if cfg.distributed.strategy == "auto":
             problems += grad_compression.problems(cfg, strategy)
+        if strategy == "deepspeed" and accelerator.distributed_type != "DEEPSPEED":
+            problems.append(  # make_accelerator builds DeepSpeed's accelerator from the recipe: a given one lacks it
+                "distributed.strategy=deepspeed needs the accelerator built with the recipe (trainer/build.py "
+                f"make_accelerator(precision, cfg)); this one runs {accelerator.distributed_type}."
+            )
         if problems:
             raise ConfigError(problems)
         return cls(accelerator, strategy, cfg)
@@ -73,29 +82,39 @@ class Parallel:
         return self.accelerator.device
 
     @property
-    def sharded(self) -> bool:
+    def fsdp(self) -> bool:
         return self.strategy == "fsdp"
+
+    @property
+    def sharded(self) -> bool:
+        """The weights are partitioned over the processes (FSDP, ZeRO-3): the 4-bit storage must be
+        the compute dtype, and every rank must run each forward together."""
+        return self.fsdp or (self.strategy == "deepspeed" and self.cfg.distributed.zero_stage == 3)
 
     def describe(self) -> str | None:
         compression = self.cfg.distributed.grad_compression
         if self.strategy == "single":
+            if self.cfg.distributed.strategy == "deepspeed":
+                return "distributed.strategy=deepspeed: one process, trained without DeepSpeed (ZeRO partitions over processes)"
             if compression == "none":
                 return None
             return f"distributed.grad_compression={compression} has no effect: one process has no gradients to all-reduce"
         where = f"parallel: {self.strategy} over {self.world} processes"
+        if self.strategy == "deepspeed":
+            return f"{where} ({zero.describe(self.cfg)})"
         return where if compression == "none" else f"{where}, {grad_compression.describe(self.cfg)}"
 
     def load_device(self, streaming: bool) -> torch.device:
         """Where the model is loaded. FSDP loads into CPU RAM and moves only this rank's shard to the
         GPU, and streaming keeps the decoder layers there: a whole 4-bit 70B model (~37 GB) would not
         fit one 24 GB card even for a moment."""
-        return torch.device("cpu") if self.sharded or streaming else self.device
+        return torch.device("cpu") if self.fsdp or streaming else self.device
 
     # ------------------------------------------------------------------ wrapping
 
     def shard(self, model, cfg: RecipeConfig, compute_dtype: torch.dtype):
         """FSDP: shard the model before the optimizer exists (its state is then sharded too)."""
-        if not self.sharded:
+        if not self.fsdp:
             return model
         shard_model(model, cfg, compute_dtype)
         place_sharded(model, self.device, keep_params_on_cpu=cfg.distributed.cpu_offload)
@@ -106,8 +125,16 @@ class Parallel:
         """accelerate's wrappers: DDP for the model (not for FSDP, which prepare() would wrap in DDP),
         with distributed.grad_compression's communication hook. (accelerate's own comm_hook option
         keeps PowerSGD's state where a checkpoint cannot reach it, and refuses bf16 on gloo.)"""
-        if self.sharded:
+        if self.fsdp:
             return model, self.accelerator.prepare(optimizer)
+        if self.strategy == "deepspeed":
+            # ZeRO replaces the optimizer's parameters with flat partitions: its state is read and
+            # written per parameter through these (distributed.zero_full_optimizer_state).
+            self._zero_groups = [list(g["params"]) for g in optimizer.param_groups]
+            self.accelerator.state.deepspeed_plugin.set_deepspeed_weakref()  # transformers: ZeRO-3 from now on
+            model, optimizer = self.accelerator.prepare(model, optimizer)
+            zero_optimizer(optimizer).finetune_param_groups = self._zero_groups  # for checkpoint.load_checkpoint
+            return model, optimizer
         model, optimizer = self.accelerator.prepare(model, optimizer)
         if self.strategy == "ddp":
             self.powersgd = comm_hooks.register(model, self.cfg)
@@ -119,9 +146,14 @@ class Parallel:
     # ------------------------------------------------------------------ the step
 
     def gradient_sync(self, model, last: bool):
-        """Only the last micro-batch of the window all-reduces (DDP) or reduce-scatters (FSDP) gradients."""
-        if self.sharded:
+        """Only the last micro-batch of the window all-reduces (DDP) or reduce-scatters (FSDP) gradients.
+        DeepSpeed: accelerate's sync_gradients marks the engine's accumulation boundary, where its
+        backward steps (clipping, the update, zeroed gradients; optimizer.step() is then a no-op)."""
+        if self.fsdp:
             model.set_requires_gradient_sync(last)
+            return nullcontext()
+        if self.strategy == "deepspeed":
+            self.accelerator.gradient_state._set_sync_gradients(last)
             return nullcontext()
         return self.accelerator.no_sync(model) if not last else nullcontext()
 
@@ -142,16 +174,21 @@ class Parallel:
     # ------------------------------------------------------------------ what a checkpoint needs whole
 
     def full_states(self, model, optimizer) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
-        """(trainable weights, optimizer state) gathered whole under FSDP (a collective: every rank
-        calls, rank 0 writes); (None, None) when the process holds them whole already."""
-        if not self.sharded:
+        """(trainable weights, optimizer state) gathered whole under FSDP and ZeRO (a collective: every
+        rank calls, rank 0 writes); (None, None) when the process holds them whole already."""
+        if self.strategy == "deepspeed":
+            return zero_full_weights(self.unwrap(model)), zero_full_optimizer_state(zero_optimizer(optimizer), self._zero_groups)
+        if not self.fsdp:
             return None, None
         return full_trainable_state(model), full_optimizer_state(optimizer)
 
     def full_weights(self, model) -> dict[str, torch.Tensor] | None:
-        return full_trainable_state(model) if self.sharded else None
+        """The trained weights whole (FSDP, ZeRO: a collective), or None: `model` holds them."""
+        if self.strategy == "deepspeed":
+            return zero_full_weights(model)
+        return full_trainable_state(model) if self.fsdp else None
 
-    def every_rank_rng(self) -> list[RankState] | None:
+    def every_rank_state(self) -> list[RankState] | None:
         """What each rank holds alone, for a resume that continues each: its generator states (its own
         dropout streams) and PowerSGD's state (its own error feedback). A collective; rank 0 gets
         the list, the others None."""

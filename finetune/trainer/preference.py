@@ -152,8 +152,9 @@ class WithReference(Sequence):
         return len(self.pairs)
 
     def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self))[i]
+        if isinstance(i, range):
+            return [self[j] for j in i]
         return {**self.pairs[i], "reference_logps": self.table[i].tolist()}
 
     def lengths(self):
