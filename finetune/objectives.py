@@ -93,6 +93,12 @@ def problems(cfg: Any) -> list[str]:
             f"train.objective={objective.name} takes its reference from the base model with the adapter switched "
             "off; full fine-tuning (lora: null) has no such base. Set lora, or use orpo or simpo (no reference)."
         )
+    if objective.reference and cfg.lora is not None and cfg.lora.method == "pissa":
+        out.append(
+            f"train.objective={objective.name} takes its reference from the base with the adapter switched off, but "
+            "lora.method=pissa rewrites the base weights (W minus the adapter's initial product): that is not the "
+            "base model. Use lora.method=lora (or dora, rslora), or orpo or simpo (no reference)."
+        )
     if train.precompute_reference and not objective.reference:
         out.append(
             f"train.precompute_reference is set, but train.objective={objective.name} uses no reference model. "

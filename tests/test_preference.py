@@ -85,8 +85,11 @@ def test_orpo_loss_by_hand():
 
 
 def test_log1mexp_is_accurate_at_both_ends():
-    x = torch.tensor([-1e-10, -0.5, -50.0], dtype=torch.float64)
-    assert log1mexp(x).tolist() == pytest.approx([math.log(1e-10), math.log(1 - math.exp(-0.5)), -math.exp(-50.0)], rel=1e-9)
+    x = torch.tensor([-1e-6, -0.5, -50.0], dtype=torch.float64)
+    expected = [math.log(-math.expm1(-1e-6)), math.log(1 - math.exp(-0.5)), -math.exp(-50.0)]
+    assert log1mexp(x).tolist() == pytest.approx(expected, rel=1e-9)
+    # Above -1e-6 (p > 0.999999) the odds are capped there: a certain answer has no finite odds.
+    assert log1mexp(torch.tensor([-1e-10, 0.0], dtype=torch.float64)).tolist() == [log1mexp(x)[0].item()] * 2
 
 
 # ----------------------------------------------------------------------------- data
@@ -311,3 +314,19 @@ def test_a_dpo_run_merges_and_evaluates(recipe_dict, tmp_path, capsys):
     # The same held-out pairs the run scored after training: its number, in the fine-tuned column.
     assert trained.preference_accuracy_after is not None
     assert row.split()[-1] == f"{100 * trained.preference_accuracy_after:.1f}%"
+
+
+def test_orpo_gradients_stay_finite_when_the_chosen_answer_is_certain():
+    # torch.where differentiates both branches of log(1 - e^x): a mean log-probability of -3e-9 or 0
+    # (a short answer learnt by heart) must not turn the step into NaN.
+    for mean_c in (-3e-9, 0.0):
+        c = torch.tensor([3 * mean_c], dtype=torch.float32, requires_grad=True)
+        r = torch.tensor([-6.0], dtype=torch.float32, requires_grad=True)
+        loss, _, _ = pair_losses("orpo", 0.1, c, r, torch.tensor([3]), torch.tensor([3]))
+        loss.sum().backward()
+        assert torch.isfinite(loss).all() and torch.isfinite(c.grad).all() and torch.isfinite(r.grad).all(), mean_c
+
+
+def test_dpo_refuses_pissa_whose_adapter_off_model_is_not_the_base(recipe_dict, tmp_path):
+    with pytest.raises(ConfigError, match=re.escape("lora.method=pissa rewrites the base weights")):
+        build_recipe(recipe(recipe_dict, tmp_path, **{"lora.method": "pissa", "quant": {"bits": None}}))

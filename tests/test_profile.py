@@ -186,3 +186,21 @@ def test_the_progress_bar_shows_tflops_and_mfu():
     assert bar._bar is not None
     assert bar._bar.postfix == "loss=1.5000 acc=0.750 lr=1.00e-03 tok/s=1,234 TFLOP/s=0.00612 MFU=1.9%"
     bar.close()
+
+
+def test_an_error_inside_the_range_leaves_no_profiler_running(recipe_dict, tmp_path):
+    # A run that dies inside the profiled steps must release the profiler: the next run in the same
+    # process (a notebook) profiles again instead of failing on "profiler already enabled".
+    class DiesAtStep2(Trainer):
+        def step_batches(self, step):
+            if step == 1:  # optimizer step 2, inside the range 2-3
+                raise RuntimeError("boom")
+            return super().step_batches(step)
+
+    first = cfg_for(recipe_dict, tmp_path / "dies", train={"max_steps": 4}, profile={"steps": "2-3"})
+    with pytest.raises(RuntimeError, match="boom"):
+        DiesAtStep2(first, progress=False).train()
+    assert not torch.autograd.profiler._is_profiler_enabled
+    again = cfg_for(recipe_dict, tmp_path / "again", train={"max_steps": 3}, profile={"steps": "2-2"})
+    Trainer(again, progress=False).train()
+    assert len(list((tmp_path / "again" / "profile").glob("rank0-steps2-2.pt.trace.json"))) == 1

@@ -66,6 +66,7 @@ class PreferencePairs(Sequence):
     """Pairs stored as one TokenizedData of interleaved sides; indexes like a list of pair dicts."""
 
     packed = False
+    unit = "pairs"  # what one item is (the trainer's step descriptions)
 
     def __init__(self, sides: TokenizedData):
         if len(sides) % 2:

@@ -25,7 +25,7 @@ from typing import Any
 
 from finetune.trainer.state import TrainState
 
-HOOKS = ("on_train_begin", "on_step_begin", "on_step_end", "on_eval", "on_save", "on_train_end")
+HOOKS = ("on_train_begin", "on_step_begin", "on_step_end", "on_eval", "on_save", "on_train_end", "on_train_exit")
 
 
 class Callback:
@@ -55,6 +55,10 @@ class Callback:
     def on_train_end(self, state: TrainState, metrics: dict[str, Any]) -> None:
         """When the run finished (not when it stopped on an error or a signal). metrics: final_loss,
         eval_loss, steps, tokens, trained_tokens, elapsed_s, adapter_dir."""
+
+    def on_train_exit(self, state: TrainState, metrics: dict[str, Any]) -> None:
+        """When the training loop is left however it ends (finished, preempted, an error): release what
+        you hold. metrics: step (the last one completed)."""
 
 
 class CallbackList:

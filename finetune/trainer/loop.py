@@ -12,10 +12,9 @@ how the window is cut into micro-batches: batch 8 x accum 1 and batch 2 x
 accum 4 give the same update on variable-length data (the gradient-accumulation
 bug that hit HF Trainer and others in 2024 averaged per micro-batch instead).
 
-The rooms: state.py (what a run counts), build.py (parts from a recipe),
-order.py (which examples each step), parallel.py (single / DDP / FSDP),
-loss.py (the objective), schedule.py (lr), callbacks.py (your code),
-finetune/resume.py (checkpoints to continue from), profiling.py (MFU, torch.profiler).
+The rooms: state.py (what a run counts), build.py (parts from a recipe), order.py (which examples
+each step), parallel.py (single / DDP / FSDP / ZeRO), loss.py and preference.py (the objectives),
+schedule.py (lr), callbacks.py (your code), finetune/resume.py (checkpoints), profiling.py (MFU).
 """
 
 from __future__ import annotations
@@ -304,15 +303,14 @@ class Trainer:
             return
         where = f"step {done}: loss {row['loss']}, grad_norm {row['grad_norm']}"
         if cfg.train.on_nonfinite == "stop":
-            # The weights are still those of the last good step: keep them.
-            self.save_checkpoint(done - 1)
+            if not self.parallel.updates_in_backward:  # the weights are still the last good step's: keep them
+                self.save_checkpoint(done - 1)
             raise TrainingError(
-                f"non-finite {where}; the update was not applied. Checkpoint of the last good state: "
-                f"{checkpoint_dir(self.out, done - 1)}",
+                f"non-finite {where}; {self.parallel.after_nonfinite(checkpoint_dir(self.out, done - 1))}",
                 hint="lower train.lr, keep train.max_grad_norm set, check this step's data, "
                 "or set train.on_nonfinite=skip; resume=auto continues from the checkpoint",
             )
-        progress.write(f"{where}: non-finite, update skipped ({state.skipped_steps} so far)")
+        progress.write(f"{where}: non-finite, {self.parallel.after_nonfinite(None)} ({state.skipped_steps} so far)")
 
     def _last_step(self) -> bool:
         return self.state.step == self.state.total_steps or self.state.should_stop
@@ -381,6 +379,7 @@ class Trainer:
         finally:
             progress.close()
             self.metrics.close()
+            self.callbacks("on_train_exit", state, {"step": state.step})  # also after an error: release
         return self._finish(em_records, before)
 
     def _finish(self, em_records: list[dict] | None, before: HeldOutScores) -> TrainResult:

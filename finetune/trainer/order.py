@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from finetune.config import RecipeConfig
-from finetune.data import Collator, PreferencePairs, length_grouped
+from finetune.data import Collator, length_grouped
 from finetune.errors import DataError
 
 
@@ -26,8 +26,8 @@ class DataOrder:
     @property
     def unit(self) -> str:
         """What one item of the train set is: an example, a packed row of several, or a preference pair."""
-        if isinstance(self.train, PreferencePairs):
-            return "pairs"
+        if getattr(self.train, "unit", None):  # preference pairs (PreferencePairs, or with a precomputed reference)
+            return self.train.unit  # type: ignore[attr-defined]
         return "packed rows" if getattr(self.train, "packed", False) else "examples"
 
     def total_steps(self) -> int:

@@ -86,6 +86,24 @@ class Parallel:
         return self.strategy == "fsdp"
 
     @property
+    def updates_in_backward(self) -> bool:
+        """DeepSpeed's engine steps inside the last micro-batch's backward, before the trainer sees the
+        step's loss: a non-finite step is then skipped only by fp16's loss scaler, and the weights
+        after it are not "the last good state"."""
+        return self.strategy == "deepspeed"
+
+    def after_nonfinite(self, good_checkpoint) -> str:
+        """What became of a non-finite step's update, for the message; good_checkpoint: where the last good
+        state was saved (None: on_nonfinite=skip)."""
+        if self.updates_in_backward:
+            return "DeepSpeed applied its update inside backward (fp16's loss scaler alone skips one)" + (
+                "; resume from the last periodic checkpoint" if good_checkpoint is not None else ""
+            )
+        if good_checkpoint is None:
+            return "update skipped"
+        return f"the update was not applied. Checkpoint of the last good state: {good_checkpoint}"
+
+    @property
     def sharded(self) -> bool:
         """The weights are partitioned over the processes (FSDP, ZeRO-3): the 4-bit storage must be
         the compute dtype, and every rank must run each forward together."""

@@ -56,8 +56,13 @@ def adapter_off(model):
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """log(1 - exp(x)) for x < 0, accurate at both ends (Maechler 2012)."""
-    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+    """log(1 - exp(x)) for x < 0, accurate at both ends (Maechler 2012). torch.where differentiates
+    both branches, so each gets an input where it is finite (0 x inf would be NaN); and x stays
+    below -1e-6: a mean log-probability of exactly 0 (a certain answer) has no finite odds."""
+    ln2 = math.log(2.0)
+    x = x.clamp(max=-1e-6)
+    near, far = torch.log(-torch.expm1(x.clamp(min=-ln2))), torch.log1p(-torch.exp(x.clamp(max=-ln2)))
+    return torch.where(x > -ln2, near, far)
 
 
 def pair_losses(
@@ -145,6 +150,8 @@ def preference_accuracy(model, examples, cfg, collate, parallel, head_on_targets
 class WithReference(Sequence):
     """Pairs carrying the base model's summed log-probabilities of their sides (train.precompute_reference)."""
 
+    unit = "pairs"
+
     def __init__(self, pairs: Sequence[dict], table: torch.Tensor):
         self.pairs, self.table = pairs, table  # table: (pairs, 2) float32, chosen and rejected
 
@@ -189,6 +196,7 @@ def reference_key(cfg, pairs: Sequence[dict], precision: str) -> str:
     from finetune.config import resolve_path
 
     material: dict = {"model": cfg.model.model_dump(), "quant": cfg.quant.model_dump(), "precision": precision}
+    material["lora"] = cfg.lora.model_dump() if cfg.lora is not None else None  # the adapter-off model can depend on it
     path = resolve_path(cfg.model.path)
     if os.path.isdir(path):
         material["files"] = sorted(
@@ -210,11 +218,12 @@ def precomputed_reference(
     from finetune.data.cache import cache_root
 
     path = cache_root(cfg).parent / "reference" / f"{reference_key(cfg, pairs, precision)}.safetensors"
-    if path.exists():
-        table = load_file(str(path))["reference_logps"]
-        if tuple(table.shape) == (len(pairs), 2):
-            say(f"reference: log-probabilities of {len(pairs)} pairs read from {path}")
-            return WithReference(pairs, table)
+    table = load_file(str(path))["reference_logps"] if path.exists() else None
+    readable = table is not None and tuple(table.shape) == (len(pairs), 2)
+    # All ranks read, or all compute: a cache on one node only must not split an FSDP forward.
+    if parallel.global_sum(0.0 if readable else 1.0) == 0 and table is not None:
+        say(f"reference: log-probabilities of {len(pairs)} pairs read from {path}")
+        return WithReference(pairs, table)
     started = time.perf_counter()
     bs = cfg.eval.batch_size or cfg.train.batch_size
     table = reference_table(model, pairs, collate, parallel.device, bs, head_only)

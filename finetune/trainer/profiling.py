@@ -176,6 +176,21 @@ class StepProfiler(Callback):
         if self.prof is not None:  # the run ended inside the range (a callback or signal stopped it)
             self._close(state.step)
 
+    def on_train_exit(self, state: TrainState, metrics: dict[str, Any]) -> None:
+        """An error or a signal inside the range: stop tracing and memory recording, write nothing (a
+        profiler left on would refuse the next run in this process, e.g. a notebook's)."""
+        prof, recording, self.prof, self.recording = self.prof, self.recording, None, None
+        if self.label is not None:
+            self.label.__exit__(None, None, None)
+            self.label = None
+        if prof is None:
+            return
+        if recording is None:  # only warmed up (prepared): started and stopped at once, as _close does
+            prof.start_trace()
+        prof.stop_trace()
+        if recording is not None and self._memory_timeline():
+            torch.cuda.memory._record_memory_history(enabled=None)
+
     def _memory_timeline(self) -> bool:
         return self.trainer.cfg.profile.memory_timeline and self.trainer.accelerator.device.type == "cuda"
 
