@@ -27,6 +27,7 @@ class Objective:
     reference: bool  # needs the reference model's log-probabilities
     default_beta: float | None  # train.beta when the recipe leaves it null
     beta_means: str  # what beta is, for messages and the recipe comment
+    per_token: bool = False  # its rewards use the mean log-probability of a response, not the sum
 
     @property
     def sequences_per_example(self) -> int:
@@ -44,8 +45,10 @@ OBJECTIVES: dict[str, Objective] = {
     for o in (
         Objective("sft", pairs=False, reference=False, default_beta=None, beta_means="unused"),
         Objective("dpo", pairs=True, reference=True, default_beta=0.1, beta_means="the KL penalty to the reference"),
-        Objective("orpo", pairs=True, reference=False, default_beta=0.1, beta_means="the weight of the odds-ratio term"),
-        Objective("simpo", pairs=True, reference=False, default_beta=2.0, beta_means="the reward scale"),
+        Objective(
+            "orpo", pairs=True, reference=False, default_beta=0.1, beta_means="the weight of the odds-ratio term", per_token=True
+        ),
+        Objective("simpo", pairs=True, reference=False, default_beta=2.0, beta_means="the reward scale", per_token=True),
     )
 }
 PREFERENCE_FORMAT = "preference"  # the data.format of preference pairs

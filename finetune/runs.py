@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from finetune import objectives
 from finetune.config import RecipeConfig, build_recipe, resolve_path
 from finetune.data import build_examples, held_out_records, load_records
 from finetune.errors import ConfigError, DataError, FinetuneError, HardwareError, ModelError, RunDirError
@@ -320,8 +321,8 @@ def evaluate_run(
     examples, _ = build_examples(records, cfg, tokenizer, key=source)
 
     def scored(m) -> Scores:
-        normalised = cfg.train.objective in ("orpo", "simpo")  # their rewards are per token
-        return score(m, tokenizer, records, examples, cfg.data.format, max_new, batch_size, normalised)
+        per_token = objectives.get(cfg.train.objective).per_token
+        return score(m, tokenizer, records, examples, cfg.data.format, max_new, batch_size, per_token)
 
     tuned = scored(model)
     if run.is_adapter:

@@ -278,3 +278,27 @@ def training_kernel_only(model):
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
     return model
+
+
+def assert_packed_logits_match_each_example(trainer, label: str) -> None:
+    """A packed run's rows (the first two holding several examples) give each example the logits it
+    gets alone (atol 1e-5): packing never lets one example see another."""
+    import torch
+
+    from finetune.data import Collator
+
+    model = trainer.model.eval()
+    rows = [r for r in trainer.data.train if r["position_ids"].count(0) > 1][:2]
+    assert rows, "packing put every example in a row of its own"
+    batch = Collator(pad_token_id=0)(rows)
+    seen = 0
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        for r, row in enumerate(rows):
+            starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [len(row["input_ids"])]
+            for a, b in zip(starts, starts[1:]):
+                alone = model(input_ids=torch.tensor([row["input_ids"][a:b]]), use_cache=False).logits[0]
+                torch.testing.assert_close(packed[r, a:b], alone, rtol=0, atol=1e-5, msg=f"{label} row {r} [{a}:{b})")
+                seen += 1
+    assert seen >= 3, label
+    model.train()

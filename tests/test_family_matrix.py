@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import ALPACA_ROWS, build_char_tokenizer, write_jsonl
+from conftest import ALPACA_ROWS, assert_packed_logits_match_each_example, build_char_tokenizer, write_jsonl
 
 from finetune.config import build_recipe
 from finetune.metrics import read_metrics
@@ -90,24 +90,8 @@ def test_family_trains_unpacked_and_packed(trained):
 
 
 def test_family_packed_logits_equal_each_example_alone(trained):
-    from finetune.data import Collator
-
     family, runs = trained
-    model = runs["packed"][0].model.eval()
-    rows = [r for r in runs["packed"][0].data.train if r["position_ids"].count(0) > 1][:2]
-    assert rows, "packing put every example in a row of its own"
-    batch = Collator(pad_token_id=0)(rows)
-    seen = 0
-    with torch.no_grad():
-        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-        for r, row in enumerate(rows):
-            starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [len(row["input_ids"])]
-            for a, b in zip(starts, starts[1:]):
-                alone = model(input_ids=torch.tensor([row["input_ids"][a:b]]), use_cache=False).logits[0]
-                torch.testing.assert_close(packed[r, a:b], alone, rtol=0, atol=1e-5, msg=f"{family} row {r} [{a}:{b})")
-                seen += 1
-    assert seen >= 3, family
-    model.train()
+    assert_packed_logits_match_each_example(runs["packed"][0], family)
 
 
 def test_family_merged_export_passes_the_merge_check(trained, tmp_path):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import build_char_tokenizer
+from conftest import assert_packed_logits_match_each_example, build_char_tokenizer
 
 from finetune.config import build_recipe
 from finetune.errors import ModelError
@@ -184,25 +184,8 @@ def test_moe_trains_qlora_with_4bit_experts_a_frozen_router_and_lora_on_the_expe
 
 
 def test_moe_packed_logits_equal_each_example_alone(trained_moe):
-    from finetune.data import Collator
-
     family, _, runs = trained_moe
-    trainer = runs["packed"][0]
-    model = trainer.model.eval()
-    rows = [r for r in trainer.data.train if r["position_ids"].count(0) > 1][:2]  # rows holding several examples
-    assert rows, "packing put every example in a row of its own"
-    batch = Collator(pad_token_id=0)(rows)
-    seen = 0
-    with torch.no_grad():
-        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-        for r, row in enumerate(rows):
-            starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [len(row["input_ids"])]
-            for a, b in zip(starts, starts[1:]):
-                alone = model(input_ids=torch.tensor([row["input_ids"][a:b]]), use_cache=False).logits[0]
-                torch.testing.assert_close(packed[r, a:b], alone, rtol=0, atol=1e-5)
-                seen += 1
-    assert seen >= 3, family
-    model.train()
+    assert_packed_logits_match_each_example(runs["packed"][0], family)
 
 
 def test_moe_merged_export_passes_the_merge_check_only_with_the_experts_round_trip(trained_moe, tmp_path):

@@ -218,19 +218,17 @@ class Trainer:
         return self.order.step_batches(step)
 
     def accumulate_gradients(self, step: int) -> StepTotals:
-        """Backward over the step's window.
-
-        Each micro-batch's summed loss is divided by the units (target tokens, or pairs) of
-        the whole window on all processes, so the accumulated gradient is the gradient of the
-        window's mean loss however the window is split.
-        """
+        """Backward over the step's window. Each micro-batch's summed loss is divided by the units
+        (target tokens, or pairs) of the whole window on all processes, so the accumulated gradient
+        is the gradient of the window's mean loss however the window is split."""
         parallel, model = self.parallel, self.model
         batches = self.step_batches(step)
-        units = getattr(self.loss_fn, "count", count_targets)  # a loss may say what it averages over
-        n_global = parallel.global_sum(sum(units(b) for b in batches))
+        targets = sum(count_targets(b) for b in batches)
+        count = getattr(self.loss_fn, "count", None)  # a loss may say what it averages over (pairs)
+        n_global = parallel.global_sum(sum(count(b) for b in batches) if count else targets)
         # DDP averages gradients over processes: multiply back by their number.
         scale = parallel.world / max(n_global, 1)
-        totals = StepTotals(0.0, n_global, sum(count_tokens(b) for b in batches), sum(count_targets(b) for b in batches))
+        totals = StepTotals(0.0, n_global, sum(count_tokens(b) for b in batches), targets)
         for i, batch in enumerate(batches):
             with parallel.gradient_sync(model, last=i == len(batches) - 1):
                 with self.activation_offload.saving() if self.activation_offload else nullcontext():
@@ -246,16 +244,18 @@ class Trainer:
         cfg, state, acc = self.cfg, self.state, self.accelerator
         speed.start()
         totals = self.accumulate_gradients(state.step)
-        n_global = totals.units
+        units = max(totals.units, 1)
         grad_norm = float(acc.clip_grad_norm_(self.params, cfg.train.max_grad_norm or float("inf")))
         lr = self.scheduler.get_last_lr()[0]
-        loss = self.parallel.global_sum(totals.loss_sum) / max(n_global, 1)
-        extra = {k: self.parallel.global_sum(v) / max(n_global, 1) for k, v in totals.sums.items()}
+        loss_sum, tokens, trained, *sums = self.parallel.global_sums(
+            totals.loss_sum, totals.tokens, totals.trained_tokens, *totals.sums.values()
+        )
+        loss = loss_sum / units
+        extra = {k: v / units for k, v in zip(totals.sums, sums)}
         # A non-finite loss or gradient must never reach the weights or the optimizer state.
         # (fp16: an inf gradient is the GradScaler's business; it skips that step itself and lowers the scale.)
         finite = math.isfinite(loss) and (math.isfinite(grad_norm) or self.precision == "fp16")
-        step_tokens_global = int(self.parallel.global_sum(totals.tokens))
-        trained_global = int(self.parallel.global_sum(totals.trained_tokens))
+        step_tokens_global, trained_global = int(tokens), int(trained)
         if finite:
             self.optimizer.step()
             if not acc.optimizer_step_was_skipped:  # the schedule follows applied updates, not GradScaler skips

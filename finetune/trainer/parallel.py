@@ -176,10 +176,14 @@ class Parallel:
         return self.accelerator.no_sync(model) if not last else nullcontext()
 
     def global_sum(self, value: float) -> float:
+        return self.global_sums(value)[0]
+
+    def global_sums(self, *values: float) -> list[float]:
+        """Each value summed over the processes, in one collective (a step's totals travel together)."""
         if self.world == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        return float(self.accelerator.reduce(t, reduction="sum").item())
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        return self.accelerator.reduce(t, reduction="sum").tolist()
 
     def eval_rounds(self, n_batches: int, mine: int) -> int:
         """Forwards this rank runs to evaluate its share of n_batches. FSDP gathers weights inside every

@@ -33,6 +33,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from finetune import objectives
 from finetune.errors import TrainingError
 from finetune.evaluate import chosen_wins, row_logps
 from finetune.resume import data_fingerprint
@@ -125,12 +126,8 @@ class PreferenceLoss:
             self.gamma,
         )
         reward_c, reward_r = reward_c.detach().float(), reward_r.detach().float()
-        self.last_sums = {
-            "rewards/chosen": float(reward_c.sum()),
-            "rewards/rejected": float(reward_r.sum()),
-            "rewards/margin": float((reward_c - reward_r).sum()),
-            "rewards/accuracy": float((reward_c > reward_r).sum()),
-        }
+        sums = torch.stack([reward_c.sum(), reward_r.sum(), (reward_c - reward_r).sum(), (reward_c > reward_r).sum()])
+        self.last_sums = dict(zip(REWARD_METRICS, sums.tolist()))  # one device sync, not four
         return losses.sum(), pairs
 
 
@@ -139,8 +136,8 @@ def preference_accuracy(model, examples, cfg, collate, parallel, head_on_targets
     the rejected one: summed log-probability (dpo), or per token (orpo, simpo: their rewards are
     length-normalised). Unlike the training metric rewards/accuracy (relative to the reference
     for dpo), it means the same before training as after."""
-    length_normalised = cfg.train.objective != "dpo"
-    score = partial(chosen_wins, length_normalised=length_normalised, head_on_targets_only=head_on_targets_only)
+    per_token = objectives.get(cfg.train.objective).per_token
+    score = partial(chosen_wins, length_normalised=per_token, head_on_targets_only=head_on_targets_only)
     return held_out_loss(model, examples, cfg, collate, parallel, score)
 
 

@@ -8,13 +8,11 @@ regrouping its buckets after the resumed launch's first step).
 from __future__ import annotations
 
 import json
-import signal
-import time
 
 import pytest
 import torch
 from conftest import ALPACA_ROWS, step_rows, write_jsonl
-from test_distributed import adapter, finetune, losses, write
+from test_distributed import adapter, finetune, preempt_after, write
 
 pytestmark = pytest.mark.slow
 
@@ -99,17 +97,7 @@ def test_powersgd_warms_up_plain_then_stays_close_and_resumes_bitwise_after_sigt
         train__max_steps=400,
         distributed={"strategy": "ddp", "grad_compression": "powersgd", "powersgd_warmup_steps": WARMUP},
     )
-    job = finetune(str(recipe), "--nproc", "2", cwd=root, port=29715, wait=False)
-    deadline = time.time() + 300
-    while (
-        job.poll() is None
-        and time.time() < deadline
-        and not ((out / "metrics.jsonl").exists() and len(losses(out)) >= WARMUP + 2)
-    ):
-        time.sleep(0.05)
-    job.send_signal(signal.SIGTERM)
-    output = job.communicate(timeout=300)[0]
-    assert job.returncode == 75, output[-3000:]
+    preempt_after(finetune(str(recipe), "--nproc", "2", cwd=root, port=29715, wait=False), out, WARMUP + 2)
     (saved,) = (out / "checkpoints").glob("step-*")
     step = int(saved.name.split("-")[1])
     assert WARMUP + 2 <= step < STEPS, step  # PowerSGD's state was live, and steps are left to compare

@@ -13,13 +13,11 @@ CPU Adam, which GPU runs step with, is compiled on first use and not run here.
 
 from __future__ import annotations
 
-import signal
-import time
 from pathlib import Path
 
 import pytest
 from conftest import ALPACA_ROWS, assert_same_steps, write_jsonl
-from test_distributed import adapter, assert_adapters_close, finetune, losses, write
+from test_distributed import adapter, assert_adapters_close, finetune, losses, preempt_after, write
 
 pytest.importorskip("deepspeed", reason="distributed.strategy=deepspeed needs pip install 'finetune[deepspeed]'")
 pytestmark = pytest.mark.slow
@@ -78,13 +76,7 @@ def test_zero3_with_offload_on_two_processes_matches_one(base, one_process):
 def test_sigterm_under_zero2_resumes_under_zero3_then_on_one_process(base, one_process):
     root, recipe = base
     path, out = write(root, recipe, "moved", distributed={"strategy": "deepspeed", "zero_stage": 2})
-    job = finetune(str(path), "--nproc", "2", cwd=root, port=29821, wait=False)
-    deadline = time.time() + 300
-    while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(losses(out)) >= 2):
-        time.sleep(0.05)
-    job.send_signal(signal.SIGTERM)
-    output = job.communicate(timeout=300)[0]
-    assert job.returncode == 75, output[-3000:]
+    output = preempt_after(finetune(str(path), "--nproc", "2", cwd=root, port=29821, wait=False), out, 2)
     (saved,) = sorted((out / "checkpoints").glob("step-*/manifest.json"))  # the signal's, not a periodic one
     stopped = int(saved.parent.name.split("-")[1])
     assert 2 <= stopped < STEPS, output[-3000:]

@@ -57,6 +57,18 @@ def finetune(*args: str, cwd: Path, port: int, timeout: int = 420, wait: bool = 
     return proc
 
 
+def preempt_after(job, out: Path, logged: int) -> str:
+    """SIGTERM a launched job (what Slurm/Kubernetes send) once `logged` steps are in its metrics.jsonl;
+    it must checkpoint and exit 75. Its output."""
+    deadline = time.time() + 300
+    while job.poll() is None and time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(losses(out)) >= logged):
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    output = job.communicate(timeout=300)[0]
+    assert job.returncode == 75, output[-3000:]
+    return output
+
+
 def assert_adapters_close(a: dict, b: dict, atol: float = 1e-5) -> None:
     assert a.keys() == b.keys() and len(a) > 0
     for k in a:
@@ -193,13 +205,7 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_and_exits_75(recipe_dict
     # What Slurm/Kubernetes do before preempting: SIGTERM to `finetune run --nproc 2`.
     common = {"train__batch_size": 2, "train__max_steps": 40, "checkpoint": {"every_steps": 100}, "train__scheduler": "constant"}
     recipe, out = write(tmp_path, recipe_dict, "pre", **common)
-    job = finetune(str(recipe), "--nproc", "2", cwd=tmp_path, port=29651, wait=False)
-    deadline = time.time() + 300
-    while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(losses(out)) >= 3):
-        time.sleep(0.05)
-    job.send_signal(signal.SIGTERM)
-    output = job.communicate(timeout=300)[0]
-    assert job.returncode == 75, output[-3000:]
+    output = preempt_after(finetune(str(recipe), "--nproc", "2", cwd=tmp_path, port=29651, wait=False), out, 3)
     saved = sorted((out / "checkpoints").glob("step-*/manifest.json"))
     assert len(saved) == 1, output[-3000:]  # not a periodic one (every 100): written because of the signal
     step = int(saved[0].parent.name.split("-")[1])
