@@ -28,10 +28,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from finetune.config import RecipeConfig, current_spelling
+from finetune.config import RecipeConfig
 from finetune.data.sources import file_digest
 from finetune.distributed import is_sharded, load_full_trainable_state, shard_optimizer_state, zero_load, zero_optimizer
 from finetune.errors import CheckpointError, OutputDirError
+from finetune.older_runs import current_spelling
 
 RUN_MARKERS = ("recipe.yaml", "metrics.jsonl", "adapter", "checkpoints")
 MANIFEST = "manifest.json"

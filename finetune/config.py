@@ -255,6 +255,11 @@ class MemoryConfig(_Section):
         "when a batch has more targets than one chunk (full under FSDP); liger: liger-kernel's fused kernel (CUDA)",
     )
     loss_chunk: int = Field(256, ge=16, description="target positions per chunk of memory.loss=chunked|auto")
+    embeddings: Literal["device", "cpu"] = Field(
+        "device",
+        description="cpu: the frozen input embedding table stays in host RAM (lookups there, only the rows cross) and "
+        "the LM head visits the GPU for the loss only, not while the decoder runs backward (the peak)",
+    )
     tiled_mlp: Literal["auto", "off"] | Annotated[int, Field(ge=1)] = Field(
         "auto",
         description="each decoder layer's MLP over N tiles of the sequence, each recomputed in backward: its "
@@ -335,32 +340,6 @@ class RecipeConfig(_Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-
-# Keys added after runs were written, with the value that reproduces what those runs did.
-_OLDER_RUNS: dict[str, dict[str, Any]] = {
-    "memory": {"loss": "full", "loss_chunk": 256, "tiled_mlp": "off"},
-    "train": {"objective": "sft", "beta": None, "simpo_gamma": None, "precompute_reference": False},
-    "distributed": {"grad_compression": "none", "powersgd_rank": 1, "powersgd_warmup_steps": None, **zero.DEFAULTS},
-    "profile": {"steps": None, "memory_timeline": True},
-}
-
-
-def current_spelling(recipe: dict[str, Any]) -> dict[str, Any]:
-    """A resolved recipe dict (an older run's recipe.yaml or checkpoint) as this version writes it:
-    lora.dora (true/false) becomes lora.method (dora/lora), and keys the run predates get the value
-    it ran with, so resuming such a run sees no change it did not make."""
-    recipe = dict(recipe)
-    for section, defaults in _OLDER_RUNS.items():
-        if isinstance(recipe.get(section, {}), dict):  # a section the run predates: its defaults whole
-            recipe[section] = {**defaults, **recipe.get(section, {})}
-    lora = recipe.get("lora")
-    if not isinstance(lora, dict) or "dora" not in lora:
-        return recipe
-    lora = dict(lora)
-    dora = lora.pop("dora")
-    lora.setdefault("method", "dora" if dora else adapters.DEFAULT)
-    return {**recipe, "lora": lora}
 
 
 def fsdp_problems(cfg: RecipeConfig, why: str) -> list[str]:

@@ -1,7 +1,8 @@
 """Memory modes, and what each cannot run with: one table.
 
 The modes: memory.activation_checkpointing (all | none | k), memory.activation_offload,
-memory.base_weights (device | cpu | disk) with memory.offload_dir, memory.optimizer_offload, and
+memory.base_weights (device | cpu | disk) with memory.offload_dir, memory.optimizer_offload,
+memory.embeddings (device | cpu), and
 FSDP's own distributed.cpu_offload. Each rule below is one row: the settings that conflict, the
 message (naming the keys) and the fix. Three places ask the table, each with what it knows:
 
@@ -41,6 +42,7 @@ class Settings:
     cpu_offload: bool = False  # distributed.cpu_offload
     processes: int | None = None  # None: not known (a recipe alone)
     loss: str = "auto"  # memory.loss: auto | full | chunked | liger
+    embeddings: str = "device"  # memory.embeddings: device | cpu
 
     @property
     def checkpoint_every(self) -> int:
@@ -140,6 +142,19 @@ RULES: tuple[Rule, ...] = (
         group=FSDP,
     ),
     Rule(
+        keys=("distributed.strategy", "memory.embeddings"),
+        conflicts=lambda s: s.fsdp and s.embeddings == "cpu",
+        problem="{fsdp_by} shards the vocabulary tables itself; memory.embeddings=cpu keeps them whole in host RAM.",
+        fix="Set memory.embeddings=device, or distributed.strategy=ddp.",
+        group=FSDP,
+    ),
+    Rule(
+        keys=("memory.embeddings", "lora"),
+        conflicts=lambda s: s.embeddings == "cpu" and not s.lora,
+        problem="memory.embeddings=cpu keeps frozen tables in host RAM; with full fine-tuning (lora: null) they train.",
+        fix="Use LoRA, or memory.embeddings=device.",
+    ),
+    Rule(
         keys=("memory.offload_dir", "memory.base_weights"),
         conflicts=lambda s: s.offload_dir is not None and s.base_weights != "disk",
         problem="memory.offload_dir is only used by memory.base_weights=disk;",
@@ -172,6 +187,7 @@ def recipe_settings(cfg: Any, **override: Any) -> Settings:
         offload_dir=mem.offload_dir,
         optimizer_offload=mem.optimizer_offload,
         loss=mem.loss,
+        embeddings=mem.embeddings,
         fsdp=cfg.distributed.strategy == "fsdp",
         cpu_offload=cfg.distributed.cpu_offload,
     )

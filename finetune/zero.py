@@ -19,7 +19,7 @@ from finetune.errors import ConfigError
 
 Offload = Literal["none", "cpu", "nvme"]  # where offload_optimizer / offload_params put their tensors
 INSTALL = "pip install 'finetune[deepspeed]'"
-# The keys of this module and their defaults; an older run's recipe predates them (config._OLDER_RUNS).
+# The keys of this module and their defaults; an older run's recipe predates them (older_runs._OLDER_RUNS).
 DEFAULTS: dict[str, Any] = {"zero_stage": 2, "offload_optimizer": "none", "offload_params": "none", "nvme_dir": None}
 
 
@@ -77,6 +77,11 @@ def problems(cfg: Any) -> list[str]:
         out.append(
             f"distributed.strategy=deepspeed partitions the weights itself; memory.base_weights={mem.base_weights} streams "
             "them on one process. What works: zero_stage=3 with offload_params=cpu (or nvme), or one GPU with base_weights."
+        )
+    if mem.embeddings != "device":
+        out.append(
+            "memory.embeddings=cpu keeps the vocabulary tables in one process's host RAM; DeepSpeed's engine places "
+            "every parameter itself. Set memory.embeddings=device (ZeRO-3 partitions the tables over the GPUs)."
         )
     if mem.optimizer_offload:
         out.append(

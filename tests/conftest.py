@@ -63,7 +63,7 @@ def build_char_tokenizer(out_dir: Path, chat_template: str | None = CHATML_TEMPL
     return fast
 
 
-def build_tiny_llama(out_dir: Path, vocab_size: int, seed: int = 0, hidden: int = 64, layers: int = 2):
+def build_tiny_llama(out_dir: Path, vocab_size: int, seed: int = 0, hidden: int = 64, layers: int = 2, tied: bool = False):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -79,7 +79,7 @@ def build_tiny_llama(out_dir: Path, vocab_size: int, seed: int = 0, hidden: int 
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         # A wider init than the default 0.02 lets a frozen random head express
         # confident predictions, so LoRA alone can visibly lower the loss.
         initializer_range=0.1,

@@ -206,3 +206,53 @@ if __name__ == "__main__":  # print the table of docs/plan.md: python tests/test
             print(
                 f"| {which} | {'on' if ck else 'off'} | {dr} | {b} x {s} | {key} | {m[key]:,} B | {p[key]:,} B | {100 * (p[key] / m[key] - 1):+.1f}% |"
             )
+
+
+def measure_step_peak(model_dir, tmp_path, *, seq: int, tiles: int, chunk: int) -> tuple[int, int]:
+    """(measured, predicted) bytes allocated at the peak of one step with the long-context levers:
+    every layer checkpointed, the MLP in `tiles` tiles, the head and loss over chunks of `chunk`
+    targets. Both count only what the step allocates (not the weights, LoRA weights, AdamW state)."""
+    from finetune.tiled_mlp import tile_mlps
+    from finetune.trainer import CausalLMLoss
+
+    memory = {"activation_checkpointing": "all", "tiled_mlp": tiles, "loss": "chunked", "loss_chunk": chunk}
+    cfg = build_recipe(
+        {
+            "model": {"path": str(model_dir)},
+            "data": {"path": "unused.jsonl", "max_seq_len": seq},
+            "output_dir": str(tmp_path / "run"),
+            "precision": "fp32",
+            "quant": {"bits": 4},
+            "lora": {"r": 8, "alpha": 16, "dropout": 0.0},
+            "train": {"batch_size": 1},
+            "memory": memory,
+        }
+    )
+    torch.manual_seed(0)
+    model = load_model(cfg, precision="fp32", device=torch.device("cpu"))
+    assert tile_mlps(model, tiles) == model.config.num_hidden_layers
+    model.train()
+    loss_fn = CausalLMLoss(chunk_rows=chunk)
+    loss_fn.checked = True  # the probe against the model's own logits is not part of a step
+    ids = torch.randint(0, model.config.vocab_size, (1, seq))
+    tracker = LiveBytes(existing=[*model.parameters(), *model.buffers(), *quant_state_tensors(model)])
+    with tracker:
+        loss, _ = loss_fn(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
+        loss.backward()
+    assert loss_fn.chunked_batches == 1
+
+    shape = read_model_shape(cfg.model.path)
+    recipe = Recipe.from_config(cfg, "fp32", on_gpu=False)
+    setup = Setup(batch_size=1, grad_accum=1, seq_len=seq, loss="chunked", loss_chunk=chunk, tiled_mlp=tiles)
+    e = estimate(shape, recipe, setup, None)
+    held = ("weights_quantized", "quant_constants", "weights_unquantized", "lora_weights", "optimizer_state")
+    return tracker.peak, e.peak_allocated_bytes - sum(e.component(k) for k in held)
+
+
+@pytest.mark.parametrize("seq, tiles, chunk", [(1024, 4, 128), (1024, 1, 128), (512, 8, 64)])
+def test_long_context_step_peak_matches_measured_cpu_allocations(seq, tiles, chunk, small_model, tmp_path):
+    # The planner's long-context terms together (one chunk of logits, one MLP tile in the layer
+    # recomputed and in its backward gradients, the checkpointed inputs) against a real step.
+    measured, predicted = measure_step_peak(small_model, tmp_path, seq=seq, tiles=tiles, chunk=chunk)
+    err = predicted / measured - 1
+    assert abs(err) <= TOLERANCE, f"step peak: predicted {predicted:,} measured {measured:,} ({err:+.1%})"

@@ -52,6 +52,7 @@ KNOBS: list[Knob] = [
     Knob("activation_offload", "memory.activation_offload", lambda s, _: [False, True]),
     Knob("optimizer_offload", "memory.optimizer_offload", lambda s, _: [False, True]),
     Knob("base_weights", "memory.base_weights", lambda s, _: ["device", "cpu", "disk"]),
+    Knob("embeddings", "memory.embeddings", lambda s, _: ["device", "cpu"]),
 ]
 
 
@@ -62,6 +63,7 @@ def mode_settings(s: Setup, recipe: Recipe | None = None) -> memory_modes.Settin
         activation_offload=s.activation_offload,
         base_weights=s.base_weights,
         optimizer_offload=s.optimizer_offload,
+        embeddings=s.embeddings,
         fsdp=s.sharding == "fsdp" and s.gpus > 1,
         cpu_offload=s.cpu_offload,
         processes=s.gpus,

@@ -33,6 +33,7 @@ class Setup:
     loss: str = "full"  # memory.loss: full (every target's logits at once) | chunked | liger | auto (a recipe's default)
     loss_chunk: int = 256  # memory.loss_chunk: target positions per chunk
     tiled_mlp: str | int = "off"  # memory.tiled_mlp: off | auto | N (a recipe's default is auto)
+    embeddings: str = "device"  # memory.embeddings: device | cpu (the vocabulary tables in host RAM)
     sequences_per_example: int = 1  # preference pairs: chosen and rejected in one forward (finetune/objectives.py)
     reference_passes: int = 0  # dpo: forwards without gradients (adapter off) per micro-batch, for the reference
 
@@ -76,6 +77,7 @@ class Setup:
         """How much this setup leans on host RAM and the host link; ties in step time go to the lowest."""
         return (
             int(self.activation_offload)
+            + int(self.embeddings == "cpu")
             + int(self.optimizer_offload)
             + int(self.cpu_offload)
             + {"device": 0, "cpu": 2, "disk": 3}.get(self.base_weights, 3)
@@ -120,6 +122,13 @@ class Recipe:
     # CUDA's fused dropout keeps a bool mask; the CPU kernel keeps a mask tensor of the input's dtype.
     dropout_mask_bytes: int = 1
     method: str | None = None  # lora.method (finetune/adapters/); None: dora or lora, as `dora` says
+    packed: bool = False  # data.packing: rows of several examples, told apart by position_ids
+
+    def attention_mask(self, rows: int) -> bool:
+        """Whether attention gets a (rows, 1, T, T) bool mask: padding in a batch, or packed rows
+        (transformers turns restarting position_ids into a block-causal mask under sdpa and eager;
+        the plan assumes sdpa: flash_attention_2's varlen path needs none)."""
+        return rows > 1 or self.packed
 
     @property
     def adapter(self) -> adapters.AdapterMethod:
@@ -140,6 +149,7 @@ class Recipe:
             compute_bytes=4 if precision == "fp32" else 2,
             dropout_mask_bytes=1 if on_gpu else (4 if precision == "fp32" else 2),
             method=lora.adapter.name if lora else None,
+            packed=cfg.data.packing,
         )
 
 
@@ -171,6 +181,7 @@ def describe_setup(s: Setup) -> str:
             ("activations", s.activation_offload),
             ("optimizer", s.optimizer_offload and not s.sharding.startswith("zero")),
             (f"base weights streamed from {s.base_weights}", s.streams_weights),
+            ("vocabulary tables", s.embeddings == "cpu"),
         ]
         if on
     ]

@@ -135,6 +135,7 @@ class _Static:
     ddp_buckets: int = 0
     offloaded: int = 0  # FSDP cpu_offload: every shard in host RAM
     host_optimizer: int = 0  # optimizer_offload: HostAdamW's fp32 copies in host RAM
+    host_tables: int = 0  # memory.embeddings=cpu: the vocabulary tables in host RAM
 
     @property
     def on_gpu(self) -> int:
@@ -162,6 +163,7 @@ def _static_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Impleme
     unquantized = (shape.embedding_params + shape.head_params + shape.other_params) * unq_bytes
     w, c, u = expert_weight_bytes(shape, recipe)  # MoE: every expert (finetune/moe.py)
     q_weight, q_const, unquantized = q_weight + w, q_const + c, unquantized + u
+    host_tables = (shape.embedding_params + shape.head_params) * unq_bytes if setup.embeddings == "cpu" else 0
     trainable = trainable_params(shape, recipe)
     adapter_bytes = impl.adapter_bytes if recipe.lora_r else (4 if b == 4 else b)
     grads = trainable * adapter_bytes
@@ -175,7 +177,9 @@ def _static_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Impleme
         lora=grads if recipe.lora_r else 0,
         grads=grads,
         optim=grads * impl.optimizer_states,
+        host_tables=host_tables,
     )
+    t.unquantized -= host_tables
     zero = setup.sharding if setup.sharding.startswith("zero") and n_gpu > 1 else ""
     if fsdp:
         # Decoder layers are sharded; FSDP's root unit (embeddings, head, final norm) stays whole,
@@ -228,14 +232,16 @@ def _activation_terms(shape: ModelShape, recipe: Recipe, setup: Setup, gpu: GpuS
     checkpointed = setup.checkpointed_layers(L)
     input_only = tokens * b * shape.hidden  # a checkpointed layer's input, kept for the recompute
     full_layer = tokens * layer_saved_bytes_per_token(shape, recipe, B) + expert_stack_saved_bytes(shape, recipe)
-    rebuilt = full_layer  # what one layer's recomputation holds
+    # What one layer's recomputation holds. In fp32 its first RMSNorm keeps the layer's input itself
+    # (no upcast copy): that is the checkpointed input, counted already.
+    rebuilt = full_layer - (input_only if b == 4 else 0)
     tiles = 1 if shape.experts else setup.mlp_tiles(shape.hidden)  # tiled_mlp.py leaves MoE blocks whole
     if tiles > 1:
         # memory.tiled_mlp: each MLP tile is a checkpoint, so a layer keeps only the MLP's input, and
         # one tile's intermediate (gate, SiLU, up; down_proj's LoRA input) exists at a time.
         mlp = tokens * mlp_saved_bytes_per_token(shape, recipe)
         full_layer = full_layer - mlp + input_only
-        rebuilt = full_layer + mlp // tiles
+        rebuilt = rebuilt - mlp + input_only + mlp // tiles
     layers_saved = checkpointed * input_only + (L - checkpointed) * full_layer
     host = 0
     if setup.activation_offload:
@@ -290,7 +296,7 @@ def estimate(
     st = _static_terms(shape, recipe, setup, impl, fsdp)
     act = _activation_terms(shape, recipe, setup, gpu, st.trainable)
     tr = _transient_terms(shape, recipe, setup, impl)
-    phase_loss = st.on_gpu + act.saved + tr.mask + tr.final_norm + tr.loss
+    phase_loss = st.on_gpu + act.saved + tr.mask + tr.final_norm + tr.loss + tr.head_visit
     phase_backward = st.on_gpu + act.saved + tr.mask + act.recompute + tr.working + tr.dequant
     loss_peak = phase_loss >= phase_backward
     peak_alloc = max(phase_loss, phase_backward)
@@ -313,6 +319,7 @@ def estimate(
         fsdp,
         streamed_bytes=st.streamed_store,
         activation_bytes=act.host,
+        exposed_bytes=tr.head_visit + (setup.rows * setup.seq_len * shape.hidden * recipe.compute_bytes if tr.head_visit else 0),
     )
     fsdp_loads = setup.sharding == "fsdp" and n_gpu > 1  # ZeRO loads on the GPU: one shard at a time in RAM
     host_parts, captured = _host_ram(shape, recipe, setup, st, act, fsdp_loads, shard_bytes)
@@ -347,6 +354,7 @@ class _Transient:
     loss: int  # logits and loss buffers (memory.loss chunked or auto: one chunk of target positions)
     working: int  # gradients while one layer runs backward
     dequant: int  # the weight dequantized for one matmul (LoRA on MoE experts: the gradient of a layer's stack)
+    head_visit: int  # memory.embeddings=cpu: the LM head's copy on the GPU while the loss runs
 
 
 def _transient_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Implementation) -> _Transient:
@@ -354,11 +362,14 @@ def _transient_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Impl
     tokens = B * T
     logits_bytes = (impl.unquantized_bytes or b) if impl.loss != "chunked" else b
     return _Transient(
-        mask=B * T * T if B > 1 else 0,
+        mask=B * T * T if recipe.attention_mask(B) else 0,
         final_norm=tokens * 4 * shape.hidden,
         loss=loss_peak_bytes(min(tokens, setup.loss_rows) if setup.loss_rows else tokens, shape.vocab, logits_bytes, impl),
-        working=tokens * backward_working_bytes_per_token(shape, recipe),
+        working=tokens * backward_working_bytes_per_token(shape, recipe, 1 if shape.experts else setup.mlp_tiles(shape.hidden)),
         dequant=max(shape.largest_linear * b if recipe.quant_bits else 0, shape.expert_layer_params * b * adapts_experts(recipe)),
+        head_visit=(shape.head_params or shape.embedding_params) * (impl.unquantized_bytes or b)
+        if setup.embeddings == "cpu"
+        else 0,
     )
 
 
@@ -397,9 +408,10 @@ def _components(
             + act.label,
             act.saved,
         ),
-        Component("attention_mask", "padded-batch attention mask", tr.mask),
+        Component("attention_mask", "attention mask (padded or packed rows)", tr.mask),
         Component("logits_loss", "logits and loss buffers", tr.loss, in_peak=loss_peak),
         Component("final_norm", "final norm input (fp32)", tr.final_norm, in_peak=loss_peak),
+        Component("head_visit", "LM head visiting from host RAM for the loss", tr.head_visit, in_peak=loss_peak),
         Component("recompute_layer", "one layer recomputed in backward", act.recompute, in_peak=not loss_peak),
         Component("backward_working", "backward gradients of one layer", tr.working, in_peak=not loss_peak),
         Component("dequant_buffer", "dequantized weight of one matmul", tr.dequant, in_peak=not loss_peak),
@@ -440,7 +452,7 @@ def _host_ram(
     else:
         loading = shard + ((st.q_const + st.unquantized + (0 if captured else st.streamed_store)) if setup.streams_weights else 0)
     streamed_pinned = st.streamed_store if setup.base_weights == "cpu" else 0
-    pinned = streamed_pinned + act.host + st.host_optimizer + st.offloaded
+    pinned = streamed_pinned + act.host + st.host_optimizer + st.offloaded + st.host_tables
     parts = {
         "libraries": HOST_BASELINE_BYTES,
         "loading": loading,
@@ -448,6 +460,7 @@ def _host_ram(
         "activations": act.host,
         "optimizer": st.host_optimizer,
         "fsdp_shards": st.offloaded,
+        "vocab_tables": st.host_tables,
     }
     return {**parts, "total": HOST_BASELINE_BYTES + max(loading, pinned)}, captured
 

@@ -62,6 +62,7 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
         loss=cfg.memory.loss,
         loss_chunk=cfg.memory.loss_chunk,
         tiled_mlp=cfg.memory.tiled_mlp,
+        embeddings=cfg.memory.embeddings,
     )
 
 

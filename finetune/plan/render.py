@@ -53,9 +53,10 @@ def report(e: Estimate) -> str:
             rate = f"{e.gpu.pcie_gbps:g} GB/s (pinned, host link)"
             if s.base_weights == "disk":
                 rate = f"{min(NVME_READ_GBPS, e.gpu.pcie_gbps):g} GB/s (NVMe, page cache cold) for weights, " + rate
+            overlap = "" if p["host_transfer_exposed"] >= p["host_transfer"] else ", overlapped layer by layer with compute"
             lines.append(
-                f"host link  {p['host_transfer']:.2f} s/step of copies at {rate}, overlapped layer by layer "
-                f"with compute: they add {p['host_transfer_exposed']:.2f} s/step"
+                f"host link  {p['host_transfer']:.2f} s/step of copies at {rate}{overlap}: "
+                f"they add {p['host_transfer_exposed']:.2f} s/step"
             )
     lines += [f"note       {n}" for n in e.notes]
     return "\n".join(lines)
@@ -90,6 +91,7 @@ def _host_lines(e: Estimate) -> list[str]:
             ("activations", "saved activations"),
             ("optimizer", "AdamW state + fp32 weights and grads"),
             ("fsdp_shards", "offloaded weight shards (FSDP, ZeRO-3)"),
+            ("vocab_tables", "embeddings and head"),
         ]
         if h.get(k)
     ]

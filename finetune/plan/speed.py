@@ -96,6 +96,7 @@ def step_time(
     *,
     streamed_bytes: int = 0,
     activation_bytes: int = 0,
+    exposed_bytes: int = 0,
 ) -> tuple[float, dict[str, float]]:
     """Seconds per optimizer step: compute at MATMUL_EFFICIENCY of dense bf16 peak, NF4 dequantization
     at BANDWIDTH_EFFICIENCY of memory bandwidth, gradient all-reduce (DDP) or weight all-gather (FSDP)
@@ -103,29 +104,16 @@ def step_time(
     is for GPUs.
 
     streamed_bytes: base weights streamed per pass over the layer stack (base_weights=cpu|disk);
-    activation_bytes: saved activations sent to host RAM per micro-batch (activation_offload)."""
+    activation_bytes: saved activations sent to host RAM per micro-batch (activation_offload);
+    exposed_bytes: copies per micro-batch that wait for nothing to overlap them (memory.embeddings=cpu:
+    the head's visit, made when the loss needs it, and the looked-up embedding rows)."""
     if gpu is None:
         return 0.0, {}
     compute, dequant, forward, recompute = _micro_batch_seconds(shape, recipe, setup, gpu, trainable)
-    micro = compute + dequant
     host_link = gpu.pcie_gbps * 1e9
-    transfer = exposed = 0.0
-    if streamed_bytes or activation_bytes:
-        # Copies run on a side stream while layers compute, so a layer takes max(its compute, its copy):
-        # summed over uniform layers, max(compute of the pass, copies of the pass). The head and loss
-        # are counted in with the layers (a slight over-statement of the overlap); nothing hides the
-        # copy of the first layer of each pass (it has no layer before it).
-        weights_rate = min(NVME_READ_GBPS * 1e9, host_link) if setup.base_weights == "disk" else host_link
-        weights = streamed_bytes / weights_rate  # once in forward, once in the recompute before backward
-        first_layer = weights / shape.layers
-        acts = activation_bytes / host_link
-        backward = micro - forward
-        # Forward: weights come in while activations go out (PCIe is full duplex). Backward: offload.py
-        # copies saved tensors back on the compute stream, so those copies add to the time.
-        with_copies = max(forward, weights, acts) + first_layer + max(backward, weights) + first_layer + acts
-        transfer = 2 * weights + 2 * acts
-        exposed = with_copies - micro
-        micro = with_copies
+    micro, transfer, exposed = _with_host_copies(shape, setup, gpu, compute + dequant, forward, streamed_bytes, activation_bytes)
+    # Copies that nothing overlaps add whole.
+    micro, transfer, exposed = (x + exposed_bytes / host_link for x in (micro, transfer, exposed))
     n = setup.gpus
     link = gpu.interconnect_gbps * 1e9 * LINK_EFFICIENCY
     comm = 0.0
@@ -158,3 +146,23 @@ def step_time(
         "host_transfer_exposed": exposed * setup.grad_accum,
     }
     return micro * setup.grad_accum + comm + optimizer, parts
+
+
+def _with_host_copies(shape, setup, gpu, micro: float, forward: float, streamed_bytes: int, activation_bytes: int):
+    """(micro-batch seconds with the offload modes' copies, seconds of copies, seconds they add)."""
+    if not (streamed_bytes or activation_bytes):
+        return micro, 0.0, 0.0
+    host_link = gpu.pcie_gbps * 1e9
+    # Copies run on a side stream while layers compute, so a layer takes max(its compute, its copy):
+    # summed over uniform layers, max(compute of the pass, copies of the pass). The head and loss
+    # are counted in with the layers (a slight over-statement of the overlap); nothing hides the
+    # copy of the first layer of each pass (it has no layer before it).
+    weights_rate = min(NVME_READ_GBPS * 1e9, host_link) if setup.base_weights == "disk" else host_link
+    weights = streamed_bytes / weights_rate  # once in forward, once in the recompute before backward
+    first_layer = weights / shape.layers
+    acts = activation_bytes / host_link
+    backward = micro - forward
+    # Forward: weights come in while activations go out (PCIe is full duplex). Backward: offload.py
+    # copies saved tensors back on the compute stream, so those copies add to the time.
+    with_copies = max(forward, weights, acts) + first_layer + max(backward, weights) + first_layer + acts
+    return with_copies, 2 * weights + 2 * acts, with_copies - micro

@@ -44,20 +44,20 @@ def layer_saved_bytes_per_token(shape: ModelShape, recipe: Recipe, batch_size: i
       RMSNorm (x2)       its input upcast to fp32 (4h); the fp32 variance is per token only
       q/k after RoPE, v, attention output: compute dtype (flash / memory-efficient SDPA save
                          no T x T matrix), plus the fp32 log-sum-exp per head
-      GQA                with padding in the batch (batch_size > 1) transformers repeats k/v to
+      GQA                under an attention mask (Recipe.attention_mask) transformers repeats k/v to
                          every head before SDPA (no GQA kernel under a mask), so k and v cost h each
       gated MLP          gate (SiLU input), SiLU output, up: three intermediate-sized tensors
       base linears       nothing: a frozen (quantized) weight needs only itself for the input grad
       LoRA               each wrapped linear's input: with dropout a fresh copy plus its mask per
-                         linear; without, the shared input once (q/k/v share one, gate/up one); the
-                         o_proj input is a contiguous copy of the attention output; and lora_A's
-                         r-wide output, which lora_B keeps
+                         linear; without, the shared input once (q/k/v share one, gate/up one; o_proj's
+                         is the attention output, counted: SDPA's output is laid out so that its
+                         transpose is contiguous already); and lora_A's r-wide output, which lora_B keeps
     """
     b = recipe.compute_bytes
     h, f, lse = shape.hidden, shape.intermediate, shape.heads * 4
     qd = shape.heads * shape.head_dim
     kvd = shape.kv_heads * shape.head_dim
-    if shape.kv_heads < shape.heads and batch_size > 1:
+    if shape.kv_heads < shape.heads and recipe.attention_mask(batch_size):
         kvd = qd
     total = 2 * 4 * h  # two RMSNorms
     total += b * (qd + 2 * kvd + qd) + lse  # SDPA: q, k, v, out
@@ -80,15 +80,18 @@ def layer_saved_bytes_per_token(shape: ModelShape, recipe: Recipe, batch_size: i
         total += int(b * recipe.lora_r * per_layer)
         if recipe.lora_dropout > 0:
             total += int((b + recipe.dropout_mask_bytes) * width * per_layer)  # dropout output + mask, per wrapped linear
-        else:
+        elif source != "o_in":  # o_proj's input is the attention output SDPA keeps (its transpose is a view)
             shared[source] = width
     return total + b * sum(shared.values())
 
 
-def backward_working_bytes_per_token(shape: ModelShape, recipe: Recipe) -> int:
-    """Gradients alive while one layer runs backward: the residual-stream grads and the MLP's."""
+def backward_working_bytes_per_token(shape: ModelShape, recipe: Recipe, mlp_tiles: int = 1) -> int:
+    """Gradients alive at the peak of one layer's backward, its MLP's (the rest of the layer's saved
+    tensors are still held then): the gradient of the layer's output and two intermediate-sized
+    gradients of the MLP, of one tile under memory.tiled_mlp (each tile is a checkpoint that runs
+    its backward alone). Measured on the CPU (tests/test_plan_measured.py)."""
     b = recipe.compute_bytes
-    return b * (3 * shape.hidden + 3 * shape.intermediate) + 4 * shape.hidden  # + the fp32 RMSNorm grad
+    return b * shape.hidden + 2 * b * shape.intermediate // mlp_tiles
 
 
 def loss_peak_bytes(tokens: int, vocab: int, logits_bytes: int, impl: Implementation) -> int:

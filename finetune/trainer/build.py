@@ -17,6 +17,7 @@ from finetune import objectives, zero
 from finetune.config import RecipeConfig, build_recipe, resolve_offload_dir
 from finetune.data import IGNORE_INDEX, DataBundle, DataStats, build_datasets, build_examples
 from finetune.errors import ConfigError
+from finetune.host_tables import HostTables
 from finetune.metrics import human_bytes
 from finetune.model import checkpoint_with, count_parameters, enable_gradient_checkpointing, load_model, wrap_lora
 from finetune.offload import HostAdamW
@@ -165,6 +166,11 @@ def load_model_and_store(
         if tiled and cfg.memory.tiled_mlp != "auto":
             say(f"memory: {tiled} decoder-layer MLPs run in {cfg.memory.tiled_mlp} tiles of the sequence")
         say(model_summary(cfg, model))  # counted before the store takes the weights away
+        if cfg.memory.embeddings == "cpu":
+            tables = HostTables.attach(model, parallel.device)
+            say(
+                f"memory: {human_bytes(tables.parked_bytes)} of frozen vocabulary tables live in host RAM; the LM head visits {parallel.device} for the loss"
+            )
         stream = None
         if streaming:
             stream = WeightStream.attach(
