@@ -42,7 +42,7 @@ KEY = "memory.embeddings"
 HOST = torch.device("cpu")
 
 
-def _plain(module: Any, kind: type) -> Any:
+def _plain(module: Any, kind: Any) -> Any:
     """The frozen 16-bit module that holds a table (peft's LoRA wrapper's base layer), or None."""
     plain: Any = getattr(module, "base_layer", module)
     if not isinstance(plain, kind) or hasattr(plain.weight, "quant_state"):
