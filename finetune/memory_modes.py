@@ -149,6 +149,12 @@ RULES: tuple[Rule, ...] = (
         group=FSDP,
     ),
     Rule(
+        keys=("memory.loss", "memory.embeddings"),
+        conflicts=lambda s: s.loss == "liger" and s.embeddings == "cpu",
+        problem="memory.loss=liger hands the head's whole weight to its kernel; memory.embeddings=cpu keeps it in host RAM.",
+        fix="Use memory.loss=auto or chunked (the head visits the GPU for them), or memory.embeddings=device.",
+    ),
+    Rule(
         keys=("memory.embeddings", "lora"),
         conflicts=lambda s: s.embeddings == "cpu" and not s.lora,
         problem="memory.embeddings=cpu keeps frozen tables in host RAM; with full fine-tuning (lora: null) they train.",

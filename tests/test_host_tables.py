@@ -122,6 +122,11 @@ def test_tables_that_train_or_are_sharded_are_refused(recipe_dict, tmp_path):
     with pytest.raises(ConfigError) as err:
         build_recipe(data)
     assert "distributed.strategy=fsdp shards the vocabulary tables itself" in str(err.value)
+    data["distributed"], data["memory"]["loss"] = {"strategy": "ddp"}, "liger"
+    with pytest.raises(ConfigError) as err:
+        build_recipe(data)
+    assert "memory.loss=liger hands the head's whole weight to its kernel" in str(err.value)
+    data["memory"]["loss"] = "auto"
     data["distributed"] = {"strategy": "deepspeed"}
     with pytest.raises(ConfigError) as err:
         build_recipe(data)

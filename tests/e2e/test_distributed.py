@@ -249,3 +249,17 @@ def test_ddp_resume_with_dropout_continues_each_ranks_random_stream(recipe_dict,
     a, b = adapter(full), adapter(part)
     for k in a:  # bitwise on CPU fp32: the same masks, the same arithmetic
         assert torch.equal(a[k], b[k]), k
+
+
+def test_ddp_with_the_vocabulary_tables_in_host_ram_trains_bitwise_alike(recipe_dict, tmp_path):
+    # memory.embeddings=cpu under DDP: the tables are left out of DDP's broadcast and its one-device
+    # check (finetune/host_tables.py); each rank's lookups and head visits give the same numbers.
+    common = {"train__max_steps": 3, "train__batch_size": 2, "quant": {"bits": 4}}
+    on_device, out_device = write(tmp_path, recipe_dict, "device", memory__embeddings="device", **common)
+    on_host, out_host = write(tmp_path, recipe_dict, "host", memory__embeddings="cpu", **common)
+    finetune(str(on_device), "--nproc", "2", cwd=tmp_path, port=29671)
+    proc = finetune(str(on_host), "--nproc", "2", cwd=tmp_path, port=29672)
+    assert "of frozen vocabulary tables live in host RAM" in proc.stdout
+    assert losses(out_host) == losses(out_device) and len(losses(out_host)) == 3
+    a, b = adapter(out_device), adapter(out_host)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
