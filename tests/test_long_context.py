@@ -170,3 +170,28 @@ def test_the_planner_holds_one_mlp_tile():
     off = longest_trainable_seq(load_recipe("qlora-1x24gb", base[:2] + ["memory.tiled_mlp=off"]), gpu)
     auto = longest_trainable_seq(load_recipe("qlora-1x24gb", base[:2]), gpu)
     assert auto.as_written > off.as_written
+
+
+def test_flex_attention_plans_no_mask_for_packed_rows():
+    # flex_attention keeps packed examples apart with a block mask (128 x 128 tiles) instead of
+    # sdpa's (rows, 1, T, T) bool mask: 16 GiB at 131,072 tokens.
+    gpu = find_gpu("rtx4090", None)
+    base = ["model.path=" + LLAMA_31_8B, "data.path=unused.jsonl", "data.packing=true"]
+    mask = lambda *more: plan_recipe(load_recipe("qlora-longctx-1x24gb", base + list(more)), gpu).component("attention_mask")  # noqa: E731
+    assert mask() == 131_072**2 and mask("model.attn_implementation=flex_attention") == 0
+    assert mask("model.attn_implementation=flash_attention_2") == 0 and mask("data.packing=false") == 0
+
+
+@pytest.mark.gpu
+def test_packed_rows_under_flex_attention_train_like_sdpa(recipe_dict, tmp_path):
+    # GPU only: torch's FlexAttention has no backward on CPU.
+    def run(attention):
+        data = json.loads(json.dumps(recipe_dict))
+        data.update(output_dir=str(tmp_path / attention), report={"plot": False}, precision="bf16")
+        data["model"] = {**data["model"], "attn_implementation": attention}
+        data["data"]["packing"] = True
+        data["train"].update(max_steps=2, batch_size=1)
+        Trainer(build_recipe(data), progress=False).train()
+        return [r["loss"] for r in read_metrics(tmp_path / attention / "metrics.jsonl") if "loss" in r]
+
+    assert run("flex_attention") == pytest.approx(run("sdpa"), rel=2e-2)

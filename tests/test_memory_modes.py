@@ -27,7 +27,11 @@ PATHS = ["model.path=some/model", "data.path=train.jsonl"]
         ("qlora-stream-70b-1x24gb", ["memory.base_weights=disk", "memory.offload_dir=/nvme"], 1),
         ("qlora-offload-1x12gb", [], 2),
         ("qlora-1x24gb", ["quant.bits=8"], 2),  # int8: no FSDP, no streaming
-        ("qlora-1x24gb", ["quant.bits=null", "lora=null", "memory.embeddings=device"], 2),  # full fine-tuning: no FSDP, no streaming, tables train
+        (
+            "qlora-1x24gb",
+            ["quant.bits=null", "lora=null", "memory.embeddings=device"],
+            2,
+        ),  # full fine-tuning: no FSDP, no streaming, tables train
     ],
 )
 def test_fit_search_proposes_only_setups_the_rules_accept(recipe, overrides, max_gpus):

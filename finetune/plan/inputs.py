@@ -123,12 +123,14 @@ class Recipe:
     dropout_mask_bytes: int = 1
     method: str | None = None  # lora.method (finetune/adapters/); None: dora or lora, as `dora` says
     packed: bool = False  # data.packing: rows of several examples, told apart by position_ids
+    attention: str = "auto"  # model.attn_implementation
 
     def attention_mask(self, rows: int) -> bool:
         """Whether attention gets a (rows, 1, T, T) bool mask: padding in a batch, or packed rows
         (transformers turns restarting position_ids into a block-causal mask under sdpa and eager;
-        the plan assumes sdpa: flash_attention_2's varlen path needs none)."""
-        return rows > 1 or self.packed
+        auto plans as sdpa). flash_attention_2 (varlen) and flex_attention (a block mask of
+        128 x 128 tiles) hold none."""
+        return (rows > 1 or self.packed) and self.attention not in ("flash_attention_2", "flex_attention")
 
     @property
     def adapter(self) -> adapters.AdapterMethod:
@@ -150,6 +152,7 @@ class Recipe:
             dropout_mask_bytes=1 if on_gpu else (4 if precision == "fp32" else 2),
             method=lora.adapter.name if lora else None,
             packed=cfg.data.packing,
+            attention=cfg.model.attn_implementation,
         )
 
 
