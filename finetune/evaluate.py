@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from finetune.data import IGNORE_INDEX, Collator, generation_prompt, prompt_and_answer
 from finetune.data.templates import end_of_turn_ids
 from finetune.distributed import is_sharded
+from finetune.model import compute_device
 
 
 @dataclass
@@ -69,7 +70,7 @@ def loss_sum_and_count(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torc
 @torch.no_grad()
 def mean_loss(model, examples: Sequence[dict], pad_token_id: int, batch_size: int = 8) -> tuple[float | None, int]:
     """(mean cross-entropy per target token, number of target tokens) over tokenized examples."""
-    device = next(model.parameters()).device
+    device = compute_device(model)
     collate = Collator(pad_token_id=pad_token_id)
     total, count = 0.0, 0
     for start in range(0, len(examples), batch_size):
@@ -117,7 +118,7 @@ def chosen_wins(
 
 def pair_ranking(model, pairs: Sequence[dict], pad_token_id: int, length_normalised: bool, batch_size: int = 8) -> float | None:
     """The fraction of preference pairs whose chosen response the model scores higher; None without pairs."""
-    device = next(model.parameters()).device
+    device = compute_device(model)
     collate = Collator(pad_token_id=pad_token_id)
     wins = total = 0.0
     with torch.no_grad():
@@ -158,7 +159,7 @@ def generate(
 
     temperature 0 is greedy decoding; above 0 samples (nucleus top_p), seeded by `seed`.
     """
-    device = next(model.parameters()).device
+    device = compute_device(model)
     width = max(len(p) for p in prompts)
     pad = tokenizer.pad_token_id
     # Left padding keeps every prompt's last token in the last column, where generation starts.

@@ -60,6 +60,7 @@ class HostTables:
     visits: int = 0  # copies of the head made (for tests and the log)
     parked_bytes: int = 0
     _store: torch.Tensor | None = field(default=None, repr=False)  # the head's weight in host RAM
+    _embed_store: torch.Tensor | None = field(default=None, repr=False)  # the embedding table in host RAM
 
     @classmethod
     def attach(cls, model: Any, device: torch.device) -> HostTables:
@@ -83,6 +84,7 @@ class HostTables:
         tables = cls(device)
         tables.embed = embed
         embed.to(HOST)
+        tables._embed_store = embed.weight.data
         embed.forward = tables._lookup(embed.forward)
         tables.parked_bytes = embed.weight.numel() * embed.weight.element_size()
         if head is not None:
@@ -93,6 +95,8 @@ class HostTables:
             if device.type == "cuda":
                 store = store.pin_memory()  # the visit copies at full link speed
             head.weight.data = tables._store = store
+            if head.weight is embed.weight:
+                tables._embed_store = store
             if head.bias is not None:
                 head.bias.data = head.bias.data.to(device)
             head.forward = tables._visiting(head)
@@ -100,30 +104,45 @@ class HostTables:
         names = [n for n, p in model.named_parameters() if p is embed.weight or (head is not None and p is head.weight)]
         names += [n for n, b in model.named_buffers() if any(b is x for x in embed.buffers())]
         model._ddp_params_and_buffers_to_ignore = [*getattr(model, "_ddp_params_and_buffers_to_ignore", []), *names]
+        # The model's first parameter is now the host table, so `model.device` says cpu and generate()
+        # moves its inputs there: every call's tensors go to the compute device first.
+        base.register_forward_pre_hook(tables._inputs_to_device, with_kwargs=True)
         return tables
+
+    def _inputs_to_device(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        move = lambda v: v.to(self.device) if isinstance(v, torch.Tensor) and v.device != self.device else v  # noqa: E731
+        return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
 
     def _lookup(self, forward):
         embed = self.embed
         assert embed is not None
 
         def lookup(ids: torch.Tensor) -> torch.Tensor:
-            if embed.weight.device != HOST:  # a .to() of the whole model brought it back
-                embed.to(HOST)
-                self._repark_head()
-            return forward(ids.to(HOST)).to(ids.device)
+            self._repark()
+            return forward(ids.to(HOST)).to(self.device)
 
         return lookup
 
-    def _repark_head(self) -> None:
-        if self.head is not None and self._store is not None and self.head.weight.device != self._store.device:
-            self.head.weight.data = self._store
-            if self.head.bias is not None:
-                self.head.bias.data = self.head.bias.data.to(self.device)
+    def _repark(self) -> None:
+        """After a .to() of the whole model: the tables back to their host stores (not to copies of
+        them: a tied table's copy would double its host RAM), the rest of their modules placed."""
+        embed, head = self.embed, self.head
+        if self._embed_store is not None and embed.weight.data_ptr() != self._embed_store.data_ptr():
+            embed.weight.data = self._embed_store
+            for name, buf in list(embed._buffers.items()):
+                if buf is not None and buf.device != HOST:
+                    embed._buffers[name] = buf.to(HOST)
+        if head is not None and self._store is not None and head.weight.data_ptr() != self._store.data_ptr():
+            head.weight.data = self._store
+            if head.bias is not None:
+                head.bias.data = head.bias.data.to(self.device)
 
     def _visiting(self, head: Any):
         def forward(x: torch.Tensor) -> torch.Tensor:
-            self._repark_head()
-            if self.visit is None or self.visit.device != x.device:
+            self._repark()
+            # A visit made under inference_mode cannot be saved for backward: a training forward copies anew.
+            stale = self.visit is not None and self.visit.is_inference() and not torch.is_inference_mode_enabled()
+            if self.visit is None or self.visit.device != x.device or stale:
                 self.visit = self._store.to(x.device, non_blocking=True) if self._store is not None else None
                 self.visits += 1
             assert self.visit is not None

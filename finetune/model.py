@@ -397,6 +397,13 @@ def takes_boolean_logits_to_keep(model) -> bool:
     return source is not None and hasattr(source, "slice_logits_to_keep")
 
 
+def compute_device(model) -> torch.device:
+    """Where the model computes: its first parameter not in host RAM (memory.embeddings=cpu keeps
+    the vocabulary tables there, so the first parameter alone, as `model.device`, can say cpu)."""
+    devices = [p.device for p in model.parameters()]
+    return next((d for d in devices if d.type != "cpu"), devices[0] if devices else torch.device("cpu"))
+
+
 def count_parameters(model) -> tuple[int, int]:
     """(trainable, total) parameter counts; 4-bit weights count as their logical element count."""
     trainable = total = 0

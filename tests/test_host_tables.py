@@ -64,12 +64,7 @@ def test_the_head_visits_for_the_loss_and_leaves_before_the_decoder_backward(rec
     trainer.setup()
     base = trainer.model.get_base_model()
     head = base.get_output_embeddings()
-    head_forward = head.forward
-    tables = None  # the HostTables instance is bound into the head's forward: find it
-    for cell in head_forward.__closure__ or ():
-        if isinstance(cell.cell_contents, HostTables):
-            tables = cell.cell_contents
-    assert isinstance(tables, HostTables)
+    tables = find_tables(trainer)
     at_head, at_layers = [], []
     head.register_forward_hook(lambda m, i, o: at_head.append(tables.visit is not None))
 
@@ -93,6 +88,35 @@ def test_the_head_visits_for_the_loss_and_leaves_before_the_decoder_backward(rec
     # arrives with the head gone and nothing pending.
     assert len(at_layers) >= len(base.model.layers) and all(gone and pending == 0 for gone, pending in at_layers)
     assert tables.visit is None
+
+
+def find_tables(trainer) -> HostTables:
+    head = trainer.model.get_base_model().get_output_embeddings()
+    found = [c.cell_contents for c in head.forward.__closure__ or () if isinstance(c.cell_contents, HostTables)]
+    assert len(found) == 1
+    return found[0]
+
+
+def test_after_a_model_to_the_tables_are_their_host_stores_again(recipe_dict, tmp_path):
+    # accelerate moves a 16-bit model with .to(device): the tables come back as copies. The next
+    # forward points them at their stores again (a copy kept alongside would double the host RAM).
+    trainer = Trainer(recipe(recipe_dict, tmp_path / "r", "cpu"), progress=False)
+    trainer.setup()
+    tables, base = find_tables(trainer), trainer.model.get_base_model()
+    embed, head = base.get_input_embeddings(), base.get_output_embeddings()
+    stores = (tables._embed_store.data_ptr(), tables._store.data_ptr())
+    assert (embed.weight.data_ptr(), head.weight.data_ptr()) == stores
+    embed.weight.data, head.weight.data = embed.weight.data.clone(), head.weight.data.clone()  # what .to() leaves
+    trainer.compute_loss(trainer.model, trainer.step_batches(0)[0])
+    assert (embed.weight.data_ptr(), head.weight.data_ptr()) == stores
+
+
+def test_the_compute_device_is_the_first_parameter_not_in_host_ram():
+    from finetune.model import compute_device
+
+    model = torch.nn.Sequential(torch.nn.Embedding(4, 2), torch.nn.Linear(2, 2, device="meta"))
+    assert compute_device(model) == torch.device("meta")  # model.device would say cpu
+    assert compute_device(torch.nn.Linear(2, 2)) == torch.device("cpu")
 
 
 def test_a_tied_table_is_looked_up_and_visits_alike(recipe_dict, tmp_path):

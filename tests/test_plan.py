@@ -132,13 +132,13 @@ def test_fit_writes_a_runnable_recipe_that_fits(tmp_path, monkeypatch):
     text = Path(__file__).parents[1].joinpath("recipes", "qlora-1x24gb.yaml").read_text()
     src.write_text(text)
     out = tmp_path / "fitted.yaml"
-    # batch 16 x 1: does not fit a 4090 as written (with the chunked loss, 8 x 2 does)
+    # batch 32 x 1: does not fit a 4090 as written (31.6 GiB with the tables in host RAM; 16 x 2 does)
     code = main(
         [
             "plan",
             str(src),
             f"model.path={CONFIGS / 'qwen2.5-7b'}",
-            "train.batch_size=16",
+            "train.batch_size=32",
             "train.grad_accum=1",
             "--gpu",
             "rtx4090",
@@ -159,10 +159,10 @@ def test_fit_writes_a_runnable_recipe_that_fits(tmp_path, monkeypatch):
             assert "#" in s, line
     cfg = load_recipe(out)
     assert cfg.model.path == str(CONFIGS / "qwen2.5-7b")
-    assert cfg.train.batch_size * cfg.train.grad_accum == 16  # global batch kept
+    assert cfg.train.batch_size * cfg.train.grad_accum == 32  # global batch kept
     assert plan_recipe(cfg, find_gpu("rtx4090")).fits
     assert not plan_recipe(
-        load_recipe(src, [f"model.path={CONFIGS / 'qwen2.5-7b'}", "train.batch_size=16", "train.grad_accum=1"]),
+        load_recipe(src, [f"model.path={CONFIGS / 'qwen2.5-7b'}", "train.batch_size=32", "train.grad_accum=1"]),
         find_gpu("rtx4090"),
     ).fits
 

@@ -450,7 +450,8 @@ def _host_ram(
     if fsdp:
         loading = shard + st.whole_model
     else:
-        loading = shard + ((st.q_const + st.unquantized + (0 if captured else st.streamed_store)) if setup.streams_weights else 0)
+        resident = st.q_const + st.unquantized + st.host_tables  # the tables go to host RAM after loading
+        loading = shard + ((resident + (0 if captured else st.streamed_store)) if setup.streams_weights else 0)
     streamed_pinned = st.streamed_store if setup.base_weights == "cpu" else 0
     pinned = streamed_pinned + act.host + st.host_optimizer + st.offloaded + st.host_tables
     parts = {

@@ -92,6 +92,8 @@ STRATEGIES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("deepspeed zero3", {"sharding": "zero3", "cpu_offload": False, "optimizer_offload": False}),
     ("deepspeed zero3 offload_optimizer+params=cpu", {"sharding": "zero3", "cpu_offload": True, "optimizer_offload": True}),
 )
+# memory.embeddings=cpu is for one process or DDP (finetune/memory_modes.py): the sharded rows place the tables on the GPUs.
+SHARDED_TABLES = {"embeddings": "device"}
 
 
 def compare_strategies(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int) -> list[tuple[str, Estimate]]:
@@ -99,7 +101,10 @@ def compare_strategies(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int) -> lis
     base = setup_of(cfg, gpus)
     ddp_offload = {"optimizer_offload": cfg.memory.optimizer_offload}  # the recipe's own HostAdamW, one replica each
     return [
-        (label, plan_recipe(cfg, gpu, gpus, setup=replace(base, **{**(ddp_offload if label == "ddp" else {}), **knobs})))
+        (
+            label,
+            plan_recipe(cfg, gpu, gpus, setup=replace(base, **{**(ddp_offload if label == "ddp" else SHARDED_TABLES), **knobs})),
+        )
         for label, knobs in STRATEGIES
     ]
 
