@@ -37,6 +37,7 @@ from __future__ import annotations
 import atexit
 import os
 import tempfile
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,6 +133,7 @@ class WeightStream:
         self.loads = 0  # layer copies made (forward + recomputation + eval)
         self.max_resident = 0  # most layers resident at once
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._done_with: deque[torch.cuda.Event] = deque()  # compute-stream events of the last releases
         self._end_of_backward_queued = False
         self._handles = []
         for i, layer in enumerate(layers):
@@ -217,6 +219,12 @@ class WeightStream:
             return
         stored = [s.stored for s in self.streamed[i]]
         if self._copy_stream is not None:
+            # The host runs ahead of the GPU: unchecked, it would queue copies for many layers, each
+            # in fresh blocks (released ones wait for the compute stream), until the streamed weights
+            # filled the card. Wait until the GPU is done with the layer released two releases ago
+            # (what FSDP's limit_all_gathers does for its all-gathers).
+            while len(self._done_with) >= 2:
+                self._done_with.popleft().synchronize()
             with torch.cuda.stream(self._copy_stream):
                 copies = [t.to(self.device, non_blocking=True) for t in stored]
                 event = torch.cuda.Event()
@@ -250,6 +258,10 @@ class WeightStream:
         for s in self.streamed[i]:
             s.param.data = _placeholder(s.param, self.device)
         self.active.discard(i)
+        if self._copy_stream is not None:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            self._done_with.append(done)
 
     def release_all(self) -> None:
         for i in list(self.resident):

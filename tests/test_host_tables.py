@@ -229,3 +229,12 @@ def test_qlora_1x24gb_plans_under_7_gib_and_the_long_context_recipe_over_100k_to
     assert long.peak_bytes <= 0.9 * gpu.memory_bytes
     assert f"{long.peak_bytes / GiB:.2f} GiB peak" in recipe.read_text()  # the header says what the planner says
     assert longest_trainable_seq(long_cfg, gpu).as_written >= 100_000
+
+
+def test_with_streamed_base_weights_too_the_run_is_bitwise_the_same(recipe_dict, tmp_path):
+    # qlora-longctx-1x24gb streams the 4-bit layers as well: the tables attach after the stream
+    # (whose model.to(device) would otherwise bring them back).
+    ref_losses, ref_adapter, _ = trained(recipe(recipe_dict, tmp_path / "device", "device"))
+    losses, adapter, trainer = trained(recipe(recipe_dict, tmp_path / "both", "cpu", base_weights="cpu"))
+    assert trainer.stream is not None and trainer.stream.loads > 0
+    assert losses == ref_losses and all(torch.equal(adapter[k], ref_adapter[k]) for k in adapter)

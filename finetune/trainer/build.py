@@ -166,15 +166,15 @@ def load_model_and_store(
         if tiled and cfg.memory.tiled_mlp != "auto":
             say(f"memory: {tiled} decoder-layer MLPs run in {cfg.memory.tiled_mlp} tiles of the sequence")
         say(model_summary(cfg, model))  # counted before the store takes the weights away
-        if cfg.memory.embeddings == "cpu":
-            tables = HostTables.attach(model, parallel.device)
-            say(
-                f"memory: {human_bytes(tables.parked_bytes)} of frozen vocabulary tables live in host RAM; the LM head visits {parallel.device} for the loss"
-            )
         stream = None
         if streaming:
             stream = WeightStream.attach(
                 model, cfg.memory.base_weights, parallel.device, resolve_offload_dir(cfg), store=disk_store
+            )
+        if cfg.memory.embeddings == "cpu":  # after the stream, whose model.to(device) would bring the tables back
+            tables = HostTables.attach(model, parallel.device)
+            say(
+                f"memory: {human_bytes(tables.parked_bytes)} of frozen vocabulary tables live in host RAM; the LM head visits {parallel.device} for the loss"
             )
     except BaseException:
         if disk_store is not None:
