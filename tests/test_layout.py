@@ -48,7 +48,20 @@ ORDER = [
 ]
 # Inside a package that states an order, the same rule between its modules (finetune/plan/).
 PACKAGE_ORDER = {
-    "plan": ["shape", "inputs", "speed", "terms", "memory", "recipe", "fitting", "render", "rewrite", "preflight", "command"],
+    "plan": [
+        "shape",
+        "inputs",
+        "speed",
+        "terms",
+        "activations",
+        "memory",
+        "recipe",
+        "fitting",
+        "render",
+        "rewrite",
+        "preflight",
+        "command",
+    ],
     "trainer": [
         "state",
         "callbacks",

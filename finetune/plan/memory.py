@@ -8,9 +8,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from finetune.gpus import GiB, GpuSpec
+from finetune.plan.activations import OFFLOAD_LAYERS_IN_FLIGHT, Activations, activation_terms  # noqa: F401 - re-exported
 from finetune.plan.inputs import DEFAULT_IMPL, Implementation, Recipe, Setup
 from finetune.plan.shape import ModelShape
-from finetune.plan.speed import NVME_READ_GBPS, forward_seconds, step_time
+from finetune.plan.speed import NVME_READ_GBPS, step_time
 from finetune.plan.terms import (  # noqa: F401 - NF4_BLOCK*, quantized_bytes: re-exported with the rest of the model
     NF4_BLOCK,
     NF4_BLOCK2,
@@ -21,6 +22,7 @@ from finetune.plan.terms import (  # noqa: F401 - NF4_BLOCK*, quantized_bytes: r
     layer_saved_bytes_per_token,
     loss_peak_bytes,
     mlp_saved_bytes_per_token,
+    pinned_block_bytes,
     quantized_bytes,
     trainable_params,
 )
@@ -31,8 +33,6 @@ CUDA_CONTEXT_BYTES = 512 * 1024**2  # CUDA context + cuBLAS workspace: ~0.3-0.6 
 ALLOCATOR_SLACK = 0.10  # caching-allocator reserved / allocated - 1: block rounding and fragmentation
 HOST_BASELINE_BYTES = 3 * GiB  # python + torch + CUDA libraries + tokenizer, per process
 STREAMED_LAYERS_RESIDENT = 3  # stream.py: the layer computing, the prefetched next one, and in backward the one finishing
-OFFLOAD_LAYERS_IN_FLIGHT = 2  # activation offload: the layer being copied out (forward) or back (backward) and the next
-# (for checkpointed layers' inputs: the one recomputing and the one prefetched for the recomputation after it)
 DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size when the model's shards cannot be seen
 
 
@@ -216,68 +216,6 @@ def _static_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Impleme
     return t
 
 
-@dataclass
-class _Activations:
-    saved: int  # kept for backward on the GPU (or in flight to host RAM)
-    recompute: int  # one layer's activations, rebuilt during its backward
-    host: int  # activation_offload: what waits in host RAM
-    label: str  # which layers keep what
-
-
-def _activation_terms(shape: ModelShape, recipe: Recipe, setup: Setup, gpu: GpuSpec | None, trainable: int) -> _Activations:
-    """model.py checkpoints layers whose index is a multiple of k: they keep only their input; the
-    others keep every activation they save."""
-    b, L, T, B = recipe.compute_bytes, shape.layers, setup.seq_len, setup.rows  # sequences per forward
-    tokens = B * T
-    checkpointed = setup.checkpointed_layers(L)
-    input_only = tokens * b * shape.hidden  # a checkpointed layer's input, kept for the recompute
-    full_layer = tokens * layer_saved_bytes_per_token(shape, recipe, B) + expert_stack_saved_bytes(shape, recipe)
-    # What one layer's recomputation holds. In fp32 its first RMSNorm keeps the layer's input itself
-    # (no upcast copy): that is the checkpointed input, counted already.
-    rebuilt = full_layer - (input_only if b == 4 else 0)
-    tiles = 1 if shape.experts else setup.mlp_tiles(shape.hidden)  # tiled_mlp.py leaves MoE blocks whole
-    if tiles > 1:
-        # memory.tiled_mlp: each MLP tile is a checkpoint, so a layer keeps only the MLP's input, and
-        # one tile's intermediate (gate, SiLU, up; down_proj's LoRA input) exists at a time.
-        mlp = tokens * mlp_saved_bytes_per_token(shape, recipe)
-        full_layer = full_layer - mlp + input_only
-        rebuilt = rebuilt - mlp + input_only + mlp // tiles
-    layers_saved = checkpointed * input_only + (L - checkpointed) * full_layer
-    host = 0
-    if setup.activation_offload:
-        # offload.py moves what autograd saves, as forward makes it, on a side stream, and brings it
-        # back as backward reaches it: all of it for the layers that are not checkpointed, the input
-        # of each checkpointed one (offload.checkpoint; its recomputation's input comes back one
-        # layer ahead, on the side stream). On the GPU: the layers in flight (out in forward, back in
-        # backward), plus the copies that fall behind when a layer saves more than the link carries
-        # while the next one computes. The first layer's input stays: it is the embeddings' output,
-        # a leaf that trains (enable_input_require_grads), which autograd holds until backward anyway.
-        kept, parked = L - checkpointed, max(checkpointed - 1, 0)
-        host = kept * full_layer + parked * input_only
-        compute_s = forward_seconds(shape, recipe, setup, gpu, trainable) / L if gpu is not None else 0.0
-        first = input_only if checkpointed else 0
-        layers_saved = _in_flight(full_layer, kept, compute_s, gpu) + first + _in_flight(input_only, parked, compute_s, gpu)
-    # The head's and the loss's buffers are not moved: they are made right before backward needs them.
-    saved = layers_saved + 2 * T * shape.head_dim * b  # + RoPE cos and sin, shared by the layers
-    if checkpointed == L:
-        label = " (checkpointed layer inputs)"
-    elif checkpointed == 0:
-        label = " (all layers)"
-    else:
-        label = f" ({checkpointed} checkpointed layers' inputs, all of {L - checkpointed} others)"
-    return _Activations(saved, rebuilt if checkpointed else (rebuilt - full_layer), host, label)
-
-
-def _in_flight(per_layer: int, layers: int, compute_s: float, gpu: GpuSpec | None) -> int:
-    """Of `layers` layers offloading `per_layer` bytes each, what is on the GPU at the peak: the
-    OFFLOAD_LAYERS_IN_FLIGHT being copied, plus a backlog of 1 - compute/copy of a layer per layer."""
-    backlog = 0.0
-    if gpu is not None and layers:
-        copy_s = per_layer / (gpu.pcie_gbps * 1e9)
-        backlog = max(0.0, 1 - compute_s / copy_s) * layers
-    return int(min(layers, (min(OFFLOAD_LAYERS_IN_FLIGHT, layers) + backlog)) * per_layer)
-
-
 def estimate(
     shape: ModelShape,
     recipe: Recipe,
@@ -294,7 +232,7 @@ def estimate(
     fsdp = setup.partitions_weights  # FSDP or ZeRO-3: the base weights are split over the GPUs
     unq_bytes = impl.unquantized_bytes or recipe.compute_bytes
     st = _static_terms(shape, recipe, setup, impl, fsdp)
-    act = _activation_terms(shape, recipe, setup, gpu, st.trainable)
+    act = activation_terms(shape, recipe, setup, gpu, st.trainable)
     tr = _transient_terms(shape, recipe, setup, impl)
     phase_loss = st.on_gpu + act.saved + tr.mask + tr.final_norm + tr.loss + tr.head_visit
     phase_backward = st.on_gpu + act.saved + tr.mask + act.recompute + tr.working + tr.dequant
@@ -322,7 +260,7 @@ def estimate(
         exposed_bytes=tr.head_visit + (setup.rows * setup.seq_len * shape.hidden * recipe.compute_bytes if tr.head_visit else 0),
     )
     fsdp_loads = setup.sharding == "fsdp" and n_gpu > 1  # ZeRO loads on the GPU: one shard at a time in RAM
-    host_parts, captured = _host_ram(shape, recipe, setup, st, act, fsdp_loads, shard_bytes)
+    host_parts, captured = _host_ram(shape, recipe, setup, st, act, fsdp_loads, shard_bytes, pinned_blocks=gpu is not None)
     disk_parts = _disk(shape, st, setup, impl, keep_checkpoints, model_on_disk)
     return Estimate(
         shape=shape,
@@ -378,7 +316,7 @@ def _components(
     recipe: Recipe,
     setup: Setup,
     st: _Static,
-    act: _Activations,
+    act: Activations,
     tr: _Transient,
     unq_bytes: int,
     loss_peak: bool,
@@ -433,7 +371,14 @@ def _disk(
 
 
 def _host_ram(
-    shape: ModelShape, recipe: Recipe, setup: Setup, st: _Static, act: _Activations, fsdp: bool, shard_bytes: int | None
+    shape: ModelShape,
+    recipe: Recipe,
+    setup: Setup,
+    st: _Static,
+    act: Activations,
+    fsdp: bool,
+    shard_bytes: int | None,
+    pinned_blocks: bool = False,
 ) -> tuple[dict[str, int], bool]:
     """(host RAM per process by part, with "total"; whether disk mode captures 4-bit weights while loading).
 
@@ -444,6 +389,7 @@ def _host_ram(
     builds (and quantizes) the whole model in CPU RAM, then shards it; the heap it frees is given
     back (release_free_heap), so the shards it keeps come after that peak, not on top of it.
     DoRA reads them, PiSSA rewrites them, when it wraps the model (trainer/build.py: no capture then).
+    pinned_blocks (a GPU run): each pinned store takes a power-of-two block (terms.pinned_block_bytes).
     """
     shard = shard_bytes or min(DEFAULT_SHARD_BYTES, shape.total_params * 2)
     captured = setup.base_weights == "disk" and recipe.quant_bits == 4 and not recipe.adapter.wrap_touches_base
@@ -453,15 +399,27 @@ def _host_ram(
         resident = st.q_const + st.unquantized + st.host_tables  # the tables go to host RAM after loading
         loading = shard + ((resident + (0 if captured else st.streamed_store)) if setup.streams_weights else 0)
     streamed_pinned = st.streamed_store if setup.base_weights == "cpu" else 0
-    pinned = streamed_pinned + act.host + st.host_optimizer + st.offloaded + st.host_tables
+    tables = st.host_tables
+    if pinned_blocks:
+        if streamed_pinned:  # stream.py pins each decoder linear's packed weight
+            b = recipe.compute_bytes
+            per_linear = (
+                quantized_bytes(g.in_features * g.out_features, g.out_features, recipe.quant_bits, recipe.double_quant, b)[0]
+                for g in shape.linears
+            )
+            streamed_pinned = sum(g.count * pinned_block_bytes(w) for g, w in zip(shape.linears, per_linear))
+        if tables:  # host_tables.py pins the head's store (a tied table's only one); the embedding table is plain RAM
+            head = (shape.head_params or shape.embedding_params) * (tables // (shape.embedding_params + shape.head_params))
+            tables = tables - head + pinned_block_bytes(head)
+    pinned = streamed_pinned + act.host_ram + st.host_optimizer + st.offloaded + tables
     parts = {
         "libraries": HOST_BASELINE_BYTES,
         "loading": loading,
         "streamed_weights": streamed_pinned,
-        "activations": act.host,
+        "activations": act.host_ram,
         "optimizer": st.host_optimizer,
         "fsdp_shards": st.offloaded,
-        "vocab_tables": st.host_tables,
+        "vocab_tables": tables,
     }
     return {**parts, "total": HOST_BASELINE_BYTES + max(loading, pinned)}, captured
 

@@ -85,6 +85,12 @@ def layer_saved_bytes_per_token(shape: ModelShape, recipe: Recipe, batch_size: i
     return total + b * sum(shared.values())
 
 
+def pinned_block_bytes(n: int) -> int:
+    """Host RAM a pinned tensor of n bytes takes: torch's pinned-memory allocator
+    (CachingHostAllocator) rounds each block up to a power of two."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def backward_working_bytes_per_token(shape: ModelShape, recipe: Recipe, mlp_tiles: int = 1) -> int:
     """Gradients alive at the peak of one layer's backward, its MLP's (the rest of the layer's saved
     tensors are still held then): the gradient of the layer's output and two intermediate-sized

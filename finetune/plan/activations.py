@@ -1,0 +1,84 @@
+"""What the decoder layers keep for backward, on the GPU and (activation_offload) in host RAM:
+checkpointed inputs, whole layers, one layer rebuilt in backward, one MLP tile."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from finetune.gpus import GpuSpec
+from finetune.plan.inputs import Recipe, Setup
+from finetune.plan.shape import ModelShape
+from finetune.plan.speed import forward_seconds
+from finetune.plan.terms import (
+    expert_stack_saved_bytes,
+    layer_saved_bytes_per_token,
+    mlp_saved_bytes_per_token,
+    pinned_block_bytes,
+)
+
+OFFLOAD_LAYERS_IN_FLIGHT = 2  # activation offload: the layer being copied out (forward) or back (backward) and the next
+# (for checkpointed layers' inputs: the one recomputing and the one prefetched for the recomputation after it)
+
+
+@dataclass
+class Activations:
+    saved: int  # kept for backward on the GPU (or in flight to host RAM)
+    recompute: int  # one layer's activations, rebuilt during its backward
+    host: int  # activation_offload: what waits in host RAM (bytes copied)
+    label: str  # which layers keep what
+    host_ram: int = 0  # the host RAM that takes: on a GPU each checkpointed input is a pinned block (pinned_block_bytes)
+
+
+def activation_terms(shape: ModelShape, recipe: Recipe, setup: Setup, gpu: GpuSpec | None, trainable: int) -> Activations:
+    """model.py checkpoints layers whose index is a multiple of k: they keep only their input; the
+    others keep every activation they save."""
+    b, L, T, B = recipe.compute_bytes, shape.layers, setup.seq_len, setup.rows  # sequences per forward
+    tokens = B * T
+    checkpointed = setup.checkpointed_layers(L)
+    input_only = tokens * b * shape.hidden  # a checkpointed layer's input, kept for the recompute
+    full_layer = tokens * layer_saved_bytes_per_token(shape, recipe, B) + expert_stack_saved_bytes(shape, recipe)
+    # What one layer's recomputation holds. In fp32 its first RMSNorm keeps the layer's input itself
+    # (no upcast copy): that is the checkpointed input, counted already.
+    rebuilt = full_layer - (input_only if b == 4 else 0)
+    tiles = 1 if shape.experts else setup.mlp_tiles(shape.hidden)  # tiled_mlp.py leaves MoE blocks whole
+    if tiles > 1:
+        # memory.tiled_mlp: each MLP tile is a checkpoint, so a layer keeps only the MLP's input, and
+        # one tile's intermediate (gate, SiLU, up; down_proj's LoRA input) exists at a time.
+        mlp = tokens * mlp_saved_bytes_per_token(shape, recipe)
+        full_layer = full_layer - mlp + input_only
+        rebuilt = rebuilt - mlp + input_only + mlp // tiles
+    layers_saved = checkpointed * input_only + (L - checkpointed) * full_layer
+    host = host_ram = 0
+    if setup.activation_offload:
+        # offload.py moves what autograd saves, as forward makes it, on a side stream, and brings it
+        # back as backward reaches it: all of it for the layers that are not checkpointed, the input
+        # of each checkpointed one (offload.checkpoint; its recomputation's input comes back one
+        # layer ahead, on the side stream). On the GPU: the layers in flight (out in forward, back in
+        # backward), plus the copies that fall behind when a layer saves more than the link carries
+        # while the next one computes. The first layer's input stays: it is the embeddings' output,
+        # a leaf that trains (enable_input_require_grads), which autograd holds until backward anyway.
+        kept, parked = L - checkpointed, max(checkpointed - 1, 0)
+        host = kept * full_layer + parked * input_only
+        host_ram = kept * full_layer + parked * (pinned_block_bytes(input_only) if gpu is not None else input_only)
+        compute_s = forward_seconds(shape, recipe, setup, gpu, trainable) / L if gpu is not None else 0.0
+        first = input_only if checkpointed else 0
+        layers_saved = _in_flight(full_layer, kept, compute_s, gpu) + first + _in_flight(input_only, parked, compute_s, gpu)
+    # The head's and the loss's buffers are not moved: they are made right before backward needs them.
+    saved = layers_saved + 2 * T * shape.head_dim * b  # + RoPE cos and sin, shared by the layers
+    if checkpointed == L:
+        label = " (checkpointed layer inputs)"
+    elif checkpointed == 0:
+        label = " (all layers)"
+    else:
+        label = f" ({checkpointed} checkpointed layers' inputs, all of {L - checkpointed} others)"
+    return Activations(saved, rebuilt if checkpointed else (rebuilt - full_layer), host, label, host_ram)
+
+
+def _in_flight(per_layer: int, layers: int, compute_s: float, gpu: GpuSpec | None) -> int:
+    """Of `layers` layers offloading `per_layer` bytes each, what is on the GPU at the peak: the
+    OFFLOAD_LAYERS_IN_FLIGHT being copied, plus a backlog of 1 - compute/copy of a layer per layer."""
+    backlog = 0.0
+    if gpu is not None and layers:
+        copy_s = per_layer / (gpu.pcie_gbps * 1e9)
+        backlog = max(0.0, 1 - compute_s / copy_s) * layers
+    return int(min(layers, (min(OFFLOAD_LAYERS_IN_FLIGHT, layers) + backlog)) * per_layer)
