@@ -184,6 +184,11 @@ class TrainConfig(_Section):
         description="dpo: the reference log-probabilities computed in one pass before training and cached, "
         "instead of a forward with the adapter off at every step",
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer: compiled during the first step (tens of seconds), the same "
+        "results within float rounding; whether it is faster depends on the model and the GPU (measure: --profile)",
+    )
 
 
 class EvalConfig(_Section):

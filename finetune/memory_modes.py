@@ -43,6 +43,7 @@ class Settings:
     processes: int | None = None  # None: not known (a recipe alone)
     loss: str = "auto"  # memory.loss: auto | full | chunked | liger
     embeddings: str = "device"  # memory.embeddings: device | cpu
+    compile: bool = False  # train.compile
 
     @property
     def checkpoint_every(self) -> int:
@@ -161,6 +162,26 @@ RULES: tuple[Rule, ...] = (
         fix="Use LoRA, or memory.embeddings=device.",
     ),
     Rule(
+        keys=("train.compile", "memory.base_weights"),
+        conflicts=lambda s: s.compile and s.streams,
+        problem="train.compile cannot trace " + _STREAMED + ": each layer's weights are swapped in as it runs.",
+        fix="Set train.compile=false, or memory.base_weights=device.",
+    ),
+    Rule(
+        keys=("train.compile", "memory.activation_offload"),
+        conflicts=lambda s: s.compile and s.activation_offload and s.checkpoint_every > 0,
+        problem="train.compile with memory.activation_offload and checkpointing: the offloaded checkpoint's "
+        "saved-tensor hooks are not traced, so the layers would run uncompiled.",
+        fix="Set train.compile=false, or activation_offload=false (or activation_checkpointing=none).",
+    ),
+    Rule(
+        keys=("distributed.strategy", "train.compile"),
+        conflicts=lambda s: s.fsdp and s.compile,
+        problem="{fsdp_by} with train.compile is not tested yet;",
+        fix="set train.compile=false, or distributed.strategy=ddp.",
+        group=FSDP,
+    ),
+    Rule(
         keys=("memory.offload_dir", "memory.base_weights"),
         conflicts=lambda s: s.offload_dir is not None and s.base_weights != "disk",
         problem="memory.offload_dir is only used by memory.base_weights=disk;",
@@ -194,6 +215,7 @@ def recipe_settings(cfg: Any, **override: Any) -> Settings:
         optimizer_offload=mem.optimizer_offload,
         loss=mem.loss,
         embeddings=mem.embeddings,
+        compile=cfg.train.compile,
         fsdp=cfg.distributed.strategy == "fsdp",
         cpu_offload=cfg.distributed.cpu_offload,
     )

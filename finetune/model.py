@@ -325,6 +325,15 @@ def checkpoint_with(model, function) -> int:
     return len(modules)
 
 
+def compile_decoder_layers(model) -> int:
+    """train.compile: torch.compile each decoder layer in place (module names and state_dict as they
+    were); the layers compile at their first call. How many were compiled."""
+    layers = decoder_layers(model, "train.compile", "set train.compile=false")
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
 def checkpointed_layers(model) -> list[int]:
     """Indices of the decoder layers whose activations are recomputed in backward."""
     return [i for i, layer in enumerate(decoder_layers(model)) if getattr(layer, "gradient_checkpointing", False)]

@@ -68,7 +68,9 @@ def mode_settings(s: Setup, recipe: Recipe | None = None) -> memory_modes.Settin
         cpu_offload=s.cpu_offload,
         processes=s.gpus,
     )
-    return settings if recipe is None else replace(settings, quant_bits=recipe.quant_bits, lora=recipe.lora_r is not None)
+    if recipe is None:
+        return settings
+    return replace(settings, quant_bits=recipe.quant_bits, lora=recipe.lora_r is not None, compile=recipe.compiled)
 
 
 def runnable(s: Setup, recipe: Recipe | None = None) -> bool:

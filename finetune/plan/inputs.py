@@ -124,6 +124,7 @@ class Recipe:
     method: str | None = None  # lora.method (finetune/adapters/); None: dora or lora, as `dora` says
     packed: bool = False  # data.packing: rows of several examples, told apart by position_ids
     attention: str = "auto"  # model.attn_implementation
+    compiled: bool = False  # train.compile (the search leaves out what it cannot run with)
 
     def attention_mask(self, rows: int) -> bool:
         """Whether attention gets a (rows, 1, T, T) bool mask: padding in a batch, or packed rows
@@ -153,6 +154,7 @@ class Recipe:
             method=lora.adapter.name if lora else None,
             packed=cfg.data.packing,
             attention=cfg.model.attn_implementation,
+            compiled=cfg.train.compile,
         )
 
 

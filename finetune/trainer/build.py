@@ -19,7 +19,14 @@ from finetune.data import IGNORE_INDEX, DataBundle, DataStats, build_datasets, b
 from finetune.errors import ConfigError
 from finetune.host_tables import HostTables
 from finetune.metrics import human_bytes
-from finetune.model import checkpoint_with, count_parameters, enable_gradient_checkpointing, load_model, wrap_lora
+from finetune.model import (
+    checkpoint_with,
+    compile_decoder_layers,
+    count_parameters,
+    enable_gradient_checkpointing,
+    load_model,
+    wrap_lora,
+)
 from finetune.offload import HostAdamW
 from finetune.offload import checkpoint as offloaded_checkpoint
 from finetune.stream import DiskStore, WeightStream
@@ -165,6 +172,8 @@ def load_model_and_store(
         tiled = tile_mlps(model, cfg.memory.tiled_mlp)
         if tiled and cfg.memory.tiled_mlp != "auto":
             say(f"memory: {tiled} decoder-layer MLPs run in {cfg.memory.tiled_mlp} tiles of the sequence")
+        if cfg.train.compile:
+            say(f"compile: {compile_decoder_layers(model)} decoder layers compile at their first step (torch.compile)")
         say(model_summary(cfg, model))  # counted before the store takes the weights away
         stream = None
         if streaming:
