@@ -328,6 +328,12 @@ def checkpoint_with(model, function) -> int:
 def compile_decoder_layers(model) -> int:
     """train.compile: torch.compile each decoder layer in place (module names and state_dict as they
     were); the layers compile at their first call. How many were compiled."""
+    import torch._inductor.config as inductor
+
+    # Compiled dropout would draw its masks with inductor's own generator, which a checkpoint's
+    # saved RNG state does not cover: resumed runs would part from uninterrupted ones. Eager's
+    # random ops keep the masks (and resume) exactly those of an uncompiled run.
+    inductor.fallback_random = True
     layers = decoder_layers(model, "train.compile", "set train.compile=false")
     for layer in layers:
         layer.compile()
