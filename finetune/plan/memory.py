@@ -332,7 +332,11 @@ def _components(
             st.streamed_resident,
         ),
         Component("quant_constants", "quantization constants (absmax)", st.q_const),
-        Component("weights_unquantized", f"embeddings, head, norms, biases ({_dtype_label(unq_bytes)})", st.unquantized),
+        Component(
+            "weights_unquantized",
+            ("norms, biases" if st.host_tables else "embeddings, head, norms, biases") + f" ({_dtype_label(unq_bytes)})",
+            st.unquantized,
+        ),
         Component(
             "lora_weights", f"LoRA weights ({_dtype_label(st.adapter_bytes)})" if recipe.lora_r else "trained weights", st.lora
         ),
