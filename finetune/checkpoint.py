@@ -185,6 +185,10 @@ HARMLESS_CHANGES = (
     "memory.loss_chunk",
     "memory.tiled_mlp",
     "model.attn_implementation",
+    "train.compile",
+    # Where bytes wait, not what is computed (bitwise-equal runs, tests/test_offload.py, test_host_tables.py).
+    "memory.activation_offload",
+    "memory.embeddings",
     # How the processes share the work, not what they compute (checkpoints hold whole tensors; the
     # reduction order differs in the last bits): a ZeRO run resumes under DDP, FSDP or on one process.
     "distributed.strategy",

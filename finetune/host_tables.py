@@ -31,6 +31,7 @@ Parameters, living on the host. A `.to(device)` of the whole model (accelerate d
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +57,8 @@ class HostTables:
     embed: Any = None  # the nn.Embedding whose table lives on the host
     head: Any = None  # the nn.Linear whose weight visits
     visit: torch.Tensor | None = None  # the head's weight on `device` while the loss needs it
-    pending: int = 0  # head inputs whose gradient is not complete yet
+    _waiting: dict[int, Any] = field(default_factory=dict, repr=False)  # head inputs whose gradient is not complete
+    _keys: int = 0
     visits: int = 0  # copies of the head made (for tests and the log)
     parked_bytes: int = 0
     _store: torch.Tensor | None = field(default=None, repr=False)  # the head's weight in host RAM
@@ -147,19 +149,27 @@ class HostTables:
                 self.visits += 1
             assert self.visit is not None
             # Each input that takes a gradient holds the visit until that gradient is complete (in
-            # forward, and again for a chunk the loss recomputes inside backward).
+            # forward, and again for a chunk the loss recomputes inside backward), or until it is freed
+            # with a graph that never ran backward (an abandoned loss must not pin the head for good).
             if torch.is_grad_enabled() and x.requires_grad:
-                self.pending += 1
-                x.register_hook(self._input_done)
+                key = self._keys = self._keys + 1
+                self._waiting[key] = weakref.finalize(x, self._input_done, key)
+                x.register_hook(lambda grad, key=key: self._input_done(key))
             return torch.nn.functional.linear(x, self.visit, head.bias)
 
         return forward
 
-    def _input_done(self, grad: torch.Tensor) -> None:
-        self.pending -= 1
-        if self.pending <= 0:
-            self.pending = 0
+    def _input_done(self, key: int) -> None:
+        done = self._waiting.pop(key, None)
+        if done is not None:
+            done.detach()
+        if not self._waiting:
             self.visit = None  # the chunks' recomputation is over: the head leaves the GPU
+
+    @property
+    def pending(self) -> int:
+        """Head inputs whose gradient is not complete yet."""
+        return len(self._waiting)
 
     @property
     def head_on_device(self) -> bool:

@@ -330,9 +330,9 @@ def compile_decoder_layers(model) -> int:
     were); the layers compile at their first call. How many were compiled."""
     import torch._inductor.config as inductor
 
-    # Compiled dropout would draw its masks with inductor's own generator, which a checkpoint's
-    # saved RNG state does not cover: resumed runs would part from uninterrupted ones. Eager's
-    # random ops keep the masks (and resume) exactly those of an uncompiled run.
+    # Compiled dropout would draw other masks than eager's (inductor's own random ops): with eager's,
+    # a compiled run gives an uncompiled run's numbers, and either resumes the other's checkpoints.
+    # A process-wide inductor setting, needed when the layers compile (at their first call).
     inductor.fallback_random = True
     layers = decoder_layers(model, "train.compile", "set train.compile=false")
     for layer in layers:

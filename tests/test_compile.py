@@ -42,7 +42,9 @@ def test_compiled_layers_train_like_eager_ones_and_resume_exactly(recipe_dict, t
     assert len(compiled) == 4 and compiled == pytest.approx(eager, rel=1e-5)
     # Stopped after 2 steps and resumed in a new process's worth of state: bitwise the uninterrupted run.
     run(recipe_dict, tmp_path / "part", steps=2)
+    capsys.readouterr()
     _, resumed = run(recipe_dict, tmp_path / "part", resume="auto", resume_ignore_changes=True)
+    assert "step-2 at step 2" in capsys.readouterr().out  # resumed, not started over
     assert resumed == compiled
 
 

@@ -97,6 +97,25 @@ def find_tables(trainer) -> HostTables:
     return found[0]
 
 
+def test_a_loss_dropped_without_backward_does_not_keep_the_head(recipe_dict, tmp_path):
+    # A user's loss_fn or an exception mid-step can drop a graph unused: its head inputs are freed
+    # with it, and the visit must not stay on the device for the rest of the run.
+    import gc
+
+    trainer = Trainer(recipe(recipe_dict, tmp_path / "r", "cpu", loss="chunked", loss_chunk=16), progress=False)
+    trainer.setup()
+    tables = find_tables(trainer)
+    batch = trainer.step_batches(0)[0]
+    loss, _ = trainer.compute_loss(trainer.model, batch)
+    assert tables.pending > 1 and tables.visit is not None
+    del loss
+    gc.collect()
+    assert tables.pending == 0 and tables.visit is None
+    loss, _ = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    assert tables.pending == 0 and tables.visit is None
+
+
 def test_after_a_model_to_the_tables_are_their_host_stores_again(recipe_dict, tmp_path):
     # accelerate moves a 16-bit model with .to(device): the tables come back as copies. The next
     # forward points them at their stores again (a copy kept alongside would double the host RAM).
@@ -238,3 +257,22 @@ def test_with_streamed_base_weights_too_the_run_is_bitwise_the_same(recipe_dict,
     losses, adapter, trainer = trained(recipe(recipe_dict, tmp_path / "both", "cpu", base_weights="cpu"))
     assert trainer.stream is not None and trainer.stream.loads > 0
     assert losses == ref_losses and all(torch.equal(adapter[k], ref_adapter[k]) for k in adapter)
+
+
+def test_the_search_never_proposes_tables_in_host_ram_to_a_liger_recipe_and_fp32_terms_stay_positive():
+    from finetune.config import load_recipe
+    from finetune.gpus import find_gpu
+    from finetune.plan import Recipe, estimate, plan_recipe, read_model_shape
+    from finetune.plan.fitting import candidates
+    from finetune.plan.recipe import setup_of
+
+    base = ["model.path=" + LLAMA_31_8B, "data.path=unused.jsonl", "memory.embeddings=device", "memory.loss=liger"]
+    cfg = load_recipe("qlora-1x24gb", base)
+    shape, recipe = read_model_shape(LLAMA_31_8B), Recipe.from_config(cfg, "bf16")
+    tried = candidates(setup_of(cfg), 1, recipe)
+    assert tried and not any(s.embeddings == "cpu" for s in tried)  # memory_modes refuses liger + cpu tables
+    assert any(s.embeddings == "cpu" for s in candidates(setup_of(load_recipe("qlora-1x24gb", base[:3])), 1, recipe))
+    # fp32 without checkpointing: only an MLP tile is rebuilt in backward, never a negative term.
+    fp32 = load_recipe("qlora-1x24gb", base[:3] + ["memory.activation_checkpointing=none", "precision=fp32"])
+    e = estimate(shape, Recipe.from_config(fp32, "fp32"), setup_of(fp32), find_gpu("rtx4090", None))
+    assert e.component("recompute_layer") == 0 and plan_recipe(fp32, None).component("recompute_layer") == 0

@@ -37,9 +37,7 @@ def activation_terms(shape: ModelShape, recipe: Recipe, setup: Setup, gpu: GpuSp
     checkpointed = setup.checkpointed_layers(L)
     input_only = tokens * b * shape.hidden  # a checkpointed layer's input, kept for the recompute
     full_layer = tokens * layer_saved_bytes_per_token(shape, recipe, B) + expert_stack_saved_bytes(shape, recipe)
-    # What one layer's recomputation holds. In fp32 its first RMSNorm keeps the layer's input itself
-    # (no upcast copy): that is the checkpointed input, counted already.
-    rebuilt = full_layer - (input_only if b == 4 else 0)
+    rebuilt = full_layer  # what one layer's recomputation holds
     tiles = 1 if shape.experts else setup.mlp_tiles(shape.hidden)  # tiled_mlp.py leaves MoE blocks whole
     if tiles > 1:
         # memory.tiled_mlp: each MLP tile is a checkpoint, so a layer keeps only the MLP's input, and
@@ -71,7 +69,10 @@ def activation_terms(shape: ModelShape, recipe: Recipe, setup: Setup, gpu: GpuSp
         label = " (all layers)"
     else:
         label = f" ({checkpointed} checkpointed layers' inputs, all of {L - checkpointed} others)"
-    return Activations(saved, rebuilt if checkpointed else (rebuilt - full_layer), host, label, host_ram)
+    # In fp32 a recomputed layer's first RMSNorm keeps the layer's input itself (no upcast copy):
+    # that is the checkpointed input, counted already. Without checkpointing only a tile is rebuilt.
+    recompute = rebuilt - (input_only if b == 4 else 0) if checkpointed else rebuilt - full_layer
+    return Activations(saved, recompute, host, label, host_ram)
 
 
 def _in_flight(per_layer: int, layers: int, compute_s: float, gpu: GpuSpec | None) -> int:

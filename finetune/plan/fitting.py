@@ -64,6 +64,7 @@ def mode_settings(s: Setup, recipe: Recipe | None = None) -> memory_modes.Settin
         base_weights=s.base_weights,
         optimizer_offload=s.optimizer_offload,
         embeddings=s.embeddings,
+        loss=s.loss,
         fsdp=s.sharding == "fsdp" and s.gpus > 1,
         cpu_offload=s.cpu_offload,
         processes=s.gpus,

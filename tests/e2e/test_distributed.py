@@ -252,8 +252,9 @@ def test_ddp_resume_with_dropout_continues_each_ranks_random_stream(recipe_dict,
 
 
 def test_ddp_with_the_vocabulary_tables_in_host_ram_trains_bitwise_alike(recipe_dict, tmp_path):
-    # memory.embeddings=cpu under DDP: the tables are left out of DDP's broadcast and its one-device
-    # check (finetune/host_tables.py); each rank's lookups and head visits give the same numbers.
+    # memory.embeddings=cpu under DDP trains like the tables in place. (On gloo every parameter is on
+    # the CPU, so this cannot see DDP's one-device check: tests/test_host_tables.py checks the names
+    # DDP is told to leave alone.)
     common = {"train__max_steps": 3, "train__batch_size": 2, "quant": {"bits": 4}}
     on_device, out_device = write(tmp_path, recipe_dict, "device", memory__embeddings="device", **common)
     on_host, out_host = write(tmp_path, recipe_dict, "host", memory__embeddings="cpu", **common)
