@@ -60,7 +60,6 @@ class HostTables:
     _waiting: dict[int, Any] = field(default_factory=dict, repr=False)  # head inputs whose gradient is not complete
     _keys: int = 0
     visits: int = 0  # copies of the head made (for tests and the log)
-    parked_bytes: int = 0
     _store: torch.Tensor | None = field(default=None, repr=False)  # the head's weight in host RAM
     _embed_store: torch.Tensor | None = field(default=None, repr=False)  # the embedding table in host RAM
 
@@ -88,11 +87,8 @@ class HostTables:
         embed.to(HOST)
         tables._embed_store = embed.weight.data
         embed.forward = tables._lookup(embed.forward)
-        tables.parked_bytes = embed.weight.numel() * embed.weight.element_size()
         if head is not None:
             tables.head = head
-            if head.weight is not embed.weight:
-                tables.parked_bytes += head.weight.numel() * head.weight.element_size()
             store = head.weight.data.to(HOST)
             if device.type == "cuda":
                 store = store.pin_memory()  # the visit copies at full link speed
@@ -115,10 +111,13 @@ class HostTables:
         move = lambda v: v.to(self.device) if isinstance(v, torch.Tensor) and v.device != self.device else v  # noqa: E731
         return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
 
-    def _lookup(self, forward):
-        embed = self.embed
-        assert embed is not None
+    @property
+    def parked_bytes(self) -> int:
+        """Host RAM the tables take (a tied table once)."""
+        stores = {t.data_ptr(): t for t in (self._embed_store, self._store) if t is not None}
+        return sum(t.numel() * t.element_size() for t in stores.values())
 
+    def _lookup(self, forward):
         def lookup(ids: torch.Tensor) -> torch.Tensor:
             self._repark()
             return forward(ids.to(HOST)).to(self.device)
@@ -145,9 +144,9 @@ class HostTables:
             # A visit made under inference_mode cannot be saved for backward: a training forward copies anew.
             stale = self.visit is not None and self.visit.is_inference() and not torch.is_inference_mode_enabled()
             if self.visit is None or self.visit.device != x.device or stale:
-                self.visit = self._store.to(x.device, non_blocking=True) if self._store is not None else None
+                assert self._store is not None  # attach() installs this forward with the store
+                self.visit = self._store.to(x.device, non_blocking=True)
                 self.visits += 1
-            assert self.visit is not None
             # Each input that takes a gradient holds the visit until that gradient is complete (in
             # forward, and again for a chunk the loss recomputes inside backward), or until it is freed
             # with a graph that never ran backward (an abandoned loss must not pin the head for good).
@@ -170,7 +169,3 @@ class HostTables:
     def pending(self) -> int:
         """Head inputs whose gradient is not complete yet."""
         return len(self._waiting)
-
-    @property
-    def head_on_device(self) -> bool:
-        return self.visit is not None and self.visit.device == self.device and self.device != HOST

@@ -136,6 +136,8 @@ class _Static:
     offloaded: int = 0  # FSDP cpu_offload: every shard in host RAM
     host_optimizer: int = 0  # optimizer_offload: HostAdamW's fp32 copies in host RAM
     host_tables: int = 0  # memory.embeddings=cpu: the vocabulary tables in host RAM
+    host_head: int = 0  # of those, the head's store (a tied table's only one): pinned, and what visits the GPU
+    linear_blocks: int = 0  # the decoder linears' packed weights as pinned blocks (base_weights=cpu on a GPU)
 
     @property
     def on_gpu(self) -> int:
@@ -155,15 +157,17 @@ class _Static:
 def _static_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Implementation, fsdp: bool) -> _Static:
     b, n_gpu, L = recipe.compute_bytes, max(setup.gpus, 1), shape.layers
     unq_bytes = impl.unquantized_bytes or b
-    q_weight = q_const = 0
+    q_weight = q_const = linear_blocks = 0
     for g in shape.linears:
         w, c = quantized_bytes(g.in_features * g.out_features, g.out_features, recipe.quant_bits, recipe.double_quant, b)
         q_weight += w * g.count
         q_const += c * g.count
+        linear_blocks += pinned_block_bytes(w) * g.count  # stream.py pins each linear's weight on its own
     unquantized = (shape.embedding_params + shape.head_params + shape.other_params) * unq_bytes
     w, c, u = expert_weight_bytes(shape, recipe)  # MoE: every expert (finetune/moe.py)
     q_weight, q_const, unquantized = q_weight + w, q_const + c, unquantized + u
-    host_tables = (shape.embedding_params + shape.head_params) * unq_bytes if setup.embeddings == "cpu" else 0
+    on_host = setup.embeddings == "cpu"
+    host_tables = (shape.embedding_params + shape.head_params) * unq_bytes if on_host else 0
     trainable = trainable_params(shape, recipe)
     adapter_bytes = impl.adapter_bytes if recipe.lora_r else (4 if b == 4 else b)
     grads = trainable * adapter_bytes
@@ -178,6 +182,8 @@ def _static_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Impleme
         grads=grads,
         optim=grads * impl.optimizer_states,
         host_tables=host_tables,
+        host_head=(shape.head_params or shape.embedding_params) * unq_bytes if on_host else 0,
+        linear_blocks=linear_blocks,
     )
     t.unquantized -= host_tables
     zero = setup.sharding if setup.sharding.startswith("zero") and n_gpu > 1 else ""
@@ -233,7 +239,7 @@ def estimate(
     unq_bytes = impl.unquantized_bytes or recipe.compute_bytes
     st = _static_terms(shape, recipe, setup, impl, fsdp)
     act = activation_terms(shape, recipe, setup, gpu, st.trainable)
-    tr = _transient_terms(shape, recipe, setup, impl)
+    tr = _transient_terms(shape, recipe, setup, impl, st.host_head)
     phase_loss = st.on_gpu + act.saved + tr.mask + tr.final_norm + tr.loss + tr.head_visit
     phase_backward = st.on_gpu + act.saved + tr.mask + act.recompute + tr.working + tr.dequant
     loss_peak = phase_loss >= phase_backward
@@ -295,7 +301,7 @@ class _Transient:
     head_visit: int  # memory.embeddings=cpu: the LM head's copy on the GPU while the loss runs
 
 
-def _transient_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Implementation) -> _Transient:
+def _transient_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Implementation, head_visit: int) -> _Transient:
     b, T, B = recipe.compute_bytes, setup.seq_len, setup.rows  # sequences per forward
     tokens = B * T
     logits_bytes = (impl.unquantized_bytes or b) if impl.loss != "chunked" else b
@@ -305,9 +311,7 @@ def _transient_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Impl
         loss=loss_peak_bytes(min(tokens, setup.loss_rows) if setup.loss_rows else tokens, shape.vocab, logits_bytes, impl),
         working=tokens * backward_working_bytes_per_token(shape, recipe, 1 if shape.experts else setup.mlp_tiles(shape.hidden)),
         dequant=max(shape.largest_linear * b if recipe.quant_bits else 0, shape.expert_layer_params * b * adapts_experts(recipe)),
-        head_visit=(shape.head_params or shape.embedding_params) * (impl.unquantized_bytes or b)
-        if setup.embeddings == "cpu"
-        else 0,
+        head_visit=head_visit,
     )
 
 
@@ -404,17 +408,9 @@ def _host_ram(
         loading = shard + ((resident + (0 if captured else st.streamed_store)) if setup.streams_weights else 0)
     streamed_pinned = st.streamed_store if setup.base_weights == "cpu" else 0
     tables = st.host_tables
-    if pinned_blocks:
-        if streamed_pinned:  # stream.py pins each decoder linear's packed weight
-            b = recipe.compute_bytes
-            per_linear = (
-                quantized_bytes(g.in_features * g.out_features, g.out_features, recipe.quant_bits, recipe.double_quant, b)[0]
-                for g in shape.linears
-            )
-            streamed_pinned = sum(g.count * pinned_block_bytes(w) for g, w in zip(shape.linears, per_linear))
-        if tables:  # host_tables.py pins the head's store (a tied table's only one); the embedding table is plain RAM
-            head = (shape.head_params or shape.embedding_params) * (tables // (shape.embedding_params + shape.head_params))
-            tables = tables - head + pinned_block_bytes(head)
+    if pinned_blocks:  # the pinned stores: each linear's weight, the head's (the embedding table is plain RAM)
+        streamed_pinned = st.linear_blocks if streamed_pinned else 0
+        tables = tables - st.host_head + pinned_block_bytes(st.host_head)
     pinned = streamed_pinned + act.host_ram + st.host_optimizer + st.offloaded + tables
     parts = {
         "libraries": HOST_BASELINE_BYTES,
