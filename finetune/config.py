@@ -55,10 +55,11 @@ class ModelConfig(_Section):
     revision: str | None = None
     tokenizer: str | None = Field(None, description="tokenizer source; defaults to model.path")
     trust_remote_code: bool = False
-    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "flex_attention"] = Field(
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "flex_attention", "varlen"] = Field(
         "auto",
         description="auto: the fastest the model supports (flash_attention_2 on a GPU when flash-attn is installed, "
-        "else sdpa, else eager), with a note when it falls back",
+        "else sdpa, else eager), with a note when it falls back; varlen: finetune's own (finetune/varlen.py), packed "
+        "examples attend each to itself with no T x T mask (torch's varlen flash kernel on CUDA in 16-bit)",
     )
 
 

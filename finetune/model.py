@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from finetune import moe
+from finetune import moe, varlen
 from finetune.config import RecipeConfig, resolve_path
 from finetune.errors import ModelError
 from finetune.hardware import resolve_precision, torch_dtype
@@ -245,11 +245,12 @@ def choose_attention(cfg: RecipeConfig, device: torch.device, dtype: torch.dtype
     """(attn_implementation to load with, a one-line note when auto fell back from sdpa).
 
     auto: flash_attention_2 on a CUDA device with flash-attn installed and a 16-bit dtype, else
-    sdpa, else eager, as the model's class says it supports them. A model class we cannot look up
+    sdpa, else eager, as the model's class says it supports them. varlen (finetune/varlen.py) is
+    registered with transformers here, unless the model's attention needs what it does not compute. A model class we cannot look up
     (custom code) gets None: transformers' own default.
     """
     wanted = cfg.model.attn_implementation
-    if wanted != "auto":
+    if wanted not in ("auto", varlen.NAME):
         return wanted, None
     try:
         from transformers import AutoConfig
@@ -260,7 +261,12 @@ def choose_attention(cfg: RecipeConfig, device: torch.device, dtype: torch.dtype
         )
         cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except Exception:  # noqa: BLE001 - custom code or an unreachable config: loading reports real problems
-        return None, None
+        return (varlen.register() if wanted == varlen.NAME else None), None
+    if wanted == varlen.NAME:
+        why = varlen.unsupported(config)
+        if why:
+            raise ModelError(f"model.attn_implementation=varlen: {why}", hint="set model.attn_implementation=auto (or sdpa)")
+        return varlen.register(), None
     import importlib.util
 
     flash = (

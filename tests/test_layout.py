@@ -26,6 +26,7 @@ ORDER = [
     "metrics",
     "report",
     "moe",
+    "varlen",
     "model",
     "tiled_mlp",
     "plan",

@@ -129,9 +129,9 @@ class Recipe:
     def attention_mask(self, rows: int) -> bool:
         """Whether attention gets a (rows, 1, T, T) bool mask: padding in a batch, or packed rows
         (transformers turns restarting position_ids into a block-causal mask under sdpa and eager;
-        auto plans as sdpa). flash_attention_2 (varlen) and flex_attention (a block mask of
-        128 x 128 tiles) hold none."""
-        return (rows > 1 or self.packed) and self.attention not in ("flash_attention_2", "flex_attention")
+        auto plans as sdpa). flash_attention_2 and varlen (cut points only) and flex_attention (a
+        block mask of 128 x 128 tiles) hold none."""
+        return (rows > 1 or self.packed) and self.attention not in ("flash_attention_2", "flex_attention", "varlen")
 
     @property
     def adapter(self) -> adapters.AdapterMethod:

@@ -1,0 +1,153 @@
+"""model.attn_implementation=varlen: attention over packed rows with no (T x T) mask.
+
+A packed row holds several examples, told apart by where its position_ids restart. transformers'
+sdpa and eager paths turn that into a block-causal (rows, 1, T, T) mask: every row costs T^2
+scores however many examples it holds, and at 131,072 tokens the bool mask alone is 16 GiB.
+Here the batch is flattened to one token axis and cut into segments (cu_seqlens, as flash
+attention's varlen kernels take them), and each segment is a causal attention of its own:
+
+  - on CUDA in bf16/fp16: torch's own varlen flash kernel (torch.nn.attention.varlen), one
+    call for the whole batch; no flash-attn wheel to build;
+  - elsewhere (the CPU, fp32, attention dropout): one causal sdpa call per segment; the same
+    attention, sum(s^2)/2 scores instead of T^2, and many small calls.
+
+Cuts: the start of every row, every position_ids restart (a packed example), and every change
+of the 2D padding mask (padding is a segment of its own that no real token sees, left or
+right). The mask function registered with it is transformers' flash-attention one: the 2D
+padding mask or None, never a 4-D mask. With a KV cache (generation: fewer queries than keys)
+one sdpa call with the causal + padding mask runs instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+NAME = "varlen"
+
+
+def register() -> str:
+    """Make `varlen` an attention implementation transformers loads by name; returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(NAME, varlen_attention)
+    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    return NAME
+
+
+def unsupported(config: Any) -> str | None:
+    """Why a model's attention cannot run here (None: it can): what varlen kernels do not compute."""
+    for cfg in (config, getattr(config, "text_config", None)):
+        if cfg is not None and getattr(cfg, "attn_logit_softcapping", None):
+            return f"{cfg.model_type} caps its attention logits (attn_logit_softcapping), which the varlen kernels do not"
+    if getattr(config, "model_type", None) == "gpt_oss":
+        return "gpt_oss adds attention sinks, which the varlen kernels do not"
+    return None
+
+
+def segment_starts(position_ids: torch.Tensor | None, padding: torch.Tensor | None, rows: int, length: int) -> torch.Tensor:
+    """cu_seqlens (int32, starts of every segment plus the total) of `rows` x `length` tokens flattened.
+
+    position_ids [[0, 1, 2, 0, 1, 0]], no padding        -> [0, 3, 5, 6]
+    position_ids None, padding [[1, 1, 0], [1, 1, 1]]    -> [0, 2, 3, 6]
+    """
+    device = position_ids.device if position_ids is not None else (padding.device if padding is not None else None)
+    new = torch.zeros(rows, length, dtype=torch.bool, device=device)
+    new[:, 0] = True
+    if position_ids is not None:
+        pos = position_ids.expand(rows, length)
+        new[:, 1:] |= pos[:, 1:] != pos[:, :-1] + 1  # a restart: the next packed example
+    if padding is not None:
+        pad = padding[:, -length:].bool()
+        new[:, 1:] |= pad[:, 1:] != pad[:, :-1]  # into or out of padding
+    starts = new.flatten().nonzero().flatten()
+    total = torch.tensor([rows * length], device=starts.device)
+    return torch.cat([starts, total]).to(torch.int32)
+
+
+def varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: query (B, H, T, D), key/value (B, Hkv, S, D) -> (B, T, H, D)."""
+    if softcap or kwargs.get("s_aux") is not None or is_causal is False or getattr(module, "is_causal", True) is False:
+        raise ValueError(
+            "model.attn_implementation=varlen computes causal attention without logit softcapping or sinks; "
+            "this model's attention needs them: use model.attn_implementation=sdpa or eager"
+        )
+    rows, heads, length, _ = query.shape
+    if key.shape[2] != length:  # a KV cache: generation
+        return _cached(query, key, value, attention_mask, scaling, sliding_window), None
+    cu = segment_starts(kwargs.get("position_ids"), attention_mask, rows, length)
+    q, k, v = (t.transpose(1, 2).reshape(rows * length, t.shape[1], t.shape[3]) for t in (query, key, value))
+    dropout = dropout if module.training else 0.0
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0:
+        out = _flash_varlen(q, k, v, cu, scaling, sliding_window)
+    else:
+        out = _per_segment(q, k, v, cu, scaling, sliding_window, dropout)
+    return out.reshape(rows, length, heads, -1), None
+
+
+def _flash_varlen(q, k, v, cu: torch.Tensor, scaling, sliding_window) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    longest = int((cu[1:] - cu[:-1]).max())
+    window = (sliding_window - 1, 0) if sliding_window else (-1, 0)  # (-1, 0): causal, whole segment
+    out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=window, enable_gqa=k.shape[1] != q.shape[1])
+    return out[0] if isinstance(out, tuple) else out  # a tuple only when asked for the logsumexp
+
+
+def _per_segment(q, k, v, cu: torch.Tensor, scaling, sliding_window, dropout: float) -> torch.Tensor:
+    """Each segment a causal sdpa call of its own; (tokens, heads, dim) in and out."""
+    gqa = k.shape[1] != q.shape[1]
+    bounds = cu.tolist()
+    parts = []
+    for a, e in zip(bounds, bounds[1:]):
+        s = e - a
+        mask = None
+        if sliding_window and s > sliding_window:
+            i = torch.arange(s, device=q.device)
+            mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window)
+        out = F.scaled_dot_product_attention(
+            q[a:e].transpose(0, 1),
+            k[a:e].transpose(0, 1),
+            v[a:e].transpose(0, 1),
+            attn_mask=mask,
+            is_causal=mask is None,
+            dropout_p=dropout,
+            scale=scaling,
+            enable_gqa=gqa,
+        )
+        parts.append(out.transpose(0, 1))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _cached(query, key, value, attention_mask, scaling, sliding_window) -> torch.Tensor:
+    """Queries are the last T of S keys: causal + padding (+ window) mask, one sdpa call. A query
+    with nothing to see (left padding) sees itself, so no NaN reaches the real tokens."""
+    length, keys = query.shape[2], key.shape[2]
+    qi = torch.arange(keys - length, keys, device=query.device)[:, None]
+    ki = torch.arange(keys, device=query.device)[None, :]
+    allowed = ki <= qi
+    if sliding_window:
+        allowed &= ki > qi - sliding_window
+    mask = allowed[None, None]
+    if attention_mask is not None:
+        mask = mask & attention_mask[:, None, None, -keys:].bool()
+    mask = mask | (ki == qi)[None, None]
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
+    )
+    return out.transpose(1, 2).contiguous()

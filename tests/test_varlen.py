@@ -1,0 +1,144 @@
+"""model.attn_implementation=varlen (finetune/varlen.py): packed examples attend each to itself
+with no (T x T) mask. On the CPU its per-segment sdpa path runs; the CUDA varlen flash kernel is
+the `gpu` test at the end (same cut points, another kernel)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from finetune import varlen
+from finetune.config import build_recipe, load_recipe
+from finetune.errors import ModelError
+from finetune.gpus import find_gpu
+from finetune.metrics import read_metrics
+from finetune.plan import plan_recipe
+from finetune.trainer import Trainer
+from tests.test_long_context import LLAMA_31_8B
+
+
+def test_segment_starts_cut_rows_packed_examples_and_padding():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    assert varlen.segment_starts(pos, None, 1, 6).tolist() == [0, 3, 5, 6]
+    right = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    assert varlen.segment_starts(None, right, 2, 3).tolist() == [0, 2, 3, 6]
+    left = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    assert varlen.segment_starts(None, left, 2, 4).tolist() == [0, 2, 4, 8]
+    # Packed rows padded at the end (the collator gives padding positions 0, 1, ... of its own),
+    # and one (1, T) position row broadcast over the batch, as a model makes it.
+    packed = torch.tensor([[0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 0, 1]])
+    assert varlen.segment_starts(packed, None, 2, 6).tolist() == [0, 2, 5, 6, 10, 12]
+    assert varlen.segment_starts(torch.arange(4)[None], None, 2, 4).tolist() == [0, 4, 8]
+    assert varlen.segment_starts(None, None, 1, 5).dtype == torch.int32
+
+
+def tiny(tmp_path, model_type: str = "llama", **extra):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    cfg = AutoConfig.for_model(model_type, vocab_size=50, max_position_embeddings=64, **shape, **extra)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / model_type)
+    load = lambda attn: AutoModelForCausalLM.from_pretrained(tmp_path / model_type, attn_implementation=attn).eval()  # noqa: E731
+    return load("sdpa"), load(varlen.register())
+
+
+@pytest.mark.parametrize("model_type,extra", [("llama", {}), ("mistral", {"sliding_window": 4})])
+def test_logits_equal_sdpa_packed_padded_and_in_generation(tmp_path, model_type, extra):
+    sdpa, ours = tiny(tmp_path, model_type, **extra)
+    ids = torch.randint(3, 50, (2, 12), generator=torch.Generator().manual_seed(1))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2]])
+    right = torch.ones(2, 12, dtype=torch.long)
+    right[1, 9:] = 0
+    left = torch.ones(2, 12, dtype=torch.long)
+    left[1, :4] = 0
+    with torch.no_grad():
+        logits = lambda m, **kw: m(input_ids=ids, use_cache=False, **kw).logits  # noqa: E731
+        torch.testing.assert_close(logits(ours, position_ids=pos), logits(sdpa, position_ids=pos), rtol=0, atol=1e-5)
+        torch.testing.assert_close(logits(ours), logits(sdpa), rtol=0, atol=1e-5)
+        for mask in (right, left):  # real tokens; padding is never trained
+            keep = mask.bool()
+            got, want = logits(ours, attention_mask=mask)[keep], logits(sdpa, attention_mask=mask)[keep]
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        # it does keep packed examples apart: the packed row differs from the same ids unpacked
+        assert (logits(ours, position_ids=pos) - logits(ours)).abs().max() > 1e-2
+        gen = dict(input_ids=ids[:, :6], attention_mask=left[:, :6], max_new_tokens=5, do_sample=False)
+        assert ours.generate(**gen).tolist() == sdpa.generate(**gen).tolist()
+
+
+def test_gradients_equal_sdpa_for_packed_rows(tmp_path):
+    sdpa, ours = tiny(tmp_path)
+    ids = torch.randint(3, 50, (1, 12), generator=torch.Generator().manual_seed(2))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])
+    grads = []
+    for model in (sdpa, ours):
+        model.train()
+        model(input_ids=ids, position_ids=pos, labels=ids, use_cache=False).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+
+
+def test_softcapped_attention_is_refused_at_load(tmp_path):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from finetune.model import load_model
+
+    Gemma2ForCausalLM(
+        Gemma2Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+        )
+    ).save_pretrained(tmp_path / "g2")
+    cfg = build_recipe(
+        {
+            "model": {"path": str(tmp_path / "g2"), "attn_implementation": "varlen"},
+            "data": {"path": "x.jsonl"},
+            "output_dir": str(tmp_path / "out"),
+            "precision": "fp32",
+            "quant": {"bits": None},
+        }
+    )
+    with pytest.raises(ModelError, match="attn_logit_softcapping") as err:
+        load_model(cfg, device=torch.device("cpu"))
+    assert "model.attn_implementation=auto" in err.value.hint
+
+
+def test_packed_training_equals_sdpa_and_the_planner_counts_no_mask(recipe_dict, tmp_path):
+    def run(attention):
+        data = json.loads(json.dumps(recipe_dict))
+        data.update(output_dir=str(tmp_path / attention), report={"plot": False}, precision="fp32")
+        data["model"] = {**data["model"], "attn_implementation": attention}
+        data["data"]["packing"] = True
+        data["train"].update(max_steps=3, batch_size=2)
+        trainer = Trainer(build_recipe(data), progress=False)
+        trainer.train()
+        assert trainer.accelerator.unwrap_model(trainer.model).config._attn_implementation == attention
+        return [r["loss"] for r in read_metrics(tmp_path / attention / "metrics.jsonl") if "loss" in r]
+
+    losses = run("varlen")
+    assert len(losses) == 3 and losses == pytest.approx(run("sdpa"), rel=1e-5)
+    gpu = find_gpu("rtx4090", None)
+    base = ["model.path=" + LLAMA_31_8B, "data.path=unused.jsonl", "data.packing=true"]
+    mask = lambda *more: plan_recipe(load_recipe("qlora-longctx-1x24gb", base + list(more)), gpu).component("attention_mask")  # noqa: E731
+    assert mask() == 131_072**2 and mask("model.attn_implementation=varlen") == 0
+
+
+@pytest.mark.gpu
+def test_cuda_varlen_kernel_matches_sdpa_in_bf16(tmp_path):
+    # GPU only: torch's varlen flash kernel (torch.nn.attention.varlen) has no CPU implementation.
+    sdpa, ours = (m.to("cuda", torch.bfloat16) for m in tiny(tmp_path))
+    ids = torch.randint(3, 50, (2, 12), generator=torch.Generator().manual_seed(1)).cuda()
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2]]).cuda()
+    grads = []
+    for model in (sdpa, ours):
+        model.train()
+        model(input_ids=ids, position_ids=pos, labels=ids, use_cache=False).loss.backward()
+        grads.append(torch.cat([p.grad.float().flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[1], grads[0], rtol=2e-2, atol=2e-3)
