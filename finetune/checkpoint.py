@@ -185,6 +185,7 @@ HARMLESS_CHANGES = (
     "memory.loss_chunk",
     "memory.tiled_mlp",
     "model.attn_implementation",
+    "model.kernels",
     "train.compile",
     # Where bytes wait, not what is computed (bitwise-equal runs, tests/test_offload.py, test_host_tables.py).
     "memory.activation_offload",

@@ -61,6 +61,11 @@ class ModelConfig(_Section):
         "else sdpa, else eager), with a note when it falls back; varlen: finetune's own (finetune/varlen.py), packed "
         "examples attend each to itself with no T x T mask (torch's varlen flash kernel on CUDA in 16-bit)",
     )
+    kernels: Literal["auto", "none", "liger"] = Field(
+        "auto",
+        description="fused kernels in the decoder layers (finetune/kernels.py): liger-kernel's RMSNorm, RoPE, SwiGLU; "
+        "auto: liger on CUDA when installed (pip install 'finetune[gpu]') for the families it knows, never on a CPU",
+    )
 
 
 class MixSource(_Section):

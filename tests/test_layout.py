@@ -28,6 +28,7 @@ ORDER = [
     "moe",
     "varlen",
     "model",
+    "kernels",
     "tiled_mlp",
     "plan",
     "distributed",

@@ -18,6 +18,7 @@ from finetune.config import RecipeConfig, build_recipe, resolve_offload_dir
 from finetune.data import IGNORE_INDEX, DataBundle, DataStats, build_datasets, build_examples
 from finetune.errors import ConfigError
 from finetune.host_tables import HostTables
+from finetune.kernels import apply_kernels
 from finetune.metrics import human_bytes
 from finetune.model import (
     checkpoint_with,
@@ -167,6 +168,8 @@ def load_model_and_store(
                 model = load_model(cfg, precision=precision, device=load_on, shardable=parallel.sharded)
         if getattr(model, "finetune_attention_note", None):
             say(model.finetune_attention_note)
+        if apply_kernels(model, cfg.model.kernels, parallel.device.type) == "liger":  # before tiling wraps the MLPs
+            say("kernels: liger-kernel's fused RMSNorm, RoPE and SwiGLU in the decoder layers (model.kernels)")
         if cfg.memory.activation_offload and cfg.memory.checkpoint_every:
             checkpoint_with(model, offloaded_checkpoint)  # each checkpointed layer's input waits in host RAM
         tiled = tile_mlps(model, cfg.memory.tiled_mlp)

@@ -1,0 +1,78 @@
+"""model.kernels: fused GPU kernels in the decoder layers (liger-kernel's RMSNorm, RoPE, SwiGLU/GeGLU).
+
+    auto    liger on a CUDA device when liger-kernel is installed (the `[gpu]` extra) and knows the
+            model's family; none otherwise, and always on a CPU (its kernels are Triton, GPU only)
+    liger   the same, or a clear error saying which of the three is missing
+    none    the model's own modules
+
+liger patches the loaded model in place: each decoder layer's norms and MLP get liger's forward
+(the modules, their names, parameters and state_dict stay; peft's LoRA layers inside the MLP are
+still called as modules). liger also swaps the family's rotary function and module classes in
+transformers' modeling module: process-wide, so a model of that family loaded later in the same
+process gets liger's modules too. Applied before memory.tiled_mlp, so a tiled MLP tiles liger's
+forward. liger's fused linear cross-entropy is a separate setting, memory.loss=liger
+(finetune/trainer/linear_ce.py): finetune computes the loss itself, so liger's replacement of
+the model's forward is never installed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from finetune.errors import ConfigError
+
+# What finetune asks of liger's per-family function (each takes the ones it knows). The loss pieces
+# stay off: they replace the model's forward, and finetune computes the loss itself (memory.loss).
+LIGER_PIECES = {
+    "rope": True,
+    "rms_norm": True,
+    "swiglu": True,
+    "geglu": True,
+    "layer_norm": True,
+    "cross_entropy": False,
+    "fused_linear_cross_entropy": False,
+}
+INSTALL_HINT = "pip install 'finetune[gpu]' (liger-kernel)"
+
+
+def liger_families() -> dict[str, Callable[..., None]] | None:
+    """liger's model_type -> patch function, or None when liger-kernel is not installed."""
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError:
+        return None
+    return dict(MODEL_TYPE_TO_APPLY_LIGER_FN)
+
+
+def choose(setting: str, device_type: str, model_type: str, families: dict[str, Any] | None) -> str:
+    """'liger' or 'none' for model.kernels=`setting` on `device_type` (families: liger_families())."""
+    if setting == "none":
+        return "none"
+    usable = device_type == "cuda" and families is not None and model_type in families
+    if setting == "auto" or usable:
+        return "liger" if usable else "none"
+    if device_type != "cuda":
+        why = f"liger-kernel's kernels are Triton, CUDA only; this run is on {device_type}"
+        fix = "use model.kernels=auto (none on a CPU)"
+    elif families is None:
+        why, fix = "liger-kernel is not installed", INSTALL_HINT + ", or model.kernels=auto"
+    else:
+        why = f"liger-kernel has no kernels for model_type '{model_type}' (it has: {', '.join(sorted(families))})"
+        fix = "use model.kernels=auto (none for this family)"
+    raise ConfigError([f"model.kernels=liger: {why}. Fix: {fix}."])
+
+
+def apply_kernels(model, setting: str, device_type: str) -> str:
+    """Patch `model` (a transformers causal LM, before peft or with it) per model.kernels; returns
+    the kernels chosen ('liger' or 'none')."""
+    families = liger_families() if setting != "none" else None
+    base = getattr(model, "get_base_model", lambda: model)()
+    model_type = getattr(base.config, "model_type", "")
+    chosen = choose(setting, device_type, model_type, families)
+    if chosen == "liger" and families is not None:
+        patch = families[model_type]
+        accepted = inspect.signature(patch).parameters
+        patch(model=base, **{k: v for k, v in LIGER_PIECES.items() if k in accepted})
+    return chosen

@@ -1,0 +1,92 @@
+"""model.kernels (finetune/kernels.py): when liger's kernels are chosen, what is refused and how,
+and what finetune hands liger's per-family function. The kernels themselves are Triton (CUDA
+only): their training equality is the `gpu` test at the end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from finetune import kernels
+from finetune.config import build_recipe
+from finetune.errors import ConfigError
+from finetune.metrics import read_metrics
+from finetune.trainer import Trainer
+
+FAMILIES = {"llama": object(), "qwen2": object()}
+
+
+def test_auto_picks_liger_only_on_cuda_when_installed_for_a_known_family():
+    assert kernels.choose("auto", "cuda", "llama", FAMILIES) == "liger"
+    assert kernels.choose("auto", "cpu", "llama", FAMILIES) == "none"  # never on a CPU
+    assert kernels.choose("auto", "cuda", "llama", None) == "none"  # not installed
+    assert kernels.choose("auto", "cuda", "phi", FAMILIES) == "none"  # a family liger does not know
+    assert kernels.choose("none", "cuda", "llama", FAMILIES) == "none"
+    assert kernels.choose("liger", "cuda", "qwen2", FAMILIES) == "liger"
+
+
+@pytest.mark.parametrize(
+    "device,model_type,families,said",
+    [
+        ("cpu", "llama", FAMILIES, "Triton, CUDA only; this run is on cpu. Fix: use model.kernels=auto"),
+        ("cuda", "llama", None, "liger-kernel is not installed. Fix: pip install 'finetune[gpu]'"),
+        ("cuda", "phi", FAMILIES, "no kernels for model_type 'phi' (it has: llama, qwen2)"),
+    ],
+)
+def test_liger_says_what_is_missing(device, model_type, families, said):
+    with pytest.raises(ConfigError) as err:
+        kernels.choose("liger", device, model_type, families)
+    assert said in str(err.value) and "model.kernels=liger" in str(err.value)
+
+
+def test_liger_gets_the_base_model_and_only_the_pieces_its_function_takes(monkeypatch, tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    calls = []
+
+    def apply_liger_kernel_to_llama(
+        rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, model=None
+    ):
+        calls.append(dict(rope=rope, ce=cross_entropy, flce=fused_linear_cross_entropy, rms=rms_norm, swiglu=swiglu, model=model))
+
+    monkeypatch.setattr(kernels, "liger_families", lambda: {"llama": apply_liger_kernel_to_llama})
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    peft_model = get_peft_model(base, LoraConfig(r=2, target_modules="all-linear"))
+    assert kernels.apply_kernels(peft_model, "auto", "cpu") == "none" and calls == []
+    assert kernels.apply_kernels(peft_model, "auto", "cuda") == "liger"
+    # geglu/layer_norm are not this family's: left out; liger's loss pieces (a new model.forward) off
+    assert calls == [dict(rope=True, ce=False, flce=False, rms=True, swiglu=True, model=base)]
+
+
+def test_liger_on_a_cpu_run_stops_before_anything_is_written(recipe_dict, tmp_path):
+    data = json.loads(json.dumps(recipe_dict))
+    data.update(output_dir=str(tmp_path / "run"))
+    data["model"] = {**data["model"], "kernels": "liger"}
+    with pytest.raises(ConfigError, match="CUDA only"):
+        Trainer(build_recipe(data), progress=False).train()
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.gpu
+def test_liger_kernels_train_like_the_model_own_modules(recipe_dict, tmp_path):
+    # GPU only: liger-kernel's kernels are Triton. Needs the [gpu] extra.
+    pytest.importorskip("liger_kernel")
+
+    def run(setting):
+        data = json.loads(json.dumps(recipe_dict))
+        data.update(output_dir=str(tmp_path / setting), report={"plot": False}, precision="bf16")
+        data["model"] = {**data["model"], "kernels": setting}
+        data["train"].update(max_steps=3)
+        trainer = Trainer(build_recipe(data), progress=False)
+        trainer.train()
+        mlp = trainer.accelerator.unwrap_model(trainer.model).get_base_model().model.layers[0].mlp
+        return [r["loss"] for r in read_metrics(tmp_path / setting / "metrics.jsonl") if "loss" in r], mlp._get_name()
+
+    plain, plain_name = run("none")  # first: liger's patch of the modeling module is process-wide
+    fused, name = run("liger")
+    assert name == "LigerSwiGLUMLP" and plain_name == "LlamaMLP"
+    assert fused == pytest.approx(plain, rel=2e-2)
+    assert torch.cuda.is_available()
