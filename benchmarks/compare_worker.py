@@ -22,9 +22,9 @@ def encode_eval(records: list[dict[str, str]], tok, max_len: int) -> list[tuple[
     return out
 
 
-def eval_loss(model, examples: list[tuple[list[int], list[int]]], batch: int = 8) -> float:
+def eval_loss(model, examples: list[tuple[list[int], list[int]]], batch: int = 8, device: str = "cpu") -> float:
     """Token-mean cross-entropy over the completion tokens of held-out examples, full logits,
-    padded batches: the same function for every tool."""
+    padded batches: the same function for every tool (inputs on `device`)."""
     import torch
     import torch.nn.functional as F
 
@@ -39,8 +39,8 @@ def eval_loss(model, examples: list[tuple[list[int], list[int]]], batch: int = 8
             mask = torch.zeros((len(chunk), width), dtype=torch.long)
             for r, (x, y) in enumerate(chunk):
                 ids[r, : len(x)], labels[r, : len(y)], mask[r, : len(x)] = torch.tensor(x), torch.tensor(y), 1
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
-            tgt = labels[:, 1:]
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits[:, :-1]
+            tgt = labels[:, 1:].to(device)
             keep = tgt != -100
             total += float(F.cross_entropy(logits[keep].float(), tgt[keep], reduction="sum"))
             count += int(keep.sum())
