@@ -15,7 +15,8 @@ The job, built on the machine (no hub, no downloads):
   tokenizer  compare_job's byte-level BPE (4,096 entries) trained on the records; the model keeps
              its vocabulary (128,256 or 152,064 rows), so the LM head costs what it costs
   data       compare_job.make_records: an instruction over a word list and a reply of lognormal
-             length (median --median-words words, sigma 1.0), max_seq_len 2048, prompt/completion
+             length (median --median-words words, sigma 1.0), prompt/completion; replies too long
+             for max_seq_len 2048 are shortened (whole words) so that no tool truncates
   training   LoRA r16 alpha 32 dropout 0.05 on every linear; torch AdamW, lr 2e-4 constant, no
              warm-up, weight decay 0, clip 1.0; bf16; one epoch over --examples; loss on the
              completion + EOS. Global batch: 16 examples (4 x 4) unpadded; packed tools take
@@ -93,10 +94,11 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     rows = make_records(args.examples + 32, median_words=args.median_words, sigma=1.0)
+    tok = build_tokenizer([r["prompt"] + r["completion"] for r in rows], work / "tokenizer")
+    trimmed = sum(fit_length(r, tok, args.max_seq_len) for r in rows)
     for name, part in (("train.jsonl", rows[: args.examples]), ("eval.jsonl", rows[args.examples :])):
         (work / name).write_text("".join(json.dumps(r) + "\n" for r in part))
-    tok = build_tokenizer([r["prompt"] + r["completion"] for r in rows], work / "tokenizer")
-    lengths = [min(len(tok(r["prompt"] + r["completion"])["input_ids"]) + 1, args.max_seq_len) for r in rows[: args.examples]]
+    lengths = [len(tok(r["prompt"] + r["completion"])["input_ids"]) + 1 for r in rows[: args.examples]]
     models = {}
     for name in args.models:
         models[name] = work / f"{'tiny-' if args.tiny else ''}{name}"
@@ -110,10 +112,21 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
             "mean": round(mean, 1),
             "median": sorted(lengths)[len(lengths) // 2],
             "max": max(lengths),
-            "truncated": sum(n >= args.max_seq_len for n in lengths),
-        },  # fmt: skip
+            "trimmed": trimmed,
+        },
         "packed_accum": max(1, round(GLOBAL_BATCH * mean / args.max_seq_len)),
     }
+
+
+def fit_length(record: dict[str, str], tok, max_len: int) -> bool:
+    """Shorten a reply (whole words) until prompt + reply + EOS fits max_len tokens, so that no tool
+    truncates and every tool trains the same tokens (TRL's padding-free mode cannot truncate)."""
+    words = record["completion"].split(" ")
+    cut = False
+    while len(tok(record["prompt"] + record["completion"])["input_ids"]) + 1 > max_len:
+        words = words[: max(1, int(len(words) * 0.9))]
+        record["completion"], cut = " ".join(words), True
+    return cut
 
 
 def flops_per_step(cfg: dict[str, Any], step: dict[str, float]) -> float:
@@ -245,8 +258,9 @@ def recipes(args: argparse.Namespace, job: dict[str, Any], say=print) -> dict[st
                     "out": str(run_dir)}  # fmt: skip
             say(f"{name} / {recipe} (cap {cap} GiB) ...")
             raw = run_worker(spec, run_dir / "log.txt", args.timeout)
-            if "error" not in raw:
-                raw["measured_vs_plan"] = raw["measured"] / raw["planned"] - 1
+            if "error" not in raw and raw["measured_reserved"] is not None:  # allocated vs allocated (on CUDA): the
+                # plan's peak adds allocator slack and the CUDA context
+                raw["measured_vs_plan"] = raw["measured"] / raw["planned_allocated"] - 1
             say(f"  {json.dumps(raw)[:400]}")
             out[f"{name}/{recipe}"] = raw
     return out

@@ -26,7 +26,7 @@ class StepClock:
         self.cuda = device.startswith("cuda")
         self.torch = torch
         self.steps: list[dict[str, float]] = []
-        self.held: list[tuple[int, int]] = []
+        self.held: list[dict[str, Any]] = []
         self.t0: float | None = None
         self.peak_loading = 0
 
@@ -38,23 +38,26 @@ class StepClock:
         self.t0 = time.perf_counter()
 
     def batch(self, batch: dict[str, Any]) -> None:
-        self.held.extend(batch_segments(batch))
+        # Kept, read at the step's end: reading a batch already on the GPU would synchronize every micro-batch.
+        self.held.append({k: batch[k] for k in ("input_ids", "labels", "attention_mask", "position_ids") if k in batch})
 
     def step_ends(self) -> None:
         if self.cuda:
             self.torch.cuda.synchronize()
         now = time.perf_counter()
-        s = [n for n, _ in self.held]
+        segs = [seg for b in self.held for seg in batch_segments(b)]
+        s = [n for n, _ in segs]
         self.steps.append(
             {
                 "seconds": now - (self.t0 or now),
-                "examples": len(self.held),
+                "examples": len(segs),
                 "tokens": sum(s),
-                "trained": sum(t for _, t in self.held),
+                "trained": sum(t for _, t in segs),
                 "sum_s2": sum(n * n for n in s),
             }
         )
-        self.held, self.t0 = [], now
+        self.held = []
+        self.t0 = time.perf_counter()  # the accounting above is not the tool's time
 
     def result(self) -> dict[str, Any]:
         cuda = self.torch.cuda
@@ -145,9 +148,10 @@ def lora_config():
 # ----------------------------------------------------------------------------- finetune
 
 FINETUNE_SETTINGS = {
-    # the 24 GB recipe as shipped (packed rows under sdpa: a block-causal mask per row)
+    # the 24 GB recipe as shipped: packed rows under sdpa (a block-causal mask per row); liger's kernels
+    # when installed (the recipe's model.kernels=auto, in every finetune row)
     "finetune": [],
-    # + packed rows cut into their examples (no T x T mask); liger kernels when installed (model.kernels=auto)
+    # + packed rows cut into their examples (no T x T mask)
     "finetune_varlen": ["model.attn_implementation=varlen"],
     # + everything on the GPU (no host tables, checkpoints recomputed in place): when memory allows
     "finetune_fast": ["model.attn_implementation=varlen", "memory.activation_offload=false", "memory.embeddings=device"],
@@ -216,7 +220,8 @@ TRL_SETTINGS = {
     "trl": {},  # its defaults (gradient checkpointing on, no packing)
     "trl_liger": {"use_liger_kernel": True},
     "trl_liger_packing": {"use_liger_kernel": True, "packing": True},  # bfd packing: padding-free batches
-    "trl_padding_free": {"padding_free": True},
+    # TRL cannot truncate without packing here: max_length=None (gpu.py trims every record to fit instead)
+    "trl_padding_free": {"padding_free": True, "max_length": None},
 }
 
 
@@ -228,9 +233,11 @@ def run_trl(spec: dict[str, Any], clock: StepClock, model=None, tokenizer=None) 
     tok = tokenizer or AutoTokenizer.from_pretrained(spec["model"])
     Clocked, tick = clocked(SFTTrainer, clock)
     settings = TRL_SETTINGS.get(spec["tool"], {})
+    if model is not None:  # unsloth's model: its own gradient checkpointing is on already
+        settings = {"gradient_checkpointing": False}
     trainer = Clocked(
         model=model or load_4bit(spec),
-        args=hf_job_args(SFTConfig, spec, max_length=spec["max_seq_len"], **settings),
+        args=hf_job_args(SFTConfig, spec, **{"max_length": spec["max_seq_len"], **settings}),
         train_dataset=Dataset.from_list(read_jsonl(spec["train"])),
         processing_class=tok,
         peft_config=None if model is not None else lora_config(),
@@ -327,9 +334,15 @@ def run_recipe(spec: dict[str, Any]) -> dict[str, Any]:
     cap = spec["cap_gib"] * 2**30
     if spec["device"].startswith("cuda"):
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
-    planned = plan_recipe(cfg, find_gpu(spec["plan_gpu"])).peak_bytes
+    plan = plan_recipe(cfg, find_gpu(spec["plan_gpu"]))
     result = Trainer(cfg, progress=False).train()
-    kind = (
-        "torch.cuda.max_memory_allocated" if spec["device"].startswith("cuda") else "peak RSS (a CPU: not what the plan counts)"
-    )
-    return {"planned": planned, "measured": result.peak_memory_bytes, "measured_is": kind, "cap": cap, "steps": result.steps}
+    cuda = spec["device"].startswith("cuda")
+    return {
+        "planned_allocated": plan.peak_allocated_bytes,  # what max_memory_allocated measures
+        "planned": plan.peak_bytes,  # + allocator slack + CUDA context: what nvidia-smi would show
+        "measured": result.peak_memory_bytes,
+        "measured_is": "torch.cuda.max_memory_allocated" if cuda else "peak RSS (a CPU: not what the plan counts)",
+        "measured_reserved": torch.cuda.max_memory_reserved() if cuda else None,
+        "cap": cap,
+        "steps": result.steps,
+    }

@@ -6,6 +6,7 @@
     none    the model's own modules
 
 liger patches the loaded model in place: each decoder layer's norms and MLP get liger's forward
+(a mixture of experts keeps its own experts: see _has_experts)
 (the modules, their names, parameters and state_dict stay; peft's LoRA layers inside the MLP are
 still called as modules). liger also swaps the family's rotary function and module classes in
 transformers' modeling module: process-wide, so a model of that family loaded later in the same
@@ -21,19 +22,12 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from finetune.errors import ConfigError
+from finetune.errors import ConfigError, ModelError
 
-# What finetune asks of liger's per-family function (each takes the ones it knows). The loss pieces
-# stay off: they replace the model's forward, and finetune computes the loss itself (memory.loss).
-LIGER_PIECES = {
-    "rope": True,
-    "rms_norm": True,
-    "swiglu": True,
-    "geglu": True,
-    "layer_norm": True,
-    "cross_entropy": False,
-    "fused_linear_cross_entropy": False,
-}
+# What finetune changes of liger's per-family defaults (each function takes the ones it knows; the
+# rest stay liger's, which knows e.g. that Glm4's rotary function has no kernel). The loss pieces
+# go off: they replace the model's forward, and finetune computes the loss itself (memory.loss).
+LIGER_OFF = ("cross_entropy", "fused_linear_cross_entropy")
 INSTALL_HINT = "pip install 'finetune[gpu]' (liger-kernel)"
 
 
@@ -74,5 +68,19 @@ def apply_kernels(model, setting: str, device_type: str) -> str:
     if chosen == "liger" and families is not None:
         patch = families[model_type]
         accepted = inspect.signature(patch).parameters
-        patch(model=base, **{k: v for k, v in LIGER_PIECES.items() if k in accepted})
+        off = [*LIGER_OFF, *(["swiglu"] if _has_experts(base) else [])]
+        try:
+            patch(model=base, **{k: False for k in off if k in accepted})
+        except Exception as exc:  # noqa: BLE001 - liger's own checks (a piece a family lacks): said, not hidden
+            raise ModelError(
+                f"model.kernels={setting}: liger-kernel's patch for model_type '{model_type}' failed: {exc}",
+                hint="set model.kernels=none (the model's own modules)",
+            ) from exc
     return chosen
+
+
+def _has_experts(model) -> bool:
+    """A mixture-of-experts model: its experts stay the model's own. liger's swiglu flag also swaps
+    the experts' forward, which breaks peft's wrapper (LoRA on `experts`) and finetune's 4-bit
+    expert store (finetune/moe.py)."""
+    return any(name.endswith("mlp.experts") for name, _ in model.named_modules())

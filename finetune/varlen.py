@@ -39,29 +39,36 @@ def register() -> str:
 
 
 def unsupported(config: Any) -> str | None:
-    """Why a model's attention cannot run here (None: it can): what varlen kernels do not compute."""
+    """Why a model's attention cannot run here (None: it can): what varlen kernels do not compute
+    (logit softcapping, attention sinks, chunked attention)."""
     for cfg in (config, getattr(config, "text_config", None)):
         if cfg is not None and getattr(cfg, "attn_logit_softcapping", None):
             return f"{cfg.model_type} caps its attention logits (attn_logit_softcapping), which the varlen kernels do not"
+        if cfg is not None and (
+            getattr(cfg, "attention_chunk_size", None) or "chunked_attention" in (getattr(cfg, "layer_types", None) or ())
+        ):
+            # transformers' flash mask function drops the chunk size: attention would silently span chunks
+            return f"{cfg.model_type} attends in chunks (attention_chunk_size), which the varlen kernels do not"
     if getattr(config, "model_type", None) == "gpt_oss":
         return "gpt_oss adds attention sinks, which the varlen kernels do not"
     return None
 
 
-def segment_starts(position_ids: torch.Tensor | None, padding: torch.Tensor | None, rows: int, length: int) -> torch.Tensor:
+def segment_starts(
+    position_ids: torch.Tensor | None, padding: torch.Tensor | None, rows: int, length: int, device: torch.device | None = None
+) -> torch.Tensor:
     """cu_seqlens (int32, starts of every segment plus the total) of `rows` x `length` tokens flattened.
 
     position_ids [[0, 1, 2, 0, 1, 0]], no padding        -> [0, 3, 5, 6]
     position_ids None, padding [[1, 1, 0], [1, 1, 1]]    -> [0, 2, 3, 6]
     """
-    device = position_ids.device if position_ids is not None else (padding.device if padding is not None else None)
     new = torch.zeros(rows, length, dtype=torch.bool, device=device)
     new[:, 0] = True
     if position_ids is not None:
-        pos = position_ids.expand(rows, length)
+        pos = position_ids.to(new.device).expand(rows, length)
         new[:, 1:] |= pos[:, 1:] != pos[:, :-1] + 1  # a restart: the next packed example
     if padding is not None:
-        pad = padding[:, -length:].bool()
+        pad = padding[:, -length:].to(new.device).bool()
         new[:, 1:] |= pad[:, 1:] != pad[:, :-1]  # into or out of padding
     starts = new.flatten().nonzero().flatten()
     total = torch.tensor([rows * length], device=starts.device)
@@ -90,11 +97,14 @@ def varlen_attention(
     rows, heads, length, _ = query.shape
     if key.shape[2] != length:  # a KV cache: generation
         return _cached(query, key, value, attention_mask, scaling, sliding_window), None
-    cu = segment_starts(kwargs.get("position_ids"), attention_mask, rows, length)
+    cu = segment_starts(kwargs.get("position_ids"), attention_mask, rows, length, device=query.device)
     q, k, v = (t.transpose(1, 2).reshape(rows * length, t.shape[1], t.shape[3]) for t in (query, key, value))
     dropout = dropout if module.training else 0.0
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0:
-        out = _flash_varlen(q, k, v, cu, scaling, sliding_window)
+    flash_dtype = query.dtype
+    if query.is_cuda and query.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
+        flash_dtype = torch.get_autocast_dtype("cuda")  # fp32 weights under autocast (fp16 full fine-tuning)
+    if query.is_cuda and flash_dtype in (torch.float16, torch.bfloat16) and dropout == 0.0:
+        out = _flash_varlen(q.to(flash_dtype), k.to(flash_dtype), v.to(flash_dtype), cu, scaling, sliding_window)
     else:
         out = _per_segment(q, k, v, cu, scaling, sliding_window, dropout)
     return out.reshape(rows, length, heads, -1), None
@@ -105,8 +115,12 @@ def _flash_varlen(q, k, v, cu: torch.Tensor, scaling, sliding_window) -> torch.T
 
     longest = int((cu[1:] - cu[:-1]).max())
     window = (sliding_window - 1, 0) if sliding_window else (-1, 0)  # (-1, 0): causal, whole segment
+    v_dim = v.shape[-1]
+    if v_dim != q.shape[-1]:  # flash kernels take one head size: pad V (MLA) and crop the output
+        v = F.pad(v, [0, q.shape[-1] - v_dim])
     out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=window, enable_gqa=k.shape[1] != q.shape[1])
-    return out[0] if isinstance(out, tuple) else out  # a tuple only when asked for the logsumexp
+    out = out[0] if isinstance(out, tuple) else out  # a tuple only when asked for the logsumexp
+    return out[..., :v_dim]
 
 
 def _per_segment(q, k, v, cu: torch.Tensor, scaling, sliding_window, dropout: float) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from finetune import kernels
 from finetune.config import build_recipe
-from finetune.errors import ConfigError
+from finetune.errors import ConfigError, ModelError
 from finetune.metrics import read_metrics
 from finetune.trainer import Trainer
 
@@ -57,8 +57,34 @@ def test_liger_gets_the_base_model_and_only_the_pieces_its_function_takes(monkey
     peft_model = get_peft_model(base, LoraConfig(r=2, target_modules="all-linear"))
     assert kernels.apply_kernels(peft_model, "auto", "cpu") == "none" and calls == []
     assert kernels.apply_kernels(peft_model, "auto", "cuda") == "liger"
-    # geglu/layer_norm are not this family's: left out; liger's loss pieces (a new model.forward) off
+    # liger's defaults but its loss pieces (a new model.forward): off
     assert calls == [dict(rope=True, ce=False, flce=False, rms=True, swiglu=True, model=base)]
+
+
+def test_an_moe_model_keeps_its_experts_and_a_failing_patch_is_said(monkeypatch, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, vocab_size=64)  # fmt: skip
+    moe = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **shape))
+    calls = []
+
+    def apply_liger_kernel_to_qwen3_moe(rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True,
+                                        swiglu=True, model=None):  # fmt: skip
+        calls.append(dict(rope=rope, swiglu=swiglu, flce=fused_linear_cross_entropy))
+
+    def apply_liger_kernel_to_glm4(rope=False, fused_linear_cross_entropy=True, model=None):
+        raise NotImplementedError("liger_rotary_pos_emb is not available for Glm4 models.")
+
+    families = {"qwen3_moe": apply_liger_kernel_to_qwen3_moe, "glm4": apply_liger_kernel_to_glm4}
+    monkeypatch.setattr(kernels, "liger_families", lambda: families)
+    assert kernels.apply_kernels(moe, "liger", "cuda") == "liger"
+    assert calls == [dict(rope=True, swiglu=False, flce=False)]
+    glm4 = AutoModelForCausalLM.from_config(AutoConfig.for_model("glm4", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                                 num_attention_heads=2, num_key_value_heads=1, vocab_size=64, pad_token_id=0))  # fmt: skip
+    with pytest.raises(ModelError, match="patch for model_type 'glm4' failed: liger_rotary_pos_emb") as err:
+        kernels.apply_kernels(glm4, "auto", "cuda")
+    assert "model.kernels=none" in err.value.hint
 
 
 def test_liger_on_a_cpu_run_stops_before_anything_is_written(recipe_dict, tmp_path):

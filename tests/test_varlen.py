@@ -80,6 +80,17 @@ def test_gradients_equal_sdpa_for_packed_rows(tmp_path):
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
 
 
+def test_attention_varlen_cannot_compute_is_named():
+    from transformers import AutoConfig
+
+    assert varlen.unsupported(AutoConfig.for_model("llama")) is None
+    assert "attn_logit_softcapping" in varlen.unsupported(AutoConfig.for_model("gemma2"))
+    assert "sinks" in varlen.unsupported(AutoConfig.for_model("gpt_oss"))
+    # Llama 4 attends in chunks of 8192 in 3 of every 4 layers; flash's mask function drops the chunk
+    assert "attention_chunk_size" in varlen.unsupported(AutoConfig.for_model("llama4_text", attention_chunk_size=4))
+    assert "attention_chunk_size" in varlen.unsupported(AutoConfig.for_model("llama4", text_config={"attention_chunk_size": 4}))
+
+
 def test_softcapped_attention_is_refused_at_load(tmp_path):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
