@@ -20,6 +20,7 @@ one sdpa call with the causal + padding mask runs instead.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -75,6 +76,32 @@ def segment_starts(
     return torch.cat([starts, total]).to(torch.int32)
 
 
+class _LastCuts:
+    """The cut points of the last batch, on the device and as a host list. Every layer of a forward
+    (and every checkpointed recomputation) is handed the same position_ids and mask tensors, and
+    computing the cuts costs two host syncs on CUDA (nonzero, the list): once per batch, not per
+    layer. Reused only while those very tensors are alive and unmodified (same object, same version)."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.refs: tuple = ()
+        self.value: tuple[torch.Tensor, list[int]] | None = None
+
+    def get(self, position_ids, mask, rows: int, length: int, device) -> tuple[torch.Tensor, list[int]]:
+        given = (position_ids, mask)
+        key = (rows, length, str(device), *(None if t is None else t._version for t in given))
+        held = tuple(None if r is None else r() for r in self.refs)
+        if self.value is not None and key == self.key and len(held) == 2 and all(h is t for h, t in zip(held, given)):
+            return self.value
+        cu = segment_starts(position_ids, mask, rows, length, device=device)
+        self.refs = tuple(None if t is None else weakref.ref(t) for t in given)
+        self.key, self.value = key, (cu, cu.tolist())
+        return self.value
+
+
+_LAST_CUTS = _LastCuts()
+
+
 def varlen_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -97,23 +124,23 @@ def varlen_attention(
     rows, heads, length, _ = query.shape
     if key.shape[2] != length:  # a KV cache: generation
         return _cached(query, key, value, attention_mask, scaling, sliding_window), None
-    cu = segment_starts(kwargs.get("position_ids"), attention_mask, rows, length, device=query.device)
+    cu, bounds = _LAST_CUTS.get(kwargs.get("position_ids"), attention_mask, rows, length, query.device)
     q, k, v = (t.transpose(1, 2).reshape(rows * length, t.shape[1], t.shape[3]) for t in (query, key, value))
     dropout = dropout if module.training else 0.0
     flash_dtype = query.dtype
     if query.is_cuda and query.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
         flash_dtype = torch.get_autocast_dtype("cuda")  # fp32 weights under autocast (fp16 full fine-tuning)
     if query.is_cuda and flash_dtype in (torch.float16, torch.bfloat16) and dropout == 0.0:
-        out = _flash_varlen(q.to(flash_dtype), k.to(flash_dtype), v.to(flash_dtype), cu, scaling, sliding_window)
+        longest = max(e - a for a, e in zip(bounds, bounds[1:]))
+        out = _flash_varlen(q.to(flash_dtype), k.to(flash_dtype), v.to(flash_dtype), cu, longest, scaling, sliding_window)
     else:
-        out = _per_segment(q, k, v, cu, scaling, sliding_window, dropout)
+        out = _per_segment(q, k, v, bounds, scaling, sliding_window, dropout)
     return out.reshape(rows, length, heads, -1), None
 
 
-def _flash_varlen(q, k, v, cu: torch.Tensor, scaling, sliding_window) -> torch.Tensor:
+def _flash_varlen(q, k, v, cu: torch.Tensor, longest: int, scaling, sliding_window) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
-    longest = int((cu[1:] - cu[:-1]).max())
     window = (sliding_window - 1, 0) if sliding_window else (-1, 0)  # (-1, 0): causal, whole segment
     v_dim = v.shape[-1]
     if v_dim != q.shape[-1]:  # flash kernels take one head size: pad V (MLA) and crop the output
@@ -123,10 +150,9 @@ def _flash_varlen(q, k, v, cu: torch.Tensor, scaling, sliding_window) -> torch.T
     return out[..., :v_dim]
 
 
-def _per_segment(q, k, v, cu: torch.Tensor, scaling, sliding_window, dropout: float) -> torch.Tensor:
+def _per_segment(q, k, v, bounds: list[int], scaling, sliding_window, dropout: float) -> torch.Tensor:
     """Each segment a causal sdpa call of its own; (tokens, heads, dim) in and out."""
     gqa = k.shape[1] != q.shape[1]
-    bounds = cu.tolist()
     parts = []
     for a, e in zip(bounds, bounds[1:]):
         s = e - a

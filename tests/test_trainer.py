@@ -362,3 +362,16 @@ def test_head_on_targets_only_equals_full_logits_loss_and_gradients(recipe_dict,
     # 5e-7 (4e-5 relative) difference. A wrong mask moves gradients by far more than 1e-4.
     for name in g_full:
         torch.testing.assert_close(g_fast[name], g_full[name], rtol=1e-4, atol=1e-6)
+
+
+def test_the_training_line_says_what_an_epoch_leaves_out(recipe_dict):
+    # An epoch trains whole optimizer steps (len // window of them): the tail of its order waits.
+    import torch
+
+    from finetune.trainer.order import DataOrder
+
+    cfg = make_cfg(recipe_dict, train={"batch_size": 2, "grad_accum": 2, "max_steps": None})
+    order = DataOrder([{}] * 10, cfg, None, 0, 1, torch.device("cpu"))
+    assert order.steps_per_epoch == 2
+    assert order.untrained_per_epoch == "; the last 2 examples of each epoch's order do not fill a step and are not trained"
+    assert DataOrder([{}] * 8, cfg, None, 0, 1, torch.device("cpu")).untrained_per_epoch == ""

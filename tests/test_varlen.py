@@ -128,6 +128,7 @@ def test_packed_training_equals_sdpa_and_the_planner_counts_no_mask(recipe_dict,
         data["model"] = {**data["model"], "attn_implementation": attention}
         data["data"]["packing"] = True
         data["train"].update(max_steps=3, batch_size=2)
+        data["memory"] = {"activation_checkpointing": "all"}  # the recomputation reuses the batch's cut points
         trainer = Trainer(build_recipe(data), progress=False)
         trainer.train()
         assert trainer.accelerator.unwrap_model(trainer.model).config._attn_implementation == attention
@@ -153,3 +154,22 @@ def test_cuda_varlen_kernel_matches_sdpa_in_bf16(tmp_path):
         model(input_ids=ids, position_ids=pos, labels=ids, use_cache=False).loss.backward()
         grads.append(torch.cat([p.grad.float().flatten() for p in model.parameters()]))
     torch.testing.assert_close(grads[1], grads[0], rtol=2e-2, atol=2e-3)
+
+
+def test_cut_points_are_computed_once_per_batch_and_again_when_the_positions_change(tmp_path, monkeypatch):
+    # Each computation is two host syncs on CUDA: once per forward, not once per layer.
+    sdpa, ours = tiny(tmp_path)
+    calls = []
+    real = varlen.segment_starts
+    monkeypatch.setattr(varlen, "segment_starts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids = torch.randint(3, 50, (1, 12), generator=torch.Generator().manual_seed(3))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])
+    with torch.no_grad():
+        ours(input_ids=ids, position_ids=pos, use_cache=False)
+        assert len(calls) == 1  # 2 layers, one computation
+        ours(input_ids=ids, position_ids=pos.clone(), use_cache=False)
+        assert len(calls) == 2  # another tensor
+        pos[0, 3] = 0  # the same tensor changed in place: a new cut at 3
+        got = ours(input_ids=ids, position_ids=pos, use_cache=False).logits
+        assert len(calls) == 3
+        torch.testing.assert_close(got, sdpa(input_ids=ids, position_ids=pos, use_cache=False).logits, rtol=0, atol=1e-5)

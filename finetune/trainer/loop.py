@@ -359,8 +359,8 @@ class Trainer:
         before = self.score_held_out(em_records, "before training") if state.step == 0 else HeldOutScores()
         self.say(
             f"training {state.total_steps} steps ({state.steps_per_epoch} per epoch; {self.cfg.train.batch_size} x "
-            f"{self.cfg.train.grad_accum} accum x {self.parallel.world} proc = {state.window} {self.unit}/step), "
-            f"precision {self.precision}"
+            f"{self.cfg.train.grad_accum} accum x {self.parallel.world} proc = {state.window} {self.unit}/step"
+            f"{self.order.untrained_per_epoch}), precision {self.precision}"
         )
         self.model.train()
         speed = Throughput()

@@ -30,6 +30,12 @@ class DataOrder:
             return self.train.unit  # type: ignore[attr-defined]
         return "packed rows" if getattr(self.train, "packed", False) else "examples"
 
+    @property
+    def untrained_per_epoch(self) -> str:
+        """What an epoch leaves out (the tail of its order, fewer than a step), said on the training line."""
+        left = len(self.train) - self.steps_per_epoch * self.window
+        return f"; the last {left} {self.unit} of each epoch's order do not fill a step and are not trained" if left else ""
+
     def total_steps(self) -> int:
         """The run's length in optimizer steps: train.max_steps, or train.epochs of this launch's steps."""
         cfg = self.cfg
