@@ -1,7 +1,8 @@
 """model.kernels: fused GPU kernels in the decoder layers (liger-kernel's RMSNorm, RoPE, SwiGLU/GeGLU).
 
     auto    liger on a CUDA device when liger-kernel is installed (the `[gpu]` extra) and knows the
-            model's family; none otherwise, and always on a CPU (its kernels are Triton, GPU only)
+            model's family; none otherwise, and always on a CPU (its kernels are Triton, GPU only);
+            none for a model the caller built and handed over (Trainer.from_parts)
     liger   the same, or a clear error saying which of the three is missing
     none    the model's own modules
 

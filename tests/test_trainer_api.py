@@ -145,8 +145,13 @@ def test_own_loss_function_is_the_objective(recipe_dict, tmp_path):
     assert calls == [recipe_dict["train"]["batch_size"]]  # one micro-batch, one call
 
 
-def test_from_parts_needs_no_paths_and_trains_like_the_recipe(recipe_dict, tiny_model_dir, tmp_path):
+def test_from_parts_needs_no_paths_and_trains_like_the_recipe(recipe_dict, tiny_model_dir, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.trainer import build
+
+    kernels = []  # model.kernels=auto patches what finetune loads, never a model handed over
+    monkeypatch.setattr(build, "apply_kernels", lambda model, setting, device: kernels.append(setting) or "none")
 
     # Dropout on: its masks come from the generator as the LoRA init leaves it, as in a recipe's run.
     settings = {
@@ -176,6 +181,7 @@ def test_from_parts_needs_no_paths_and_trains_like_the_recipe(recipe_dict, tiny_
     again = Trainer.from_parts(fresh, tokenizer, examples, output_dir=tmp_path / "tokenized", progress=False, **settings)
     again.train()
     assert len(again.data.train) == len(examples) and again.data.train_stats.examples == len(examples)
+    assert kernels == ["auto", "none", "none"]
 
 
 def test_the_context_manager_deletes_the_streamed_weights_file(recipe_dict, tmp_path):

@@ -168,7 +168,9 @@ def load_model_and_store(
                 model = load_model(cfg, precision=precision, device=load_on, shardable=parallel.sharded)
         if getattr(model, "finetune_attention_note", None):
             say(model.finetune_attention_note)
-        if apply_kernels(model, cfg.model.kernels, parallel.device.type) == "liger":  # before tiling wraps the MLPs
+        # Before tiling wraps the MLPs. A model the caller built (Trainer.from_parts) is patched only when asked.
+        kernels = "none" if given is not None and cfg.model.kernels == "auto" else cfg.model.kernels
+        if apply_kernels(model, kernels, parallel.device.type) == "liger":
             say("kernels: liger-kernel's fused RMSNorm, RoPE and SwiGLU in the decoder layers (model.kernels)")
         if cfg.memory.activation_offload and cfg.memory.checkpoint_every:
             checkpoint_with(model, offloaded_checkpoint)  # each checkpointed layer's input waits in host RAM
