@@ -58,7 +58,8 @@ class ModelConfig(_Section):
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "flex_attention", "varlen"] = Field(
         "auto",
         description="auto: the fastest the model supports (flash_attention_2 on a GPU when flash-attn is installed, "
-        "else sdpa, else eager), with a note when it falls back; varlen: finetune's own (finetune/varlen.py), packed "
+        "varlen for packed rows of 1024+ tokens on a CPU, else sdpa, else eager), with a note when it falls back or "
+        "picks varlen; varlen: finetune's own (finetune/varlen.py), packed "
         "examples attend each to itself with no T x T mask (torch's varlen flash kernel on CUDA in 16-bit)",
     )
     kernels: Literal["auto", "none", "liger"] = Field(

@@ -241,11 +241,16 @@ def load_base_model(cfg: RecipeConfig, precision: str | None = None, device: tor
     return model
 
 
+VARLEN_ON_CPU_FROM = 1024  # data.max_seq_len from which auto attention on a CPU cuts packed rows per example
+
+
 def choose_attention(cfg: RecipeConfig, device: torch.device, dtype: torch.dtype) -> tuple[str | None, str | None]:
     """(attn_implementation to load with, a one-line note when auto fell back from sdpa).
 
     auto: flash_attention_2 on a CUDA device with flash-attn installed and a 16-bit dtype, else
-    sdpa, else eager, as the model's class says it supports them. varlen (finetune/varlen.py) is
+    sdpa, else eager, as the model's class says it supports them; on a CPU, packed rows of 1024+
+    tokens get varlen (one sdpa call per example: faster than a masked row, benchmarks/README.md).
+    varlen (finetune/varlen.py) is
     registered with transformers here, unless the model's attention needs what it does not compute. A model class we cannot look up
     (custom code) gets None: transformers' own default.
     """
@@ -274,6 +279,13 @@ def choose_attention(cfg: RecipeConfig, device: torch.device, dtype: torch.dtype
     )
     if flash and getattr(cls, "_supports_flash_attn", False):
         return "flash_attention_2", None
+    per_example = (
+        cfg.data.packing and cfg.data.max_seq_len >= VARLEN_ON_CPU_FROM and getattr(cls, "_supports_attention_backend", False)
+    )
+    if device.type == "cpu" and per_example and not varlen.unsupported(config):
+        # Measured: 1.6x sdpa's masked rows at 2048 tokens, 2.9x at 8192 (benchmarks/varlen_cpu.py); no gain at 512.
+        note = "note: packed rows attend per example, no T x T mask (model.attn_implementation=auto picks varlen on a CPU)"
+        return varlen.register(), note
     if getattr(cls, "_supports_sdpa", False):
         return "sdpa", None
     return "eager", f"note: {cls.__name__} does not support sdpa attention; using eager (model.attn_implementation=auto)"

@@ -173,3 +173,22 @@ def test_cut_points_are_computed_once_per_batch_and_again_when_the_positions_cha
         got = ours(input_ids=ids, position_ids=pos, use_cache=False).logits
         assert len(calls) == 3
         torch.testing.assert_close(got, sdpa(input_ids=ids, position_ids=pos, use_cache=False).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "data,expected",
+    [
+        ({"packing": True, "max_seq_len": 2048}, "varlen"),
+        ({"packing": True, "max_seq_len": 512}, "sdpa"),
+        ({"max_seq_len": 2048}, "sdpa"),
+    ],
+)
+def test_auto_cuts_long_packed_rows_per_example_on_a_cpu(recipe_dict, data, expected):
+    # benchmarks/varlen_cpu.py: 1.6x sdpa's masked packed rows at 2048 tokens, 2.9x at 8192; no gain at 512.
+    from finetune.model import choose_attention
+
+    recipe = json.loads(json.dumps(recipe_dict))
+    recipe["data"].update(data)
+    attention, note = choose_attention(build_recipe(recipe), torch.device("cpu"), torch.float32)
+    assert attention == expected
+    assert (note is not None and "picks varlen on a CPU" in note) == (expected == "varlen")
