@@ -302,3 +302,18 @@ def assert_packed_logits_match_each_example(trainer, label: str) -> None:
                 seen += 1
     assert seen >= 3, label
     model.train()
+
+
+def load_benchmark(filename: str):
+    """A script of benchmarks/ loaded by path as a module (benchmarks/ is no package: its scripts
+    import their neighbours, which they put on sys.path themselves)."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / filename
+    name = "bench_" + path.stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -3,24 +3,19 @@ accounting for every layout the tools produce, and the per-example attention pro
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def compare():
-    spec = importlib.util.spec_from_file_location("bench_compare", ROOT / "benchmarks" / "compare.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_compare"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("compare.py")
 
 
 def test_records_are_deterministic_skewed_and_answer_the_prompt(compare):

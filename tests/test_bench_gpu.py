@@ -5,7 +5,6 @@ back, ratios are taken, and a shipped recipe runs next to its plan. The numbers 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -13,17 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def gpu_bench():
-    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "benchmarks" / "gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_gpu"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("gpu.py")
 
 
 def test_step_flops_by_hand(gpu_bench):
