@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from finetune.errors import ConfigError
+from finetune.model import base_of
 
 KEY = "memory.embeddings"
 HOST = torch.device("cpu")
@@ -65,7 +66,7 @@ class HostTables:
 
     @classmethod
     def attach(cls, model: Any, device: torch.device) -> HostTables:
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = base_of(model)
         embed = _plain(base.get_input_embeddings(), torch.nn.Embedding)
         head = _plain(base.get_output_embeddings(), torch.nn.Linear)
         if embed is None:

@@ -7,7 +7,7 @@
     none    the model's own modules
 
 liger patches the loaded model in place: each decoder layer's norms and MLP get liger's forward
-(a mixture of experts keeps its own experts: see _has_experts)
+(a mixture of experts keeps its own experts)
 (the modules, their names, parameters and state_dict stay; peft's LoRA layers inside the MLP are
 still called as modules). liger also swaps the family's rotary function and module classes in
 transformers' modeling module: process-wide, so a model of that family loaded later in the same
@@ -24,6 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 from finetune.errors import ConfigError, ModelError
+from finetune.model import base_of
+from finetune.moe import fused_expert_params
 
 # What finetune changes of liger's per-family defaults (each function takes the ones it knows; the
 # rest stay liger's, which knows e.g. that Glm4's rotary function has no kernel). The loss pieces
@@ -63,13 +65,15 @@ def apply_kernels(model, setting: str, device_type: str) -> str:
     """Patch `model` (a transformers causal LM, before peft or with it) per model.kernels; returns
     the kernels chosen ('liger' or 'none')."""
     families = liger_families() if setting != "none" else None
-    base = getattr(model, "get_base_model", lambda: model)()
+    base = base_of(model)
     model_type = getattr(base.config, "model_type", "")
     chosen = choose(setting, device_type, model_type, families)
     if chosen == "liger" and families is not None:
         patch = families[model_type]
         accepted = inspect.signature(patch).parameters
-        off = [*LIGER_OFF, *(["swiglu"] if _has_experts(base) else [])]
+        # A mixture of experts keeps its own experts: liger's swiglu flag also swaps the experts' forward,
+        # which breaks peft's wrapper (LoRA on `experts`) and finetune's 4-bit expert store (finetune/moe.py).
+        off = [*LIGER_OFF, *(["swiglu"] if fused_expert_params(base) else [])]
         try:
             patch(model=base, **{k: False for k in off if k in accepted})
         except Exception as exc:  # noqa: BLE001 - liger's own checks (a piece a family lacks): said, not hidden
@@ -78,10 +82,3 @@ def apply_kernels(model, setting: str, device_type: str) -> str:
                 hint="set model.kernels=none (the model's own modules)",
             ) from exc
     return chosen
-
-
-def _has_experts(model) -> bool:
-    """A mixture-of-experts model: its experts stay the model's own. liger's swiglu flag also swaps
-    the experts' forward, which breaks peft's wrapper (LoRA on `experts`) and finetune's 4-bit
-    expert store (finetune/moe.py)."""
-    return any(name.endswith("mlp.experts") for name, _ in model.named_modules())

@@ -250,9 +250,9 @@ def choose_attention(cfg: RecipeConfig, device: torch.device, dtype: torch.dtype
     auto: flash_attention_2 on a CUDA device with flash-attn installed and a 16-bit dtype, else
     sdpa, else eager, as the model's class says it supports them; on a CPU, packed rows of 1024+
     tokens get varlen (one sdpa call per example: faster than a masked row, benchmarks/README.md).
-    varlen (finetune/varlen.py) is
-    registered with transformers here, unless the model's attention needs what it does not compute. A model class we cannot look up
-    (custom code) gets None: transformers' own default.
+    varlen (finetune/varlen.py) is registered with transformers here, unless the model's attention
+    needs what it does not compute. A model class we cannot look up (custom code) gets None:
+    transformers' own default.
     """
     wanted = cfg.model.attn_implementation
     if wanted not in ("auto", varlen.NAME):
@@ -306,11 +306,16 @@ def keep_4bit_numerics(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+def base_of(model) -> Any:
+    """The transformers model inside peft's wrapper (the model itself when it is not wrapped)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def decoder_layers(
     model, purpose: str = "distributed.strategy=fsdp", fallback: str = "use distributed.strategy=ddp"
 ) -> list[torch.nn.Module]:
     """The repeated blocks (the model's own `_no_split_modules` classes): what FSDP shards and offload streams."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_of(model)
     names = set(getattr(base, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:

@@ -27,7 +27,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from finetune.errors import ModelError
-from finetune.model import decoder_layers
+from finetune.model import base_of, decoder_layers
 
 AUTO_TILE_TOKENS = 4096  # below this a whole MLP's intermediate is small next to the rest (8B: ~340 MiB)
 
@@ -59,8 +59,7 @@ def tile_mlps(model, setting: str | int) -> int:
     """Make every dense decoder-layer MLP run tiled per memory.tiled_mlp; the number of MLPs changed."""
     if setting == "off":
         return 0
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    hidden = int(getattr(base.config, "hidden_size", 0) or 0)
+    hidden = int(getattr(base_of(model).config, "hidden_size", 0) or 0)
     if hidden <= 0:
         return 0
     try:
