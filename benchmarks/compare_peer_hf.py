@@ -10,12 +10,16 @@ from compare_job import LORA, LR, SEED, read_jsonl
 from compare_measure import Lockstep, max_rss
 
 
-def bnb_config():
+def bnb_config(compute_dtype=None):
+    """NF4, double quant; compute in fp32 (this CPU job) unless told."""
     import torch
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype or torch.float32,
     )
 
 
@@ -84,14 +88,11 @@ def load_base(spec: dict[str, Any]):
     )
 
 
-def run_hf(spec: dict[str, Any], lock: Lockstep) -> dict[str, Any]:
-    """(c) what a user writes with transformers + peft: tokenize prompt + completion + EOS,
-    labels -100 on the prompt, DataCollatorForSeq2Seq, Trainer with its defaults."""
+def completion_only_dataset(spec: dict[str, Any], tok):
+    """The training records as a user's script tokenizes them: prompt + completion + EOS, cut at
+    max_seq_len, labels -100 on the prompt."""
     from datasets import Dataset
-    from peft import get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
-    tok = AutoTokenizer.from_pretrained(spec["model"])
     msl = spec["max_seq_len"]
 
     def tokenize(r):
@@ -103,7 +104,17 @@ def run_hf(spec: dict[str, Any], lock: Lockstep) -> dict[str, Any]:
             "labels": ([-100] * len(prompt) + ids[len(prompt) :])[: len(ids)],
         }
 
-    ds = Dataset.from_list(read_jsonl(spec["train"])).map(tokenize, remove_columns=["prompt", "completion"])
+    return Dataset.from_list(read_jsonl(spec["train"])).map(tokenize, remove_columns=["prompt", "completion"])
+
+
+def run_hf(spec: dict[str, Any], lock: Lockstep) -> dict[str, Any]:
+    """(c) what a user writes with transformers + peft: tokenize prompt + completion + EOS,
+    labels -100 on the prompt, DataCollatorForSeq2Seq, Trainer with its defaults."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainingArguments
+
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    ds = completion_only_dataset(spec, tok)
     model = load_base(spec)
     if spec["quant"]:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=spec["gc"])

@@ -10,6 +10,7 @@ from typing import Any
 
 from compare_job import LORA, read_jsonl
 from compare_measure import batch_segments
+from compare_peer_hf import bnb_config, completion_only_dataset, peft_lora_config
 from compare_worker import encode_eval, eval_loss
 
 LR = 2e-4
@@ -66,14 +67,6 @@ class StepClock:
             "peak_train": cuda.max_memory_allocated() if self.cuda else None,
             "peak_loading": self.peak_loading if self.cuda else None,
         }
-
-
-def bnb_config(dtype):
-    from transformers import BitsAndBytesConfig
-
-    return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
-    )
 
 
 def dtype_of(spec: dict[str, Any]):
@@ -134,14 +127,6 @@ def load_4bit(spec: dict[str, Any]):
     device_map = {"": 0} if spec["device"].startswith("cuda") else {"": "cpu"}
     return AutoModelForCausalLM.from_pretrained(
         spec["model"], dtype=dtype_of(spec), quantization_config=bnb_config(dtype_of(spec)), device_map=device_map
-    )
-
-
-def lora_config():
-    from peft import LoraConfig
-
-    return LoraConfig(
-        r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"], target_modules="all-linear", task_type="CAUSAL_LM"
     )
 
 
@@ -240,7 +225,7 @@ def run_trl(spec: dict[str, Any], clock: StepClock, model=None, tokenizer=None) 
         args=hf_job_args(SFTConfig, spec, **{"max_length": spec["max_seq_len"], **settings}),
         train_dataset=Dataset.from_list(read_jsonl(spec["train"])),
         processing_class=tok,
-        peft_config=None if model is not None else lora_config(),
+        peft_config=None if model is not None else peft_lora_config(),
         callbacks=[tick],
     )
     trainer.train()
@@ -250,21 +235,12 @@ def run_trl(spec: dict[str, Any], clock: StepClock, model=None, tokenizer=None) 
 def run_hf(spec: dict[str, Any], clock: StepClock) -> dict[str, Any]:
     """What a user writes: tokenize prompt + completion + EOS, labels -100 on the prompt,
     DataCollatorForSeq2Seq, prepare_model_for_kbit_training, Trainer defaults."""
-    from datasets import Dataset
     from peft import get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
     tok = AutoTokenizer.from_pretrained(spec["model"])
-    msl = spec["max_seq_len"]
-
-    def tokenize(r):
-        prompt = tok(r["prompt"])["input_ids"]
-        ids = (tok(r["prompt"] + r["completion"])["input_ids"] + [tok.eos_token_id])[:msl]
-        labels = ([-100] * len(prompt) + ids[len(prompt) :])[: len(ids)]
-        return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
-
-    ds = Dataset.from_list(read_jsonl(spec["train"])).map(tokenize, remove_columns=["prompt", "completion"])
-    model = get_peft_model(prepare_model_for_kbit_training(load_4bit(spec), use_gradient_checkpointing=True), lora_config())
+    ds = completion_only_dataset(spec, tok)
+    model = get_peft_model(prepare_model_for_kbit_training(load_4bit(spec), use_gradient_checkpointing=True), peft_lora_config())
     Clocked, tick = clocked(Trainer, clock)
     trainer = Clocked(
         model=model,
