@@ -77,7 +77,7 @@ def segment_starts(
 
 
 class _LastCuts:
-    """The cut points of the last batch, on the device and as a host list. Every layer of a forward
+    """The cut points of the last batch, on the device and as a host list, and its longest segment. Every layer of a forward
     (and every checkpointed recomputation) is handed the same position_ids and mask tensors, and
     computing the cuts costs two host syncs on CUDA (nonzero, the list): once per batch, not per
     layer. Reused only while those very tensors are alive and unmodified (same object, same version)."""
@@ -85,9 +85,9 @@ class _LastCuts:
     def __init__(self) -> None:
         self.key: tuple | None = None
         self.refs: tuple = ()
-        self.value: tuple[torch.Tensor, list[int]] | None = None
+        self.value: tuple[torch.Tensor, list[int], int] | None = None
 
-    def get(self, position_ids, mask, rows: int, length: int, device) -> tuple[torch.Tensor, list[int]]:
+    def get(self, position_ids, mask, rows: int, length: int, device) -> tuple[torch.Tensor, list[int], int]:
         given = (position_ids, mask)
         key = (rows, length, str(device), *(None if t is None else t._version for t in given))
         held = tuple(None if r is None else r() for r in self.refs)
@@ -95,7 +95,8 @@ class _LastCuts:
             return self.value
         cu = segment_starts(position_ids, mask, rows, length, device=device)
         self.refs = tuple(None if t is None else weakref.ref(t) for t in given)
-        self.key, self.value = key, (cu, cu.tolist())
+        bounds = cu.tolist()
+        self.key, self.value = key, (cu, bounds, max(e - a for a, e in zip(bounds, bounds[1:])))
         return self.value
 
 
@@ -124,14 +125,13 @@ def varlen_attention(
     rows, heads, length, _ = query.shape
     if key.shape[2] != length:  # a KV cache: generation
         return _cached(query, key, value, attention_mask, scaling, sliding_window), None
-    cu, bounds = _LAST_CUTS.get(kwargs.get("position_ids"), attention_mask, rows, length, query.device)
+    cu, bounds, longest = _LAST_CUTS.get(kwargs.get("position_ids"), attention_mask, rows, length, query.device)
     q, k, v = (t.transpose(1, 2).reshape(rows * length, t.shape[1], t.shape[3]) for t in (query, key, value))
     dropout = dropout if module.training else 0.0
     flash_dtype = query.dtype
     if query.is_cuda and query.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
         flash_dtype = torch.get_autocast_dtype("cuda")  # fp32 weights under autocast (fp16 full fine-tuning)
     if query.is_cuda and flash_dtype in (torch.float16, torch.bfloat16) and dropout == 0.0:
-        longest = max(e - a for a, e in zip(bounds, bounds[1:]))
         out = _flash_varlen(q.to(flash_dtype), k.to(flash_dtype), v.to(flash_dtype), cu, longest, scaling, sliding_window)
     else:
         out = _per_segment(q, k, v, bounds, scaling, sliding_window, dropout)
