@@ -12,7 +12,7 @@ The job, built on the machine (no hub, no downloads):
   model      random init from tests/fixtures/configs/<name> at full size, saved once in bf16 under
              --workdir (~16 GB each); every tool loads it 4-bit (NF4, double quant, bf16 compute)
              its own way. --tiny: 2 layers, hidden 256, vocabulary 4096.
-  tokenizer  compare_job's byte-level BPE (4,096 entries) trained on the records; the model keeps
+  tokenizer  compare_job's byte-level BPE (4,096 entries) trained on 2,000 fixed records; the model keeps
              its vocabulary (128,256 or 152,064 rows), so the LM head costs what it costs
   data       compare_job.make_records: an instruction over a word list and a reply of lognormal
              length (median --median-words words, sigma 1.0), prompt/completion; replies too long
@@ -94,7 +94,9 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     rows = make_records(args.examples + 32, median_words=args.median_words, sigma=1.0)
-    tok = build_tokenizer([r["prompt"] + r["completion"] for r in rows], work / "tokenizer")
+    # Trained on a fixed corpus (the same pseudo-words): a model directory built by an earlier run with
+    # other --examples/--median-words holds this same tokenizer, so a reused model still matches it.
+    tok = build_tokenizer([r["prompt"] + r["completion"] for r in make_records(2000)], work / "tokenizer")
     trimmed = sum(fit_length(r, tok, args.max_seq_len) for r in rows)
     for name, part in (("train.jsonl", rows[: args.examples]), ("eval.jsonl", rows[args.examples :])):
         (work / name).write_text("".join(json.dumps(r) + "\n" for r in part))
