@@ -20,6 +20,7 @@ saved on N processes resumes on M, with DDP, FSDP or neither.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,16 +43,22 @@ def resolve_strategy(cfg: RecipeConfig, world_size: int, device: torch.device | 
     if chosen != "auto":
         return chosen
     if device is not None and device.type == "cuda":
-        try:
-            from finetune.gpus import gpu_for_device
-            from finetune.plan import plan_recipe
+        from finetune.gpus import gpu_for_device
+        from finetune.plan import plan_recipe
 
-            props = torch.cuda.get_device_properties(device)
+        props = torch.cuda.get_device_properties(device)
+        try:
             estimate = plan_recipe(cfg, gpu_for_device(props.name, props.total_memory), gpus=1)
-            if not estimate.fits:
-                return "fsdp"
-        except Exception:  # noqa: BLE001 - a plan that cannot be made (custom model code) keeps the default
-            pass
+        except Exception as err:  # noqa: BLE001 - a model the planner cannot read (custom code) still trains
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(
+                    f"note: distributed.strategy=auto runs DDP (a whole replica per GPU) without a memory plan: {err}. "
+                    "Set distributed.strategy=fsdp if a replica does not fit one GPU.",
+                    flush=True,
+                )
+            return "ddp"
+        if not estimate.fits:
+            return "fsdp"
     return "ddp"
 
 

@@ -15,12 +15,13 @@ the input of the next layer to recompute back while this one recomputes.
 Both keep results unchanged: the same bytes go out and come back, and the host
 optimizer runs the same AdamW on fp32 copies. On a CPU device there is no other
 memory to move to; the hooks stay installed and count what they would move
-(`force_copy` makes them copy anyway, which is how the tests check the path).
+(`force_copy` makes them copy anyway: the same buffers and copies, made at once and unpinned, which
+is how the tests check the path on CPU; pinning, the side stream and its events run on CUDA only).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import Any
 
@@ -89,16 +90,17 @@ class ActivationOffload:
         return t.device == self.device and t.is_contiguous() and t.numel() * t.element_size() >= self.min_bytes
 
     def _to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """A host copy of t and, on CUDA, the event of the side-stream copy that fills it."""
-        if self._stream is None:
-            return t.detach().clone(), None  # force_copy on a CPU device
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # t must be fully computed before it is copied
-        with torch.cuda.stream(self._stream):
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        t.record_stream(self._stream)  # the allocator must not reuse t until the copy has read it
+        """A host copy of t and, on CUDA, the event of the side-stream copy that fills it. A CPU device
+        (force_copy) takes the same buffer and copy, made at once: only pinning and the stream are CUDA's."""
+        stream = self._stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # t must be fully computed before it is copied
+        with _on(stream):
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=stream is not None)
+            host.copy_(t, non_blocking=stream is not None)
+            event = _recorded(stream)
+        if stream is not None:
+            t.record_stream(stream)  # the allocator must not reuse t until the copy has read it
         return host, event
 
     def _pack(self, t: torch.Tensor) -> Any:
@@ -114,11 +116,9 @@ class ActivationOffload:
         if not isinstance(packed, tuple):
             return packed
         _, host, event = packed
-        if event is None:
-            return host
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(event)
-        return host.to(self.device, non_blocking=True)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        return host.to(self.device, non_blocking=event is not None, copy=True)  # copy: a CPU device's own too
 
     # ------------------------------------------------------------------ checkpointed layers' inputs
 
@@ -148,19 +148,17 @@ class ActivationOffload:
 
     def _bring_back(self, parked: _Parked, ahead: bool) -> None:
         """Copy a checkpoint's inputs to the device: ahead (on the side stream, while another layer
-        recomputes) or now (on the compute stream, which its recomputation waits on anyway)."""
-        if self._stream is None:
-            parked.back = [h.to(self.device, copy=True) for h in parked.host]  # force_copy: the same round trip
-            return
-        current = torch.cuda.current_stream(self.device)
+        recomputes) or now (on the compute stream, which its recomputation waits on anyway). A CPU
+        device (force_copy) makes the same copies at once."""
+        current = None if self._stream is None else torch.cuda.current_stream(self.device)
         stream = self._stream if ahead else current
-        with torch.cuda.stream(stream):
-            assert parked.copied is not None  # set by _park with the first host copy
-            stream.wait_event(parked.copied)  # the host copy is complete
-            back = [h.to(self.device, non_blocking=True) for h in parked.host]
-            parked.arrived = torch.cuda.Event()
-            parked.arrived.record(stream)
-        if ahead:
+        with _on(stream):
+            if stream is not None:
+                assert parked.copied is not None  # set by _park with the first host copy
+                stream.wait_event(parked.copied)  # the host copy is complete
+            back = [h.to(self.device, non_blocking=stream is not None, copy=True) for h in parked.host]
+            parked.arrived = _recorded(stream)
+        if ahead and current is not None:
             for t in back:
                 t.record_stream(current)  # made on the side stream, used and freed on the compute stream
         parked.back = list(back)
@@ -189,6 +187,20 @@ class ActivationOffload:
             self.prefetched += 1
             self.waiting.add(before.index)
         return t
+
+
+def _on(stream: torch.cuda.Stream | None):
+    """The stream's context on CUDA; on a CPU device (no stream) copies run in order anyway."""
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+
+def _recorded(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    """An event marking what `stream` has queued so far (None without a stream: nothing is queued)."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 # The ActivationOffload whose saving() is in force: what `checkpoint` parks the layers' inputs with.

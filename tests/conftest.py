@@ -15,14 +15,17 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Set, not setdefault: a developer's exported HF_HUB_OFFLINE=0 must not let a test reach the network.
+os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # The tokenized-data cache of the whole test session goes to a temp dir, never ~/.cache.
-os.environ.setdefault("FINETUNE_CACHE", tempfile.mkdtemp(prefix="finetune-test-cache-"))
-# So does the code transformers copies out of model folders that hold custom code (trust_remote_code tests).
-os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="finetune-test-hf-modules-"))
+os.environ["FINETUNE_CACHE"] = tempfile.mkdtemp(prefix="finetune-test-cache-")
+# An empty Hugging Face home: no test reads a model or dataset the machine has cached (a user's machine
+# may hold Qwen/Qwen2.5-7B), nor writes there; the code transformers copies out of custom-code model folders too.
+_hf_home = tempfile.mkdtemp(prefix="finetune-test-hf-home-")
+os.environ["HF_HOME"] = _hf_home
+for _name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE", "HF_DATASETS_CACHE", "HF_MODULES_CACHE"):
+    os.environ[_name] = os.path.join(_hf_home, _name.lower())
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
 PAD_ID, BOS_ID, EOS_ID, UNK_ID, IM_START_ID, IM_END_ID = range(6)

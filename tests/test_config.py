@@ -297,3 +297,33 @@ def test_deepspeed_config_leaves_accumulation_to_the_trainer_and_runs_from_befor
     # How the processes share the work is not what they compute: a ZeRO run resumes under DDP or alone.
     moved = build_recipe({**MINIMAL, "distributed": {"strategy": "deepspeed", "zero_stage": 3}}).to_dict()
     assert recipe_changes(moved, new) == ([], ["distributed.strategy: 'deepspeed' -> 'auto'", "distributed.zero_stage: 3 -> 2"])
+
+
+def test_auto_strategy_on_cuda_follows_the_plan_and_says_when_it_cannot_make_one(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    import torch
+
+    from finetune import distributed, plan
+    from finetune.errors import PlanError
+
+    cfg = build_recipe({**MINIMAL, "distributed": {"strategy": "auto"}})
+    rtx4090 = SimpleNamespace(name="NVIDIA GeForce RTX 4090", total_memory=24 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: rtx4090)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(plan, "plan_recipe", lambda cfg, gpu, gpus: SimpleNamespace(fits=gpu.memory_bytes > 30 * 2**30))
+    assert distributed.resolve_strategy(cfg, 2, cuda) == "fsdp"  # a replica does not fit 24 GiB
+    rtx4090.total_memory = 48 * 2**30
+    assert distributed.resolve_strategy(cfg, 2, cuda) == "ddp"
+    assert distributed.resolve_strategy(cfg, 1, cuda) == "single"
+    assert capsys.readouterr().out == ""
+
+    def unreadable(*args, **kwargs):
+        raise PlanError("cannot read config.json of 'org/custom'")
+
+    monkeypatch.setattr(plan, "plan_recipe", unreadable)
+    assert distributed.resolve_strategy(cfg, 2, cuda) == "ddp"  # it still trains, and says why unplanned
+    assert capsys.readouterr().out == (
+        "note: distributed.strategy=auto runs DDP (a whole replica per GPU) without a memory plan: "
+        "cannot read config.json of 'org/custom'. Set distributed.strategy=fsdp if a replica does not fit one GPU.\n"
+    )

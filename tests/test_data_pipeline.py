@@ -334,8 +334,8 @@ def test_pack_rows_wastes_little_on_lognormal_lengths():
     assert sorted(i for row in rows for i in row) == list(range(5000))  # each example exactly once
     assert max(sum(lengths[i] for i in row) for row in rows) <= 1024
     waste = 1 - sum(lengths) / (len(rows) * 1024)
-    assert waste < 0.05, waste
-    assert len(rows) == math.ceil(sum(lengths) / 1024) or waste < 0.05
+    assert waste < 0.01, waste  # README: under 1% of a row empty on skewed lengths (0.14% here)
+    assert len(rows) <= math.ceil(sum(lengths) / 1024) + 1  # within one row of the bound no packing beats (991 vs 990)
 
 
 def test_packed_rows_golden_positions_and_collation():

@@ -99,7 +99,7 @@ def test_liger_on_a_cpu_run_stops_before_anything_is_written(recipe_dict, tmp_pa
 @pytest.mark.gpu
 def test_liger_kernels_train_like_the_model_own_modules(recipe_dict, tmp_path):
     # GPU only: liger-kernel's kernels are Triton. Needs the [gpu] extra.
-    pytest.importorskip("liger_kernel")
+    pytest.importorskip("liger_kernel", reason="model.kernels=liger needs pip install 'finetune[gpu]' (CUDA only)")
 
     def run(setting):
         data = json.loads(json.dumps(recipe_dict))

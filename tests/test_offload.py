@@ -166,8 +166,8 @@ def test_activation_offload_moves_saved_tensors_and_keeps_gradients(recipe_dict,
         trainer = Trainer(build_recipe(data), progress=False)
         trainer.setup()
         if offload:
-            # On a CPU device the default is a no-op; copying anyway puts every saved
-            # tensor through the round trip a GPU run takes.
+            # On a CPU device the default is a no-op; copying anyway puts every saved tensor through the
+            # GPU run's host buffers and copies (pinning and the side stream: tests/test_gpu.py only).
             trainer.activation_offload = ActivationOffload(trainer.accelerator.device, min_bytes=0, force_copy=True)
         trainer.model.train()
         trainer.accumulate_gradients(0)
@@ -195,6 +195,20 @@ def test_activation_offload_moves_only_what_non_checkpointed_layers_save(recipe_
 
     none, every_2nd = moved("none"), moved(2)
     assert 0.45 * none < every_2nd < 0.65 * none  # half the layers (plus the head's share) keep theirs
+
+
+def test_a_cpu_round_trip_copies_out_and_back():
+    # force_copy on a CPU device runs the GPU path's host buffers and copies; only the pinning, the side
+    # stream and its events need CUDA (tests/test_gpu.py). What comes back is what was saved, in storage
+    # of its own: the device tensor may change (a GPU frees and reuses it) once it has been copied.
+    saved = torch.arange(6.0).reshape(2, 3)
+    offload = ActivationOffload(torch.device("cpu"), min_bytes=0, force_copy=True)
+    packed = offload._pack(saved)
+    saved.add_(100)
+    back = offload._unpack(packed)
+    assert torch.equal(back, torch.arange(6.0).reshape(2, 3)) and back.data_ptr() != saved.data_ptr()
+    counting = ActivationOffload(torch.device("cpu"), min_bytes=0)  # the default on a CPU: counts, moves nothing
+    assert counting._pack(saved) is saved and (counting.moved_tensors, counting.moved_bytes) == (1, 24)
 
 
 def test_activation_offload_leaves_weights_and_small_tensors_alone():
@@ -255,7 +269,8 @@ def test_offloaded_checkpoints_free_each_input_and_bring_it_back_one_layer_ahead
 )
 def test_offloaded_checkpoints_train_exactly_like_kept_ones(recipe_dict, four_layer_model, tmp_path, quant, memory, monkeypatch):
     _, ref_losses, ref_adapter = run(recipe(recipe_dict, four_layer_model, tmp_path / "kept", quant, **memory))
-    # On a CPU device the default only counts; copying anyway takes the round trip a GPU run takes.
+    # On a CPU device the default only counts; copying anyway takes the GPU run's round trip and prefetch
+    # order, made at once and unpinned (the side stream and its events: tests/test_gpu.py only).
     monkeypatch.setattr(loop, "ActivationOffload", partial(ActivationOffload, min_bytes=0, force_copy=True))
     parked_run = recipe(recipe_dict, four_layer_model, tmp_path / "parked", quant, activation_offload=True, **memory)
     trainer, losses, adapter = run(parked_run)

@@ -224,7 +224,7 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     shipped = str(Path(__file__).parents[1] / "recipes" / "qlora-1x24gb.yaml")
     assert main(["plan", shipped, "--gpu", "rtx9090"]) == 2
     assert "unknown GPU 'rtx9090'" in capsys.readouterr().err
-    assert main(["plan", shipped, "--gpu", "rtx4090"]) == 2  # Qwen/Qwen2.5-7B: no network, not cached
+    assert main(["plan", shipped, "--gpu", "rtx4090"]) == 2  # Qwen/Qwen2.5-7B: no network, an empty HF cache (conftest)
     assert "cannot read config.json of 'Qwen/Qwen2.5-7B'" in capsys.readouterr().err
 
 

@@ -1,4 +1,6 @@
-"""Reporting: TensorBoard events and W&B rows equal metrics.jsonl, loss.png is a real PNG, missing extras say how to install."""
+"""Reporting: TensorBoard events and W&B rows equal metrics.jsonl, loss.png is a real PNG, missing extras say how to install.
+
+The test extra installs tensorboard, matplotlib and wandb, so these run (never skip) wherever the README's install ran."""
 
 from __future__ import annotations
 
@@ -32,7 +34,6 @@ def test_scalar_names():
 
 
 def test_tensorboard_event_file_holds_the_logged_scalars(tiny_model_dir, runs_data, tmp_path):
-    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run = train_tiny_run(tmp_path / "run", tiny_model_dir, runs_data, report={"tensorboard": True}, **WITH_EVAL)
@@ -55,7 +56,6 @@ def png_size(data: bytes) -> tuple[int, int]:
 
 
 def test_loss_png_is_written_at_the_end_of_a_run(tiny_model_dir, runs_data, tmp_path, capsys):
-    pytest.importorskip("matplotlib")
     run = train_tiny_run(tmp_path / "run", tiny_model_dir, runs_data, report={"plot": True}, **WITH_EVAL)
     png = run.path / "loss.png"
     data = png.read_bytes()
@@ -125,7 +125,6 @@ def test_wandb_sink_gets_every_row_in_the_chosen_mode(tiny_model_dir, runs_data,
 
 
 def test_wandb_offline_run_is_written_locally(tiny_model_dir, runs_data, tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")
     report = {"wandb": True, "wandb_mode": "offline"}
     run = train_tiny_run(tmp_path / "run", tiny_model_dir, runs_data, report=report)

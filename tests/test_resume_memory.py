@@ -40,7 +40,8 @@ MODES = {
 }
 
 # On a CPU device an ActivationOffload only counts what it would move; in these modes it copies anyway
-# (force_copy, every size), so the runs take the host round trip a GPU run takes.
+# (force_copy, every size): the GPU run's host buffers, copies and prefetch order, made at once and
+# unpinned. What only a GPU exercises (pinned memory, the side stream, its events) is in tests/test_gpu.py.
 FORCE_COPY = {"activation_offload", "offloaded_checkpoints"}
 
 

@@ -16,6 +16,7 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from finetune import comm_hooks, grad_compression, memory_modes, zero
 from finetune.checkpoint import RankState, rng_states
@@ -159,7 +160,11 @@ class Parallel:
         return model, optimizer
 
     def unwrap(self, model):
-        return self.accelerator.unwrap_model(model)
+        if self.strategy == "deepspeed":
+            return self.accelerator.unwrap_model(model)
+        # Not accelerate's unwrap_model: it imports deepspeed whenever it is installed (a warning line in every
+        # run). DDP's wrapper is the only one the other strategies put around a model (FSDP2 shards in place).
+        return model.module if isinstance(model, DistributedDataParallel) else model
 
     # ------------------------------------------------------------------ the step
 

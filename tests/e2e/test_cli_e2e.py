@@ -41,6 +41,9 @@ def test_qlora_run_from_a_clean_process(recipe_dict, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert "done." in proc.stdout and str(out / "adapter") in proc.stdout
     assert "precision fp32" in proc.stdout
+    # deepspeed (installed by the test extra) is imported only for distributed.strategy=deepspeed: no warning line
+    said = proc.stdout + proc.stderr
+    assert not [m for m in ("real_accelerator", "Setting accelerator to CPU", "deepspeed") if m in said], said
 
     # The same command again must refuse, exit 2, and say how to fix it, without a traceback.
     again = finetune("run", str(recipe), cwd=tmp_path)
