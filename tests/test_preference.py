@@ -331,3 +331,17 @@ def test_orpo_gradients_stay_finite_when_the_chosen_answer_is_certain():
 def test_dpo_refuses_pissa_whose_adapter_off_model_is_not_the_base(recipe_dict, tmp_path):
     with pytest.raises(ConfigError, match=re.escape("lora.method=pissa rewrites the base weights")):
         build_recipe(recipe(recipe_dict, tmp_path, **{"lora.method": "pissa", "quant": {"bits": None}}))
+
+
+@pytest.mark.slow
+def test_the_dpo_demo_ranks_held_out_pairs_right(tmp_path):
+    # The README's promise for `finetune run dpo-demo-cpu`: held-out preference accuracy 0% -> 98% (63 of 64 pairs
+    # measured, in bf16 and fp32); QLoRA, not a shortcut. About 15 s on 2 cores.
+    from finetune.config import load_recipe
+
+    cfg = load_recipe("dpo-demo-cpu", [f"output_dir={tmp_path / 'dpo'}"])
+    assert cfg.train.objective == "dpo" and cfg.quant.bits == 4 and cfg.lora is not None
+    with Trainer(cfg, progress=False) as trainer:
+        result = trainer.train()
+    assert result.preference_accuracy_before == 0.0
+    assert result.preference_accuracy_after >= 0.95, result.preference_accuracy_after
