@@ -320,3 +320,79 @@ def load_benchmark(filename: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+# --------------------------------------------------------------------------- launched runs: free ports, waiting on progress
+
+
+def free_port() -> int:
+    """A TCP port no process holds now, picked by the kernel: a rendezvous port no other test, file or test run shares.
+
+    torchrun needs only this one: its workers' stores and gloo's connections take ephemeral ports of their own.
+    """
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))  # every interface: torchrun's store listens on all of them
+        return sock.getsockname()[1]
+
+
+def logged_steps(out: Path) -> list[int]:
+    """The steps whose training row is complete in out/metrics.jsonl so far (a line still being written is not)."""
+    path = out / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    rows = [json.loads(line) for line in text.split("\n")[:-1]]
+    return [r["step"] for r in rows if "loss" in r]
+
+
+class Job:
+    """A command running in a session of its own, its output (stdout and stderr) going to `log`.
+
+    A test that signals a run waits for the run's own progress (wait_until), never for a fixed time; a wait
+    that fails kills the whole tree (launcher, torchrun, workers) and shows the run's output.
+    """
+
+    def __init__(self, cmd: list[str], log: Path, **popen):
+        import subprocess
+
+        self.log = log
+        with log.open("w") as sink:
+            self.proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, **popen)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_until(self, ready, what: str, timeout: float = 600):
+        """ready()'s value once it is true; fail if the run ends first or `timeout` seconds pass."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not (found := ready()):
+            if self.proc.poll() is not None:
+                pytest.fail(f"waited for {what}, but the run ended (exit {self.proc.returncode}) {self.tail()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"waited {timeout} s for {what} {self.tail()}")
+            time.sleep(0.02)  # a step of the tiny test runs takes ~40 ms: a slower poll lets the run get ahead
+        return found
+
+    def finish(self, timeout: float = 600) -> int:
+        """The exit code, once the run ends; fail (killing it) if it runs past `timeout` seconds."""
+        import subprocess
+
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"still running after {timeout} s {self.tail()}")
+
+    def kill(self) -> None:
+        import contextlib
+        import signal
+
+        with contextlib.suppress(ProcessLookupError):  # the group may be gone already
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def tail(self) -> str:
+        return f"({self.log}):\n{self.output()[-4000:]}"

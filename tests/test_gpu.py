@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from conftest import free_port
 
 from finetune.config import build_recipe
 from finetune.metrics import read_metrics
@@ -80,7 +81,7 @@ def test_fsdp_qlora_on_two_gpus_matches_one(recipe_dict, tmp_path, cpu_offload):
             "--nproc",
             str(nproc),
             "--master-port",
-            str(29700 + nproc),
+            str(free_port()),
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 import yaml
-from conftest import assert_same_steps, step_rows, write_jsonl
+from conftest import assert_same_steps, free_port, step_rows, write_jsonl
 from safetensors.torch import load_file
 
 # WRONG_SCALE=1 doubles every gradient while the loss value stays the same: the kind of
@@ -48,7 +48,6 @@ def run(recipe_dict, tmp_path, nproc: int, batch: int, name: str, wrong_scale: b
     data["checkpoint"] = {"every_steps": 2}
     recipe = tmp_path / f"{name}.yaml"
     recipe.write_text(yaml.safe_dump(data))
-    port = 29500 + nproc + (10 if wrong_scale else 0)
     cmd = [
         sys.executable,
         "-m",
@@ -56,7 +55,7 @@ def run(recipe_dict, tmp_path, nproc: int, batch: int, name: str, wrong_scale: b
         "--nproc_per_node",
         str(nproc),
         "--master_port",
-        str(port),
+        str(free_port()),
         str(driver),
         str(recipe),
     ]

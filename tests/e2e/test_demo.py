@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import free_port
 
 from finetune.config import load_recipe
 from finetune.trainer import Trainer
@@ -29,8 +30,8 @@ def test_demo_recipe_learns_the_task(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, port", [("ddp", 29671), ("fsdp", 29672)])
-def test_demo_recipe_on_two_processes_as_a_user_runs_it(tmp_path, strategy, port):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_demo_recipe_on_two_processes_as_a_user_runs_it(tmp_path, strategy):
     # `finetune run demo-cpu --nproc 2 distributed.strategy=...`: exact match is generated
     # before and after training on every rank (FSDP: from the sharded model, ranks in step).
     import os
@@ -51,7 +52,7 @@ def test_demo_recipe_on_two_processes_as_a_user_runs_it(tmp_path, strategy, port
         f"output_dir={out}",
         "--no-progress",
         "--master-port",
-        str(port),
+        str(free_port()),
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

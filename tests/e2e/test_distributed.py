@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from conftest import assert_same_steps
+from conftest import Job, assert_same_steps, free_port, logged_steps
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -48,25 +48,24 @@ def write(tmp_path: Path, recipe_dict: dict, name: str, **changes) -> tuple[Path
     return path, out
 
 
-def finetune(*args: str, cwd: Path, port: int, timeout: int = 420, wait: bool = True):
-    cmd = [sys.executable, "-m", "finetune", "run", *args, "--no-progress", "--master-port", str(port)]
-    if not wait:
-        return subprocess.Popen(cmd, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def finetune(*args: str, cwd: Path, port: int | None = None, timeout: int = 420, log: Path | None = None):
+    """`finetune run ARGS` on a free rendezvous port (or `port`, for launchers that must meet): run to a
+    successful end, or with `log`, started as a Job writing its output there."""
+    cmd = [sys.executable, "-m", "finetune", "run", *args, "--no-progress", "--master-port", str(port or free_port())]
+    if log is not None:
+        return Job(cmd, log, cwd=cwd, env=ENV)
     proc = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
 
 
-def preempt_after(job, out: Path, logged: int) -> str:
-    """SIGTERM a launched job (what Slurm/Kubernetes send) once `logged` steps are in its metrics.jsonl;
-    it must checkpoint and exit 75. Its output."""
-    deadline = time.time() + 300
-    while job.poll() is None and time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(losses(out)) >= logged):
-        time.sleep(0.05)
-    job.send_signal(signal.SIGTERM)
-    output = job.communicate(timeout=300)[0]
-    assert job.returncode == 75, output[-3000:]
-    return output
+def preempt_after(job: Job, out: Path, logged: int) -> str:
+    """SIGTERM a launched job (what Slurm/Kubernetes send) once `logged` steps are in its metrics.jsonl
+    (training is under way, its handlers set); it must checkpoint and exit 75. Its output."""
+    job.wait_until(lambda: len(logged_steps(out)) >= logged, f"{logged} steps in {out / 'metrics.jsonl'}")
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.finish(300) == 75, job.tail()
+    return job.output()
 
 
 def assert_adapters_close(a: dict, b: dict, atol: float = 1e-5) -> None:
@@ -88,8 +87,8 @@ def test_fsdp_qlora_two_processes_match_one(recipe_dict, tmp_path):
     }
     one_recipe, one = write(tmp_path, recipe_dict, "one", train__batch_size=4, **common)
     two_recipe, two = write(tmp_path, recipe_dict, "two", train__batch_size=2, distributed={"strategy": "fsdp"}, **common)
-    finetune(str(one_recipe), cwd=tmp_path, port=29611)
-    proc = finetune(str(two_recipe), "--nproc", "2", cwd=tmp_path, port=29612)
+    finetune(str(one_recipe), cwd=tmp_path)
+    proc = finetune(str(two_recipe), "--nproc", "2", cwd=tmp_path)
     assert "parallel: fsdp over 2 processes" in proc.stdout
     l1, l2 = losses(one), losses(two)
     assert len(l1) == len(l2) == 4 and all(0 < x < 20 for x in l2)
@@ -110,9 +109,9 @@ def test_save_on_two_resume_on_one_and_two(recipe_dict, tmp_path, strategy):
     full_recipe, full = write(
         tmp_path, recipe_dict, "full", train__batch_size=2, train__max_steps=6, distributed={"strategy": strategy}, **common
     )
-    finetune(str(full_recipe), "--nproc", "2", cwd=tmp_path, port=29621)
+    finetune(str(full_recipe), "--nproc", "2", cwd=tmp_path)
     reference = losses(full)
-    for nproc, batch, port in ((2, 2, 29622), (1, 4, 29623)):
+    for nproc, batch in ((2, 2), (1, 4)):
         recipe, out = write(
             tmp_path,
             recipe_dict,
@@ -122,7 +121,7 @@ def test_save_on_two_resume_on_one_and_two(recipe_dict, tmp_path, strategy):
             distributed={"strategy": strategy},
             **common,
         )
-        finetune(str(recipe), "--nproc", "2", cwd=tmp_path, port=port)
+        finetune(str(recipe), "--nproc", "2", cwd=tmp_path)
         # Continue the same run: six steps now, on nproc processes with the same global batch.
         finetune(
             str(recipe),
@@ -133,7 +132,6 @@ def test_save_on_two_resume_on_one_and_two(recipe_dict, tmp_path, strategy):
             "resume=auto",
             "resume_ignore_changes=true",
             cwd=tmp_path,
-            port=port + 10,
         )
         got = losses(out)
         assert len(got) == 6
@@ -145,13 +143,13 @@ def test_two_nodes_on_one_machine(recipe_dict, tmp_path):
     # Two launchers (one per "node", one process each) rendezvous on 127.0.0.1 and run one job.
     recipe, out = write(tmp_path, recipe_dict, "nodes", train__batch_size=2, train__max_steps=3, train__max_grad_norm=None)
     ref_recipe, ref = write(tmp_path, recipe_dict, "ref", train__batch_size=4, train__max_steps=3, train__max_grad_norm=None)
-    finetune(str(ref_recipe), cwd=tmp_path, port=29631)
-    nodes = [
-        finetune(str(recipe), "--nproc", "1", "--nnodes", "2", "--node-rank", str(r), cwd=tmp_path, port=29632, wait=False)
-        for r in (0, 1)
-    ]
-    outputs = [n.communicate(timeout=420)[0] for n in nodes]
-    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    finetune(str(ref_recipe), cwd=tmp_path)
+    port = free_port()  # both launchers meet there
+    node = ("--nproc", "1", "--nnodes", "2", "--node-rank")
+    nodes = [finetune(str(recipe), *node, str(r), cwd=tmp_path, port=port, log=tmp_path / f"node{r}.log") for r in (0, 1)]
+    codes = [n.finish(420) for n in nodes]
+    outputs = [n.output() for n in nodes]
+    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "parallel: ddp over 2 processes" in outputs[0]
     assert_same_steps(ref, out, rel=1e-5)
     assert_adapters_close(adapter(ref), adapter(out))
@@ -175,28 +173,22 @@ def _worker_pids(recipe: Path) -> dict[int, int]:
 
 
 def test_killed_rank_restarts_and_finishes_like_an_uninterrupted_run(recipe_dict, tmp_path):
-    common = {"train__batch_size": 2, "train__max_steps": 12, "checkpoint": {"every_steps": 2}, "train__scheduler": "constant"}
+    # 24 steps (~40 ms each): the kill after step 5 lands long before the run could end.
+    common = {"train__batch_size": 2, "train__max_steps": 24, "checkpoint": {"every_steps": 2}, "train__scheduler": "constant"}
     ref_recipe, ref = write(tmp_path, recipe_dict, "ref", **common)
-    finetune(str(ref_recipe), "--nproc", "2", cwd=tmp_path, port=29641)
+    finetune(str(ref_recipe), "--nproc", "2", cwd=tmp_path)
     recipe, out = write(tmp_path, recipe_dict, "elastic", **common)
     # One restart allowed: the restarted round must connect the first time (launch.launch_env).
-    job = finetune(str(recipe), "--nproc", "2", "--max-restarts", "1", cwd=tmp_path, port=29642, wait=False)
-    deadline = time.time() + 300
-    killed = None
-    while time.time() < deadline and killed is None:
-        done = len(losses(out)) if (out / "metrics.jsonl").exists() else 0
-        ckpts = list((out / "checkpoints").glob("step-*/manifest.json")) if (out / "checkpoints").exists() else []
-        if done >= 5 and ckpts:
-            pid = _worker_pids(recipe).get(1)
-            if pid is not None:
-                os.kill(pid, signal.SIGKILL)  # rank 1 dies mid-run; torchrun restarts both ranks
-                killed = pid
-        time.sleep(0.05)
-    assert killed is not None, "never saw the job mid-run"
-    output = job.communicate(timeout=420)[0]
-    (tmp_path / "elastic.log").write_text(output)  # the whole story, for when this fails
-    assert job.returncode == 0, f"{tmp_path / 'elastic.log'}: " + output[-4000:]
-    assert "resumed from" in output
+    job = finetune(str(recipe), "--nproc", "2", "--max-restarts", "1", cwd=tmp_path, log=tmp_path / "elastic.log")
+    # Rank 1's pid looked up once training runs (reading /proc is slow), then killed as soon as step 5
+    # is logged with a complete checkpoint to come back to.
+    pid = job.wait_until(lambda: logged_steps(out) and _worker_pids(recipe).get(1), "rank 1 training")
+    job.wait_until(lambda: len(logged_steps(out)) >= 5 and any(out.glob("checkpoints/step-*/manifest.json")), "step 5")
+    os.kill(pid, signal.SIGKILL)  # rank 1 dies mid-run; torchrun restarts both ranks
+    assert job.finish(420) == 0, job.tail()
+    # The restarted ranks continued an unfinished run: the kill landed before the last step.
+    resumed = re.search(r"resumed from \S+ at step (\d+)", job.output())
+    assert resumed and 4 <= int(resumed.group(1)) < 24, job.tail()
     assert losses(out)[-1] == pytest.approx(losses(ref)[-1], rel=1e-4)
     assert_adapters_close(adapter(ref), adapter(out), atol=1e-5)
 
@@ -205,13 +197,13 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_and_exits_75(recipe_dict
     # What Slurm/Kubernetes do before preempting: SIGTERM to `finetune run --nproc 2`.
     common = {"train__batch_size": 2, "train__max_steps": 40, "checkpoint": {"every_steps": 100}, "train__scheduler": "constant"}
     recipe, out = write(tmp_path, recipe_dict, "pre", **common)
-    output = preempt_after(finetune(str(recipe), "--nproc", "2", cwd=tmp_path, port=29651, wait=False), out, 3)
+    output = preempt_after(finetune(str(recipe), "--nproc", "2", cwd=tmp_path, log=tmp_path / "pre.log"), out, 3)
     saved = sorted((out / "checkpoints").glob("step-*/manifest.json"))
     assert len(saved) == 1, output[-3000:]  # not a periodic one (every 100): written because of the signal
     step = int(saved[0].parent.name.split("-")[1])
     assert 3 <= step < 40
     # The same command with resume=auto finishes the run from there.
-    finetune(str(recipe), "--nproc", "2", "resume=auto", cwd=tmp_path, port=29652)
+    finetune(str(recipe), "--nproc", "2", "resume=auto", cwd=tmp_path)
     assert len(losses(out)) == 40
 
 
@@ -232,9 +224,9 @@ def test_ddp_resume_with_dropout_continues_each_ranks_random_stream(recipe_dict,
         "data__shuffle": True,
     }
     full_recipe, full = write(tmp_path, recipe_dict, "full", train__max_steps=6, **common)
-    finetune(str(full_recipe), "--nproc", "2", cwd=tmp_path, port=29661)
+    finetune(str(full_recipe), "--nproc", "2", cwd=tmp_path)
     part_recipe, part = write(tmp_path, recipe_dict, "part", train__max_steps=3, **common)
-    finetune(str(part_recipe), "--nproc", "2", cwd=tmp_path, port=29662)
+    finetune(str(part_recipe), "--nproc", "2", cwd=tmp_path)
     finetune(
         str(part_recipe),
         "--nproc",
@@ -243,7 +235,6 @@ def test_ddp_resume_with_dropout_continues_each_ranks_random_stream(recipe_dict,
         "resume=auto",
         "resume_ignore_changes=true",
         cwd=tmp_path,
-        port=29663,
     )
     assert losses(part) == pytest.approx(losses(full), rel=1e-6)
     a, b = adapter(full), adapter(part)
@@ -258,8 +249,8 @@ def test_ddp_with_the_vocabulary_tables_in_host_ram_trains_bitwise_alike(recipe_
     common = {"train__max_steps": 3, "train__batch_size": 2, "quant": {"bits": 4}}
     on_device, out_device = write(tmp_path, recipe_dict, "device", memory__embeddings="device", **common)
     on_host, out_host = write(tmp_path, recipe_dict, "host", memory__embeddings="cpu", **common)
-    finetune(str(on_device), "--nproc", "2", cwd=tmp_path, port=29671)
-    proc = finetune(str(on_host), "--nproc", "2", cwd=tmp_path, port=29672)
+    finetune(str(on_device), "--nproc", "2", cwd=tmp_path)
+    proc = finetune(str(on_host), "--nproc", "2", cwd=tmp_path)
     assert "of frozen vocabulary tables live in host RAM" in proc.stdout
     assert losses(out_host) == losses(out_device) and len(losses(out_host)) == 3
     a, b = adapter(out_device), adapter(out_host)

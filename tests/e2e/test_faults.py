@@ -10,15 +10,17 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from conftest import Job, logged_steps
 from safetensors.torch import load_file
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+# Picks the SIGKILL step: fixed, so a failure repeats; FINETUNE_TEST_SEED=N tries another step.
+KILL_SEED = int(os.environ.get("FINETUNE_TEST_SEED", "25"))
 
 # Runs a recipe in a fresh process and SIGKILLs itself: at optimizer step KILL_STEP,
 # or inside the KILL_SAVE-th checkpoint save, after its files but before its manifest.
@@ -48,12 +50,12 @@ Dying(load_recipe(recipe), progress=False).train()
 """
 
 
-def write_recipe(recipe_dict, tmp_path, out, **train):
+def write_recipe(recipe_dict, tmp_path, out, every_steps=3, **train):
     data = json.loads(json.dumps(recipe_dict))
     data["output_dir"] = str(out)
     data["train"].update({"max_steps": 12, "batch_size": 4, "grad_accum": 2, **train})
     data["lora"]["dropout"] = 0.1
-    data["checkpoint"] = {"every_steps": 3, "keep_last": 2}
+    data["checkpoint"] = {"every_steps": every_steps, "keep_last": 2}
     path = tmp_path / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -96,7 +98,8 @@ def straight(recipe_dict, tmp_path):
 
 
 def test_sigkill_at_a_random_step_then_resume_auto(recipe_dict, tmp_path, straight):
-    kill_step = random.Random().randrange(4, 11)  # printed on failure
+    kill_step = random.Random(KILL_SEED).randrange(4, 11)
+    print(f"SIGKILL at step {kill_step} (FINETUNE_TEST_SEED={KILL_SEED})")  # pytest shows it on a failure
     out = tmp_path / "killed"
     recipe = write_recipe(recipe_dict, tmp_path, out)
     proc = run_driver(tmp_path, recipe, kill_step=kill_step)
@@ -126,26 +129,20 @@ def test_sigkill_during_a_save_never_yields_a_checkpoint(recipe_dict, tmp_path, 
 
 def test_sigterm_checkpoints_and_exits_75(recipe_dict, tmp_path):
     out = tmp_path / "preempted"
-    recipe = write_recipe(recipe_dict, tmp_path, out, max_steps=100_000)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "finetune", "run", str(recipe), "--no-progress"],
-        cwd=tmp_path,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    metrics = out / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 75, err[-2000:]
+    # No periodic checkpoint (it could fall on the step the run stops at): the one found is the signal's.
+    recipe = write_recipe(recipe_dict, tmp_path, out, every_steps=100_000, max_steps=100_000)
+    cmd = [sys.executable, "-m", "finetune", "run", str(recipe), "--no-progress"]
+    job = Job(cmd, tmp_path / "preempted.log", cwd=tmp_path, env=ENV)
+    # Training is under way (its signal handlers set) once step 2 is logged; 100_000 steps: it cannot end first.
+    job.wait_until(lambda: len(logged_steps(out)) >= 2, f"2 steps in {out / 'metrics.jsonl'}")
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.finish(300) == 75, job.tail()
+    err = job.output()
     assert "preempted: SIGTERM received" in err and "resume=auto" in err
+    metrics = out / "metrics.jsonl"
     stopped = [json.loads(line)["step"] for line in metrics.read_text().splitlines()][-1]
-    ckpt = out / "checkpoints" / f"step-{stopped}"
-    assert (ckpt / "manifest.json").is_file()
+    assert [p.name for p in out.glob("checkpoints/*")] == [f"step-{stopped}"], job.tail()
+    assert (out / "checkpoints" / f"step-{stopped}" / "manifest.json").is_file()
     # Continue (a shorter max_steps is a harmless change) from exactly that step.
     proc = run_cli("run", str(recipe), "resume=auto", f"train.max_steps={stopped + 2}", "--no-progress", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

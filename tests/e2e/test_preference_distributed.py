@@ -29,8 +29,8 @@ def test_dpo_on_two_processes_matches_one(recipe_dict, tmp_path, strategy):
     }
     one_recipe, one = write(tmp_path, recipe_dict, "one", train__batch_size=4, **common)
     two_recipe, two = write(tmp_path, recipe_dict, "two", train__batch_size=2, distributed={"strategy": strategy}, **common)
-    finetune(str(one_recipe), cwd=tmp_path, port=29661)
-    proc = finetune(str(two_recipe), "--nproc", "2", cwd=tmp_path, port=29662 if strategy == "ddp" else 29663)
+    finetune(str(one_recipe), cwd=tmp_path)
+    proc = finetune(str(two_recipe), "--nproc", "2", cwd=tmp_path)
     assert f"parallel: {strategy} over 2 processes" in proc.stdout
     assert losses(one)[0] == pytest.approx(0.6931472, abs=1e-6) and len(losses(two)) == 3
     assert_same_steps(one, two, rel=1e-5)
