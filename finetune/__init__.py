@@ -50,6 +50,7 @@ _EXPORTS = {
     "TrainResult": "finetune.trainer",
     "TrainState": "finetune.trainer",
     "Callback": "finetune.trainer",
+    "Loss": "finetune.trainer",
     "open_run": "finetune.runs",
     "load_trained": "finetune.runs",
     "export_run": "finetune.export",

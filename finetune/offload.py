@@ -8,7 +8,7 @@
     optimizer = HostAdamW(params, lr=2e-4)       # memory.optimizer_offload
 
 What a checkpointed decoder layer keeps (its input) takes its own path: the layers'
-checkpoint function is `checkpoint` below (trainer/build.py installs it), which parks
+checkpoint function is `offloaded_checkpoint` below (trainer/build.py installs it), which parks
 the input of each layer in host RAM after the layer's forward and, in backward, brings
 the input of the next layer to recompute back while this one recomputes.
 
@@ -31,6 +31,13 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 # Smaller saved tensors (masks, scalars, norms' statistics) cost more in copy
 # latency than they free; checkpoint boundaries of a 7B model are ~16 MiB each.
 MIN_OFFLOAD_BYTES = 1 << 20
+
+
+class NoActivationOffload:
+    """memory.activation_offload off: saving() changes nothing, so the training step calls it either way."""
+
+    def saving(self):
+        return nullcontext()
 
 
 class _Parked:
@@ -203,12 +210,12 @@ def _recorded(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
     return event
 
 
-# The ActivationOffload whose saving() is in force: what `checkpoint` parks the layers' inputs with.
+# The ActivationOffload whose saving() is in force: what `offloaded_checkpoint` parks the layers' inputs with.
 # A context variable rather than an argument: transformers calls the layers' checkpoint function.
 _saving: ContextVar[ActivationOffload | None] = ContextVar("finetune_activation_offload", default=None)
 
 
-def checkpoint(function, *args, **kwargs):
+def offloaded_checkpoint(function, *args, **kwargs):
     """torch's non-reentrant checkpoint (the one transformers uses), whose saved inputs (a decoder
     layer's input, ~1/30 of what the layer would keep) wait in host RAM while an ActivationOffload is
     saving: the layers' checkpoint function under memory.activation_offload (model.checkpoint_with)."""

@@ -17,8 +17,8 @@ What the hooks do with layer i's weights:
   layer pre-hook (forward)     use layer i (waiting for its prefetch), prefetch layer i+1
   layer post-hook (forward)    release layer i
   weight pre-hook, in backward (the recomputation; the layer hooks do nothing there:
-                               transformers 5.23 checkpoints a layer's forward, so they do
-                               not fire, and 5.17 its __call__, so they fire but return):
+                               where transformers checkpoints a layer's forward they do not
+                               fire, where it checkpoints its __call__ they fire but return):
                                release the layers after i, whose backward is complete,
                                since autograd starts layer i's nodes only once the gradient
                                of its output is whole; use layer i, keep it for its

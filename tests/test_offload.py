@@ -20,8 +20,7 @@ from finetune.config import build_recipe
 from finetune.errors import ConfigError
 from finetune.metrics import read_metrics
 from finetune.model import decoder_layers
-from finetune.offload import ActivationOffload, HostAdamW
-from finetune.offload import checkpoint as offloaded_checkpoint
+from finetune.offload import ActivationOffload, HostAdamW, offloaded_checkpoint
 from finetune.stream import in_backward
 from finetune.trainer import Trainer, loop
 

@@ -145,6 +145,44 @@ def test_own_loss_function_is_the_objective(recipe_dict, tmp_path):
     assert calls == [recipe_dict["train"]["batch_size"]]  # one micro-batch, one call
 
 
+def test_a_loss_says_its_units_and_metrics_to_the_loop(recipe_dict, tmp_path):
+    # One protocol for every objective (finetune.Loss): the window's loss is divided by count()'s units, and
+    # metric_sums() reaches the step's row divided by them. A plain function may carry the same as attributes.
+    from finetune import Loss
+
+    class PerExample(Loss):  # the cross-entropy summed per example, averaged over examples
+        def __init__(self):
+            self.inner = CausalLMLoss()
+
+        def __call__(self, model, batch):
+            loss, _ = self.inner(model, batch)
+            return loss, self.count(batch)
+
+        def count(self, batch):
+            return batch["input_ids"].shape[0]
+
+        def metric_sums(self):
+            return {"examples": 4.0}
+
+    def summed(model, batch):
+        return PerExample()(model, batch)
+
+    summed.count = lambda batch: batch["input_ids"].shape[0]
+    summed.last_sums = {"examples": 4.0}
+    plain = cfg_for(recipe_dict, tmp_path / "plain", train={"max_steps": 1})
+    Trainer(plain, progress=False).train()
+    rows = {}
+    for name, loss in (("protocol", PerExample()), ("function", summed)):
+        Trainer(cfg_for(recipe_dict, tmp_path / name, train={"max_steps": 1}), progress=False, loss_fn=loss).train()
+        rows[name] = [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if "loss" in r][0]
+    (per_token,) = [r for r in read_metrics(tmp_path / "plain" / "metrics.jsonl") if "loss" in r]
+    examples = recipe_dict["train"]["batch_size"]  # one micro-batch
+    for row in rows.values():
+        assert row["examples"] == pytest.approx(4.0 / examples, rel=1e-12)  # summed 4, over the window's examples
+        # the same summed cross-entropy as the default objective's, divided by examples instead of target tokens
+        assert row["loss"] == pytest.approx(per_token["loss"] * per_token["trained_tokens"] / examples, rel=1e-5)
+
+
 def test_from_parts_needs_no_paths_and_trains_like_the_recipe(recipe_dict, tiny_model_dir, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

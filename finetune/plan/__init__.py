@@ -8,7 +8,7 @@
 Parameter counts come from the model's own config.json: the model is built on
 the meta device (no memory, no weights) and every parameter is counted by the
 kind of module that holds it. What each tensor costs follows from how this
-toolkit trains (model.py, trainer.py), written out in `estimate` (memory.py) with the
+toolkit trains (model.py, trainer/), written out in `estimate` (memory.py) with the
 reason for every term. The model was checked against measured CPU allocations
 (tests/test_plan_measured.py) and against published GPU peaks of other
 frameworks (docs/plan.md; tests/test_plan_published.py).

@@ -54,7 +54,7 @@ class Setup:
     @property
     def loss_rows(self) -> int:
         """Target positions whose logits exist at once: one chunk when the head runs chunked (chunked,
-        liger, or auto outside FSDP, as trainer/build.configure_loss decides), else 0 (all of them)."""
+        liger, or auto outside FSDP, as trainer/loss.CausalLMLoss.use_memory decides), else 0 (all of them)."""
         chunked = self.loss in ("chunked", "liger") or (self.loss == "auto" and not self.partitions_weights)
         return self.loss_chunk if chunked else 0
 
@@ -99,9 +99,7 @@ class Implementation:
     unquantized_bytes: int | None = (
         None  # None: compute dtype (model.py does not upcast); 4: peft's prepare_model_for_kbit_training
     )
-    loss: str = (
-        "gather"  # gather: trainer.py's target-row fp32 CE; full_fp32: HF logits.float(); chunked: torchtune compiled chunked CE
-    )
+    loss: str = "gather"  # gather: trainer/loss.py's target-row fp32 CE; full_fp32: HF logits.float(); chunked: torchtune compiled chunked CE
     optimizer_states: int = 2  # AdamW: exp_avg and exp_avg_sq, in the adapters' dtype
 
 

@@ -1,6 +1,6 @@
 """Per-GPU memory of one setup: every tensor a step keeps, with the reason for each term, plus
 host RAM and disk (`estimate`). What each tensor costs follows from how this toolkit trains
-(model.py, trainer.py)."""
+(model.py, trainer/)."""
 
 from __future__ import annotations
 

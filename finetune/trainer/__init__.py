@@ -11,7 +11,7 @@ state (TrainState, TrainResult) -> callbacks -> schedule -> loss -> order -> par
 from finetune.evaluate import loss_sum_and_count
 from finetune.trainer.callbacks import Callback, CallbackList
 from finetune.trainer.loop import Trainer
-from finetune.trainer.loss import CausalLMLoss, count_targets
+from finetune.trainer.loss import CausalLMLoss, Loss, count_targets
 from finetune.trainer.parallel import Parallel
 from finetune.trainer.schedule import lr_factor
 from finetune.trainer.state import TrainResult, TrainState
@@ -20,6 +20,7 @@ __all__ = [
     "Callback",
     "CallbackList",
     "CausalLMLoss",
+    "Loss",
     "Parallel",
     "TrainResult",
     "TrainState",

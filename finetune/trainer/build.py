@@ -28,13 +28,11 @@ from finetune.model import (
     load_model,
     wrap_lora,
 )
-from finetune.offload import HostAdamW
-from finetune.offload import checkpoint as offloaded_checkpoint
+from finetune.offload import HostAdamW, offloaded_checkpoint
 from finetune.stream import DiskStore, WeightStream
 from finetune.tiled_mlp import tile_mlps
 from finetune.trainer.callbacks import Callback
-from finetune.trainer.linear_ce import liger_fused_loss
-from finetune.trainer.loss import CausalLMLoss
+from finetune.trainer.loss import CausalLMLoss, Loss
 from finetune.trainer.parallel import Parallel
 from finetune.trainer.preference import PreferenceLoss
 from finetune.trainer.profiling import ModelFlops, StepProfiler
@@ -211,35 +209,13 @@ def describe_store(stream: WeightStream, device, say: Callable[[str], None]) -> 
     )
 
 
-def default_loss(cfg: RecipeConfig) -> CausalLMLoss | PreferenceLoss:
+def default_loss(cfg: RecipeConfig) -> Loss:
     """The loss of train.objective (finetune/objectives.py)."""
     objective = objectives.get(cfg.train.objective)
     if not objective.pairs:
         return CausalLMLoss()
     gamma = objectives.simpo_gamma(cfg.train) if objective.name == "simpo" else 0.0
     return PreferenceLoss(objective.name, objectives.beta(cfg.train), gamma)
-
-
-def configure_loss(loss: CausalLMLoss, cfg: RecipeConfig, parallel: Parallel) -> None:
-    """memory.loss on the default objective: full logits of the targets, chunked, or liger's fused kernel.
-    auto chunks batches with more targets than one chunk, except under FSDP (whose head is a shard
-    again once the forward has run: there the head runs on target positions only)."""
-    mode = cfg.memory.loss
-    if mode == "full" or (mode == "auto" and parallel.sharded):
-        return
-    if mode == "liger":
-        if parallel.device.type != "cuda":
-            raise ConfigError(
-                [
-                    f"memory.loss=liger runs liger-kernel's CUDA kernel; this run is on {parallel.device}. "
-                    "Use memory.loss=chunked (the same memory, any device)."
-                ]
-            )
-        loss.fused = liger_fused_loss()
-        if loss.fused is None:
-            raise ConfigError(["memory.loss=liger needs liger-kernel: pip install 'finetune[gpu]'; or use memory.loss=chunked."])
-    loss.chunk_rows = cfg.memory.loss_chunk
-    loss.chunk_only_above = mode == "auto"
 
 
 def build_optimizer(

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -34,18 +33,18 @@ from finetune.errors import OutputDirError, Preempted, TrainingError
 from finetune.evaluate import exact_match
 from finetune.hardware import resolve_precision, torch_dtype
 from finetune.metrics import MetricsWriter, Progress, Throughput, peak_memory_bytes
-from finetune.model import load_tokenizer, takes_boolean_logits_to_keep
-from finetune.offload import ActivationOffload
+from finetune.model import load_tokenizer
+from finetune.offload import ActivationOffload, NoActivationOffload
 from finetune.report import PLOT_NAME, open_sinks, plot_curves, require_extras
 from finetune.resume import Resume
 from finetune.stream import WeightStream
 from finetune.trainer import build
 from finetune.trainer.callbacks import Callback, CallbackList
 from finetune.trainer.evaluation import exact_match_records, held_out_loss
-from finetune.trainer.loss import CausalLMLoss, count_targets
+from finetune.trainer.loss import Loss, as_loss, count_targets
 from finetune.trainer.order import DataOrder
 from finetune.trainer.parallel import Parallel
-from finetune.trainer.preference import PreferenceLoss, attach_reference, preference_accuracy
+from finetune.trainer.preference import attach_reference, preference_accuracy
 from finetune.trainer.state import HeldOutScores, StepTotals, TrainResult, TrainState, stop_signals
 
 LossFn = Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
@@ -58,7 +57,7 @@ class Trainer:
       model, tokenizer, data      your own (see also Trainer.from_parts, which needs no paths)
       optimizer                   an optimizer, or a function of the trainable parameters that builds one
       scheduler                   an LR scheduler, or a function of the optimizer that builds one
-      loss_fn                     (model, batch) -> (summed loss over target tokens, their number)
+      loss_fn                     a finetune.Loss, or a function (model, batch) -> (summed loss, units: target tokens)
       callbacks                   finetune.Callback objects (on_train_begin, on_step_begin/_end, on_eval, on_save, on_train_end)
     Use it as a context manager (or call close()) to free what outlives a run: a streamed
     weights file, the process group of a multi-process launch.
@@ -75,7 +74,7 @@ class Trainer:
         callbacks: Sequence[Callback] | None = None,
         optimizer: build.OptimizerArg = None,
         scheduler: build.SchedulerArg = None,
-        loss_fn: LossFn | None = None,
+        loss_fn: Loss | LossFn | None = None,
     ):
         self.cfg = cfg
         self.model = model
@@ -84,13 +83,13 @@ class Trainer:
             self.data = data
         self.progress_enabled = progress
         self.callbacks = CallbackList(build.recipe_callbacks(self) + list(callbacks or []))  # the recipe's first
-        self.loss_fn: LossFn = loss_fn or build.default_loss(cfg)
+        self.loss_fn: Loss = as_loss(loss_fn) if loss_fn is not None else build.default_loss(cfg)
         self._given_optimizer, self._given_scheduler = optimizer, scheduler
         self.out = Path(cfg.output_dir)
         self.state = TrainState()
         self.accelerator: Any = None  # set by setup(); None until then
         self.stream: WeightStream | None = None  # memory.base_weights=cpu|disk
-        self.activation_offload: ActivationOffload | None = None  # memory.activation_offload
+        self.activation_offload: ActivationOffload | NoActivationOffload = NoActivationOffload()  # memory.activation_offload
         self.params: list[torch.nn.Parameter] = []
         self._trained = False  # train() returned: every rank got through the run
 
@@ -172,10 +171,8 @@ class Trainer:
 
         parallel = self.parallel = Parallel.choose(cfg, acc)
         self.model, self.stream = build.load_model_and_store(cfg, self.precision, parallel, self.say, given=self.model)
-        if isinstance(self.loss_fn, (CausalLMLoss, PreferenceLoss)):
-            self.loss_fn.head_on_targets_only = takes_boolean_logits_to_keep(self.model)
-        if isinstance(self.loss_fn, CausalLMLoss):
-            build.configure_loss(self.loss_fn, cfg, parallel)
+        self.loss_fn.fit(self.model)
+        self.loss_fn.use_memory(cfg.memory.loss, cfg.memory.loss_chunk, parallel.device, parallel.sharded)
         if self.stream is not None:
             build.describe_store(self.stream, acc.device, self.say)
         if parallel.is_main:
@@ -224,18 +221,17 @@ class Trainer:
         parallel, model = self.parallel, self.model
         batches = self.step_batches(step)
         targets = sum(count_targets(b) for b in batches)
-        count = getattr(self.loss_fn, "count", None)  # a loss may say what it averages over (pairs)
-        n_global = parallel.global_sum(sum(count(b) for b in batches) if count else targets)
+        n_global = parallel.global_sum(sum(self.loss_fn.count(b) for b in batches))  # target tokens, or pairs
         # DDP averages gradients over processes: multiply back by their number.
         scale = parallel.world / max(n_global, 1)
         totals = StepTotals(0.0, n_global, sum(count_tokens(b) for b in batches), targets)
         for i, batch in enumerate(batches):
             with parallel.gradient_sync(model, last=i == len(batches) - 1):
-                with self.activation_offload.saving() if self.activation_offload else nullcontext():
+                with self.activation_offload.saving():
                     loss_sum, _ = self.compute_loss(model, batch)
                 self.accelerator.backward(loss_sum * scale)
             totals.loss_sum += float(loss_sum.detach())
-            for key, value in getattr(self.loss_fn, "last_sums", {}).items():
+            for key, value in self.loss_fn.metric_sums().items():
                 totals.sums[key] = totals.sums.get(key, 0.0) + value
         return totals
 
@@ -470,7 +466,7 @@ class Trainer:
             self.say(f"eval ({when}): {found.exact_match.summary()}")
             for s in found.exact_match.samples:
                 self.say(f"    expected {s['expected']!r:<30} got {s['got']!r}")
-        if isinstance(self.loss_fn, PreferenceLoss) and self.data.eval:
+        if self.loss_fn.ranks_pairs and self.data.eval:
             head_only = self.loss_fn.head_on_targets_only
             found.preference_accuracy = preference_accuracy(
                 model, self.data.eval, self.cfg, self.collate, self.parallel, head_only

@@ -19,13 +19,15 @@ import torch
 import torch.nn.functional as F
 
 from finetune.data import IGNORE_INDEX
+from finetune.errors import ConfigError
 from finetune.evaluate import loss_sum_and_count, shifted_targets
-from finetune.model import head_owner
+from finetune.model import head_owner, takes_boolean_logits_to_keep
 from finetune.trainer.linear_ce import (
     CaptureHead,
     chunked_head_matches,
     chunked_linear_cross_entropy,
     fusable_head,
+    liger_fused_loss,
     logits_transform,
 )
 
@@ -42,7 +44,63 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
 
 
-class CausalLMLoss:
+class Loss:
+    """What the trainer asks of an objective, whatever it computes (every objective here is one):
+
+    __call__(model, batch) -> (summed loss, units)   the trainer divides by the units of the whole window
+    count(batch)       the units a batch holds: target tokens here, pairs for preference losses
+    metric_sums()      sums of the last call that go into the step's metrics (rewards); none here
+    ranks_pairs        held-out pairs are scored by how the model ranks them (preference objectives)
+    fit(model)         adapt to the loaded model: the LM head on target positions only where it can
+    use_memory(...)    memory.loss (chunked, liger) where the objective runs the head itself
+    """
+
+    ranks_pairs = False
+    head_on_targets_only = False
+
+    def __call__(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        raise NotImplementedError
+
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        return count_targets(batch)
+
+    def metric_sums(self) -> dict[str, float]:
+        return {}
+
+    def fit(self, model) -> None:
+        self.head_on_targets_only = takes_boolean_logits_to_keep(model)
+
+    def use_memory(self, mode: str, chunk: int, device: torch.device, sharded: bool) -> None:
+        """Only the causal-LM loss runs its head in chunks; other objectives train on their full logits."""
+
+
+class FunctionLoss(Loss):
+    """A user's `loss_fn(model, batch) -> (summed loss, units)` as a Loss: its own `count(batch)` and
+    `last_sums` when it has them (as attributes of the function object); the model left as it is."""
+
+    def __init__(self, function) -> None:
+        self.function = function
+
+    def __call__(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        return self.function(model, batch)
+
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        count = getattr(self.function, "count", None)
+        return count(batch) if count is not None else count_targets(batch)
+
+    def metric_sums(self) -> dict[str, float]:
+        return getattr(self.function, "last_sums", {})
+
+    def fit(self, model) -> None:
+        pass
+
+
+def as_loss(loss_fn) -> Loss:
+    """The trainer's objective: ours as they are, a user's function wrapped."""
+    return loss_fn if isinstance(loss_fn, Loss) else FunctionLoss(loss_fn)
+
+
+class CausalLMLoss(Loss):
     """Cross-entropy of the next token where a label is set.
 
     head_on_targets_only: run the LM head only where a target is predicted (a boolean
@@ -64,6 +122,28 @@ class CausalLMLoss:
         self.checked = False  # the chunked head was checked against this model's own logits
         self.chunked_batches = 0  # batches that took the chunked path (for tests and the planner's check)
         self.aux_coef: float | None = None  # router_aux_loss_coef of an MoE model (0: none), read on the first batch
+
+    def use_memory(self, mode: str, chunk: int, device: torch.device, sharded: bool) -> None:
+        """memory.loss: full logits of the targets, chunked, or liger's fused kernel. auto chunks batches
+        with more targets than one chunk, except under FSDP (whose head is a shard again once the forward
+        has run: there the head runs on target positions only)."""
+        if mode == "full" or (mode == "auto" and sharded):
+            return
+        if mode == "liger":
+            if device.type != "cuda":
+                raise ConfigError(
+                    [
+                        f"memory.loss=liger runs liger-kernel's CUDA kernel; this run is on {device}. "
+                        "Use memory.loss=chunked (the same memory, any device)."
+                    ]
+                )
+            self.fused = liger_fused_loss()
+            if self.fused is None:
+                raise ConfigError(
+                    ["memory.loss=liger needs liger-kernel: pip install 'finetune[gpu]'; or use memory.loss=chunked."]
+                )
+        self.chunk_rows = chunk
+        self.chunk_only_above = mode == "auto"
 
     def __call__(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         inputs: dict = model_inputs(batch)

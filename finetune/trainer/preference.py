@@ -16,7 +16,7 @@ reference agree exactly, so the first DPO loss is ln 2.
 
 Like every loss here, a call returns (summed loss, units): the units are pairs, and the
 trainer divides by the pairs of the whole step (all micro-batches, all processes). The
-rewards of the last call are in `last_sums` (sums over its pairs) for the metrics.
+rewards of the last call are in `last_sums` (sums over its pairs), which metric_sums() hands the metrics.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from finetune.errors import TrainingError
 from finetune.evaluate import chosen_wins, row_logps
 from finetune.resume import data_fingerprint
 from finetune.trainer.evaluation import held_out_loss
+from finetune.trainer.loss import Loss
 
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy")
 
@@ -92,16 +93,20 @@ def pair_losses(
     raise ValueError(f"unknown preference objective {objective!r}")
 
 
-class PreferenceLoss:
+class PreferenceLoss(Loss):
     """(model, batch of pairs) -> (summed loss over the pairs, number of pairs)."""
+
+    ranks_pairs = True
 
     def __init__(self, objective: str, beta: float, gamma: float = 0.0):
         self.objective, self.beta, self.gamma = objective, beta, gamma
-        self.head_on_targets_only = False  # set by the trainer where the model takes a boolean logits_to_keep
         self.last_sums: dict[str, float] = {}
 
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         return batch["input_ids"].shape[0] // 2
+
+    def metric_sums(self) -> dict[str, float]:
+        return self.last_sums
 
     def reference_logps(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Each row's summed log-probability under the base model (precomputed ones when the batch has them)."""
