@@ -30,8 +30,8 @@ LogitsTransform = Callable[[torch.Tensor], torch.Tensor]
 def logits_transform(config) -> LogitsTransform | None:
     """What a model's causal-LM forward does to the head's output before returning it, or None.
 
-    Known forms only; chunked_head_matches checks the result against the model itself before
-    training (CausalLMLoss.use_memory), so an unknown form falls back to the full logits."""
+    Known forms only; chunked_head_matches checks the result against the model itself on the first
+    chunked batch (CausalLMLoss._reproduces_logits), so an unknown form falls back to the full logits."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     cap = getattr(config, "final_logit_softcapping", None)
     if cap:
