@@ -66,7 +66,7 @@ def register_segment_sdpa() -> str:
 
 def run_finetune(spec: dict[str, Any], lock: Lockstep) -> dict[str, Any]:
     """(a) finetune: its Trainer API with a recipe dict."""
-    from finetune.config import build_recipe
+    from finetune.config.schema import build_recipe
     from finetune.trainer import Trainer, loss_sum_and_count
 
     out = Path(spec["out"])

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from finetune.config import build_recipe, resolve_path  # noqa: E402
+from finetune.config.schema import build_recipe, resolve_path  # noqa: E402
 from finetune.data import build_datasets, length_grouped  # noqa: E402
 
 WORDS = "river pear dog bird stone cloud lamp apple tree house road wolf boat sock green quiet".split()

@@ -256,7 +256,7 @@ def build_trl(args: argparse.Namespace, records: list[dict[str, Any]], init: dic
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PrinterCallback, TrainerCallback
 
-    from finetune.config import resolve_path
+    from finetune.config.schema import resolve_path
 
     path = resolve_path("asset:tiny-llama")
     load: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": "sdpa"}
@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ours, trl_ = runs["finetune"][0], runs["trl"][0]
     from transformers import AutoTokenizer
 
-    from finetune.config import resolve_path
+    from finetune.config.schema import resolve_path
 
     tok = AutoTokenizer.from_pretrained(resolve_path("asset:tiny-llama"))
     tokens = compare_tokens(ours["rows"], trl_["rows"], tok)

@@ -242,7 +242,7 @@ def recipe_data(job: dict[str, Any], recipe: str, seq: int, long_rows: bool) -> 
 
 
 def recipes(args: argparse.Namespace, job: dict[str, Any], say=print) -> dict[str, Any]:
-    from finetune.config import load_recipe
+    from finetune.config.schema import load_recipe
 
     out: dict[str, Any] = {}
     for name, model in job["models"].items():

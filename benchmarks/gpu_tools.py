@@ -173,7 +173,7 @@ def finetune_overrides(spec: dict[str, Any]) -> list[str]:
 
 
 def run_finetune(spec: dict[str, Any], clock: StepClock) -> dict[str, Any]:
-    from finetune.config import load_recipe
+    from finetune.config.schema import load_recipe
     from finetune.trainer import Callback, Trainer
 
     overrides = finetune_overrides(spec) + FINETUNE_SETTINGS[spec["tool"]] + spec.get("finetune_set", [])
@@ -301,7 +301,7 @@ def run_recipe(spec: dict[str, Any]) -> dict[str, Any]:
     written for (torch.cuda.set_per_process_memory_fraction): its peak next to `finetune plan`."""
     import torch
 
-    from finetune.config import load_recipe
+    from finetune.config.schema import load_recipe
     from finetune.gpus import find_gpu
     from finetune.plan import plan_recipe
     from finetune.trainer import Trainer

@@ -44,7 +44,7 @@ def child(args) -> dict:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from finetune.config import resolve_path
+    from finetune.config.schema import resolve_path
     from finetune.trainer import Trainer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_path("asset:tiny-llama"))  # only its pad id is used

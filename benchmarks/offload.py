@@ -81,7 +81,7 @@ def build_model(out: Path, hidden: int, layers: int) -> int:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from finetune.config import resolve_path
+    from finetune.config.schema import resolve_path
 
     tok = AutoTokenizer.from_pretrained(resolve_path("asset:tiny-llama"))
     cfg = LlamaConfig(
@@ -111,7 +111,7 @@ def child(args) -> dict:
     """One mode in this process: train, time the steps, sample memory."""
     import torch
 
-    from finetune.config import build_recipe
+    from finetune.config.schema import build_recipe
     from finetune.trainer import Trainer
 
     baseline = rss_anon()

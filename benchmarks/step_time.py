@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from finetune.config import load_recipe
+from finetune.config.schema import load_recipe
 from finetune.trainer import Trainer
 
 

@@ -36,7 +36,7 @@ def main() -> int:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from finetune import varlen
+    from finetune.model import varlen
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from finetune import Callback, Trainer, load_recipe, load_tokenizer
-from finetune.config import resolve_path
+from finetune.config.schema import resolve_path
 from finetune.data import load_records
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/example-extend")

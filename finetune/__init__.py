@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 # from the HF hub through the optional `kernels` package and, failing, logs "Failed to
 # load CPU gemm_4bit_forward from kernels-community ... pip install kernels" on every
 # run. That kernel serves only bitsandbytes' bf16 eval path (packing_format_for_cpu),
-# which model.keep_4bit_numerics turns off for every model we load: nothing is lost, so
+# which model.load.keep_4bit_numerics turns off for every model we load: nothing is lost, so
 # nothing is said. The filter sits on the logger bitsandbytes will create, before any
 # module of ours can import bitsandbytes; other bitsandbytes messages pass.
 _BNB_HUB_KERNEL_NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
@@ -33,27 +33,27 @@ def _not_the_hub_kernel_notice(record: logging.LogRecord) -> bool:
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_the_hub_kernel_notice)
 
 _EXPORTS = {
-    "load_recipe": "finetune.config",
-    "RecipeConfig": "finetune.config",
-    "build_recipe": "finetune.config",
+    "load_recipe": "finetune.config.schema",
+    "RecipeConfig": "finetune.config.schema",
+    "build_recipe": "finetune.config.schema",
     "FinetuneError": "finetune.errors",
     "ConfigError": "finetune.errors",
     "DataError": "finetune.errors",
     "ModelError": "finetune.errors",
-    "load_model": "finetune.model",
-    "load_tokenizer": "finetune.model",
+    "load_model": "finetune.model.load",
+    "load_tokenizer": "finetune.model.load",
     "build_datasets": "finetune.data",
     "DataBundle": "finetune.data",
     "Collator": "finetune.data",
-    "preflight": "finetune.preflight",
+    "preflight": "finetune.runs.preflight",
     "Trainer": "finetune.trainer",
     "TrainResult": "finetune.trainer",
     "TrainState": "finetune.trainer",
     "Callback": "finetune.trainer",
     "Loss": "finetune.trainer",
-    "open_run": "finetune.runs",
-    "load_trained": "finetune.runs",
-    "export_run": "finetune.export",
+    "open_run": "finetune.runs.open",
+    "load_trained": "finetune.runs.open",
+    "export_run": "finetune.runs.export",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

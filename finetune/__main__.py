@@ -3,7 +3,7 @@
 import os
 import sys
 
-from finetune.cli import main
+from finetune.cli.commands import main
 
 code = main()
 if int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -40,7 +40,7 @@ def human_duration(seconds: float) -> str:
 class MetricsWriter:
     """Appends one JSON object per line to metrics.jsonl, flushed per row so a crash loses nothing logged.
 
-    Each row also goes to `sinks` (finetune.report: TensorBoard, W&B), objects with
+    Each row also goes to `sinks` (finetune.runs.report: TensorBoard, W&B), objects with
     log(row) and close(). close() closes the file only (the trainer rewrites it on
     resume); finish() also closes the sinks, once, when the run ends.
     """

@@ -16,7 +16,7 @@ for recipe in recipes/*.yaml; do
       # shellcheck disable=SC2086
       python -m finetune plan "$recipe" "model.path=$configs/$model" data.path=x.jsonl $args 2>&1 | sed "s|$fit|FIT|g" >> "$out"
       echo "rc=${PIPESTATUS[0]}" >> "$out"
-      if [ -f "$fit" ]; then cat "$fit" >> "$out"; rm "$fit"; fi
+      if [ -f "$fit" ]; then sed "s|$fit|FIT|g" "$fit" >> "$out"; rm "$fit"; fi
     done
   done
 done

@@ -193,7 +193,7 @@ def train_tiny_run(out: Path, model_dir: Path, data_file: Path, **sections) -> T
     """A 3-step run (lr 1e-2, so the adapter visibly moves the logits) with recipe sections patched."""
     import torch
 
-    from finetune.config import build_recipe
+    from finetune.config.schema import build_recipe
     from finetune.trainer import Trainer
 
     recipe = {

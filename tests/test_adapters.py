@@ -16,11 +16,11 @@ from safetensors.torch import load_file
 from test_export import quiet, vanilla_logits
 
 from finetune import adapters
-from finetune.checkpoint import recipe_changes
-from finetune.config import LoraConfig, build_recipe
+from finetune.config.schema import LoraConfig, build_recipe
 from finetune.errors import ConfigError
-from finetune.export import export_run
-from finetune.model import load_model
+from finetune.model.load import load_model
+from finetune.runs.checkpoint import recipe_changes
+from finetune.runs.export import export_run
 
 
 def lora_modules(model):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import write_jsonl
 
-from finetune.config import build_recipe, resolve_path
+from finetune.config.schema import build_recipe, resolve_path
 from finetune.data import IGNORE_INDEX, build_datasets
 from finetune.data.masks import example_findings
 from finetune.data.replies import Conversation

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.checkpoint import atomic_dir, latest_checkpoint, verify_manifest, write_manifest
 from finetune.errors import CheckpointError
+from finetune.runs.checkpoint import atomic_dir, latest_checkpoint, verify_manifest, write_manifest
 
 
 def test_atomic_dir_leaves_nothing_on_failure(tmp_path):
@@ -75,7 +75,7 @@ def test_latest_checkpoint_skips_incomplete_ones_and_says_so(tmp_path):
 
 
 def test_checkpoint_with_nan_weights_is_refused(tmp_path):
-    from finetune.checkpoint import save_checkpoint
+    from finetune.runs.checkpoint import save_checkpoint
 
     model = torch.nn.Linear(2, 2)
     with torch.no_grad():
@@ -103,7 +103,8 @@ def test_each_rank_restores_its_own_cpu_and_cuda_generators(tmp_path, monkeypatc
     # (not rank 0's on every rank). No GPU here: the CUDA generator calls are recorded.
     import peft  # noqa: F401 - imported (with bitsandbytes) before CUDA is faked below
 
-    from finetune.checkpoint import RankState, load_checkpoint, save_checkpoint
+    from finetune.parallel.rank_state import RankState
+    from finetune.runs.checkpoint import load_checkpoint, save_checkpoint
 
     cuda_states = {0: torch.tensor([1, 2, 3], dtype=torch.uint8), 1: torch.tensor([7, 8, 9], dtype=torch.uint8)}
     restored = []
@@ -128,8 +129,9 @@ def test_each_rank_restores_its_own_cpu_and_cuda_generators(tmp_path, monkeypatc
 
 
 def test_each_rank_gets_its_own_powersgd_state_back_from_safetensors_and_json(tmp_path):
-    from finetune.checkpoint import RankState, load_checkpoint, rng_states, save_checkpoint
-    from finetune.comm_hooks import PowerSGD
+    from finetune.parallel.ddp_hooks import PowerSGD
+    from finetune.parallel.rank_state import RankState, rng_states
+    from finetune.runs.checkpoint import load_checkpoint, save_checkpoint
 
     model = TinyModel(4, 4)
     opt = torch.optim.AdamW(model.parameters())

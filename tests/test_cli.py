@@ -8,7 +8,7 @@ import pytest
 import yaml
 from conftest import write_jsonl
 
-from finetune.cli import main
+from finetune.cli.commands import main
 from finetune.hardware import cpu_has_native_bf16
 
 
@@ -66,7 +66,7 @@ def test_validate_schema_errors_exit_2_with_suggestion(recipe_dict, tmp_path, ca
 
 
 def test_a_typo_in_a_required_section_gets_its_did_you_mean_and_nothing_else(tmp_path, monkeypatch, capsys):
-    from finetune.config import find_recipe
+    from finetune.config.schema import find_recipe
 
     monkeypatch.chdir(tmp_path)  # demo-cpu's output_dir, runs/demo-cpu, is relative: a fresh one here
     source = find_recipe("demo-cpu")
@@ -86,7 +86,7 @@ def test_a_typo_in_a_required_section_gets_its_did_you_mean_and_nothing_else(tmp
 def test_a_corrupt_config_json_is_a_model_problem_not_a_tokenizer_one(recipe_dict, tiny_model_dir, tmp_path, capsys):
     import shutil
 
-    from finetune.model import DAMAGED_CONFIG_HINT
+    from finetune.model.load import DAMAGED_CONFIG_HINT
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
@@ -217,7 +217,7 @@ def test_slurm_example_is_valid_bash_and_uses_real_flags():
     import subprocess
     from pathlib import Path
 
-    from finetune.cli import build_parser
+    from finetune.cli.commands import build_parser
 
     script = Path(__file__).resolve().parents[1] / "examples" / "slurm" / "finetune.sbatch"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
@@ -233,8 +233,8 @@ def test_slurm_example_is_valid_bash_and_uses_real_flags():
 def test_elastic_launch_uses_c10d_and_a_fresh_store_per_restart_round(monkeypatch):
     # A restarted round that reuses the first round's TCPStore reads the dead rank's old
     # address and its gloo mesh cannot connect (pytorch#135712); every round must host its own.
-    from finetune.cli import build_parser
-    from finetune.launch import launch_command, launch_env
+    from finetune.cli.commands import build_parser
+    from finetune.parallel.launch import launch_command, launch_env
 
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     parser = build_parser()
@@ -256,8 +256,8 @@ def test_kubernetes_example_runs_a_command_the_cli_accepts():
 
     import yaml
 
-    from finetune.cli import build_parser
-    from finetune.config import load_recipe
+    from finetune.cli.commands import build_parser
+    from finetune.config.schema import load_recipe
 
     folder = Path(__file__).resolve().parents[1] / "examples" / "kubernetes"
     pvc = yaml.safe_load((folder / "pvc.yaml").read_text())

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.config import build_recipe
+from finetune.config.schema import build_recipe
 from finetune.errors import ConfigError
 from finetune.metrics import read_metrics
 from finetune.trainer import Trainer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from finetune.config import build_recipe, load_recipe, parse_overrides, resolve_path, shipped_recipes
+from finetune.config.schema import build_recipe, load_recipe, parse_overrides, resolve_path, shipped_recipes
 from finetune.errors import ConfigError
 
 MINIMAL = {"model": {"path": "m"}, "data": {"path": "d.jsonl"}, "output_dir": "out"}
@@ -119,7 +119,7 @@ def test_yaml_is_loaded_safely(tmp_path):
 
 
 def test_asset_paths_resolve_into_package():
-    from finetune.config import ASSETS_DIR
+    from finetune.config.schema import ASSETS_DIR
 
     assert resolve_path("asset:tiny-llama") == str(ASSETS_DIR / "tiny-llama")
     assert resolve_path("/abs/x") == "/abs/x"
@@ -151,8 +151,8 @@ def test_union_type_error_is_one_problem():
 
 
 def test_fsdp_rules_hold_for_the_key_and_for_autos_choice():
-    from finetune.distributed import check_strategy
     from finetune.errors import ConfigError
+    from finetune.parallel.strategy import check_strategy
 
     base = {"model": {"path": "x"}, "data": {"path": "y"}, "output_dir": "o", "quant": {"bits": 8}}
     with pytest.raises(ConfigError) as err:
@@ -187,12 +187,12 @@ def test_grad_compression_at_launch_refused_under_autos_fsdp_and_said_useless_on
 
     import torch
 
-    from finetune import grad_compression
-    from finetune.trainer import parallel
+    from finetune.parallel import compression
+    from finetune.parallel import runtime as parallel
 
     cfg = build_recipe({**MINIMAL, "distributed": {"grad_compression": "powersgd"}})
-    assert grad_compression.powersgd_warmup(cfg) == 10  # null: at least 10 plain steps...
-    assert grad_compression.powersgd_warmup(build_recipe({**cfg.to_dict(), "train": {"warmup_steps": 30}})) == 30
+    assert compression.powersgd_warmup(cfg) == 10  # null: at least 10 plain steps...
+    assert compression.powersgd_warmup(build_recipe({**cfg.to_dict(), "train": {"warmup_steps": 30}})) == 30
     # distributed.strategy=auto is valid until auto picks FSDP at launch (a replica does not fit).
     monkeypatch.setattr(parallel, "resolve_strategy", lambda *a: "fsdp")
     accelerator = SimpleNamespace(num_processes=2, device=torch.device("cpu"))
@@ -210,7 +210,7 @@ def test_grad_compression_at_launch_refused_under_autos_fsdp_and_said_useless_on
 def test_runs_from_before_grad_compression_resume_and_turning_it_on_changes_the_run():
     import json
 
-    from finetune.checkpoint import recipe_changes
+    from finetune.runs.checkpoint import recipe_changes
 
     new = build_recipe(MINIMAL).to_dict()
     old = json.loads(json.dumps(new))
@@ -263,7 +263,7 @@ def test_deepspeed_keys_and_what_zero_cannot_run_with():
 def test_deepspeed_missing_says_how_to_install_it(monkeypatch):
     import sys
 
-    from finetune import zero
+    from finetune.parallel import zero
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
     with pytest.raises(ConfigError) as err:
@@ -274,8 +274,8 @@ def test_deepspeed_missing_says_how_to_install_it(monkeypatch):
 def test_deepspeed_config_leaves_accumulation_to_the_trainer_and_runs_from_before_it_resume():
     import json
 
-    from finetune import zero
-    from finetune.checkpoint import recipe_changes
+    from finetune.parallel import zero
+    from finetune.runs.checkpoint import recipe_changes
 
     cfg = build_recipe(
         {
@@ -304,25 +304,26 @@ def test_auto_strategy_on_cuda_follows_the_plan_and_says_when_it_cannot_make_one
 
     import torch
 
-    from finetune import distributed, plan
+    from finetune import plan
     from finetune.errors import PlanError
+    from finetune.parallel import strategy
 
     cfg = build_recipe({**MINIMAL, "distributed": {"strategy": "auto"}})
     rtx4090 = SimpleNamespace(name="NVIDIA GeForce RTX 4090", total_memory=24 * 2**30)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: rtx4090)
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(plan, "plan_recipe", lambda cfg, gpu, gpus: SimpleNamespace(fits=gpu.memory_bytes > 30 * 2**30))
-    assert distributed.resolve_strategy(cfg, 2, cuda) == "fsdp"  # a replica does not fit 24 GiB
+    assert strategy.resolve_strategy(cfg, 2, cuda) == "fsdp"  # a replica does not fit 24 GiB
     rtx4090.total_memory = 48 * 2**30
-    assert distributed.resolve_strategy(cfg, 2, cuda) == "ddp"
-    assert distributed.resolve_strategy(cfg, 1, cuda) == "single"
+    assert strategy.resolve_strategy(cfg, 2, cuda) == "ddp"
+    assert strategy.resolve_strategy(cfg, 1, cuda) == "single"
     assert capsys.readouterr().out == ""
 
     def unreadable(*args, **kwargs):
         raise PlanError("cannot read config.json of 'org/custom'")
 
     monkeypatch.setattr(plan, "plan_recipe", unreadable)
-    assert distributed.resolve_strategy(cfg, 2, cuda) == "ddp"  # it still trains, and says why unplanned
+    assert strategy.resolve_strategy(cfg, 2, cuda) == "ddp"  # it still trains, and says why unplanned
     assert capsys.readouterr().out == (
         "note: distributed.strategy=auto runs DDP (a whole replica per GPU) without a memory plan: "
         "cannot read config.json of 'org/custom'. Set distributed.strategy=fsdp if a replica does not fit one GPU.\n"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import BOS_ID, EOS_ID, IM_END_ID, IM_START_ID, PAD_ID, char_token_id, write_jsonl
 
-from finetune.config import build_recipe
+from finetune.config.schema import build_recipe
 from finetune.data import (
     IGNORE_INDEX,
     Collator,
@@ -472,7 +472,7 @@ def test_data_imports_only_config_and_errors():
         names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     outside = {n for n in names if n.startswith("finetune") and not n.startswith("finetune.data")}
-    assert outside == {"finetune.config", "finetune.errors"}
+    assert outside == {"finetune.config.schema", "finetune.errors"}
 
 
 # --------------------------------------------------------------------------- the format registry, input_output
@@ -532,7 +532,7 @@ def test_column_hints_suggest_the_format_that_reads_most_columns(tmp_path):
 def test_registry_names_agree_with_config_and_modules():
     from typing import get_args
 
-    from finetune.config import DataFormat
+    from finetune.config.schema import DataFormat
     from finetune.data.formats import FORMATS
 
     assert tuple(FORMATS) == get_args(DataFormat)
@@ -574,8 +574,8 @@ def test_readme_data_table_is_the_registry():
 def test_recipes_and_cli_offer_every_format():
     import argparse
 
-    from finetune.cli import build_parser
-    from finetune.config import shipped_recipes
+    from finetune.cli.commands import build_parser
+    from finetune.config.schema import shipped_recipes
     from finetune.data.formats import FORMATS
 
     for name, path in shipped_recipes().items():

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import BOS_ID, EOS_ID, IM_END_ID, IM_START_ID, PAD_ID, char_token_id, write_jsonl
 
-from finetune.config import build_recipe
+from finetune.config.schema import build_recipe
 from finetune.data import (
     IGNORE_INDEX,
     Collator,
@@ -205,7 +205,7 @@ def test_prompt_response_boundary_found_with_a_bpe_tokenizer(tmp_path):
     # [..., "Ġ", "4"] where running text has [..., "Ġ4"]. The shipped tiny tokenizer shows it.
     from transformers import AutoTokenizer
 
-    from finetune.config import resolve_path
+    from finetune.config.schema import resolve_path
 
     tok = AutoTokenizer.from_pretrained(resolve_path("asset:tiny-llama"))
     rows = [{"prompt": "Answer: ", "completion": "yes"}]
@@ -446,7 +446,7 @@ def test_cache_key_ignores_tokenizer_call_state_but_follows_code(tmp_path, monke
     from transformers import AutoTokenizer
 
     import finetune.data.cache as cache
-    from finetune.config import resolve_path
+    from finetune.config.schema import resolve_path
 
     tok = AutoTokenizer.from_pretrained(resolve_path("asset:tiny-llama"))  # its tokenizer.json stores padding
     before = cache.tokenizer_fingerprint(tok)

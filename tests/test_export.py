@@ -10,11 +10,11 @@ import yaml
 from conftest import CHATML_TEMPLATE, copy_run_with_base, train_tiny_run, training_kernel_only
 from safetensors.torch import load_file, save_file
 
-from finetune.cli import main
+from finetune.cli.commands import main
 from finetune.data import ALPACA_PROMPT
 from finetune.errors import ExportError, MergeCheckFailed, RunDirError
-from finetune.export import export_run, read_adapter, reference, verify
-from finetune.shards import ShardWriter, read_header, read_tensor, weight_files
+from finetune.model.shards import ShardWriter, read_header, read_tensor, weight_files
+from finetune.runs.export import export_run, read_adapter, reference, verify
 
 QUANT = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32)
 
@@ -87,7 +87,7 @@ def test_qlora_merge_adds_the_adapter_to_the_dequantized_4bit_weights(qlora_run,
     """The adapter was trained against dequantize(quantize(W)); the merge must use that, not W."""
     import bitsandbytes.functional as bnbf
 
-    from finetune.runs import load_trained, open_run
+    from finetune.runs.open import load_trained, open_run
 
     out = tmp_path / "merged"
     result = export_run(qlora_run.path, out, merge=True, dtype="fp32", say=quiet)
@@ -133,7 +133,7 @@ def test_dora_merge_matches(tiny_model_dir, runs_data, tmp_path):
 def test_sharded_base_gives_sharded_merge_with_the_same_tensors(lora_run, tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from finetune.export import stream_merge
+    from finetune.runs.export import stream_merge
 
     sharded = tmp_path / "sharded"
     AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(sharded, max_shard_size="100KB")
@@ -161,7 +161,7 @@ def test_shard_writer_round_trips_every_dtype_and_shape(tmp_path):
         "scalar": torch.tensor(2.5),
         "empty": torch.zeros(0, 4),
     }
-    from finetune.shards import NAMES
+    from finetune.model.shards import NAMES
 
     path = tmp_path / "x.safetensors"
     with ShardWriter(path, [(k, NAMES[v.dtype], list(v.shape)) for k, v in tensors.items()]) as w:
@@ -180,7 +180,7 @@ def test_shard_writer_round_trips_every_dtype_and_shape(tmp_path):
 
 
 def test_corrupted_merge_fails_loudly_and_leaves_nothing(lora_run, tmp_path, monkeypatch, capsys):
-    import finetune.merge as merge
+    import finetune.runs.merge as merge
 
     real = merge.merged_weight
 
@@ -190,7 +190,7 @@ def test_corrupted_merge_fails_loudly_and_leaves_nothing(lora_run, tmp_path, mon
             w = w + 0.01 * w.abs().mean() * torch.randn(w.shape, generator=torch.Generator().manual_seed(0))
         return w
 
-    monkeypatch.setattr(merge, "merged_weight", corrupt_one)  # stream_merge's, in finetune/merge.py
+    monkeypatch.setattr(merge, "merged_weight", corrupt_one)  # stream_merge's, in finetune/runs/merge.py
     out = tmp_path / "merged"
     with pytest.raises(MergeCheckFailed) as err:
         export_run(lora_run.path, out, merge=True, dtype="fp32", say=quiet)
@@ -202,7 +202,7 @@ def test_corrupted_merge_fails_loudly_and_leaves_nothing(lora_run, tmp_path, mon
 
 
 def test_verifier_rejects_a_merged_file_corrupted_on_disk(lora_run, tmp_path):
-    from finetune.runs import open_run
+    from finetune.runs.open import open_run
 
     out = tmp_path / "merged"
     export_run(lora_run.path, out, merge=True, dtype="fp32", say=quiet)
@@ -294,7 +294,7 @@ def test_merged_export_keeps_the_training_prompt_format_for_generate(qlora_run, 
 
 
 def test_full_finetune_exports_as_a_verified_standalone_model(tiny_model_dir, runs_data, tmp_path):
-    from finetune.runs import evaluate_run, open_run
+    from finetune.runs.open import evaluate_run, open_run
 
     run = train_tiny_run(tmp_path / "run", tiny_model_dir, runs_data, lora=None, train={"max_steps": 2, "lr": 1e-3})
     assert (run.path / "model" / "config.json").is_file()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import ALPACA_ROWS, assert_packed_logits_match_each_example, build_char_tokenizer, write_jsonl
 
-from finetune.config import build_recipe
+from finetune.config.schema import build_recipe
 from finetune.errors import ModelError
 from finetune.metrics import read_metrics
 from finetune.trainer import Trainer
@@ -112,7 +112,7 @@ def test_family_packed_rows_under_varlen_train_like_sdpa_or_are_refused(trained)
 
 
 def test_family_merged_export_passes_the_merge_check(trained, tmp_path):
-    from finetune.export import export_run
+    from finetune.runs.export import export_run
 
     family, runs = trained
     meta = export_run(runs["unpacked"][1].output_dir, tmp_path / "merged", merge=True, dtype="fp32", say=lambda _: None).metadata

@@ -20,15 +20,15 @@ from conftest import (
     write_jsonl,
 )
 
-from finetune.cli import main
-from finetune.config import build_recipe
+from finetune.cli.commands import main
+from finetune.config.schema import build_recipe
 from finetune.data import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, build_datasets
 from finetune.data.templates import end_of_turn_ids
-from finetune.evaluate import generate, prompt_ids
 from finetune.gpus import GiB
 from finetune.metrics import human_bytes
 from finetune.plan import loaded_weight_bytes
-from finetune.runs import eval_records, evaluate_run, exceeds_free_memory, load_trained, open_run
+from finetune.runs.evaluate import generate, prompt_ids
+from finetune.runs.open import eval_records, evaluate_run, exceeds_free_memory, load_trained, open_run
 
 PROMPT = "Add the numbers."
 
@@ -292,10 +292,10 @@ def test_exceeds_free_memory_judges_only_a_cuda_device():
 def test_generate_eval_export_stop_before_loading_more_than_the_gpu_has_free(qlora_run, runs_data, tmp_path, monkeypatch, capsys):
     # The device is pretended: the check stops every command before anything touches CUDA.
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr("finetune.runs.default_device", lambda: cuda)
-    monkeypatch.setattr("finetune.export.default_device", lambda: cuda)
+    monkeypatch.setattr("finetune.runs.open.default_device", lambda: cuda)
+    monkeypatch.setattr("finetune.runs.export.default_device", lambda: cuda)
     asked = []
-    monkeypatch.setattr("finetune.runs.device_free_bytes", lambda device: asked.append(device) or 100 * 1024)
+    monkeypatch.setattr("finetune.runs.open.device_free_bytes", lambda device: asked.append(device) or 100 * 1024)
     cfg = open_run(qlora_run.path).cfg
     four_bit = human_bytes(loaded_weight_bytes(cfg, "fp32"))
     unquantized = cfg.model_copy(update={"quant": cfg.quant.model_copy(update={"bits": None}), "lora": None})

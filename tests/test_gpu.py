@@ -11,7 +11,7 @@ import math
 import pytest
 from conftest import free_port
 
-from finetune.config import build_recipe
+from finetune.config.schema import build_recipe
 from finetune.metrics import read_metrics
 from finetune.trainer import Trainer
 

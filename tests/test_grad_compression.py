@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from finetune.comm_hooks import PowerSGD, powersgd_hook
+from finetune.parallel.ddp_hooks import PowerSGD, powersgd_hook
 
 # LoRA A's and B's (factored; torch groups the factors of equal shapes) and a bias (sent whole).
 SHAPES = {"a": (4, 64), "b": (64, 4), "c": (8,), "d": (4, 64)}

@@ -1,4 +1,4 @@
-"""memory.embeddings=cpu: the frozen vocabulary tables wait in host RAM (finetune/host_tables.py).
+"""memory.embeddings=cpu: the frozen vocabulary tables wait in host RAM (finetune/memory/host_tables.py).
 
 On a CPU device nothing moves, but every lookup and every visit of the head goes through the
 same code as on a GPU: the runs must be bitwise the runs with the tables in place, and the head's
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.config import build_recipe
+from finetune.config.schema import build_recipe
 from finetune.errors import ConfigError
-from finetune.host_tables import HostTables
+from finetune.memory.host_tables import HostTables
 from finetune.trainer import Trainer
 from tests.conftest import build_tiny_llama
 
@@ -131,7 +131,7 @@ def test_after_a_model_to_the_tables_are_their_host_stores_again(recipe_dict, tm
 
 
 def test_the_compute_device_is_the_first_parameter_not_in_host_ram():
-    from finetune.model import compute_device
+    from finetune.model.load import compute_device
 
     model = torch.nn.Sequential(torch.nn.Embedding(4, 2), torch.nn.Linear(2, 2, device="meta"))
     assert compute_device(model) == torch.device("meta")  # model.device would say cpu
@@ -203,7 +203,7 @@ GiB = 2**30
 
 
 def test_the_planner_moves_both_tables_to_host_ram_and_the_head_visits_for_the_loss():
-    from finetune.config import load_recipe
+    from finetune.config.schema import load_recipe
     from finetune.gpus import find_gpu
     from finetune.plan import plan_recipe
 
@@ -232,7 +232,7 @@ def test_the_planner_moves_both_tables_to_host_ram_and_the_head_visits_for_the_l
 
 
 def test_qlora_1x24gb_plans_under_7_gib_and_the_long_context_recipe_over_100k_tokens():
-    from finetune.config import load_recipe
+    from finetune.config.schema import load_recipe
     from finetune.gpus import find_gpu
     from finetune.plan import longest_trainable_seq, plan_recipe
 
@@ -260,19 +260,19 @@ def test_with_streamed_base_weights_too_the_run_is_bitwise_the_same(recipe_dict,
 
 
 def test_the_search_never_proposes_tables_in_host_ram_to_a_liger_recipe_and_fp32_terms_stay_positive():
-    from finetune.config import load_recipe
+    from finetune.config.schema import load_recipe
     from finetune.gpus import find_gpu
-    from finetune.plan import Recipe, estimate, plan_recipe, read_model_shape
+    from finetune.plan import RecipeFacts, estimate, plan_recipe, read_model_shape
     from finetune.plan.fitting import candidates
     from finetune.plan.recipe import setup_of
 
     base = ["model.path=" + LLAMA_31_8B, "data.path=unused.jsonl", "memory.embeddings=device", "memory.loss=liger"]
     cfg = load_recipe("qlora-1x24gb", base)
-    shape, recipe = read_model_shape(LLAMA_31_8B), Recipe.from_config(cfg, "bf16")
+    shape, recipe = read_model_shape(LLAMA_31_8B), RecipeFacts.from_config(cfg, "bf16")
     tried = candidates(setup_of(cfg), 1, recipe)
-    assert tried and not any(s.embeddings == "cpu" for s in tried)  # memory_modes refuses liger + cpu tables
+    assert tried and not any(s.embeddings == "cpu" for s in tried)  # memory/rules refuses liger + cpu tables
     assert any(s.embeddings == "cpu" for s in candidates(setup_of(load_recipe("qlora-1x24gb", base[:3])), 1, recipe))
     # fp32 without checkpointing: only an MLP tile is rebuilt in backward, never a negative term.
     fp32 = load_recipe("qlora-1x24gb", base[:3] + ["memory.activation_checkpointing=none", "precision=fp32"])
-    e = estimate(shape, Recipe.from_config(fp32, "fp32"), setup_of(fp32), find_gpu("rtx4090", None))
+    e = estimate(shape, RecipeFacts.from_config(fp32, "fp32"), setup_of(fp32), find_gpu("rtx4090", None))
     assert e.component("recompute_layer") == 0 and plan_recipe(fp32, None).component("recompute_layer") == 0

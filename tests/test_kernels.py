@@ -1,4 +1,4 @@
-"""model.kernels (finetune/kernels.py): when liger's kernels are chosen, what is refused and how,
+"""model.kernels (finetune/model/kernels.py): when liger's kernels are chosen, what is refused and how,
 and what finetune hands liger's per-family function. The kernels themselves are Triton (CUDA
 only): their training equality is the `gpu` test at the end."""
 
@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from finetune import kernels
-from finetune.config import build_recipe
+from finetune.config.schema import build_recipe
 from finetune.errors import ConfigError, ModelError
 from finetune.metrics import read_metrics
+from finetune.model import kernels
 from finetune.trainer import Trainer
 
 FAMILIES = {"llama": object(), "qwen2": object()}

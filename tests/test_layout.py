@@ -7,49 +7,35 @@ from pathlib import Path
 
 import finetune
 
-# Import order (a module may import only those before it), as docs/design.md draws it:
-# checkpoint and resume are libraries the trainer calls, so they stand before it.
+# The floors of docs/design.md, top to bottom: a unit imports only units above it (or itself).
+# A unit is a top-level module, a folder, or one module of a folder that stands above the rest
+# of it: the declarations config asks (rules tables import no model code, so config can ask them).
 ORDER = [
-    "errors",
-    "adapters",
-    "memory_modes",
-    "objectives",
-    "grad_compression",
-    "zero",
-    "config_messages",
-    "recipe_files",
-    "older_runs",
-    "config",
-    "gpus",
+    "errors",  # the helpers every floor may use
     "hardware",
-    "shards",
+    "gpus",
     "metrics",
-    "report",
-    "moe",
-    "varlen",
-    "model",
-    "kernels",
-    "tiled_mlp",
-    "plan",
-    "distributed",
-    "comm_hooks",
-    "offload",
-    "stream",
-    "host_tables",
-    "data",
-    "evaluate",
-    "checkpoint",
-    "resume",
-    "preflight",
-    "trainer",
-    "runs",
-    "merge",
-    "export",
-    "launch",
-    "cli",
+    "adapters",  # declarations: keys, rules, defaults
+    "memory.rules",
+    "objectives.table",
+    "parallel.zero",
+    "parallel.compression",
+    "config",  # the recipe, read and checked
+    "data",  # records -> tokens and masks
+    "model",  # the base model loaded, quantized, adapted
+    "memory",  # where a step's bytes wait
+    "plan",  # memory and speed before loading
+    "parallel",  # how a run spreads over processes
+    "runs",  # a run's directory: checkpoints, resume, evaluate, merge, export
+    "objectives",  # what a step minimises
+    "trainer",  # the loop
+    "cli",  # imports them all
 ]
-# Inside a package that states an order, the same rule between its modules (finetune/plan/).
+# Inside a folder, the same rule between its modules.
 PACKAGE_ORDER = {
+    "config": ["messages", "files", "older_runs", "schema"],
+    "model": ["shards", "moe", "varlen", "load", "kernels"],
+    "memory": ["rules", "linear_ce", "tiled_mlp", "offload", "stream", "host_tables", "apply"],
     "plan": [
         "shape",
         "inputs",
@@ -61,77 +47,86 @@ PACKAGE_ORDER = {
         "fitting",
         "render",
         "rewrite",
-        "preflight",
+        "check",
         "command",
     ],
-    "trainer": [
-        "state",
-        "callbacks",
-        "schedule",
-        "linear_ce",
-        "loss",
-        "order",
-        "parallel",
-        "evaluation",
-        "preference",
-        "profiling",
-        "build",
-        "loop",
-    ],
+    "parallel": ["zero", "compression", "strategy", "rank_state", "ddp_hooks", "runtime", "launch"],
+    "runs": ["report", "checkpoint", "resume", "evaluate", "preflight", "open", "merge", "export"],
+    "objectives": ["table", "loss", "preference"],
+    "trainer": ["state", "callbacks", "schedule", "order", "profiling", "build", "loop"],
+    "cli": ["commands"],
 }
 PKG = Path(finetune.__file__).parent
+HELPERS = {"errors", "hardware", "gpus", "metrics"}  # design: errors and at most three shared helpers
+
+
+def unit_of(dotted: str) -> str:
+    """The ORDER entry a module belongs to: finetune.memory.rules -> memory.rules, finetune.memory.stream -> memory."""
+    parts = dotted.split(".")[1:]
+    if len(parts) >= 2 and ".".join(parts[:2]) in ORDER:
+        return ".".join(parts[:2])
+    return parts[0]
 
 
 def imported_modules(path: Path) -> set[str]:
+    """Every finetune module a file imports, dotted (`from finetune.memory import rules` -> finetune.memory.rules)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module == "finetune":
-            found.update(alias.name for alias in node.names)  # from finetune import trainer
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("finetune."):
-            found.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "finetune":
+            base = PKG.parent / node.module.replace(".", "/")
+            for alias in node.names:  # a submodule imported by name, or a name the module defines
+                is_module = (base / f"{alias.name}.py").exists() or (base / alias.name).is_dir()
+                found.add(f"{node.module}.{alias.name}" if is_module else node.module)
         elif isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.startswith("finetune."):
-                    found.add(alias.name.split(".")[1])
-    return found
+            found.update(alias.name for alias in node.names if alias.name.startswith("finetune."))
+    return found - {"finetune"}
 
 
-def module_files(name: str) -> list[Path]:
-    """The file of a module, or every file of a package and its subpackages (finetune/data/, data/formats/)."""
-    if (PKG / name).is_dir():
-        return sorted((PKG / name).rglob("*.py"))
-    return [PKG / f"{name}.py"] if (PKG / f"{name}.py").exists() else []
+def code_files() -> dict[str, Path]:
+    files = {}
+    for path in PKG.rglob("*.py"):
+        parts = path.relative_to(PKG).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts and parts[0] not in ("assets", "__main__"):
+            files["finetune." + ".".join(parts)] = path
+    return files
 
 
 def test_every_module_is_placed():
-    modules = {p.stem for p in PKG.glob("*.py")} - {"__init__", "__main__"}
-    modules |= {p.parent.name for p in PKG.glob("*/__init__.py")} - {"assets"}  # assets: files, no code
-    assert modules <= set(ORDER), f"add {modules - set(ORDER)} to ORDER"
+    top = {p.stem for p in PKG.glob("*.py")} - {"__init__", "__main__"}
+    assert top == HELPERS, f"the top of finetune/ holds {sorted(top)}: errors and at most three shared helpers"
+    folders = {p.parent.name for p in PKG.glob("*/__init__.py")} - {"assets"}  # assets: files, no code
+    assert {unit_of(m) for m in code_files()} <= set(ORDER), "add the new folder to ORDER"
+    assert folders | top == {u.split(".")[0] for u in ORDER}, "ORDER names a folder that is gone"
+    for package, order in PACKAGE_ORDER.items():
+        stems = {p.stem for p in (PKG / package).glob("*.py")} - {"__init__"}
+        assert stems == set(order), f"finetune/{package}/: PACKAGE_ORDER lists {order}, files are {sorted(stems)}"
 
 
 def test_imports_flow_one_way():
-    for name in ORDER:
-        later = set(ORDER[ORDER.index(name) + 1 :])
-        for path in module_files(name):
-            bad = imported_modules(path) & later
-            assert not bad, f"finetune.{name} ({path.name}) imports {bad}, which stand after it"
-            # A module importing itself is only legal inside a package (finetune.data.x imports finetune.data.y).
-            assert name not in imported_modules(path) or path.relative_to(PKG).parts[0] == name, f"{path} imports itself"
+    for module, path in code_files().items():
+        unit = unit_of(module)
+        later = set(ORDER[ORDER.index(unit) + 1 :])
+        for imported in imported_modules(path):
+            assert unit_of(imported) not in later, (
+                f"{module} imports {imported}, which stands below it (tests/test_layout.py ORDER)"
+            )
 
 
 def test_package_modules_flow_one_way():
-    for package, order in PACKAGE_ORDER.items():
-        files = {p.stem: p for p in (PKG / package).glob("*.py")}
-        assert set(files) - {"__init__"} == set(order), (
-            f"finetune/{package}/: PACKAGE_ORDER lists {order}, files are {sorted(files)}"
-        )
-        for name in order:
-            later = set(order[order.index(name) + 1 :])
-            found = set()
-            for node in ast.walk(ast.parse(files[name].read_text())):
-                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(f"finetune.{package}."):
-                    found.add(node.module.split(".")[2])
-            assert not found & later, f"finetune.{package}.{name} imports {found & later}, which stand after it"
+    for module, path in code_files().items():
+        parts = module.split(".")
+        if len(parts) != 3 or parts[1] not in PACKAGE_ORDER:
+            continue
+        package, name = parts[1], parts[2]
+        order = PACKAGE_ORDER[package]
+        later = set(order[order.index(name) + 1 :])
+        for imported in imported_modules(path):
+            bits = imported.split(".")
+            assert not (len(bits) >= 3 and bits[1] == package and bits[2] in later), (
+                f"{module} imports {imported}, which stands after it in finetune/{package}/"
+            )
 
 
 def test_every_package_ships():

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from finetune.trainer.linear_ce import CaptureHead, chunked_linear_cross_entropy, logits_transform
+from finetune.memory.linear_ce import CaptureHead, chunked_linear_cross_entropy, logits_transform
 
 
 def full_and_chunked(head, hidden, targets, chunk, transform=None):
@@ -104,7 +104,7 @@ def test_the_trainer_loss_chunked_equals_the_target_only_head(recipe_dict, tmp_p
     # head too (lm_head targeted). Loss and every LoRA gradient equal within fp32 rounding.
     import json
 
-    from finetune.config import build_recipe
+    from finetune.config.schema import build_recipe
     from finetune.trainer import CausalLMLoss, Trainer
 
     data = json.loads(json.dumps(recipe_dict))
@@ -144,7 +144,7 @@ def test_a_model_whose_logits_the_chunked_head_cannot_reproduce_trains_on_the_fu
     # model's own logits catches the mismatch and the loss falls back, with a warning.
     import json
 
-    from finetune.config import build_recipe
+    from finetune.config.schema import build_recipe
     from finetune.trainer import CausalLMLoss, Trainer
 
     data = json.loads(json.dumps(recipe_dict))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.config import build_recipe, load_recipe
+from finetune.config.schema import build_recipe, load_recipe
 from finetune.errors import ConfigError
 from finetune.gpus import find_gpu
 from finetune.metrics import read_metrics
@@ -88,7 +88,7 @@ def test_plan_max_seq_finds_the_longest_sequence_at_batch_1():
 
 
 def test_plan_max_seq_on_the_command_line(capsys):
-    from finetune.cli import main
+    from finetune.cli.commands import main
 
     assert (
         main(
@@ -144,7 +144,7 @@ def test_tiled_mlp_equals_the_whole_mlp_loss_and_gradients(recipe_dict, tmp_path
 
 
 def test_tiles_for_auto_off_and_a_number():
-    from finetune.tiled_mlp import tiles_for
+    from finetune.memory.tiled_mlp import tiles_for
 
     assert tiles_for("off", 100_000, 4096) == 1
     assert tiles_for("auto", 4096, 4096) == 1 and tiles_for("auto", 4097, 4096) == 2  # whole up to 4096 positions
@@ -154,7 +154,7 @@ def test_tiles_for_auto_off_and_a_number():
 
 def test_the_planner_holds_one_mlp_tile():
     # Llama-3.1-8B at 32k tokens: auto runs each MLP in 8 tiles of 4096 positions.
-    from finetune.plan.inputs import Recipe
+    from finetune.plan.inputs import RecipeFacts
     from finetune.plan.memory import mlp_saved_bytes_per_token
 
     gpu = find_gpu("rtx4090", None)
@@ -163,7 +163,7 @@ def test_the_planner_holds_one_mlp_tile():
     tiled = plan_recipe(load_recipe("qlora-1x24gb", base), gpu)
     term = lambda e: next(c.bytes for c in e.components if c.key == "recompute_layer")  # noqa: E731
     cfg = load_recipe("qlora-1x24gb", base)
-    mlp = 32768 * mlp_saved_bytes_per_token(whole.shape, Recipe.from_config(cfg, "bf16"))
+    mlp = 32768 * mlp_saved_bytes_per_token(whole.shape, RecipeFacts.from_config(cfg, "bf16"))
     hidden_in = 32768 * 2 * whole.shape.hidden  # the MLP input each layer keeps instead
     assert term(whole) - term(tiled) == mlp - mlp // 8 - hidden_in
     assert tiled.peak_bytes < whole.peak_bytes and tiled.step_time_s > whole.step_time_s  # MLP forward once more

@@ -1,4 +1,4 @@
-"""The memory-mode table (finetune/memory_modes.py): config, the launch and the --fit search read
+"""The memory-mode table (finetune/memory/rules.py): config, the launch and the --fit search read
 the same rules, so the search never proposes a setup that the recipe's rules or the launch refuse."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from finetune import memory_modes
-from finetune.config import build_recipe, fsdp_problems, load_recipe
+from finetune.config.schema import build_recipe, fsdp_problems, load_recipe
+from finetune.memory import rules as memory_rules
 from finetune.plan.fitting import candidates, mode_settings, runnable
-from finetune.plan.inputs import Recipe, Setup
+from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.recipe import setup_of
 from finetune.plan.rewrite import setup_changes, with_values
 
@@ -37,7 +37,7 @@ PATHS = ["model.path=some/model", "data.path=train.jsonl"]
 def test_fit_search_proposes_only_setups_the_rules_accept(recipe, overrides, max_gpus):
     cfg = load_recipe(recipe, PATHS + overrides)
     base = setup_of(cfg, max_gpus)
-    found = candidates(base, max_gpus, Recipe.from_config(cfg, "bf16"))
+    found = candidates(base, max_gpus, RecipeFacts.from_config(cfg, "bf16"))
     assert found
     for s in found:
         # the recipe --fit would write for this setup loads (every config rule) and reads back as the setup
@@ -45,7 +45,7 @@ def test_fit_search_proposes_only_setups_the_rules_accept(recipe, overrides, max
         assert setup_of(written, s.gpus) == s
         # and the launch on s.gpus processes accepts it (what Parallel.choose and check_strategy ask)
         strategy = "single" if s.gpus == 1 else written.distributed.strategy.replace("auto", "ddp")
-        assert memory_modes.problems(memory_modes.launch_settings(written, strategy, s.gpus)) == []
+        assert memory_rules.problems(memory_rules.launch_settings(written, strategy, s.gpus)) == []
     # the search tried every mode the table allows: streaming and offloads are among the candidates
     lora = cfg.lora is not None
     assert any(s.streams_weights for s in found) == (lora and cfg.quant.bits != 8)
@@ -54,8 +54,8 @@ def test_fit_search_proposes_only_setups_the_rules_accept(recipe, overrides, max
 
 
 # Each setup the search may try, and the recipe key whose rule refuses it (None: it runs). Written out,
-# not derived from the table: a rule lost or loosened in finetune/memory_modes.py fails here.
-INT8 = Recipe(8, False, 16, "all-linear", 0.05, False, 2)
+# not derived from the table: a rule lost or loosened in finetune/memory/rules.py fails here.
+INT8 = RecipeFacts(8, False, 16, "all-linear", 0.05, False, 2)
 RUNNABLE = [
     (Setup(1, 1), None, None),
     (Setup(1, 1, activation_offload=True, checkpoint_every=1), None, None),
@@ -80,7 +80,7 @@ RUNNABLE = [
 @pytest.mark.parametrize("setup, recipe, refused_by", RUNNABLE)
 def test_runnable_refuses_exactly_what_the_rules_refuse(setup, recipe, refused_by):
     assert runnable(setup, recipe) == (refused_by is None)
-    messages = memory_modes.problems(mode_settings(setup, recipe))
+    messages = memory_rules.problems(mode_settings(setup, recipe))
     if refused_by:
         assert any(refused_by in m for m in messages), messages
     else:
@@ -89,8 +89,8 @@ def test_runnable_refuses_exactly_what_the_rules_refuse(setup, recipe, refused_b
 
 def test_launch_rules_need_the_process_count_and_fsdp_rules_name_what_chose_fsdp():
     cfg = load_recipe("qlora-stream-70b-1x24gb", PATHS)
-    assert memory_modes.problems(memory_modes.recipe_settings(cfg)) == []  # the recipe alone does not say
-    (msg,) = memory_modes.problems(memory_modes.launch_settings(cfg, "ddp", 2), (memory_modes.LAUNCH,))
+    assert memory_rules.problems(memory_rules.recipe_settings(cfg)) == []  # the recipe alone does not say
+    (msg,) = memory_rules.problems(memory_rules.launch_settings(cfg, "ddp", 2), (memory_rules.LAUNCH,))
     assert msg == (
         "memory.base_weights=cpu streams the weights of one process; this launch has 2 processes. Run on one GPU, "
         "or use distributed.strategy=fsdp with distributed.cpu_offload=true."
@@ -101,8 +101,8 @@ def test_launch_rules_need_the_process_count_and_fsdp_rules_name_what_chose_fsdp
         "on one process. Use distributed.cpu_offload=true for FSDP, or run on one GPU."
     ]
     # every row names the recipe keys it reads, and its message names each of them
-    for rule in memory_modes.RULES:
-        text = rule.message(replace(memory_modes.Settings(), processes=2))
+    for rule in memory_rules.RULES:
+        text = rule.message(replace(memory_rules.Settings(), processes=2))
         assert all(key.split(".")[-1] in text for key in rule.keys), (rule.keys, text)
 
 
@@ -112,7 +112,7 @@ def test_activation_offload_runs_with_every_checkpointing_setting(checkpointing)
     cfg = load_recipe(
         "qlora-1x24gb", PATHS + ["memory.activation_offload=true", f"memory.activation_checkpointing={checkpointing}"]
     )
-    assert memory_modes.problems(memory_modes.recipe_settings(cfg)) == []
+    assert memory_rules.problems(memory_rules.recipe_settings(cfg)) == []
     setup = setup_of(cfg, 1)
-    assert (setup.activation_offload, setup.checkpoint_every) == (True, memory_modes.checkpoint_every(checkpointing))
+    assert (setup.activation_offload, setup.checkpoint_every) == (True, memory_rules.checkpoint_every(checkpointing))
     assert runnable(setup)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import assert_packed_logits_match_each_example, build_char_tokenizer
 
-from finetune.config import build_recipe
+from finetune.config.schema import build_recipe
 from finetune.errors import ModelError
 from finetune.metrics import read_metrics
 from finetune.trainer import Trainer
@@ -152,8 +152,8 @@ def trained_moe(tiny_moe, tmp_path_factory):
 
 
 def test_moe_trains_qlora_with_4bit_experts_a_frozen_router_and_lora_on_the_experts(trained_moe):
-    from finetune import moe
-    from finetune.merge import expert_loras
+    from finetune.model import moe
+    from finetune.runs.merge import expert_loras
 
     family, _, runs = trained_moe
     for name, (trainer, result) in runs.items():
@@ -189,8 +189,8 @@ def test_moe_packed_logits_equal_each_example_alone(trained_moe):
 
 
 def test_moe_merged_export_passes_the_merge_check_only_with_the_experts_round_trip(trained_moe, tmp_path):
-    from finetune.export import export_run, read_adapter, reference, stream_merge, verify
-    from finetune.runs import open_run
+    from finetune.runs.export import export_run, read_adapter, reference, stream_merge, verify
+    from finetune.runs.open import open_run
 
     family, model_dir, runs = trained_moe
     cpu, run = torch.device("cpu"), runs["experts"][1].output_dir  # LoRA on attention and on every expert
@@ -216,7 +216,7 @@ def test_moe_merged_export_passes_the_merge_check_only_with_the_experts_round_tr
 def test_moe_load_balancing_loss_is_added_as_transformers_adds_it(tiny_moe, tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from finetune.trainer.loss import CausalLMLoss
+    from finetune.objectives.loss import CausalLMLoss
 
     family, model_dir = tiny_moe
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()

@@ -16,12 +16,12 @@ import torch
 from conftest import build_char_tokenizer, build_tiny_llama
 from safetensors.torch import load_file
 
-from finetune.config import build_recipe
+from finetune.config.schema import build_recipe
 from finetune.errors import ConfigError
+from finetune.memory.offload import ActivationOffload, HostAdamW, offloaded_checkpoint
+from finetune.memory.stream import in_backward
 from finetune.metrics import read_metrics
-from finetune.model import decoder_layers
-from finetune.offload import ActivationOffload, HostAdamW, offloaded_checkpoint
-from finetune.stream import in_backward
+from finetune.model.load import decoder_layers
 from finetune.trainer import Trainer, loop
 
 LAYERS = 4
@@ -123,7 +123,7 @@ def test_captured_weights_outside_the_decoder_layers_get_their_bytes_back(four_l
     # outside its decoder layers (Gemma 3n) must keep those resident, not empty.
     from transformers import AutoModelForCausalLM
 
-    from finetune.stream import DiskStore, WeightStream
+    from finetune.memory.stream import DiskStore, WeightStream
 
     model = AutoModelForCausalLM.from_pretrained(four_layer_model, dtype=torch.float32)
     for p in model.parameters():

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetune.cli import main
-from finetune.config import build_recipe, load_recipe
+from finetune.cli.commands import main
+from finetune.config.schema import build_recipe, load_recipe
 from finetune.errors import GpuError, PlanError
 from finetune.gpus import GiB, find_gpu, parse_bytes
 from finetune.plan import (
     KNOBS,
-    Recipe,
+    RecipeFacts,
     Setup,
     candidates,
     estimate,
@@ -105,7 +105,7 @@ def test_qlora_7b_on_24gb_numbers(tmp_path):
 
 def test_memory_grows_with_batch_and_sequence_and_shrinks_with_checkpointing(tmp_path):
     shape = read_model_shape(str(CONFIGS / "llama-3-8b"))
-    r = Recipe(4, True, 16, "all-linear", 0.05, False, 2)
+    r = RecipeFacts(4, True, 16, "all-linear", 0.05, False, 2)
     gpu = find_gpu("a100-80gb")
 
     def peak(**kw):
@@ -247,7 +247,7 @@ def test_fit_shards_and_offloads_a_70b_over_two_small_cards(tmp_path):
     current, best = fit(cfg, find_gpu("rtx3060"), max_gpus=2)
     assert (best.setup.gpus, best.setup.sharding, best.setup.cpu_offload) == (2, "fsdp", True)
     assert best.fits
-    # Each process first builds the whole 4-bit model in RAM (trainer.py), then keeps half of it
+    # Each process first builds the whole 4-bit model in RAM (trainer/build.py), then keeps half of it
     # as offloaded shards: the load, not the shards, sets its host RAM.
     h = best.host_ram_parts
     assert best.loads_whole_model and h["loading"] > 2 * h["fsdp_shards"] > 34 * GiB
@@ -281,7 +281,7 @@ def test_preflight_refuses_on_cuda_when_clearly_over_and_only_notes_on_cpu(tmp_p
 
 # ----------------------------------------------------------------------------- memory modes (memory.*)
 
-NF4 = Recipe(4, True, 16, "all-linear", 0.05, False, 2)
+NF4 = RecipeFacts(4, True, 16, "all-linear", 0.05, False, 2)
 REPO_RECIPES = Path(__file__).parents[1] / "recipes"  # this checkout's (finetune.recipes may point at another install)
 
 
@@ -395,7 +395,7 @@ def test_offloaded_checkpoints_keep_two_layer_inputs_on_the_gpu_and_the_rest_in_
     assert kept.host_ram_parts["activations"] == 0
     activations = next(c for c in off.components if c.key == "activations")
     assert activations.label == "activations in flight to/from host RAM (checkpointed layer inputs)"
-    # speed.py counts the copies back as exposed, though offload.py prefetches them: an upper bound
+    # speed.py counts the copies back as exposed, though memory/offload.py prefetches them: an upper bound
     # of 8 micro-batches x 496 MiB / 25 GB/s (0.17 s) on a multi-second step.
     assert off.step_time_s - kept.step_time_s == pytest.approx(8 * 31 * layer_input / 25e9, rel=1e-6)
     # A setup the trainer runs now, so the search may propose it.
@@ -431,7 +431,7 @@ def test_search_offloads_only_when_nothing_faster_fits(tmp_path):
     for s in candidates(Setup(batch_size=2, grad_accum=4, gpus=2), max_gpus=2, recipe=NF4):
         assert not s.streams_weights or (s.gpus == 1 and s.checkpoint_every == 1 and s.sharding == "ddp")
         assert not (s.sharding == "fsdp" and s.optimizer_offload)
-    int8 = Recipe(8, False, 16, "all-linear", 0.05, False, 2)
+    int8 = RecipeFacts(8, False, 16, "all-linear", 0.05, False, 2)
     assert not any(s.streams_weights for s in candidates(Setup(batch_size=1, grad_accum=1), 1, int8))
 
 
@@ -446,7 +446,7 @@ def test_search_offloads_only_when_nothing_faster_fits(tmp_path):
     ],
 )
 def test_changes_of_writes_recipe_values_that_setup_of_reads_back(tmp_path, values):
-    from finetune.config import build_recipe
+    from finetune.config.schema import build_recipe
     from finetune.plan import changes_of, setup_of
 
     base_cfg = recipe_for("llama-3-8b", tmp_path)
@@ -574,7 +574,7 @@ def test_fit_streams_from_disk_when_ram_cannot_pin_the_weights_and_names_ram_whe
 
 def test_a_preference_pair_is_two_sequences_and_dpo_adds_a_reference_forward():
     shape = read_model_shape(str(CONFIGS / "llama-3.1-8b"))
-    r = Recipe(4, True, 16, "all-linear", 0.0, False, 2)
+    r = RecipeFacts(4, True, 16, "all-linear", 0.0, False, 2)
     gpu = find_gpu("rtx4090")
     sft = estimate(shape, r, Setup(batch_size=4, grad_accum=1, seq_len=1024), gpu)
     simpo = estimate(shape, r, Setup(batch_size=2, grad_accum=1, seq_len=1024, sequences_per_example=2), gpu)
@@ -640,7 +640,7 @@ def test_moe_parameters_every_expert_for_memory_the_active_ones_for_flops():
         shape.total_params
     )
     assert shape.expert_layer_params == E * expert and shape.intermediate == k * f  # one token's experts: k x 768 wide
-    # Memory: every expert 4-bit, one fused tensor per parameter and layer (finetune/moe.py).
+    # Memory: every expert 4-bit, one fused tensor per parameter and layer (finetune/model/moe.py).
     setup = Setup(batch_size=1, grad_accum=1)
     e = estimate(shape, NF4, setup, find_gpu("rtx4090"))
     groups = [(g.in_features * g.out_features, g.out_features, g.count) for g in shape.linears]
@@ -678,7 +678,7 @@ def test_moe_recipe_fits_one_24gb_card_and_needs_its_checkpointing():
     assert f"{e.peak_bytes / GiB:.2f} GiB" in path.read_text()  # the recipe states what the planner says
     # without checkpointing every MoE layer keeps its dequantized expert stack (1.1 GiB) for backward
     assert plan_recipe(replace_memory(cfg, activation_checkpointing="none"), card).peak_bytes > 4 * card.memory_bytes
-    # --fit never proposes what model.py refuses for the 4-bit experts: streaming them or sharding them with FSDP
+    # --fit never proposes what model/load.py refuses for the 4-bit experts: streaming them or sharding them with FSDP
     best, tried = search(read_model_shape(str(CONFIGS / "qwen3-30b-a3b")), NF4, Setup(2, 8), card, max_gpus=2)
     assert best is not None and tried
     assert not any(e.setup.streams_weights or (e.setup.gpus > 1 and e.setup.sharding in ("fsdp", "zero3")) for e in tried)
@@ -688,7 +688,7 @@ def test_zero_terms_partition_what_each_stage_partitions(tmp_path):
     cfg = recipe_for("llama-3-8b", tmp_path)
     base = setup_of(cfg, gpus=2)
     shape, gpu = read_model_shape(str(CONFIGS / "llama-3-8b")), find_gpu("rtx4090")
-    r = Recipe.from_config(cfg, "bf16")
+    r = RecipeFacts.from_config(cfg, "bf16")
     ddp, z2, z3, z3_off = (
         estimate(shape, r, replace(base, **knobs), gpu)
         for knobs in (

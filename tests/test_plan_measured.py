@@ -1,7 +1,7 @@
 """The memory model against measured allocations of real training steps on the CPU.
 
 A Llama-shaped model is built from a config, loaded through the real path
-(model.load_model: bitsandbytes NF4 + double quant, peft LoRA) and trained one
+(model.load.load_model: bitsandbytes NF4 + double quant, peft LoRA) and trained one
 step by the real Trainer loss. Measured:
   weights      storage bytes of every parameter, buffer and quantization constant
   LoRA state   LoRA weights + their gradients + AdamW state after one optimizer step
@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from finetune.config import build_recipe
-from finetune.model import load_model
-from finetune.plan import Recipe, Setup, estimate, read_model_shape
+from finetune.config.schema import build_recipe
+from finetune.model.load import load_model
+from finetune.plan import RecipeFacts, Setup, estimate, read_model_shape
 from finetune.trainer import loss_sum_and_count
 
 TOLERANCE = 0.15
@@ -143,7 +143,7 @@ def measure(model_dir, tmp_path, *, checkpointing: bool, dropout: float, batch: 
 
 def predict(cfg, batch, seq, checkpointing):
     shape = read_model_shape(cfg.model.path)
-    recipe = Recipe.from_config(cfg, "fp32", on_gpu=False)
+    recipe = RecipeFacts.from_config(cfg, "fp32", on_gpu=False)
     e = estimate(shape, recipe, Setup(batch_size=batch, grad_accum=1, seq_len=seq, checkpoint_every=int(checkpointing)), None)
     c = e.component
     return e, {
@@ -212,7 +212,7 @@ def measure_step_peak(model_dir, tmp_path, *, seq: int, tiles: int, chunk: int) 
     """(measured, predicted) bytes allocated at the peak of one step with the long-context levers:
     every layer checkpointed, the MLP in `tiles` tiles, the head and loss over chunks of `chunk`
     targets. Both count only what the step allocates (not the weights, LoRA weights, AdamW state)."""
-    from finetune.tiled_mlp import tile_mlps
+    from finetune.memory.tiled_mlp import tile_mlps
     from finetune.trainer import CausalLMLoss
 
     memory = {"activation_checkpointing": "all", "tiled_mlp": tiles, "loss": "chunked", "loss_chunk": chunk}
@@ -242,7 +242,7 @@ def measure_step_peak(model_dir, tmp_path, *, seq: int, tiles: int, chunk: int) 
     assert loss_fn.chunked_batches == 1
 
     shape = read_model_shape(cfg.model.path)
-    recipe = Recipe.from_config(cfg, "fp32", on_gpu=False)
+    recipe = RecipeFacts.from_config(cfg, "fp32", on_gpu=False)
     setup = Setup(batch_size=1, grad_accum=1, seq_len=seq, loss="chunked", loss_chunk=chunk, tiled_mlp=tiles)
     e = estimate(shape, recipe, setup, None)
     held = ("weights_quantized", "quant_constants", "weights_unquantized", "lora_weights", "optimizer_state")

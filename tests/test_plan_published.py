@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from finetune.gpus import GiB
-from finetune.plan import Implementation, Recipe, Setup, estimate, read_model_shape
+from finetune.plan import Implementation, RecipeFacts, Setup, estimate, read_model_shape
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 TOLERANCE = 0.20
@@ -52,7 +52,7 @@ class Row:
 
     def predict_gib(self) -> float:
         shape = read_model_shape(str(CONFIGS / self.model))
-        recipe = Recipe(quant_bits=4, double_quant=True, dora=False, compute_bytes=2, **self.lora)
+        recipe = RecipeFacts(quant_bits=4, double_quant=True, dora=False, compute_bytes=2, **self.lora)
         e = estimate(shape, recipe, self.setup, gpu=_gpu(), impl=self.impl)
         value = {"reserved": e.peak_reserved_bytes, "allocated": e.peak_allocated_bytes, "fits": e.peak_bytes}[self.metric]
         return value / GiB

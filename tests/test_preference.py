@@ -15,12 +15,12 @@ import torch
 from conftest import assert_same_steps, step_rows, write_jsonl
 from safetensors.torch import load_file
 
-from finetune.config import build_recipe
+from finetune.config.schema import build_recipe
 from finetune.data import IGNORE_INDEX, Collator, PreferencePairs, build_datasets
 from finetune.errors import ConfigError, DataError, Preempted
 from finetune.metrics import read_metrics
+from finetune.objectives.preference import log1mexp, pair_losses
 from finetune.trainer import Trainer
-from finetune.trainer.preference import log1mexp, pair_losses
 
 PAIRS = [
     {"prompt": f"Q{i}: pick {'ab'[i % 2]}?\nA: ", "chosen": "ab"[i % 2] * (1 + i % 3), "rejected": "ba"[i % 2] * (2 + i % 2)}
@@ -299,8 +299,8 @@ def test_dpo_with_a_memory_mode_trains_like_without(recipe_dict, tmp_path, memor
 
 
 def test_a_dpo_run_merges_and_evaluates(recipe_dict, tmp_path, capsys):
-    from finetune.cli import main
-    from finetune.export import export_run
+    from finetune.cli.commands import main
+    from finetune.runs.export import export_run
 
     changes = {"output_dir": str(tmp_path / "run"), "quant": {"bits": 4}, "data.eval_fraction": 0.25}
     with Trainer(build_recipe(recipe(recipe_dict, tmp_path, **changes)), progress=False) as trainer:
@@ -337,7 +337,7 @@ def test_dpo_refuses_pissa_whose_adapter_off_model_is_not_the_base(recipe_dict, 
 def test_the_dpo_demo_ranks_held_out_pairs_right(tmp_path):
     # The README's promise for `finetune run dpo-demo-cpu`: held-out preference accuracy 0% -> 98% (63 of 64 pairs
     # measured, in bf16 and fp32); QLoRA, not a shortcut. About 15 s on 2 cores.
-    from finetune.config import load_recipe
+    from finetune.config.schema import load_recipe
 
     cfg = load_recipe("dpo-demo-cpu", [f"output_dir={tmp_path / 'dpo'}"])
     assert cfg.train.objective == "dpo" and cfg.quant.bits == 4 and cfg.lora is not None

@@ -12,13 +12,13 @@ import torch
 from conftest import step_rows
 
 from finetune import Trainer
-from finetune.checkpoint import recipe_changes
-from finetune.config import build_recipe
+from finetune.config.schema import build_recipe
 from finetune.errors import ConfigError
 from finetune.gpus import GiB
 from finetune.metrics import Progress, read_metrics
-from finetune.plan import Recipe, model_shape_of, setup_of, trainable_params
+from finetune.plan import RecipeFacts, model_shape_of, setup_of, trainable_params
 from finetune.plan.speed import token_flops
+from finetune.runs.checkpoint import recipe_changes
 from finetune.trainer import profiling
 from finetune.trainer.profiling import StepProfiler, comm_and_compute_us, device_peak, measured_matmul_tflops
 
@@ -48,7 +48,7 @@ def test_tflops_and_mfu_follow_the_planners_formula_and_profiling_changes_no_num
     # LoRA r=4 on the 14 linears: 8,192 parameters. Per token: forward 2 x (73,728 + 6,784) + 2 x 8,192,
     # twice (forward and the input gradients), + LoRA's weight gradients 2 x 8,192, + attention
     # 2 x T x 4 heads x 16 x 2 layers, three times (forward and its ~2x backward).
-    shape, recipe = model_shape_of(plain_cfg), Recipe.from_config(plain_cfg, "fp32", on_gpu=False)
+    shape, recipe = model_shape_of(plain_cfg), RecipeFacts.from_config(plain_cfg, "fp32", on_gpu=False)
     setup, trainable = setup_of(plain_cfg), trainable_params(shape, recipe)
     assert trainable == 8_192
     for T in (10.0, 37.5):
@@ -167,7 +167,7 @@ def test_step_ranges_are_written_plainly_and_profiling_is_a_harmless_change_on_r
 
 
 def test_run_profile_is_the_profile_steps_override(monkeypatch):
-    from finetune import cli
+    from finetune.cli import commands as cli
 
     seen = {}
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
-from finetune.config import load_recipe
+from finetune.config.schema import load_recipe
 from finetune.gpus import GiB, find_gpu, parse_bytes
 from finetune.plan import fit, loaded_weight_bytes, longest_trainable_seq, plan_recipe, read_model_shape
 from finetune.plan.recipe import compare_strategies

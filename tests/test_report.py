@@ -11,11 +11,11 @@ import types
 import pytest
 from conftest import train_tiny_run
 
-from finetune.cli import main
-from finetune.config import build_recipe
+from finetune.cli.commands import main
+from finetune.config.schema import build_recipe
 from finetune.errors import ReportError
 from finetune.metrics import read_metrics
-from finetune.report import plot_curves, scalars
+from finetune.runs.report import plot_curves, scalars
 from finetune.trainer import Trainer
 
 WITH_EVAL = {"data": {"eval_fraction": 0.1}, "eval": {"every_steps": 2}, "train": {"max_steps": 4}}
@@ -67,7 +67,7 @@ def test_loss_png_is_written_at_the_end_of_a_run(tiny_model_dir, runs_data, tmp_
 
 
 def test_plot_is_skipped_with_a_notice_without_matplotlib(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("finetune.report.plot_available", lambda: False)
+    monkeypatch.setattr("finetune.runs.report.plot_available", lambda: False)
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
     assert plot_curves(tmp_path / "metrics.jsonl", tmp_path / "loss.png") is None
     assert capsys.readouterr().out == "note: loss.png skipped: matplotlib is not installed (pip install 'finetune[plot]')\n"

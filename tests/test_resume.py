@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import write_jsonl
 
-from finetune.config import build_recipe
+from finetune.config.schema import build_recipe
 from finetune.errors import CheckpointError, Preempted
 from finetune.metrics import read_metrics
 from finetune.trainer import Trainer
@@ -160,7 +160,7 @@ def test_corrupt_newest_checkpoint_falls_back_under_auto(recipe_dict, tmp_path, 
 def test_malicious_pickle_in_a_checkpoint_never_executes(recipe_dict, tmp_path):
     import pickle
 
-    from finetune.checkpoint import write_manifest
+    from finetune.runs.checkpoint import write_manifest
 
     out = tmp_path / "run"
     preempt(cfg_for(recipe_dict, out), 6)
@@ -207,7 +207,7 @@ def test_resume_auto_without_checkpoint_starts_clean(recipe_dict, tmp_path, caps
 def test_a_finished_run_is_extended_not_restarted(recipe_dict, tmp_path, capsys):
     # Train 3 steps, then ask for 6 with resume=auto: steps 4-6 continue from step 3's state,
     # exactly as an uninterrupted 6-step run (the final step is checkpointed for this).
-    from finetune.config import build_recipe
+    from finetune.config.schema import build_recipe
     from finetune.metrics import read_metrics
     from finetune.trainer import Trainer
 
@@ -261,7 +261,7 @@ def test_every_step_after_resume_follows_the_new_schedule(recipe_dict, tmp_path)
 def test_a_run_from_before_the_long_context_keys_resumes_with_the_changes_said():
     # recipe.yaml of a run written before memory.loss / loss_chunk / tiled_mlp existed, with the
     # attention the recipes then named: resuming it with today's defaults is allowed and said.
-    from finetune.checkpoint import recipe_changes
+    from finetune.runs.checkpoint import recipe_changes
 
     old = {"model": {"path": "m", "attn_implementation": "sdpa"}, "memory": {"activation_checkpointing": "all"}, "seed": 0}
     new = {

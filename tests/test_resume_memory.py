@@ -22,10 +22,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from finetune.config import build_recipe
+from finetune.config.schema import build_recipe
 from finetune.errors import Preempted
+from finetune.memory.offload import ActivationOffload, HostAdamW
 from finetune.metrics import read_metrics
-from finetune.offload import ActivationOffload, HostAdamW
 from finetune.trainer import Trainer, loop
 
 pytestmark = pytest.mark.slow
@@ -57,8 +57,8 @@ def copies_like_a_gpu(mode: str):
 # (argv: recipe, step, and "force_copy" for the modes of FORCE_COPY).
 KILL_DRIVER = """
 import functools, os, signal, sys
-from finetune.config import load_recipe
-from finetune.offload import ActivationOffload
+from finetune.config.schema import load_recipe
+from finetune.memory.offload import ActivationOffload
 from finetune.trainer import Trainer, loop
 
 if sys.argv[3] == "force_copy":

@@ -11,10 +11,10 @@ import transformers
 from conftest import training_kernel_only
 from packaging.version import Version
 
-from finetune.config import build_recipe
+from finetune.config.schema import build_recipe
 from finetune.metrics import read_metrics
-from finetune.model import takes_boolean_logits_to_keep
-from finetune.report import plot_available
+from finetune.model.load import takes_boolean_logits_to_keep
+from finetune.runs.report import plot_available
 from finetune.trainer import Trainer, lr_factor
 
 
@@ -96,7 +96,7 @@ def test_grad_accum_equals_full_batch_on_variable_length_data(recipe_dict, tmp_p
 
 
 def test_activation_checkpointing_policies_give_the_same_gradients(recipe_dict, tmp_path):
-    from finetune.model import checkpointed_layers
+    from finetune.model.load import checkpointed_layers
 
     grads, layers = {}, {}
     for policy in ("none", "all", 2):

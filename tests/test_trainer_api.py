@@ -15,7 +15,7 @@ from conftest import ALPACA_ROWS
 from safetensors.torch import load_file
 
 from finetune import Callback, Trainer, TrainState
-from finetune.config import build_recipe
+from finetune.config.schema import build_recipe
 from finetune.metrics import read_metrics
 from finetune.trainer import CausalLMLoss
 
@@ -186,10 +186,10 @@ def test_a_loss_says_its_units_and_metrics_to_the_loop(recipe_dict, tmp_path):
 def test_from_parts_needs_no_paths_and_trains_like_the_recipe(recipe_dict, tiny_model_dir, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.trainer import build
+    from finetune.memory import apply
 
     kernels = []  # model.kernels=auto patches what finetune loads, never a model handed over
-    monkeypatch.setattr(build, "apply_kernels", lambda model, setting, device: kernels.append(setting) or "none")
+    monkeypatch.setattr(apply, "apply_kernels", lambda model, setting, device: kernels.append(setting) or "none")
 
     # Dropout on: its masks come from the generator as the LoRA init leaves it, as in a recipe's run.
     settings = {

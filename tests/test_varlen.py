@@ -1,4 +1,4 @@
-"""model.attn_implementation=varlen (finetune/varlen.py): packed examples attend each to itself
+"""model.attn_implementation=varlen (finetune/model/varlen.py): packed examples attend each to itself
 with no (T x T) mask. On the CPU its per-segment sdpa path runs; the CUDA varlen flash kernel is
 the `gpu` test at the end (same cut points, another kernel)."""
 
@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from finetune import varlen
-from finetune.config import build_recipe, load_recipe
+from finetune.config.schema import build_recipe, load_recipe
 from finetune.errors import ModelError
 from finetune.gpus import find_gpu
 from finetune.metrics import read_metrics
+from finetune.model import varlen
 from finetune.plan import plan_recipe
 from finetune.trainer import Trainer
 from tests.test_long_context import LLAMA_31_8B
@@ -94,7 +94,7 @@ def test_attention_varlen_cannot_compute_is_named():
 def test_softcapped_attention_is_refused_at_load(tmp_path):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    from finetune.model import load_model
+    from finetune.model.load import load_model
 
     Gemma2ForCausalLM(
         Gemma2Config(
@@ -185,7 +185,7 @@ def test_cut_points_are_computed_once_per_batch_and_again_when_the_positions_cha
 )
 def test_auto_cuts_long_packed_rows_per_example_on_a_cpu(recipe_dict, data, expected):
     # benchmarks/varlen_cpu.py: 1.6x sdpa's masked packed rows at 2048 tokens, 2.9x at 8192; no gain at 512.
-    from finetune.model import choose_attention
+    from finetune.model.load import choose_attention
 
     recipe = json.loads(json.dumps(recipe_dict))
     recipe["data"].update(data)

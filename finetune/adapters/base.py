@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-EXPERTS = "experts"  # the lora.target entry for MoE models' fused expert weights (finetune/moe.py)
+EXPERTS = "experts"  # the lora.target entry for MoE models' fused expert weights (finetune/model/moe.py)
 
 
 def lists_experts(cfg: Any) -> bool:

@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from finetune.config import RecipeConfig
+from finetune.config.schema import RecipeConfig
 from finetune.data.dataset import DataStats, TokenizedData
 from finetune.data.pairs import PreferencePairs
 

@@ -4,7 +4,7 @@
     pairs[0] -> {"chosen": {"input_ids", "labels"}, "rejected": {"input_ids", "labels"}}
 
 The Collator stacks a batch of pairs as [chosen rows; rejected rows], so one forward scores
-both (finetune/trainer/preference.py splits it in half again).
+both (finetune/objectives/preference.py splits it in half again).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from finetune.config import RecipeConfig, resolve_path
+from finetune.config.schema import RecipeConfig, resolve_path
 from finetune.data.cache import cache_key, cache_root, read_cache, write_cache
 from finetune.data.dataset import DataBundle, DataStats, TokenizedData
 from finetune.data.formats import FORMATS, get_format
@@ -167,7 +167,7 @@ def _fit(enc: Encoded, max_len: int, truncation: str) -> tuple[list[int], list[i
 def held_out_indices(n_records: int, cfg: RecipeConfig) -> list[int]:
     """Which of n usable records form the eval split (sorted): max(1, round(n * eval_fraction)), seeded.
 
-    The same function picks them in training and in `finetune eval` (runs.py).
+    The same function picks them in training and in `finetune eval` (runs/open.py).
     """
     n_eval = max(1, round(n_records * cfg.data.eval_fraction))
     if n_eval >= n_records:

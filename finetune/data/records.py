@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import os
 
-from finetune.config import RecipeConfig, resolve_path
+from finetune.config.schema import RecipeConfig, resolve_path
 from finetune.data.formats import FORMATS, get_format
 from finetune.data.formats.base import Problem
 from finetune.data.sources import Source, Spec, _load, eval_spec, looks_like_hub_name, source_specs

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune.config import DataConfig, RecipeConfig, resolve_path
+from finetune.config.schema import DataConfig, RecipeConfig, resolve_path
 from finetune.errors import DataError
 
 SUPPORTED_EXTENSIONS = (".json", ".jsonl", ".csv", ".parquet")

@@ -8,23 +8,24 @@
 Parameter counts come from the model's own config.json: the model is built on
 the meta device (no memory, no weights) and every parameter is counted by the
 kind of module that holds it. What each tensor costs follows from how this
-toolkit trains (model.py, trainer/), written out in `estimate` (memory.py) with the
+toolkit trains (model/load.py, trainer/), written out in `estimate` (memory.py) with the
 reason for every term. The model was checked against measured CPU allocations
 (tests/test_plan_measured.py) and against published GPU peaks of other
 frameworks (docs/plan.md; tests/test_plan_published.py).
 
 Modules, in the order a plan is made (each imports only those above it):
     shape      ModelShape: config.json's model on the meta device, parameters counted by module kind
-    inputs     what is planned: Recipe (the recipe's parts the model reads), Setup (the knobs), Implementation
+    inputs     what is planned: RecipeFacts (the recipe's parts the model reads), Setup (the knobs), Implementation
     speed      step time: compute, dequantization, GPU-link and host-link transfers
     memory     estimate: every per-GPU tensor with its reason, host RAM, disk; the memory constants
     recipe     a RecipeConfig on a GPU: plan_recipe, setup_of; loaded_weight_bytes (inference loads)
     fitting    the search over KNOBS for the fastest setup that fits: fit
     render     report: the human-readable plan
     rewrite    the fitted recipe: changes_of, rewrite_recipe
-    preflight  preflight_memory: the check `finetune run` makes before loading weights
+    check      preflight_memory: the check `finetune run` makes before loading weights
 """
 
+from finetune.plan.check import REFUSE_FACTOR, physical_ram, preflight_memory
 from finetune.plan.fitting import (
     FIT_HEADROOM,
     KNOBS,
@@ -37,7 +38,7 @@ from finetune.plan.fitting import (
     runnable,
     search,
 )
-from finetune.plan.inputs import DEFAULT_IMPL, Implementation, Recipe, Setup, describe_setup, lora_targets
+from finetune.plan.inputs import DEFAULT_IMPL, Implementation, RecipeFacts, Setup, describe_setup, lora_targets
 from finetune.plan.memory import (
     ALLOCATOR_SLACK,
     CUDA_CONTEXT_BYTES,
@@ -57,7 +58,6 @@ from finetune.plan.memory import (
     quantized_bytes,
     trainable_params,
 )
-from finetune.plan.preflight import REFUSE_FACTOR, physical_ram, preflight_memory
 from finetune.plan.recipe import WEIGHT_COMPONENTS, loaded_weight_bytes, model_shape_of, plan_precision, plan_recipe, setup_of
 from finetune.plan.render import report
 from finetune.plan.rewrite import FittedRecipe, changes_of, recipe_value, rewrite_recipe, write_fitted_recipe
@@ -99,7 +99,7 @@ __all__ = [
     "Knob",
     "LinearGroup",
     "ModelShape",
-    "Recipe",
+    "RecipeFacts",
     "Setup",
     "backward_working_bytes_per_token",
     "candidates",

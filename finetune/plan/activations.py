@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune.gpus import GpuSpec
-from finetune.plan.inputs import Recipe, Setup
+from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.shape import ModelShape
 from finetune.plan.speed import forward_seconds
 from finetune.plan.terms import (
@@ -29,8 +29,8 @@ class Activations:
     host_ram: int = 0  # the host RAM that takes: on a GPU each checkpointed input is a pinned block (pinned_block_bytes)
 
 
-def activation_terms(shape: ModelShape, recipe: Recipe, setup: Setup, gpu: GpuSpec | None, trainable: int) -> Activations:
-    """model.py checkpoints layers whose index is a multiple of k: they keep only their input; the
+def activation_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec | None, trainable: int) -> Activations:
+    """model/load.py checkpoints layers whose index is a multiple of k: they keep only their input; the
     others keep every activation they save."""
     b, L, T, B = recipe.compute_bytes, shape.layers, setup.seq_len, setup.rows  # sequences per forward
     tokens = B * T
@@ -38,7 +38,7 @@ def activation_terms(shape: ModelShape, recipe: Recipe, setup: Setup, gpu: GpuSp
     input_only = tokens * b * shape.hidden  # a checkpointed layer's input, kept for the recompute
     full_layer = tokens * layer_saved_bytes_per_token(shape, recipe, B) + expert_stack_saved_bytes(shape, recipe)
     rebuilt = full_layer  # what one layer's recomputation holds
-    tiles = 1 if shape.experts else setup.mlp_tiles(shape.hidden)  # tiled_mlp.py leaves MoE blocks whole
+    tiles = 1 if shape.experts else setup.mlp_tiles(shape.hidden)  # memory/tiled_mlp.py leaves MoE blocks whole
     if tiles > 1:
         # memory.tiled_mlp: each MLP tile is a checkpoint, so a layer keeps only the MLP's input, and
         # one tile's intermediate (gate, SiLU, up; down_proj's LoRA input) exists at a time.
@@ -48,7 +48,7 @@ def activation_terms(shape: ModelShape, recipe: Recipe, setup: Setup, gpu: GpuSp
     layers_saved = checkpointed * input_only + (L - checkpointed) * full_layer
     host = host_ram = 0
     if setup.activation_offload:
-        # offload.py moves what autograd saves, as forward makes it, on a side stream, and brings it
+        # memory/offload.py moves what autograd saves, as forward makes it, on a side stream, and brings it
         # back as backward reaches it: all of it for the layers that are not checkpointed, the input
         # of each checkpointed one (offload.offloaded_checkpoint; its recomputation's input comes back one
         # layer ahead, on the side stream). On the GPU: the layers in flight (out in forward, back in

@@ -1,5 +1,5 @@
 """The `finetune plan` command: a recipe's memory and step time, its longest sequence (--max-seq),
-or the fastest setup that fits, written as a recipe (--fit). Arguments come from cli.py's parser.
+or the fastest setup that fits, written as a recipe (--fit). Arguments come from cli/commands.py's parser.
 """
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from finetune.config import read_recipe
+from finetune.config.schema import read_recipe
 from finetune.errors import FinetuneError
 
 
@@ -15,7 +15,7 @@ def plan_command(args: argparse.Namespace) -> int:
     """`finetune plan RECIPE --gpu NAME [--gpus N] [--json] [--max-seq | --fit --out FILE]`; returns the exit code."""
     import json
 
-    from finetune.config import build_recipe, parse_overrides
+    from finetune.config.schema import build_recipe, parse_overrides
     from finetune.gpus import find_gpu, parse_bytes
     from finetune.plan import describe_setup, fit, gib, physical_ram, plan_recipe, report, write_fitted_recipe
     from finetune.plan.recipe import compare_strategies

@@ -8,11 +8,11 @@ from dataclasses import dataclass, replace
 from itertools import product
 from typing import Any
 
-from finetune import memory_modes
-from finetune.config import RecipeConfig
+from finetune.config.schema import RecipeConfig
 from finetune.errors import PlanError
 from finetune.gpus import GiB, GpuSpec
-from finetune.plan.inputs import Recipe, Setup, describe_setup
+from finetune.memory import rules as memory_rules
+from finetune.plan.inputs import RecipeFacts, Setup, describe_setup
 from finetune.plan.memory import Estimate, estimate, gib
 from finetune.plan.recipe import planning_inputs, setup_of
 from finetune.plan.shape import ModelShape
@@ -56,10 +56,10 @@ KNOBS: list[Knob] = [
 ]
 
 
-def mode_settings(s: Setup, recipe: Recipe | None = None) -> memory_modes.Settings:
-    """A setup as finetune/memory_modes.py's rules read it (recipe None: a 4-bit LoRA recipe)."""
-    settings = memory_modes.Settings(
-        activation_checkpointing=memory_modes.checkpointing_value(s.checkpoint_every),
+def mode_settings(s: Setup, recipe: RecipeFacts | None = None) -> memory_rules.Settings:
+    """A setup as finetune/memory/rules.py's rules read it (recipe None: a 4-bit LoRA recipe)."""
+    settings = memory_rules.Settings(
+        activation_checkpointing=memory_rules.checkpointing_value(s.checkpoint_every),
         activation_offload=s.activation_offload,
         base_weights=s.base_weights,
         optimizer_offload=s.optimizer_offload,
@@ -74,15 +74,15 @@ def mode_settings(s: Setup, recipe: Recipe | None = None) -> memory_modes.Settin
     return replace(settings, quant_bits=recipe.quant_bits, lora=recipe.lora_r is not None, compile=recipe.compiled)
 
 
-def runnable(s: Setup, recipe: Recipe | None = None) -> bool:
-    """Whether the trainer runs this combination: no rule of finetune/memory_modes.py's table refuses it.
+def runnable(s: Setup, recipe: RecipeFacts | None = None) -> bool:
+    """Whether the trainer runs this combination: no rule of finetune/memory/rules.py's table refuses it.
     FSDP on one GPU is left out too: it runs as one process, the same setup as DDP's."""
     if s.sharding == "fsdp" and s.gpus == 1:
         return False
-    return not memory_modes.problems(mode_settings(s, recipe))
+    return not memory_rules.problems(mode_settings(s, recipe))
 
 
-def candidates(base: Setup, max_gpus: int, recipe: Recipe | None = None) -> list[Setup]:
+def candidates(base: Setup, max_gpus: int, recipe: RecipeFacts | None = None) -> list[Setup]:
     """Every runnable setup the knobs allow that keeps the global batch (batch x accum x GPUs)."""
     out = []
     names = [k.name for k in KNOBS]
@@ -102,14 +102,14 @@ def _fits_with_headroom(e: Estimate, gpu: GpuSpec) -> bool:
 
 
 def search(
-    shape: ModelShape, recipe: Recipe, base: Setup, gpu: GpuSpec, max_gpus: int, host_ram: int | None = None, **kw
+    shape: ModelShape, recipe: RecipeFacts, base: Setup, gpu: GpuSpec, max_gpus: int, host_ram: int | None = None, **kw
 ) -> tuple[Estimate | None, list[Estimate]]:
     """(fastest setup that fits with FIT_HEADROOM to spare, or None; every estimate made).
     host_ram: the machine's RAM, when known; setups that need more (offload, FSDP's load of
     the whole model per process) are left out. Ties go to less offloading, then fewer GPUs,
     then more headroom."""
     setups = candidates(base, max_gpus, recipe)
-    if shape.experts:  # MoE: finetune/moe.py's 4-bit experts are neither streamed nor sharded (model.py refuses)
+    if shape.experts:  # MoE: finetune/model/moe.py's 4-bit experts are neither streamed nor sharded (model/load.py refuses)
         setups = [s for s in setups if not (s.streams_weights or (s.gpus > 1 and s.sharding in ("fsdp", "zero3")))]
     estimates = [estimate(shape, recipe, s, gpu, **kw) for s in setups]
     fitting = [e for e in estimates if _fits_with_headroom(e, gpu) and (host_ram is None or e.host_ram_bytes <= host_ram)]
@@ -121,7 +121,7 @@ def search(
     return best, estimates
 
 
-def longest_fitting_seq(shape: ModelShape, recipe: Recipe, base: Setup, gpu: GpuSpec, upper: int | None = None, **kw) -> int:
+def longest_fitting_seq(shape: ModelShape, recipe: RecipeFacts, base: Setup, gpu: GpuSpec, upper: int | None = None, **kw) -> int:
     """The longest data.max_seq_len (up to `upper`, default base's) at which batch 1 of `base` fits
     (0: not even 64 tokens)."""
     lo, hi = 0, upper or base.seq_len

@@ -1,4 +1,4 @@
-"""What is being planned: the recipe's parts the memory model reads (Recipe), one way to run it
+"""What is being planned: the recipe's parts the memory model reads (RecipeFacts), one way to run it
 (Setup, the knobs the search turns), and how the training code holds its tensors (Implementation)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from finetune import adapters
-from finetune.config import RecipeConfig
+from finetune.config.schema import RecipeConfig
 from finetune.plan.shape import LinearGroup, ModelShape
 
 
@@ -17,7 +17,7 @@ class Setup:
 
     A new memory mode is a field here, a Knob in KNOBS, its terms in `estimate`
     and `step_time`, its recipe key in `setup_of` / `changes_of`, and its field in
-    fitting.mode_settings (so the search tries only what finetune/memory_modes.py allows).
+    fitting.mode_settings (so the search tries only what finetune/memory/rules.py allows).
     """
 
     batch_size: int
@@ -25,7 +25,7 @@ class Setup:
     gpus: int = 1
     checkpoint_every: int = 1  # memory.activation_checkpointing: 1 all layers, 0 none, k every k-th layer
     seq_len: int = 2048
-    sharding: str = "ddp"  # ddp: a full copy per GPU; fsdp: layers sharded; zero2 | zero3: DeepSpeed ZeRO (zero.py)
+    sharding: str = "ddp"  # ddp: a full copy per GPU; fsdp: layers sharded; zero2 | zero3: DeepSpeed ZeRO (parallel/zero.py)
     cpu_offload: bool = False  # fsdp: the shards (weights, grads, optimizer state) live in host RAM; zero3: the weights
     activation_offload: bool = False  # memory.activation_offload: saved activations wait in pinned host RAM
     base_weights: str = "device"  # memory.base_weights: device | cpu | disk (cpu/disk stream one layer at a time)
@@ -34,7 +34,7 @@ class Setup:
     loss_chunk: int = 256  # memory.loss_chunk: target positions per chunk
     tiled_mlp: str | int = "off"  # memory.tiled_mlp: off | auto | N (a recipe's default is auto)
     embeddings: str = "device"  # memory.embeddings: device | cpu (the vocabulary tables in host RAM)
-    sequences_per_example: int = 1  # preference pairs: chosen and rejected in one forward (finetune/objectives.py)
+    sequences_per_example: int = 1  # preference pairs: chosen and rejected in one forward (finetune/objectives/table.py)
     reference_passes: int = 0  # dpo: forwards without gradients (adapter off) per micro-batch, for the reference
 
     @property
@@ -54,13 +54,13 @@ class Setup:
     @property
     def loss_rows(self) -> int:
         """Target positions whose logits exist at once: one chunk when the head runs chunked (chunked,
-        liger, or auto outside FSDP, as trainer/loss.CausalLMLoss.use_memory decides), else 0 (all of them)."""
+        liger, or auto outside FSDP, as objectives/loss.CausalLMLoss.use_memory decides), else 0 (all of them)."""
         chunked = self.loss in ("chunked", "liger") or (self.loss == "auto" and not self.partitions_weights)
         return self.loss_chunk if chunked else 0
 
     def mlp_tiles(self, hidden: int) -> int:
-        """Tiles each decoder MLP runs in at this sequence length (1: whole), as finetune.tiled_mlp decides."""
-        from finetune.tiled_mlp import tiles_for
+        """Tiles each decoder MLP runs in at this sequence length (1: whole), as finetune.memory.tiled_mlp decides."""
+        from finetune.memory.tiled_mlp import tiles_for
 
         return tiles_for(self.tiled_mlp, self.seq_len, hidden)
 
@@ -69,7 +69,7 @@ class Setup:
         return self.base_weights != "device"
 
     def checkpointed_layers(self, layers: int) -> int:
-        """How many of `layers` decoder layers recompute in backward (model.py checkpoints index % k == 0)."""
+        """How many of `layers` decoder layers recompute in backward (model/load.py checkpoints index % k == 0)."""
         return 0 if self.checkpoint_every <= 0 else math.ceil(layers / self.checkpoint_every)
 
     @property
@@ -97,9 +97,9 @@ class Implementation:
     name: str = "finetune"
     adapter_bytes: int = 4  # peft keeps LoRA weights fp32 (autocast feeds them compute-dtype inputs)
     unquantized_bytes: int | None = (
-        None  # None: compute dtype (model.py does not upcast); 4: peft's prepare_model_for_kbit_training
+        None  # None: compute dtype (model/load.py does not upcast); 4: peft's prepare_model_for_kbit_training
     )
-    loss: str = "gather"  # gather: trainer/loss.py's target-row fp32 CE; full_fp32: HF logits.float(); chunked: torchtune compiled chunked CE
+    loss: str = "gather"  # gather: objectives/loss.py's target-row fp32 CE; full_fp32: HF logits.float(); chunked: torchtune compiled chunked CE
     optimizer_states: int = 2  # AdamW: exp_avg and exp_avg_sq, in the adapters' dtype
 
 
@@ -107,7 +107,7 @@ DEFAULT_IMPL = Implementation()
 
 
 @dataclass(frozen=True)
-class Recipe:
+class RecipeFacts:
     """The parts of a recipe the memory model reads (a RecipeConfig, or a published run's settings)."""
 
     quant_bits: int | None
@@ -137,7 +137,7 @@ class Recipe:
         return adapters.get(self.method or ("dora" if self.dora else "lora"))
 
     @classmethod
-    def from_config(cls, cfg: RecipeConfig, precision: str, on_gpu: bool = True) -> Recipe:
+    def from_config(cls, cfg: RecipeConfig, precision: str, on_gpu: bool = True) -> RecipeFacts:
         lora = cfg.lora
         target = "all-linear" if lora is None else lora.target if isinstance(lora.target, str) else tuple(lora.target)
         return cls(

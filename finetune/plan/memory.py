@@ -1,6 +1,6 @@
 """Per-GPU memory of one setup: every tensor a step keeps, with the reason for each term, plus
 host RAM and disk (`estimate`). What each tensor costs follows from how this toolkit trains
-(model.py, trainer/)."""
+(model/load.py, trainer/)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from finetune.gpus import GiB, GpuSpec
 from finetune.plan.activations import OFFLOAD_LAYERS_IN_FLIGHT, Activations, activation_terms  # noqa: F401 - re-exported
-from finetune.plan.inputs import DEFAULT_IMPL, Implementation, Recipe, Setup
+from finetune.plan.inputs import DEFAULT_IMPL, Implementation, RecipeFacts, Setup
 from finetune.plan.shape import ModelShape
 from finetune.plan.speed import NVME_READ_GBPS, step_time
 from finetune.plan.terms import (  # noqa: F401 - NF4_BLOCK*, quantized_bytes: re-exported with the rest of the model
@@ -28,11 +28,11 @@ from finetune.plan.terms import (  # noqa: F401 - NF4_BLOCK*, quantized_bytes: r
 )
 
 # One set of constants for every prediction (CLI, preflight, validation); each says where it comes from.
-# These are the memory ones; speed.py, fitting.py and preflight.py hold the others.
+# These are the memory ones; speed.py, fitting.py and check.py hold the others.
 CUDA_CONTEXT_BYTES = 512 * 1024**2  # CUDA context + cuBLAS workspace: ~0.3-0.6 GiB on Ampere/Hopper drivers
 ALLOCATOR_SLACK = 0.10  # caching-allocator reserved / allocated - 1: block rounding and fragmentation
 HOST_BASELINE_BYTES = 3 * GiB  # python + torch + CUDA libraries + tokenizer, per process
-STREAMED_LAYERS_RESIDENT = 3  # stream.py: the layer computing, the prefetched next one, and in backward the one finishing
+STREAMED_LAYERS_RESIDENT = 3  # memory/stream.py: the layer computing, the prefetched next one, and in backward the one finishing
 DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size when the model's shards cannot be seen
 
 
@@ -154,7 +154,7 @@ class _Static:
         )
 
 
-def _static_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Implementation, fsdp: bool) -> _Static:
+def _static_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, impl: Implementation, fsdp: bool) -> _Static:
     b, n_gpu, L = recipe.compute_bytes, max(setup.gpus, 1), shape.layers
     unq_bytes = impl.unquantized_bytes or b
     q_weight = q_const = linear_blocks = 0
@@ -162,9 +162,9 @@ def _static_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Impleme
         w, c = quantized_bytes(g.in_features * g.out_features, g.out_features, recipe.quant_bits, recipe.double_quant, b)
         q_weight += w * g.count
         q_const += c * g.count
-        linear_blocks += pinned_block_bytes(w) * g.count  # stream.py pins each linear's weight on its own
+        linear_blocks += pinned_block_bytes(w) * g.count  # memory/stream.py pins each linear's weight on its own
     unquantized = (shape.embedding_params + shape.head_params + shape.other_params) * unq_bytes
-    w, c, u = expert_weight_bytes(shape, recipe)  # MoE: every expert (finetune/moe.py)
+    w, c, u = expert_weight_bytes(shape, recipe)  # MoE: every expert (finetune/model/moe.py)
     q_weight, q_const, unquantized = q_weight + w, q_const + c, unquantized + u
     on_host = setup.embeddings == "cpu"
     host_tables = (shape.embedding_params + shape.head_params) * unq_bytes if on_host else 0
@@ -198,7 +198,7 @@ def _static_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Impleme
     elif zero:  # ZeRO-2: gradients and optimizer state partitioned, every weight whole on every GPU
         t.grads, t.optim = t.grads // n_gpu, t.optim // n_gpu
     elif setup.streams_weights:
-        # memory.base_weights=cpu|disk (stream.py): the decoder linears' packed weights wait on the host
+        # memory.base_weights=cpu|disk (memory/stream.py): the decoder linears' packed weights wait on the host
         # and at most three layers' worth are on the GPU; their quantization constants stay resident.
         t.streamed_store = t.q_weight
         t.streamed_resident = int(min(STREAMED_LAYERS_RESIDENT, L) * t.q_weight / L)
@@ -214,7 +214,7 @@ def _static_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Impleme
         t.offloaded = t.q_weight + t.q_const + t.lora + t.grads + t.optim
         t.q_weight = t.q_const = t.lora = t.grads = t.optim = 0
     if setup.optimizer_offload and (zero or not setup.cpu_offload):
-        # HostAdamW (offload.py), or ZeRO's offload_optimizer (its partition): an fp32 copy of each
+        # HostAdamW (memory/offload.py), or ZeRO's offload_optimizer (its partition): an fp32 copy of each
         # trainable weight, its fp32 gradient and both fp32 moments live in host RAM (pinned); the GPU
         # keeps the weights and their gradients.
         t.host_optimizer = (trainable // n_gpu if fsdp or zero else trainable) * 4 * 4
@@ -224,7 +224,7 @@ def _static_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Impleme
 
 def estimate(
     shape: ModelShape,
-    recipe: Recipe,
+    recipe: RecipeFacts,
     setup: Setup,
     gpu: GpuSpec | None,
     impl: Implementation = DEFAULT_IMPL,
@@ -301,7 +301,7 @@ class _Transient:
     head_visit: int  # memory.embeddings=cpu: the LM head's copy on the GPU while the loss runs
 
 
-def _transient_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Implementation, head_visit: int) -> _Transient:
+def _transient_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, impl: Implementation, head_visit: int) -> _Transient:
     b, T, B = recipe.compute_bytes, setup.seq_len, setup.rows  # sequences per forward
     tokens = B * T
     logits_bytes = (impl.unquantized_bytes or b) if impl.loss != "chunked" else b
@@ -317,7 +317,7 @@ def _transient_terms(shape: ModelShape, recipe: Recipe, setup: Setup, impl: Impl
 
 def _components(
     shape: ModelShape,
-    recipe: Recipe,
+    recipe: RecipeFacts,
     setup: Setup,
     st: _Static,
     act: Activations,
@@ -380,7 +380,7 @@ def _disk(
 
 def _host_ram(
     shape: ModelShape,
-    recipe: Recipe,
+    recipe: RecipeFacts,
     setup: Setup,
     st: _Static,
     act: Activations,
@@ -442,7 +442,7 @@ def _notes(setup: Setup, gpu: GpuSpec | None, st: _Static, zero3_start: int = 0)
     return notes
 
 
-def _quant_label(recipe: Recipe) -> str:
+def _quant_label(recipe: RecipeFacts) -> str:
     if recipe.quant_bits == 4:
         return "NF4, double quant" if recipe.double_quant else "NF4"
     return "int8" if recipe.quant_bits == 8 else _dtype_label(recipe.compute_bytes)

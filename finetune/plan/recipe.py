@@ -6,11 +6,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from finetune import objectives
-from finetune.config import RecipeConfig
+from finetune.config.schema import RecipeConfig
 from finetune.gpus import GpuSpec
-from finetune.model import model_source
-from finetune.plan.inputs import Recipe, Setup
+from finetune.model.load import model_source
+from finetune.objectives import table as objectives
+from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.memory import Estimate, estimate
 from finetune.plan.shape import ModelShape, read_model_shape
 
@@ -53,7 +53,7 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
         gpus=gpus,
         checkpoint_every=cfg.memory.checkpoint_every,
         seq_len=cfg.data.max_seq_len,
-        # auto runs DDP unless a replica does not fit (finetune.distributed.resolve_strategy).
+        # auto runs DDP unless a replica does not fit (finetune.parallel.strategy.resolve_strategy).
         sharding=_sharding(cfg) if gpus > 1 else "ddp",
         cpu_offload=gpus > 1 and (cfg.distributed.cpu_offload or (zero and cfg.distributed.offload_params != "none")),
         activation_offload=cfg.memory.activation_offload,
@@ -66,14 +66,14 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
     )
 
 
-def planning_inputs(cfg: RecipeConfig, gpu: GpuSpec | None) -> tuple[ModelShape, Recipe, dict[str, Any]]:
+def planning_inputs(cfg: RecipeConfig, gpu: GpuSpec | None) -> tuple[ModelShape, RecipeFacts, dict[str, Any]]:
     """(model shape, recipe inputs, estimate()'s keyword arguments) of a recipe on `gpu`."""
     kw: dict[str, Any] = dict(
         keep_checkpoints=cfg.checkpoint.keep_last or 1,
         model_on_disk=Path(model_source(cfg)).is_dir(),
         shard_bytes=_shard_bytes(cfg),
     )
-    return model_shape_of(cfg), Recipe.from_config(cfg, plan_precision(cfg, gpu), on_gpu=gpu is not None), kw
+    return model_shape_of(cfg), RecipeFacts.from_config(cfg, plan_precision(cfg, gpu), on_gpu=gpu is not None), kw
 
 
 def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Setup | None = None) -> Estimate:
@@ -92,7 +92,7 @@ STRATEGIES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("deepspeed zero3", {"sharding": "zero3", "cpu_offload": False, "optimizer_offload": False}),
     ("deepspeed zero3 offload_optimizer+params=cpu", {"sharding": "zero3", "cpu_offload": True, "optimizer_offload": True}),
 )
-# memory.embeddings=cpu is for one process or DDP (finetune/memory_modes.py): the sharded rows place the tables on the GPUs.
+# memory.embeddings=cpu is for one process or DDP (finetune/memory/rules.py): the sharded rows place the tables on the GPUs.
 SHARDED_TABLES = {"embeddings": "device"}
 
 
@@ -118,5 +118,5 @@ def loaded_weight_bytes(cfg: RecipeConfig, precision: str) -> int:
     quant.bits, the LoRA adapter included. The recipe's training memory modes (base_weights=cpu|disk, FSDP) do
     not apply: generate, eval and export load every layer onto the device."""
     setup = Setup(batch_size=1, grad_accum=1, seq_len=cfg.data.max_seq_len)  # base_weights=device, one process
-    e = estimate(model_shape_of(cfg), Recipe.from_config(cfg, precision), setup, None)
+    e = estimate(model_shape_of(cfg), RecipeFacts.from_config(cfg, precision), setup, None)
     return sum(e.component(key) for key in WEIGHT_COMPONENTS)

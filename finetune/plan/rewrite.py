@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune import memory_modes, zero
-from finetune.config import RecipeConfig, build_recipe, read_recipe_file
+from finetune.config.schema import RecipeConfig, build_recipe, read_recipe_file
+from finetune.memory import rules as memory_rules
+from finetune.parallel import zero
 from finetune.plan.fitting import KNOBS
 from finetune.plan.inputs import Setup, describe_setup
 from finetune.plan.memory import Estimate, gib
@@ -16,7 +17,7 @@ from finetune.plan.memory import Estimate, gib
 def recipe_value(knob: str, value: Any) -> Any:
     """A Setup value as its recipe key takes it (checkpoint_every 1/0/k -> all/none/k)."""
     if knob == "checkpoint_every":
-        return memory_modes.checkpointing_value(value)
+        return memory_rules.checkpointing_value(value)
     return value
 
 
@@ -29,7 +30,7 @@ def setup_changes(setup: Setup, base: Setup, cfg: RecipeConfig | None = None) ->
     """Recipe keys to write so a run of `base`'s recipe (cfg, when given) uses `setup`.
 
     With cfg, also the keys a setup makes moot that the recipe's rules would still read
-    (finetune/memory_modes.py): distributed.strategy=fsdp and cpu_offload for a setup that
+    (finetune/memory/rules.py): distributed.strategy=fsdp and cpu_offload for a setup that
     does not shard (one GPU: the Setup of such a recipe says ddp), memory.offload_dir for one
     that does not stream from disk.
     """

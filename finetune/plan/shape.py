@@ -64,7 +64,7 @@ class ModelShape:
     head_params: int  # 0 when the head is tied to the embedding
     other_params: int  # norms, biases, routers, anything not in a quantizable linear or an expert
     total_params: int
-    experts: tuple[ExpertGroup, ...] = ()  # MoE: fused expert parameters (finetune/moe.py stores them 4-bit)
+    experts: tuple[ExpertGroup, ...] = ()  # MoE: fused expert parameters (finetune/model/moe.py stores them 4-bit)
 
     @property
     def linear_params(self) -> int:
@@ -86,7 +86,7 @@ class ModelShape:
 
     @property
     def expert_layer_params(self) -> int:
-        """One MoE layer's expert stack: what is dequantized at once (finetune/moe.py)."""
+        """One MoE layer's expert stack: what is dequantized at once (finetune/model/moe.py)."""
         return sum(g.experts * g.in_features * g.out_features for g in self.experts)
 
     @property
@@ -200,7 +200,7 @@ def read_model_shape(source: str, trust_remote_code: bool = False, revision: str
 
 def _expert_groups(model, text, counted: set[int]) -> tuple[ExpertGroup, ...]:
     """The fused expert parameters, grouped by name and shape (their ids added to `counted`)."""
-    from finetune.moe import is_expert_param
+    from finetune.model.moe import is_expert_param
 
     found: dict[tuple[str, int, int, int], int] = {}
     for module in model.modules():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # One set of constants for every prediction (CLI, preflight, validation); each says where it comes from.
-# These are the speed ones; memory.py, fitting.py and preflight.py hold the others.
+# These are the speed ones; memory.py, fitting.py and check.py hold the others.
 MATMUL_EFFICIENCY = 0.45  # fraction of dense bf16 peak that LoRA training matmuls reach (MFU of tuned 7B runs: 0.35-0.55)
 BANDWIDTH_EFFICIENCY = 0.75  # fraction of spec memory bandwidth reached by the NF4 dequantize kernels
 LINK_EFFICIENCY = 0.8  # fraction of link bandwidth reached by NCCL collectives and host copies
@@ -64,7 +64,7 @@ def _micro_batch_seconds(shape, recipe, setup, gpu, trainable) -> tuple[float, f
     if recipe.quant_bits:
         # Each pass over a 4-bit weight reads it (0.5 B/param), writes it in bf16 (2) and the matmul reads that (2).
         one_pass = shape.linear_params * 4.5 / (gpu.bandwidth_gbps * 1e9 * BANDWIDTH_EFFICIENCY)
-        # MoE (4-bit only; int8 leaves experts 16-bit): finetune/moe.py dequantizes a layer's
+        # MoE (4-bit only; int8 leaves experts 16-bit): finetune/model/moe.py dequantizes a layer's
         # whole expert stack once per forward and keeps it for backward, where a linear dequantizes again.
         experts = (shape.expert_params if recipe.quant_bits == 4 else 0) * 4.5 / (gpu.bandwidth_gbps * 1e9 * BANDWIDTH_EFFICIENCY)
         ckpt = setup.checkpointed_layers(shape.layers) / shape.layers
@@ -162,7 +162,7 @@ def _with_host_copies(shape, setup, gpu, micro: float, forward: float, streamed_
     first_layer = weights / shape.layers
     acts = activation_bytes / host_link
     backward = micro - forward
-    # Forward: weights come in while activations go out (PCIe is full duplex). Backward: offload.py
+    # Forward: weights come in while activations go out (PCIe is full duplex). Backward: memory/offload.py
     # copies saved tensors back on the compute stream, so those copies add to the time.
     with_copies = max(forward, weights, acts) + first_layer + max(backward, weights) + first_layer + acts
     return with_copies, 2 * weights + 2 * acts, with_copies - micro

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from finetune.adapters.base import EXPERTS
-from finetune.plan.inputs import Implementation, Recipe, lora_targets
+from finetune.plan.inputs import Implementation, RecipeFacts, lora_targets
 from finetune.plan.shape import ModelShape
 
 NF4_BLOCK, NF4_BLOCK2 = 64, 256  # bitsandbytes 4-bit block size, and double-quant block size of the absmax
@@ -28,7 +28,7 @@ def quantized_bytes(numel: int, out_features: int, bits: int | None, double_quan
     return (numel + 1) // 2, constants
 
 
-def mlp_saved_bytes_per_token(shape: ModelShape, recipe: Recipe) -> int:
+def mlp_saved_bytes_per_token(shape: ModelShape, recipe: RecipeFacts) -> int:
     """The MLP's share of layer_saved_bytes_per_token: gate, SiLU and up (intermediate-sized), and
     down_proj's input when LoRA wraps it (what a tiled MLP holds for one tile only)."""
     b, f = recipe.compute_bytes, shape.intermediate
@@ -36,7 +36,7 @@ def mlp_saved_bytes_per_token(shape: ModelShape, recipe: Recipe) -> int:
     return 3 * b * f + (b * f if recipe.lora_r is None or "down_proj" in wrapped else 0)
 
 
-def layer_saved_bytes_per_token(shape: ModelShape, recipe: Recipe, batch_size: int) -> int:
+def layer_saved_bytes_per_token(shape: ModelShape, recipe: RecipeFacts, batch_size: int) -> int:
     """Bytes autograd keeps per token for one decoder layer (Llama-style: RMSNorm, attention, gated MLP).
 
     Worked out from what each op saves for backward, and checked against
@@ -44,7 +44,7 @@ def layer_saved_bytes_per_token(shape: ModelShape, recipe: Recipe, batch_size: i
       RMSNorm (x2)       its input upcast to fp32 (4h); the fp32 variance is per token only
       q/k after RoPE, v, attention output: compute dtype (flash / memory-efficient SDPA save
                          no T x T matrix), plus the fp32 log-sum-exp per head
-      GQA                under an attention mask (Recipe.attention_mask) transformers repeats k/v to
+      GQA                under an attention mask (RecipeFacts.attention_mask) transformers repeats k/v to
                          every head before SDPA (no GQA kernel under a mask), so k and v cost h each
       gated MLP          gate (SiLU input), SiLU output, up: three intermediate-sized tensors
       base linears       nothing: a frozen (quantized) weight needs only itself for the input grad
@@ -91,7 +91,7 @@ def pinned_block_bytes(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def backward_working_bytes_per_token(shape: ModelShape, recipe: Recipe, mlp_tiles: int = 1) -> int:
+def backward_working_bytes_per_token(shape: ModelShape, recipe: RecipeFacts, mlp_tiles: int = 1) -> int:
     """Gradients alive at the peak of one layer's backward, its MLP's (the rest of the layer's saved
     tensors are still held then): the gradient of the layer's output and two intermediate-sized
     gradients of the MLP, of one tile under memory.tiled_mlp (each tile is a checkpoint that runs
@@ -119,7 +119,7 @@ def loss_peak_bytes(tokens: int, vocab: int, logits_bytes: int, impl: Implementa
     return max(logits_bytes * n + logits_bytes * n + upcast * n + 4 * n, 12 * n)
 
 
-def trainable_params(shape: ModelShape, recipe: Recipe) -> int:
+def trainable_params(shape: ModelShape, recipe: RecipeFacts) -> int:
     """LoRA A and B of every targeted linear (+ DoRA magnitudes), and of every expert when lora.target
     lists `experts` (peft's ParamWrapper: r x experts rows of A, columns of B); full fine-tuning: every parameter."""
     if not recipe.lora_r:
@@ -131,13 +131,13 @@ def trainable_params(shape: ModelShape, recipe: Recipe) -> int:
     return sum(recipe.lora_r * (g.in_features + g.out_features) * g.count for g in targets) + extra
 
 
-def adapts_experts(recipe: Recipe) -> bool:
-    """lora.target lists `experts`: LoRA on the fused expert parameters (finetune/moe.py)."""
+def adapts_experts(recipe: RecipeFacts) -> bool:
+    """lora.target lists `experts`: LoRA on the fused expert parameters (finetune/model/moe.py)."""
     return bool(recipe.lora_r) and not isinstance(recipe.lora_target, str) and EXPERTS in recipe.lora_target
 
 
-def expert_weight_bytes(shape: ModelShape, recipe: Recipe) -> tuple[int, int, int]:
-    """(4-bit weight, quantization-constant, compute-dtype bytes) of an MoE model's experts. finetune/moe.py
+def expert_weight_bytes(shape: ModelShape, recipe: RecipeFacts) -> tuple[int, int, int]:
+    """(4-bit weight, quantization-constant, compute-dtype bytes) of an MoE model's experts. finetune/model/moe.py
     stores each fused expert parameter 4-bit as one tensor; under quant.bits=8 (bitsandbytes converts
     nn.Linear only) or null they stay in the compute dtype."""
     b = recipe.compute_bytes
@@ -150,7 +150,7 @@ def expert_weight_bytes(shape: ModelShape, recipe: Recipe) -> tuple[int, int, in
     return sum(w * n for (w, _), n in sizes), sum(c * n for (_, c), n in sizes), 0
 
 
-def expert_stack_saved_bytes(shape: ModelShape, recipe: Recipe) -> int:
+def expert_stack_saved_bytes(shape: ModelShape, recipe: RecipeFacts) -> int:
     """What an MoE layer keeps for its backward besides activations: the expert stack its matmuls read,
     when it is a tensor of its own (4-bit experts dequantized for the layer's forward, or W + LoRA
     folded by peft); autograd holds it until the layer's backward. 16-bit experts without LoRA: the

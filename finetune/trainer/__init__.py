@@ -4,15 +4,16 @@
     with Trainer(load_recipe("demo-cpu"), callbacks=[...]) as trainer:
         result = trainer.train()
 
-state (TrainState, TrainResult) -> callbacks -> schedule -> loss -> order -> parallel
--> build -> loop (Trainer). Resume lives beside the checkpoint files: finetune/resume.py.
+state (TrainState, TrainResult) -> callbacks -> schedule -> order -> profiling -> build -> loop
+(Trainer). The objectives are in finetune/objectives/, the Parallel object in finetune/parallel/,
+resume beside the checkpoint files in finetune/runs/.
 """
 
-from finetune.evaluate import loss_sum_and_count
+from finetune.objectives.loss import CausalLMLoss, Loss, count_targets
+from finetune.parallel.runtime import Parallel
+from finetune.runs.evaluate import loss_sum_and_count
 from finetune.trainer.callbacks import Callback, CallbackList
 from finetune.trainer.loop import Trainer
-from finetune.trainer.loss import CausalLMLoss, Loss, count_targets
-from finetune.trainer.parallel import Parallel
 from finetune.trainer.schedule import lr_factor
 from finetune.trainer.state import TrainResult, TrainState
 

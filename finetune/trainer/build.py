@@ -13,28 +13,24 @@ from typing import Any
 
 import torch
 
-from finetune import objectives, zero
-from finetune.config import RecipeConfig, build_recipe, resolve_offload_dir
+from finetune.config.schema import RecipeConfig, build_recipe, resolve_offload_dir
 from finetune.data import IGNORE_INDEX, DataBundle, DataStats, build_datasets, build_examples
 from finetune.errors import ConfigError
-from finetune.host_tables import HostTables
-from finetune.kernels import apply_kernels
+from finetune.memory.apply import apply_techniques
+from finetune.memory.offload import HostAdamW
+from finetune.memory.stream import DiskStore, WeightStream
 from finetune.metrics import human_bytes
-from finetune.model import (
-    checkpoint_with,
-    compile_decoder_layers,
-    count_parameters,
+from finetune.model.load import (
     enable_gradient_checkpointing,
     load_model,
     wrap_lora,
 )
-from finetune.offload import HostAdamW, offloaded_checkpoint
-from finetune.stream import DiskStore, WeightStream
-from finetune.tiled_mlp import tile_mlps
+from finetune.objectives import table as objectives
+from finetune.objectives.loss import CausalLMLoss, Loss
+from finetune.objectives.preference import PreferenceLoss
+from finetune.parallel import zero
+from finetune.parallel.runtime import Parallel
 from finetune.trainer.callbacks import Callback
-from finetune.trainer.loss import CausalLMLoss, Loss
-from finetune.trainer.parallel import Parallel
-from finetune.trainer.preference import PreferenceLoss
 from finetune.trainer.profiling import ModelFlops, StepProfiler
 from finetune.trainer.schedule import build_scheduler
 
@@ -146,7 +142,7 @@ def load_model_and_store(
     """The model (loaded unless given) and, for memory.base_weights=cpu|disk, the store its frozen
     layer weights now live in. A failure deletes a weights file already written."""
     streaming = cfg.memory.base_weights != "device"
-    disk_store = None
+    disk_store = stream = None
     model = given
     after_init = getattr(given, "finetune_rng_after_init", None)
     if after_init is not None:  # Trainer.from_parts wrapped it: continue from its LoRA init
@@ -166,39 +162,12 @@ def load_model_and_store(
                 model = load_model(cfg, precision=precision, device=load_on, shardable=parallel.sharded)
         if getattr(model, "finetune_attention_note", None):
             say(model.finetune_attention_note)
-        # Before tiling wraps the MLPs. A model the caller built (Trainer.from_parts) is patched only when asked.
-        kernels = "none" if given is not None and cfg.model.kernels == "auto" else cfg.model.kernels
-        if apply_kernels(model, kernels, parallel.device.type) == "liger":
-            say("kernels: liger-kernel's fused RMSNorm, RoPE and SwiGLU in the decoder layers (model.kernels)")
-        if cfg.memory.activation_offload and cfg.memory.checkpoint_every:
-            checkpoint_with(model, offloaded_checkpoint)  # each checkpointed layer's input waits in host RAM
-        tiled = tile_mlps(model, cfg.memory.tiled_mlp)
-        if tiled and cfg.memory.tiled_mlp != "auto":
-            say(f"memory: {tiled} decoder-layer MLPs run in {cfg.memory.tiled_mlp} tiles of the sequence")
-        if cfg.train.compile:
-            say(f"compile: {compile_decoder_layers(model)} decoder layers compile at their first step (torch.compile)")
-        say(model_summary(cfg, model))  # counted before the store takes the weights away
-        stream = None
-        if streaming:
-            stream = WeightStream.attach(
-                model, cfg.memory.base_weights, parallel.device, resolve_offload_dir(cfg), store=disk_store
-            )
-        if cfg.memory.embeddings == "cpu":  # after the stream, whose model.to(device) would bring the tables back
-            tables = HostTables.attach(model, parallel.device)
-            say(
-                f"memory: {human_bytes(tables.parked_bytes)} of frozen vocabulary tables live in host RAM; the LM head visits {parallel.device} for the loss"
-            )
+        stream = apply_techniques(model, cfg, parallel.device, say, given=given is not None, disk_store=disk_store)
     except BaseException:
         if disk_store is not None:
             disk_store.discard()  # tens of GB written for a model that will not train
         raise
     return model, stream
-
-
-def model_summary(cfg: RecipeConfig, model) -> str:
-    trainable, total = count_parameters(model)
-    quant = f"{cfg.quant.bits}-bit {cfg.quant.quant_type if cfg.quant.bits == 4 else 'int8'}" if cfg.quant.bits else "unquantized"
-    return f"model: {total:,} parameters ({quant} base), {trainable:,} trainable ({100 * trainable / max(total, 1):.2f}%)"
 
 
 def describe_store(stream: WeightStream, device, say: Callable[[str], None]) -> None:
@@ -210,7 +179,7 @@ def describe_store(stream: WeightStream, device, say: Callable[[str], None]) -> 
 
 
 def default_loss(cfg: RecipeConfig) -> Loss:
-    """The loss of train.objective (finetune/objectives.py)."""
+    """The loss of train.objective (finetune/objectives/table.py)."""
     objective = objectives.get(cfg.train.objective)
     if not objective.pairs:
         return CausalLMLoss()

@@ -13,8 +13,9 @@ accum 4 give the same update on variable-length data (the gradient-accumulation
 bug that hit HF Trainer and others in 2024 averaged per micro-batch instead).
 
 The rooms: state.py (what a run counts), build.py (parts from a recipe), order.py (which examples
-each step), parallel.py (single / DDP / FSDP / ZeRO), loss.py and preference.py (the objectives),
-schedule.py (lr), callbacks.py (your code), finetune/resume.py (checkpoints), profiling.py (MFU).
+each step), schedule.py (lr), callbacks.py (your code), profiling.py (MFU); beside the trainer:
+finetune/parallel/runtime.py (single / DDP / FSDP / ZeRO), finetune/objectives/ (the losses),
+finetune/runs/resume.py (checkpoints).
 """
 
 from __future__ import annotations
@@ -26,25 +27,24 @@ from typing import Any
 
 import torch
 
-from finetune.checkpoint import checkpoint_dir, output_dir_problem, prepare_output_dir, save_adapter
-from finetune.config import RecipeConfig
+from finetune.config.schema import RecipeConfig
 from finetune.data import Collator, DataBundle, count_tokens, use_template
 from finetune.errors import OutputDirError, Preempted, TrainingError
-from finetune.evaluate import exact_match
 from finetune.hardware import resolve_precision, torch_dtype
+from finetune.memory.offload import ActivationOffload, NoActivationOffload
+from finetune.memory.stream import WeightStream
 from finetune.metrics import MetricsWriter, Progress, Throughput, peak_memory_bytes
-from finetune.model import load_tokenizer
-from finetune.offload import ActivationOffload, NoActivationOffload
-from finetune.report import PLOT_NAME, open_sinks, plot_curves, require_extras
-from finetune.resume import Resume
-from finetune.stream import WeightStream
+from finetune.model.load import load_tokenizer
+from finetune.objectives.loss import Loss, as_loss, count_targets
+from finetune.objectives.preference import attach_reference, preference_accuracy
+from finetune.parallel.runtime import Parallel
+from finetune.runs.checkpoint import checkpoint_dir, output_dir_problem, prepare_output_dir, save_adapter
+from finetune.runs.evaluate import exact_match, exact_match_records, held_out_loss
+from finetune.runs.report import PLOT_NAME, open_sinks, plot_curves, require_extras
+from finetune.runs.resume import Resume
 from finetune.trainer import build
 from finetune.trainer.callbacks import Callback, CallbackList
-from finetune.trainer.evaluation import exact_match_records, held_out_loss
-from finetune.trainer.loss import Loss, as_loss, count_targets
 from finetune.trainer.order import DataOrder
-from finetune.trainer.parallel import Parallel
-from finetune.trainer.preference import attach_reference, preference_accuracy
 from finetune.trainer.state import HeldOutScores, StepTotals, TrainResult, TrainState, stop_signals
 
 LossFn = Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, int]]

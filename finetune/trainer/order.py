@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from finetune.config import RecipeConfig
+from finetune.config.schema import RecipeConfig
 from finetune.data import Collator, length_grouped
 from finetune.errors import DataError
 

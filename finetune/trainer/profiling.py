@@ -31,7 +31,7 @@ import torch
 from finetune.errors import PlanError
 from finetune.gpus import gpu_for_device
 from finetune.hardware import torch_dtype
-from finetune.plan import Recipe, model_shape_of, setup_of, trainable_params
+from finetune.plan import RecipeFacts, model_shape_of, setup_of, trainable_params
 from finetune.plan.speed import token_flops
 from finetune.trainer.callbacks import Callback
 from finetune.trainer.state import TrainState
@@ -108,7 +108,7 @@ class ModelFlops(Callback):
             self.shape = None
             _say(t, f"mfu: not reported: the planner cannot read the model's shape ({exc})")
             return
-        self.recipe = Recipe.from_config(t.cfg, t.precision, on_gpu=t.accelerator.device.type == "cuda")
+        self.recipe = RecipeFacts.from_config(t.cfg, t.precision, on_gpu=t.accelerator.device.type == "cuda")
         self.setup = setup_of(t.cfg, gpus=t.parallel.world)
         self.trainable = trainable_params(self.shape, self.recipe)
         self.peak, how = device_peak(t.accelerator.device, t.precision)

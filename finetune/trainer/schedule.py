@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from finetune.config import TrainConfig
+from finetune.config.schema import TrainConfig
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, kind: str) -> float:

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune.evaluate import ExactMatch
 from finetune.metrics import human_bytes, human_duration
+from finetune.runs.evaluate import ExactMatch
 
 
 @dataclass

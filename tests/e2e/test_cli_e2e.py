@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from finetune.report import plot_available
+from finetune.runs.report import plot_available
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 # bug (a wrong world-size or token-count factor in backward) the comparison must catch.
 DRIVER = """
 import os, sys
-from finetune.config import load_recipe
+from finetune.config.schema import load_recipe
 from finetune.trainer import Trainer
 
 class WrongScale(Trainer):

@@ -12,7 +12,7 @@ import json
 import pytest
 from conftest import free_port
 
-from finetune.config import load_recipe
+from finetune.config.schema import load_recipe
 from finetune.trainer import Trainer
 
 

@@ -26,8 +26,8 @@ KILL_SEED = int(os.environ.get("FINETUNE_TEST_SEED", "25"))
 # or inside the KILL_SAVE-th checkpoint save, after its files but before its manifest.
 DRIVER = """
 import os, signal, sys
-import finetune.checkpoint as ck
-from finetune.config import load_recipe
+import finetune.runs.checkpoint as ck
+from finetune.config.schema import load_recipe
 from finetune.trainer import Trainer
 
 recipe, kill_step, kill_save = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

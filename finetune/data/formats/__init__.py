@@ -4,7 +4,7 @@
     get_format("alpaca").texts({"instruction": "Add.", "output": "3"})  # (the alpaca prompt, "3")
 
 Adding a format: a module here defining FORMAT (see base.Format and input_output.py,
-the smallest chat one), one import line below, its name in finetune.config.DataFormat,
+the smallest chat one), one import line below, its name in finetune.config.schema.DataFormat,
 its row in README's Data table (a test compares them), and a golden-mask test.
 Modules are imported by name here, never by a name from a recipe.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 from typing import get_args
 
-from finetune.config import DataFormat
+from finetune.config.schema import DataFormat
 from finetune.data.formats import alpaca, completion, input_output, messages, preference, sharegpt, text
 from finetune.data.formats.base import Format, Problem
 from finetune.errors import DataError
@@ -22,10 +22,10 @@ from finetune.errors import DataError
 _MODULES = (alpaca, completion, input_output, messages, preference, sharegpt, text)
 FORMATS: dict[str, Format] = {m.FORMAT.name: m.FORMAT for m in _MODULES}
 
-# config.py cannot import this package (imports flow one way), so it spells the names out; they must agree.
+# config/schema.py cannot import this package (imports flow one way), so it spells the names out; they must agree.
 if tuple(FORMATS) != get_args(DataFormat) or any(m.__name__.rsplit(".", 1)[1] != m.FORMAT.name for m in _MODULES):
     raise ImportError(
-        f"finetune.config.DataFormat lists {get_args(DataFormat)}, finetune/data/formats/ defines {tuple(FORMATS)} "
+        f"finetune.config.schema.DataFormat lists {get_args(DataFormat)}, finetune/data/formats/ defines {tuple(FORMATS)} "
         f"in modules {[m.__name__.rsplit('.', 1)[1] for m in _MODULES]}: make all three the same, in the same order"
     )
 

@@ -1,0 +1,11 @@
+"""Memory techniques: where the bytes of a training step wait, never what is computed.
+
+rules        every memory.* / strategy compatibility rule, one table (config, planner, launch ask it);
+             stands before config/ and imports no model code
+linear_ce    memory.loss=chunked: the LM head and the loss over chunks of targets
+tiled_mlp    memory.tiled_mlp: each decoder MLP over tiles of the sequence, each tile a checkpoint
+offload      memory.activation_offload and memory.optimizer_offload: saved activations and AdamW
+             state in host RAM
+stream       memory.base_weights: frozen 4-bit layers streamed from CPU RAM or an NVMe file
+host_tables  memory.embeddings=cpu: frozen embedding table and LM head in host RAM
+"""

@@ -1,0 +1,125 @@
+"""The ordered apply step: every technique that changes a loaded model, one step each, in the order it must come.
+
+    stream = apply_techniques(model, cfg, device, say, given=False, disk_store=None)
+
+As torchtitan's parallelize function: the steps run in the order of STEPS, and each step's
+`why` says why it stands there. A step looks at the recipe, changes the model or leaves it,
+and returns the line the run says about it (or None). Sharding (parallel/) comes later,
+on the model these steps return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from finetune.config.schema import RecipeConfig, resolve_offload_dir
+from finetune.memory.host_tables import HostTables
+from finetune.memory.offload import offloaded_checkpoint
+from finetune.memory.stream import DiskStore, WeightStream
+from finetune.memory.tiled_mlp import tile_mlps
+from finetune.metrics import human_bytes
+from finetune.model.kernels import apply_kernels
+from finetune.model.load import checkpoint_with, compile_decoder_layers, count_parameters
+
+
+@dataclass
+class Applying:
+    """What the steps read, and what they hand on (the weight store the stream step attaches)."""
+
+    cfg: RecipeConfig
+    device: torch.device
+    given: bool  # the caller built the model (Trainer.from_parts): kernels only when asked
+    disk_store: DiskStore | None = None  # memory.base_weights=disk: the file the load already wrote
+    stream: WeightStream | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    why: str  # why it stands where it does in STEPS
+    apply: Callable[[Any, Applying], str | None]
+
+
+def _kernels(model, a: Applying) -> str | None:
+    setting = "none" if a.given and a.cfg.model.kernels == "auto" else a.cfg.model.kernels
+    if apply_kernels(model, setting, a.device.type) == "liger":
+        return "kernels: liger-kernel's fused RMSNorm, RoPE and SwiGLU in the decoder layers (model.kernels)"
+    return None
+
+
+def _offloaded_checkpoint(model, a: Applying) -> str | None:
+    if a.cfg.memory.activation_offload and a.cfg.memory.checkpoint_every:
+        checkpoint_with(model, offloaded_checkpoint)  # each checkpointed layer's input waits in host RAM
+    return None
+
+
+def _tiled_mlp(model, a: Applying) -> str | None:
+    tiled = tile_mlps(model, a.cfg.memory.tiled_mlp)
+    if tiled and a.cfg.memory.tiled_mlp != "auto":
+        return f"memory: {tiled} decoder-layer MLPs run in {a.cfg.memory.tiled_mlp} tiles of the sequence"
+    return None
+
+
+def _compile(model, a: Applying) -> str | None:
+    if a.cfg.train.compile:
+        return f"compile: {compile_decoder_layers(model)} decoder layers compile at their first step (torch.compile)"
+    return None
+
+
+def _summary(model, a: Applying) -> str | None:
+    return model_summary(a.cfg, model)
+
+
+def _stream(model, a: Applying) -> str | None:
+    if a.cfg.memory.base_weights != "device":
+        a.stream = WeightStream.attach(model, a.cfg.memory.base_weights, a.device, resolve_offload_dir(a.cfg), store=a.disk_store)
+    return None  # the loop says where the weights went once the accelerator has placed the model
+
+
+def _host_tables(model, a: Applying) -> str | None:
+    if a.cfg.memory.embeddings != "cpu":
+        return None
+    tables = HostTables.attach(model, a.device)
+    return f"memory: {human_bytes(tables.parked_bytes)} of frozen vocabulary tables live in host RAM; the LM head visits {a.device} for the loss"
+
+
+STEPS = (
+    Step("kernels", "fused modules replace the model's own before any wrapper below captures them", _kernels),
+    Step(
+        "offloaded checkpoint",
+        "sets the layers' checkpoint function, which tiling's checkpoints run inside",
+        _offloaded_checkpoint,
+    ),
+    Step("tiled MLP", "wraps the MLPs' forward, after kernels replaced their activations", _tiled_mlp),
+    Step("compile", "compiles each decoder layer as every wrapper above left it", _compile),
+    Step("summary", "counts parameters while they are still on the model (the store takes them next)", _summary),
+    Step("streaming", "moves the frozen layer weights to their store; the model is complete by now", _stream),
+    Step("host tables", "after the stream, whose model.to(device) would bring the tables back", _host_tables),
+)
+
+
+def apply_techniques(
+    model,
+    cfg: RecipeConfig,
+    device: torch.device,
+    say: Callable[[str], None],
+    given: bool = False,
+    disk_store: DiskStore | None = None,
+) -> WeightStream | None:
+    """Apply STEPS in order; the weight store of memory.base_weights=cpu|disk, or None."""
+    applying = Applying(cfg, device, given, disk_store)
+    for step in STEPS:
+        line = step.apply(model, applying)
+        if line:
+            say(line)
+    return applying.stream
+
+
+def model_summary(cfg: RecipeConfig, model) -> str:
+    trainable, total = count_parameters(model)
+    quant = f"{cfg.quant.bits}-bit {cfg.quant.quant_type if cfg.quant.bits == 4 else 'int8'}" if cfg.quant.bits else "unquantized"
+    return f"model: {total:,} parameters ({quant} base), {trainable:,} trainable ({100 * trainable / max(total, 1):.2f}%)"

@@ -1,0 +1,119 @@
+"""Training objectives (train.objective), and what each needs: one table.
+
+    sft     next-token cross-entropy on the response tokens (any data.format but preference)
+    dpo     Direct Preference Optimization (Rafailov et al. 2023): the policy's log-probability
+            margin of chosen over rejected, against a reference model (the base with the
+            adapter switched off: no second copy of the weights)
+    orpo    Odds Ratio Preference Optimization (Hong et al. 2024): SFT on the chosen response
+            plus beta x an odds-ratio term; no reference model
+    simpo   Simple Preference Optimization (Meng et al. 2024): the length-normalised margin
+            with a target gap simpo_gamma; no reference model
+
+config asks `problems(cfg)` for the recipe's cross-field rules; the trainer builds the loss
+from finetune/objectives/preference.py; the planner reads `sequences_per_example` and
+`reference_passes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Objective:
+    name: str
+    pairs: bool  # trains on preference pairs (data.format=preference)
+    reference: bool  # needs the reference model's log-probabilities
+    default_beta: float | None  # train.beta when the recipe leaves it null
+    beta_means: str  # what beta is, for messages and the recipe comment
+    per_token: bool = False  # its rewards use the mean log-probability of a response, not the sum
+
+    @property
+    def sequences_per_example(self) -> int:
+        """Sequences one example puts through the model in one forward: chosen and rejected together."""
+        return 2 if self.pairs else 1
+
+    @property
+    def reference_passes(self) -> int:
+        """Forward passes without gradients per step for the reference (0 with precomputed references)."""
+        return 1 if self.reference else 0
+
+
+OBJECTIVES: dict[str, Objective] = {
+    o.name: o
+    for o in (
+        Objective("sft", pairs=False, reference=False, default_beta=None, beta_means="unused"),
+        Objective("dpo", pairs=True, reference=True, default_beta=0.1, beta_means="the KL penalty to the reference"),
+        Objective(
+            "orpo", pairs=True, reference=False, default_beta=0.1, beta_means="the weight of the odds-ratio term", per_token=True
+        ),
+        Objective("simpo", pairs=True, reference=False, default_beta=2.0, beta_means="the reward scale", per_token=True),
+    )
+}
+PREFERENCE_FORMAT = "preference"  # the data.format of preference pairs
+
+
+def get(name: str) -> Objective:
+    return OBJECTIVES[name]
+
+
+def beta(train: Any) -> float:
+    """train.beta, or the objective's default when the recipe leaves it null."""
+    objective = get(train.objective)
+    value = train.beta if train.beta is not None else objective.default_beta
+    return float(value) if value is not None else 0.0
+
+
+def simpo_gamma(train: Any) -> float:
+    """train.simpo_gamma, or half of beta when null (the SimPO paper's gamma/beta ratio of 0.5)."""
+    return float(train.simpo_gamma) if train.simpo_gamma is not None else 0.5 * beta(train)
+
+
+def problems(cfg: Any) -> list[str]:
+    """What train.objective cannot run with. Each message names the keys and the fix."""
+    objective, train, data = get(cfg.train.objective), cfg.train, cfg.data
+    out = []
+    formats = {data.format} | {m.format for m in data.mix or [] if m.format}
+    if objective.pairs and formats != {PREFERENCE_FORMAT}:
+        out.append(
+            f"train.objective={objective.name} trains on preference pairs, but data.format is "
+            f"{'/'.join(sorted(formats))}. Set data.format=preference (records with prompt, chosen and "
+            "rejected) or train.objective=sft."
+        )
+    if not objective.pairs and PREFERENCE_FORMAT in formats:
+        out.append(
+            "data.format=preference holds preference pairs, which train.objective=sft cannot train on. "
+            "Set train.objective=dpo (or orpo, simpo), or use SFT data."
+        )
+    if objective.pairs and data.packing:
+        out.append(
+            f"data.packing with train.objective={objective.name}: a preference pair's two sequences are scored "
+            "whole, side by side, not packed. Set data.packing=false."
+        )
+    if objective.reference and cfg.lora is None:
+        out.append(
+            f"train.objective={objective.name} takes its reference from the base model with the adapter switched "
+            "off; full fine-tuning (lora: null) has no such base. Set lora, or use orpo or simpo (no reference)."
+        )
+    if objective.reference and cfg.lora is not None and cfg.lora.method == "pissa":
+        out.append(
+            f"train.objective={objective.name} takes its reference from the base with the adapter switched off, but "
+            "lora.method=pissa rewrites the base weights (W minus the adapter's initial product): that is not the "
+            "base model. Use lora.method=lora (or dora, rslora), or orpo or simpo (no reference)."
+        )
+    if train.precompute_reference and not objective.reference:
+        out.append(
+            f"train.precompute_reference is set, but train.objective={objective.name} uses no reference model. "
+            "Remove it (or use train.objective=dpo)."
+        )
+    if objective.pairs and cfg.memory.loss in ("chunked", "liger"):
+        out.append(
+            f"memory.loss={cfg.memory.loss} is the SFT loss's; train.objective={objective.name} runs the LM head on "
+            "the response tokens only. Set memory.loss=auto."
+        )
+    if train.beta is not None and not objective.pairs:
+        out.append("train.beta is a preference-tuning setting; train.objective=sft does not read it. Remove it.")
+    if train.simpo_gamma is not None and objective.name != "simpo":
+        out.append(f"train.simpo_gamma is SimPO's target margin; train.objective={objective.name} does not read it.")
+    return out

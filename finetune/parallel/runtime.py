@@ -1,0 +1,256 @@
+"""One object for how a run is spread over processes: single, DDP, FSDP or DeepSpeed ZeRO.
+
+    parallel = Parallel.choose(cfg, accelerator)      # resolves distributed.strategy=auto
+    model = parallel.shard(model, cfg, dtype)          # FSDP: before the optimizer exists
+    model, optimizer = parallel.prepare(model, optimizer)    # DDP: distributed.grad_compression's hook too
+    with parallel.gradient_sync(model, last_micro_batch):
+        accelerator.backward(loss)       # DeepSpeed: the last micro-batch's backward also steps the engine
+
+Every strategy branch of the trainer lives here; the loop asks, never checks names.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from finetune.config.schema import RecipeConfig
+from finetune.errors import ConfigError
+from finetune.hardware import release_free_heap
+from finetune.memory import rules as memory_rules
+from finetune.parallel import compression, ddp_hooks, zero
+from finetune.parallel.rank_state import RankState, rng_states
+from finetune.parallel.strategy import (
+    check_strategy,
+    full_optimizer_state,
+    full_trainable_state,
+    place_sharded,
+    resolve_strategy,
+    shard_model,
+    zero_full_optimizer_state,
+    zero_full_weights,
+    zero_optimizer,
+)
+
+
+class Parallel:
+    def __init__(self, accelerator, strategy: str, cfg: RecipeConfig):
+        self.accelerator = accelerator
+        self.strategy = strategy  # single | ddp | fsdp | deepspeed
+        self.cfg = cfg
+        self.powersgd: ddp_hooks.PowerSGD | None = None  # its state goes into every checkpoint, per rank
+        self._gloo = None
+        self._zero_groups: list[list[torch.nn.Parameter]] = []  # deepspeed: the optimizer's parameters, as built
+
+    @classmethod
+    def choose(cls, cfg: RecipeConfig, accelerator) -> Parallel:
+        """The strategy for this launch (auto: DDP unless a replica would not fit), checked against the recipe."""
+        strategy = resolve_strategy(cfg, accelerator.num_processes, accelerator.device)
+        check_strategy(cfg, strategy)
+        problems = memory_rules.problems(
+            memory_rules.launch_settings(cfg, strategy, accelerator.num_processes), (memory_rules.LAUNCH,)
+        )
+        if cfg.distributed.strategy == "auto":
+            problems += compression.problems(cfg, strategy)
+        if strategy == "deepspeed" and accelerator.distributed_type != "DEEPSPEED":
+            problems.append(  # make_accelerator builds DeepSpeed's accelerator from the recipe: a given one lacks it
+                "distributed.strategy=deepspeed needs the accelerator built with the recipe (trainer/build.py "
+                f"make_accelerator(precision, cfg)); this one runs {accelerator.distributed_type}."
+            )
+        if problems:
+            raise ConfigError(problems)
+        return cls(accelerator, strategy, cfg)
+
+    # ------------------------------------------------------------------ who and where
+
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def fsdp(self) -> bool:
+        return self.strategy == "fsdp"
+
+    @property
+    def updates_in_backward(self) -> bool:
+        """DeepSpeed's engine steps inside the last micro-batch's backward, before the trainer sees the
+        step's loss: a non-finite step is then skipped only by fp16's loss scaler, and the weights
+        after it are not "the last good state"."""
+        return self.strategy == "deepspeed"
+
+    def after_nonfinite(self, good_checkpoint) -> str:
+        """What became of a non-finite step's update, for the message; good_checkpoint: where the last good
+        state was saved (None: on_nonfinite=skip)."""
+        if self.updates_in_backward:
+            return "DeepSpeed applied its update inside backward (fp16's loss scaler alone skips one)" + (
+                "; resume from the last periodic checkpoint" if good_checkpoint is not None else ""
+            )
+        if good_checkpoint is None:
+            return "update skipped"
+        return f"the update was not applied. Checkpoint of the last good state: {good_checkpoint}"
+
+    @property
+    def sharded(self) -> bool:
+        """The weights are partitioned over the processes (FSDP, ZeRO-3): the 4-bit storage must be
+        the compute dtype, and every rank must run each forward together."""
+        return self.fsdp or (self.strategy == "deepspeed" and self.cfg.distributed.zero_stage == 3)
+
+    def describe(self) -> str | None:
+        method = self.cfg.distributed.grad_compression
+        if self.strategy == "single":
+            if self.cfg.distributed.strategy == "deepspeed":
+                return "distributed.strategy=deepspeed: one process, trained without DeepSpeed (ZeRO partitions over processes)"
+            if method == "none":
+                return None
+            return f"distributed.grad_compression={method} has no effect: one process has no gradients to all-reduce"
+        where = f"parallel: {self.strategy} over {self.world} processes"
+        if self.strategy == "deepspeed":
+            return f"{where} ({zero.describe(self.cfg)})"
+        return where if method == "none" else f"{where}, {compression.describe(self.cfg)}"
+
+    def load_device(self, streaming: bool) -> torch.device:
+        """Where the model is loaded. FSDP loads into CPU RAM and moves only this rank's shard to the
+        GPU, and streaming keeps the decoder layers there: a whole 4-bit 70B model (~37 GB) would not
+        fit one 24 GB card even for a moment."""
+        return torch.device("cpu") if self.fsdp or streaming else self.device
+
+    # ------------------------------------------------------------------ wrapping
+
+    def shard(self, model, cfg: RecipeConfig, compute_dtype: torch.dtype):
+        """FSDP: shard the model before the optimizer exists (its state is then sharded too)."""
+        if not self.fsdp:
+            return model
+        shard_model(model, cfg, compute_dtype)
+        place_sharded(model, self.device, keep_params_on_cpu=cfg.distributed.cpu_offload)
+        release_free_heap()  # the whole model each process loaded, now that it keeps only its shards
+        return model
+
+    def prepare(self, model, optimizer):
+        """accelerate's wrappers: DDP for the model (not for FSDP, which prepare() would wrap in DDP),
+        with distributed.grad_compression's communication hook. (accelerate's own comm_hook option
+        keeps PowerSGD's state where a checkpoint cannot reach it, and refuses bf16 on gloo.)"""
+        if self.fsdp:
+            return model, self.accelerator.prepare(optimizer)
+        if self.strategy == "deepspeed":
+            # ZeRO replaces the optimizer's parameters with flat partitions: its state is read and
+            # written per parameter through these (distributed.zero_full_optimizer_state).
+            self._zero_groups = [list(g["params"]) for g in optimizer.param_groups]
+            self.accelerator.state.deepspeed_plugin.set_deepspeed_weakref()  # transformers: ZeRO-3 from now on
+            model, optimizer = self.accelerator.prepare(model, optimizer)
+            zero_optimizer(optimizer).finetune_param_groups = self._zero_groups  # for checkpoint.load_checkpoint
+            return model, optimizer
+        model, optimizer = self.accelerator.prepare(model, optimizer)
+        if self.strategy == "ddp":
+            self.powersgd = ddp_hooks.register(model, self.cfg)
+        return model, optimizer
+
+    def unwrap(self, model):
+        if self.strategy == "deepspeed":
+            return self.accelerator.unwrap_model(model)
+        # Not accelerate's unwrap_model: it imports deepspeed whenever it is installed (a warning line in every
+        # run). DDP's wrapper is the only one the other strategies put around a model (FSDP2 shards in place).
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    # ------------------------------------------------------------------ the step
+
+    def gradient_sync(self, model, last: bool):
+        """Only the last micro-batch of the window all-reduces (DDP) or reduce-scatters (FSDP) gradients.
+        DeepSpeed: accelerate's sync_gradients marks the engine's accumulation boundary, where its
+        backward steps (clipping, the update, zeroed gradients; optimizer.step() is then a no-op)."""
+        if self.fsdp:
+            model.set_requires_gradient_sync(last)
+            return nullcontext()
+        if self.strategy == "deepspeed":
+            self.accelerator.gradient_state._set_sync_gradients(last)
+            return nullcontext()
+        return self.accelerator.no_sync(model) if not last else nullcontext()
+
+    def global_sum(self, value: float) -> float:
+        return self.global_sums(value)[0]
+
+    def global_sums(self, *values: float) -> list[float]:
+        """Each value summed over the processes, in one collective (a step's totals travel together)."""
+        if self.world == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        return self.accelerator.reduce(t, reduction="sum").tolist()
+
+    def eval_rounds(self, n_batches: int, mine: int) -> int:
+        """Forwards this rank runs to evaluate its share of n_batches. FSDP gathers weights inside every
+        forward, so all ranks must run as many; ranks with fewer batches repeat one and discard it."""
+        return math.ceil(n_batches / self.world) if self.sharded else mine
+
+    def wait(self) -> None:
+        self.accelerator.wait_for_everyone()
+
+    # ------------------------------------------------------------------ what a checkpoint needs whole
+
+    def full_states(self, model, optimizer) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+        """(trainable weights, optimizer state) gathered whole under FSDP and ZeRO (a collective: every
+        rank calls, rank 0 writes); (None, None) when the process holds them whole already."""
+        if self.strategy == "deepspeed":
+            return zero_full_weights(self.unwrap(model)), zero_full_optimizer_state(zero_optimizer(optimizer), self._zero_groups)
+        if not self.fsdp:
+            return None, None
+        return full_trainable_state(model), full_optimizer_state(optimizer)
+
+    def full_weights(self, model) -> dict[str, torch.Tensor] | None:
+        """The trained weights whole (FSDP, ZeRO: a collective), or None: `model` holds them."""
+        if self.strategy == "deepspeed":
+            return zero_full_weights(model)
+        return full_trainable_state(model) if self.fsdp else None
+
+    def every_rank_state(self) -> list[RankState] | None:
+        """What each rank holds alone, for a resume that continues each: its generator states (its own
+        dropout streams) and PowerSGD's state (its own error feedback). A collective; rank 0 gets
+        the list, the others None."""
+        if self.world == 1:
+            return None
+        import torch.distributed as dist
+
+        mine = RankState(rng_states(), self.powersgd.state_dict() if self.powersgd else None)
+        states: list[Any] | None = [None] * self.world if self.is_main else None
+        dist.gather_object(mine, states, dst=0, group=self._cpu_group())
+        return states
+
+    def _cpu_group(self):
+        """Over NCCL an object gathered passes through GPU memory, and PowerSGD's error feedback is as
+        large as the trainable weights, once per rank: it travels in a gloo group, in host RAM."""
+        import torch.distributed as dist
+
+        if self.powersgd is None or dist.get_backend() == "gloo":
+            return None
+        if self._gloo is None:
+            self._gloo = dist.new_group(backend="gloo")  # every rank gets here: a checkpoint is a collective
+        return self._gloo
+
+    def close(self, all_finished: bool = False) -> None:
+        """Destroy the process group. all_finished: every rank got through the run."""
+        if self.world == 1:
+            return
+        if all_finished:
+            # A rank that tore its group down while a gloo peer still worked, or whose FSDP groups
+            # (held by the sharded model) were left to interpreter exit, aborted after a good run
+            # ("terminate called without an active exception", SIGABRT; seen in CI with FSDP).
+            # So: every rank done, the prepared model and optimizer freed while the interpreter
+            # is whole, then the group destroyed. Not after a failure: the barrier would wait
+            # on a rank that is gone.
+            self.wait()
+            self.accelerator.free_memory()
+        self.accelerator.state.destroy_process_group()
