@@ -16,6 +16,7 @@ ORDER = [
     "gpus",
     "metrics",
     "adapters",  # declarations: keys, rules, defaults
+    "parallel.strategies",
     "memory.rules",
     "objectives.table",
     "parallel.zero",
@@ -50,7 +51,7 @@ PACKAGE_ORDER = {
         "check",
         "command",
     ],
-    "parallel": ["zero", "compression", "strategy", "rank_state", "ddp_hooks", "runtime", "launch"],
+    "parallel": ["strategies", "zero", "compression", "strategy", "rank_state", "ddp_hooks", "runtime", "launch"],
     "runs": ["report", "checkpoint", "resume", "evaluate", "preflight", "open", "merge", "export"],
     "objectives": ["table", "loss", "preference"],
     "trainer": ["state", "callbacks", "schedule", "order", "profiling", "build", "loop"],
@@ -127,6 +128,37 @@ def test_package_modules_flow_one_way():
             assert not (len(bits) >= 3 and bits[1] == package and bits[2] in later), (
                 f"{module} imports {imported}, which stands after it in finetune/{package}/"
             )
+
+
+STRATEGY_NAMES = {"single", "ddp", "fsdp", "deepspeed", "zero2", "zero3"}
+
+
+def strategy_name_comparisons(tree: ast.AST) -> list[int]:
+    """Lines comparing with a strategy's name (== "fsdp", in ("fsdp", "zero3"), .startswith("zero"))."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for operand in [node.left, *node.comparators]:
+                values = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+                if any(isinstance(v, ast.Constant) and v.value in STRATEGY_NAMES for v in values):
+                    lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "startswith":
+            if any(isinstance(a, ast.Constant) and a.value == "zero" for a in node.args):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_no_strategy_name_is_compared_outside_parallel():
+    """Every other floor asks a strategy's declaration (parallel/strategies.py) or the Parallel object."""
+    offenders = [
+        f"{path.relative_to(PKG)}:{line}"
+        for module, path in code_files().items()
+        if unit_of(module).split(".")[0] != "parallel"
+        for line in strategy_name_comparisons(ast.parse(path.read_text()))
+    ]
+    assert not offenders, f"strategy names compared outside finetune/parallel/: {offenders}"
+    probe = ast.parse('if cfg.distributed.strategy == "fsdp" or s.sharding in ("ddp",) or x.startswith("zero"): pass')
+    assert len(strategy_name_comparisons(probe)) == 3  # the check sees each form it forbids
 
 
 def test_every_package_ships():

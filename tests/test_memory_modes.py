@@ -45,7 +45,7 @@ def test_fit_search_proposes_only_setups_the_rules_accept(recipe, overrides, max
         assert setup_of(written, s.gpus) == s
         # and the launch on s.gpus processes accepts it (what Parallel.choose and check_strategy ask)
         strategy = "single" if s.gpus == 1 else written.distributed.strategy.replace("auto", "ddp")
-        assert memory_rules.problems(memory_rules.launch_settings(written, strategy, s.gpus)) == []
+        assert memory_rules.problems(memory_rules.launch_settings(written, fsdp=strategy == "fsdp", processes=s.gpus)) == []
     # the search tried every mode the table allows: streaming and offloads are among the candidates
     lora = cfg.lora is not None
     assert any(s.streams_weights for s in found) == (lora and cfg.quant.bits != 8)
@@ -90,7 +90,7 @@ def test_runnable_refuses_exactly_what_the_rules_refuse(setup, recipe, refused_b
 def test_launch_rules_need_the_process_count_and_fsdp_rules_name_what_chose_fsdp():
     cfg = load_recipe("qlora-stream-70b-1x24gb", PATHS)
     assert memory_rules.problems(memory_rules.recipe_settings(cfg)) == []  # the recipe alone does not say
-    (msg,) = memory_rules.problems(memory_rules.launch_settings(cfg, "ddp", 2), (memory_rules.LAUNCH,))
+    (msg,) = memory_rules.problems(memory_rules.launch_settings(cfg, fsdp=False, processes=2), (memory_rules.LAUNCH,))
     assert msg == (
         "memory.base_weights=cpu streams the weights of one process; this launch has 2 processes. Run on one GPU, "
         "or use distributed.strategy=fsdp with distributed.cpu_offload=true."

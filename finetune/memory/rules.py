@@ -7,7 +7,7 @@ FSDP's own distributed.cpu_offload. Each rule below is one row: the settings tha
 message (naming the keys) and the fix. Three places ask the table, each with what it knows:
 
     problems(recipe_settings(cfg))                       config: the recipe's cross-field rules
-    problems(launch_settings(cfg, strategy, n), LAUNCH)  parallel.runtime: this launch's processes
+    problems(launch_settings(cfg, fsdp=.., processes=n), LAUNCH)  parallel.runtime: this launch's processes
     problems(Settings(...) of a plan Setup)              plan.fitting: the setups --fit tries
 
 A new mode: its field in config.schema.MemoryConfig and in `Settings` (and `recipe_settings`), its rows
@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
+
+from finetune.parallel import strategies
 
 # Rule groups. RECIPE rules need the recipe only; FSDP rules apply whenever FSDP runs (the recipe
 # asks for it, or distributed.strategy=auto chose it at launch); LAUNCH rules need the number of
@@ -216,13 +218,13 @@ def recipe_settings(cfg: Any, **override: Any) -> Settings:
         loss=mem.loss,
         embeddings=mem.embeddings,
         compile=cfg.train.compile,
-        fsdp=cfg.distributed.strategy == "fsdp",
+        fsdp=strategies.of_recipe(cfg).wraps_layers,
         cpu_offload=cfg.distributed.cpu_offload,
     )
     return replace(s, **override)
 
 
-def launch_settings(cfg: Any, strategy: str, processes: int) -> Settings:
-    """The Settings of a launch: the recipe, the strategy it resolved to (single | ddp | fsdp), its processes."""
-    by = "distributed.strategy=fsdp" if cfg.distributed.strategy == "fsdp" else "FSDP (chosen by distributed.strategy=auto)"
-    return recipe_settings(cfg, fsdp=strategy == "fsdp", fsdp_by=by, processes=processes)
+def launch_settings(cfg: Any, *, fsdp: bool, processes: int) -> Settings:
+    """The Settings of a launch: the recipe, whether the strategy it resolved to is FSDP, its processes."""
+    by = "distributed.strategy=fsdp" if strategies.of_recipe(cfg).wraps_layers else "FSDP (chosen by distributed.strategy=auto)"
+    return recipe_settings(cfg, fsdp=fsdp, fsdp_by=by, processes=processes)

@@ -1,10 +1,12 @@
 """How a run is spread over processes: DDP, FSDP2 or DeepSpeed ZeRO, and launching them.
 
+strategies   one declaration per strategy (ddp, fsdp, zero2, zero3): what the planner, --fit and the
+             rules ask of it; stands before config/, and no other floor compares a strategy's name
 zero         distributed.strategy=deepspeed: ZeRO-2/3 rules and DeepSpeed's config; stands before config/
 compression  distributed.grad_compression rules and defaults; stands before config/
 strategy     which strategy a run uses, FSDP2 sharding, whole (gathered) states for checkpoints
 rank_state   what each process holds alone (generators, PowerSGD state) for a checkpoint
 ddp_hooks    the DDP communication hooks of grad_compression
-runtime      Parallel: the one object the loop asks (gradient sync, global sums, whole states)
+runtime      Parallel: the one object the loop asks (gradient sync, global sums, whole states); the accelerator
 launch       torchrun for `finetune run --nproc N`, signals passed on
 """

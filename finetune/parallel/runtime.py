@@ -12,6 +12,7 @@ Every strategy branch of the trainer lives here; the loop asks, never checks nam
 from __future__ import annotations
 
 import math
+import os
 from contextlib import nullcontext
 from typing import Any
 
@@ -37,6 +38,40 @@ from finetune.parallel.strategy import (
 )
 
 
+def make_accelerator(precision: str, cfg: RecipeConfig | None = None):
+    """accelerate's Accelerator for this launch; with DeepSpeed's plugin when the recipe asks for
+    distributed.strategy=deepspeed and torchrun started several processes (one process: no ZeRO)."""
+    from accelerate import Accelerator, PartialState
+    from accelerate.state import AcceleratorState
+
+    # accelerate keeps one mixed-precision setting per process and refuses a second
+    # Trainer with another; the setting is ours to choose per run (the process group,
+    # in PartialState, is kept).
+    AcceleratorState._reset_state()
+    mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[precision]
+    cpu = not torch.cuda.is_available()
+    if cfg is None or cfg.distributed.strategy != "deepspeed" or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # set for good by an earlier DeepSpeed Accelerator
+        return Accelerator(mixed_precision=mixed, cpu=cpu)
+    zero.require()
+    from accelerate.utils import DeepSpeedPlugin
+
+    if cpu:
+        # accelerate turns DeepSpeed off for cpu=True, and without it finds no backend on a machine
+        # with no GPU: the process group is made for CPUs first (gloo, torchrun's ranks), and
+        # DeepSpeed (its CPU accelerator) runs on it.
+        PartialState(cpu=True)
+    plugin = DeepSpeedPlugin(hf_ds_config=zero.ds_config(cfg, precision, on_gpu=not cpu), zero3_init_flag=False)
+    accelerator = Accelerator(mixed_precision=mixed, deepspeed_plugin=plugin)
+    # accelerate tells transformers about ZeRO-3 at once, and from_pretrained then refuses the
+    # device_map our loader places the model with: the weights load whole, and ZeRO-3 partitions
+    # them when the engine is built (Parallel.prepare tells transformers again).
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    return accelerator
+
+
 class Parallel:
     def __init__(self, accelerator, strategy: str, cfg: RecipeConfig):
         self.accelerator = accelerator
@@ -52,13 +87,14 @@ class Parallel:
         strategy = resolve_strategy(cfg, accelerator.num_processes, accelerator.device)
         check_strategy(cfg, strategy)
         problems = memory_rules.problems(
-            memory_rules.launch_settings(cfg, strategy, accelerator.num_processes), (memory_rules.LAUNCH,)
+            memory_rules.launch_settings(cfg, fsdp=strategy == "fsdp", processes=accelerator.num_processes),
+            (memory_rules.LAUNCH,),
         )
         if cfg.distributed.strategy == "auto":
             problems += compression.problems(cfg, strategy)
         if strategy == "deepspeed" and accelerator.distributed_type != "DEEPSPEED":
             problems.append(  # make_accelerator builds DeepSpeed's accelerator from the recipe: a given one lacks it
-                "distributed.strategy=deepspeed needs the accelerator built with the recipe (trainer/build.py "
+                "distributed.strategy=deepspeed needs the accelerator built with the recipe (finetune.parallel.runtime."
                 f"make_accelerator(precision, cfg)); this one runs {accelerator.distributed_type}."
             )
         if problems:

@@ -6,8 +6,8 @@
     offload_params     cpu | nvme (stage 3): the weight partitions wait off the GPU between uses
     nvme_dir           the folder (on an NVMe disk) the nvme offloads write to
 
-config asks `problems(cfg)`; trainer/build.py builds the accelerator with `deepspeed_plugin(cfg, precision)`;
-parallel/runtime.py drives the engine; parallel/strategy.py gathers and scatters its partitioned state for
+config asks `problems(cfg)`; parallel/runtime.py builds the accelerator with DeepSpeed's plugin (`ds_config`)
+and drives the engine; parallel/strategy.py gathers and scatters its partitioned state for
 our checkpoints (whole tensors: a ZeRO run resumes on any number of processes, with DDP, FSDP or one).
 """
 

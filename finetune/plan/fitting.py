@@ -12,6 +12,7 @@ from finetune.config.schema import RecipeConfig
 from finetune.errors import PlanError
 from finetune.gpus import GiB, GpuSpec
 from finetune.memory import rules as memory_rules
+from finetune.parallel.strategies import STRATEGIES, planned
 from finetune.plan.inputs import RecipeFacts, Setup, describe_setup
 from finetune.plan.memory import Estimate, estimate, gib
 from finetune.plan.recipe import planning_inputs, setup_of
@@ -42,10 +43,11 @@ def _checkpoint_choices(s: Setup, _: int) -> list[int]:
 # (step_time), so it wins only when nothing faster fits, and an exact tie goes to the setup with
 # the lower Setup.offload_rank. base_weights=disk frees the same GPU memory as cpu, no faster,
 # so it is chosen only when the host RAM (search's host_ram) cannot pin the weights.
+SEARCHED = [s.name for s in STRATEGIES.values() if s.searched]  # the strategies --fit tries (ddp, fsdp)
 KNOBS: list[Knob] = [
     Knob("gpus", None, lambda s, max_gpus: list(range(1, max_gpus + 1))),
     # FSDP only means something on more than one GPU; candidates() drops fsdp x 1 GPU.
-    Knob("sharding", "distributed.strategy", lambda s, max_gpus: ["ddp", "fsdp"] if max_gpus > 1 else [s.sharding]),
+    Knob("sharding", "distributed.strategy", lambda s, max_gpus: SEARCHED if max_gpus > 1 else [s.sharding]),
     Knob("cpu_offload", "distributed.cpu_offload", lambda s, max_gpus: [False, True] if max_gpus > 1 else [s.cpu_offload]),
     Knob("checkpoint_every", "memory.activation_checkpointing", _checkpoint_choices),
     Knob("batch_size", "train.batch_size", lambda s, _: _divisors(s.global_batch)),
@@ -65,7 +67,7 @@ def mode_settings(s: Setup, recipe: RecipeFacts | None = None) -> memory_rules.S
         optimizer_offload=s.optimizer_offload,
         embeddings=s.embeddings,
         loss=s.loss,
-        fsdp=s.sharding == "fsdp" and s.gpus > 1,
+        fsdp=planned(s.sharding).wraps_layers and s.gpus > 1,
         cpu_offload=s.cpu_offload,
         processes=s.gpus,
     )
@@ -76,8 +78,8 @@ def mode_settings(s: Setup, recipe: RecipeFacts | None = None) -> memory_rules.S
 
 def runnable(s: Setup, recipe: RecipeFacts | None = None) -> bool:
     """Whether the trainer runs this combination: no rule of finetune/memory/rules.py's table refuses it.
-    FSDP on one GPU is left out too: it runs as one process, the same setup as DDP's."""
-    if s.sharding == "fsdp" and s.gpus == 1:
+    A sharding strategy on one GPU is left out too: it runs as one process, the same setup as DDP's."""
+    if s.gpus == 1 and not planned(s.sharding).replicates:
         return False
     return not memory_rules.problems(mode_settings(s, recipe))
 
@@ -110,7 +112,7 @@ def search(
     then more headroom."""
     setups = candidates(base, max_gpus, recipe)
     if shape.experts:  # MoE: finetune/model/moe.py's 4-bit experts are neither streamed nor sharded (model/load.py refuses)
-        setups = [s for s in setups if not (s.streams_weights or (s.gpus > 1 and s.sharding in ("fsdp", "zero3")))]
+        setups = [s for s in setups if not (s.streams_weights or s.partitions_weights)]
     estimates = [estimate(shape, recipe, s, gpu, **kw) for s in setups]
     fitting = [e for e in estimates if _fits_with_headroom(e, gpu) and (host_ram is None or e.host_ram_bytes <= host_ram)]
     best = min(

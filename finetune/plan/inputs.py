@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from finetune import adapters
 from finetune.config.schema import RecipeConfig
+from finetune.parallel.strategies import planned
 from finetune.plan.shape import LinearGroup, ModelShape
 
 
@@ -40,7 +41,7 @@ class Setup:
     @property
     def partitions_weights(self) -> bool:
         """The base weights are split over the GPUs (FSDP, ZeRO-3), gathered a layer at a time."""
-        return self.sharding in ("fsdp", "zero3") and self.gpus > 1
+        return planned(self.sharding).partitions_weights and self.gpus > 1
 
     @property
     def rows(self) -> int:
@@ -168,12 +169,7 @@ def lora_targets(shape: ModelShape, target: str | tuple[str, ...]) -> list[Linea
 
 
 def _sharding_label(s: Setup) -> str:
-    if s.gpus <= 1 or s.sharding == "ddp":
-        return ""
-    if s.sharding == "fsdp":
-        return " (FSDP, CPU offload)" if s.cpu_offload else " (FSDP)"
-    offload = [name for name, on in (("optimizer", s.optimizer_offload), ("weights", s.cpu_offload)) if on]
-    return f" (ZeRO-{s.sharding[-1]}{', ' + ' + '.join(offload) + ' on CPU' if offload else ''})"
+    return planned(s.sharding).describe(s.cpu_offload, s.optimizer_offload) if s.gpus > 1 else ""
 
 
 def describe_setup(s: Setup) -> str:
@@ -182,7 +178,7 @@ def describe_setup(s: Setup) -> str:
         name
         for name, on in [
             ("activations", s.activation_offload),
-            ("optimizer", s.optimizer_offload and not s.sharding.startswith("zero")),
+            ("optimizer", s.optimizer_offload and not planned(s.sharding).deepspeed),  # ZeRO's label names it
             (f"base weights streamed from {s.base_weights}", s.streams_weights),
             ("vocabulary tables", s.embeddings == "cpu"),
         ]

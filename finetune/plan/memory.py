@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from finetune.gpus import GiB, GpuSpec
+from finetune.parallel.strategies import planned
 from finetune.plan.activations import OFFLOAD_LAYERS_IN_FLIGHT, Activations, activation_terms  # noqa: F401 - re-exported
 from finetune.plan.inputs import DEFAULT_IMPL, Implementation, RecipeFacts, Setup
 from finetune.plan.shape import ModelShape
@@ -186,7 +187,8 @@ def _static_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, impl: Im
         linear_blocks=linear_blocks,
     )
     t.unquantized -= host_tables
-    zero = setup.sharding if setup.sharding.startswith("zero") and n_gpu > 1 else ""
+    strategy, multi = planned(setup.sharding), n_gpu > 1
+    zero = multi and strategy.deepspeed
     if fsdp:
         # Decoder layers are sharded; FSDP's root unit (embeddings, head, final norm) stays whole,
         # ZeRO-3 partitions those too. Two layers are gathered at a time (the running one and the
@@ -194,8 +196,10 @@ def _static_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, impl: Im
         t.gathered = int(2 * (t.q_weight + t.q_const) / L)
         t.q_weight, t.q_const = int(t.q_weight / n_gpu), int(t.q_const / n_gpu)
         t.lora, t.grads, t.optim = t.lora // n_gpu, t.grads // n_gpu, t.optim // n_gpu
-        t.unquantized = t.unquantized // n_gpu if zero else t.unquantized
-    elif zero:  # ZeRO-2: gradients and optimizer state partitioned, every weight whole on every GPU
+        t.unquantized = t.unquantized // n_gpu if strategy.partitions_root else t.unquantized
+    elif (
+        multi and strategy.partitions_optimizer
+    ):  # ZeRO-2: gradients and optimizer state partitioned, every weight whole on every GPU
         t.grads, t.optim = t.grads // n_gpu, t.optim // n_gpu
     elif setup.streams_weights:
         # memory.base_weights=cpu|disk (memory/stream.py): the decoder linears' packed weights wait on the host
@@ -203,8 +207,8 @@ def _static_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, impl: Im
         t.streamed_store = t.q_weight
         t.streamed_resident = int(min(STREAMED_LAYERS_RESIDENT, L) * t.q_weight / L)
         t.q_weight = 0
-    t.ddp_buckets = t.grads if (n_gpu > 1 and setup.sharding == "ddp") else 0  # DDP's all-reduce buckets mirror the gradients
-    if zero == "zero3" and setup.cpu_offload:
+    t.ddp_buckets = t.grads if (multi and strategy.replicates) else 0  # DDP's all-reduce buckets mirror the gradients
+    if zero and fsdp and setup.cpu_offload:
         # offload_params: the weight partitions wait in host RAM; gathered to the GPU as each layer runs.
         t.offloaded = t.q_weight + t.q_const + t.lora + t.unquantized
         t.q_weight = t.q_const = t.lora = t.unquantized = 0
@@ -217,7 +221,7 @@ def _static_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, impl: Im
         # HostAdamW (memory/offload.py), or ZeRO's offload_optimizer (its partition): an fp32 copy of each
         # trainable weight, its fp32 gradient and both fp32 moments live in host RAM (pinned); the GPU
         # keeps the weights and their gradients.
-        t.host_optimizer = (trainable // n_gpu if fsdp or zero else trainable) * 4 * 4
+        t.host_optimizer = (trainable // n_gpu if multi and strategy.partitions_optimizer else trainable) * 4 * 4
         t.optim = 0
     return t
 
@@ -246,7 +250,7 @@ def estimate(
     peak_alloc = max(phase_loss, phase_backward)
     # ZeRO-3 builds its engine from the whole model on each GPU (our loader places it with a
     # device_map, which zero.Init refuses) and partitions it then: offload cannot lower that.
-    start = st.whole_model if setup.sharding == "zero3" and n_gpu > 1 else 0
+    start = st.whole_model if planned(setup.sharding).starts_whole_on_gpu and n_gpu > 1 else 0
     phase = "start" if start > peak_alloc else "loss" if loss_peak else "backward"
     peak_alloc = max(peak_alloc, start)
     slack = int(ALLOCATOR_SLACK * peak_alloc) if gpu is not None else 0
@@ -265,7 +269,7 @@ def estimate(
         activation_bytes=act.host,
         exposed_bytes=tr.head_visit + (setup.rows * setup.seq_len * shape.hidden * recipe.compute_bytes if tr.head_visit else 0),
     )
-    fsdp_loads = setup.sharding == "fsdp" and n_gpu > 1  # ZeRO loads on the GPU: one shard at a time in RAM
+    fsdp_loads = planned(setup.sharding).loads_whole_on_host and n_gpu > 1  # ZeRO loads on the GPU: one shard at a time in RAM
     host_parts, captured = _host_ram(shape, recipe, setup, st, act, fsdp_loads, shard_bytes, pinned_blocks=gpu is not None)
     disk_parts = _disk(shape, st, setup, impl, keep_checkpoints, model_on_disk)
     return Estimate(

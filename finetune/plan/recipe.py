@@ -10,6 +10,7 @@ from finetune.config.schema import RecipeConfig
 from finetune.gpus import GpuSpec
 from finetune.model.load import model_source
 from finetune.objectives import table as objectives
+from finetune.parallel.strategies import DDP, STRATEGIES, Strategy, of_recipe
 from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.memory import Estimate, estimate
 from finetune.plan.shape import ModelShape, read_model_shape
@@ -37,14 +38,10 @@ def _shard_bytes(cfg: RecipeConfig) -> int | None:
     return max((f.stat().st_size for f in files), default=None)
 
 
-def _sharding(cfg: RecipeConfig) -> str:
-    strategy = cfg.distributed.strategy
-    return f"zero{cfg.distributed.zero_stage}" if strategy == "deepspeed" else "fsdp" if strategy == "fsdp" else "ddp"
-
-
 def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
     objective = objectives.get(cfg.train.objective)
-    zero = cfg.distributed.strategy == "deepspeed"  # nvme offloads plan as cpu's on the GPU (host RAM: not counted)
+    strategy = of_recipe(cfg)
+    zero = strategy.deepspeed  # nvme offloads plan as cpu's on the GPU (host RAM: not counted)
     return Setup(
         sequences_per_example=objective.sequences_per_example,
         reference_passes=0 if cfg.train.precompute_reference else objective.reference_passes,
@@ -54,7 +51,7 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
         checkpoint_every=cfg.memory.checkpoint_every,
         seq_len=cfg.data.max_seq_len,
         # auto runs DDP unless a replica does not fit (finetune.parallel.strategy.resolve_strategy).
-        sharding=_sharding(cfg) if gpus > 1 else "ddp",
+        sharding=strategy.name if gpus > 1 else DDP.name,
         cpu_offload=gpus > 1 and (cfg.distributed.cpu_offload or (zero and cfg.distributed.offload_params != "none")),
         activation_offload=cfg.memory.activation_offload,
         base_weights=cfg.memory.base_weights,
@@ -81,31 +78,29 @@ def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Se
     return estimate(shape, recipe, setup or setup_of(cfg, gpus), gpu, **kw)
 
 
-# `finetune plan --gpus N`: the recipe under each way of spreading it over the GPUs, side by side
-# (label, the recipe keys, the Setup fields they set). nvme offloads plan as cpu's on the GPU.
-STRATEGIES: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("ddp", {"sharding": "ddp", "cpu_offload": False}),
-    ("fsdp", {"sharding": "fsdp", "cpu_offload": False, "optimizer_offload": False}),
-    ("fsdp cpu_offload", {"sharding": "fsdp", "cpu_offload": True, "optimizer_offload": False}),
-    ("deepspeed zero2", {"sharding": "zero2", "cpu_offload": False, "optimizer_offload": False}),
-    ("deepspeed zero2 offload_optimizer=cpu", {"sharding": "zero2", "cpu_offload": False, "optimizer_offload": True}),
-    ("deepspeed zero3", {"sharding": "zero3", "cpu_offload": False, "optimizer_offload": False}),
-    ("deepspeed zero3 offload_optimizer+params=cpu", {"sharding": "zero3", "cpu_offload": True, "optimizer_offload": True}),
+# `finetune plan --gpus N`: the recipe under each way of spreading it over the GPUs, side by side:
+# every strategy's `compared` rows (label, Setup fields), in the order parallel/strategies.py declares them.
+COMPARED: tuple[tuple[str, Strategy, dict[str, Any]], ...] = tuple(
+    (label, strategy, {"sharding": strategy.name, **fields})
+    for strategy in STRATEGIES.values()
+    for label, fields in strategy.compared
 )
 # memory.embeddings=cpu is for one process or DDP (finetune/memory/rules.py): the sharded rows place the tables on the GPUs.
 SHARDED_TABLES = {"embeddings": "device"}
 
 
 def compare_strategies(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int) -> list[tuple[str, Estimate]]:
-    """(label, estimate) of the recipe under each of STRATEGIES on `gpus` GPUs; memory.* modes as written."""
+    """(label, estimate) of the recipe under each of COMPARED on `gpus` GPUs; memory.* modes as written."""
     base = setup_of(cfg, gpus)
     ddp_offload = {"optimizer_offload": cfg.memory.optimizer_offload}  # the recipe's own HostAdamW, one replica each
     return [
         (
             label,
-            plan_recipe(cfg, gpu, gpus, setup=replace(base, **{**(ddp_offload if label == "ddp" else SHARDED_TABLES), **knobs})),
+            plan_recipe(
+                cfg, gpu, gpus, setup=replace(base, **{**(ddp_offload if strategy.replicates else SHARDED_TABLES), **knobs})
+            ),
         )
-        for label, knobs in STRATEGIES
+        for label, strategy, knobs in COMPARED
     ]
 
 

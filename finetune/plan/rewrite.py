@@ -9,6 +9,7 @@ from typing import Any
 from finetune.config.schema import RecipeConfig, build_recipe, read_recipe_file
 from finetune.memory import rules as memory_rules
 from finetune.parallel import zero
+from finetune.parallel.strategies import of_recipe, planned
 from finetune.plan.fitting import KNOBS
 from finetune.plan.inputs import Setup, describe_setup
 from finetune.plan.memory import Estimate, gib
@@ -41,12 +42,12 @@ def setup_changes(setup: Setup, base: Setup, cfg: RecipeConfig | None = None) ->
     if setup.grad_accum != base.grad_accum:
         out["train.grad_accum"] = setup.grad_accum
     if cfg is not None:
-        shards = setup.sharding == "fsdp" and setup.gpus > 1
-        if cfg.distributed.strategy == "fsdp" and not shards:
+        chosen = planned(setup.sharding)
+        if of_recipe(cfg).wraps_layers and not (chosen.wraps_layers and setup.gpus > 1):
             out.setdefault("distributed.strategy", "auto" if setup.gpus == 1 else "ddp")
         if cfg.distributed.cpu_offload and not setup.cpu_offload:
             out["distributed.cpu_offload"] = False
-        if cfg.distributed.strategy == "deepspeed" and not setup.sharding.startswith("zero"):
+        if of_recipe(cfg).deepspeed and not chosen.deepspeed:
             # The search tries DDP and FSDP (not ZeRO): ZeRO's keys would be refused without strategy=deepspeed.
             out.update({f"distributed.{k}": v for k, v in zero.DEFAULTS.items() if getattr(cfg.distributed, k) != v})
         if cfg.memory.offload_dir is not None and setup.base_weights != "disk":

@@ -6,7 +6,6 @@ Parts a user passed in (model, tokenizer, data, optimizer, scheduler) are used a
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,7 +27,6 @@ from finetune.model.load import (
 from finetune.objectives import table as objectives
 from finetune.objectives.loss import CausalLMLoss, Loss
 from finetune.objectives.preference import PreferenceLoss
-from finetune.parallel import zero
 from finetune.parallel.runtime import Parallel
 from finetune.trainer.callbacks import Callback
 from finetune.trainer.profiling import ModelFlops, StepProfiler
@@ -36,40 +34,6 @@ from finetune.trainer.schedule import build_scheduler
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None
 SchedulerArg = torch.optim.lr_scheduler.LRScheduler | Callable[[torch.optim.Optimizer], Any] | None
-
-
-def make_accelerator(precision: str, cfg: RecipeConfig | None = None):
-    """accelerate's Accelerator for this launch; with DeepSpeed's plugin when the recipe asks for
-    distributed.strategy=deepspeed and torchrun started several processes (one process: no ZeRO)."""
-    from accelerate import Accelerator, PartialState
-    from accelerate.state import AcceleratorState
-
-    # accelerate keeps one mixed-precision setting per process and refuses a second
-    # Trainer with another; the setting is ours to choose per run (the process group,
-    # in PartialState, is kept).
-    AcceleratorState._reset_state()
-    mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[precision]
-    cpu = not torch.cuda.is_available()
-    if cfg is None or cfg.distributed.strategy != "deepspeed" or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # set for good by an earlier DeepSpeed Accelerator
-        return Accelerator(mixed_precision=mixed, cpu=cpu)
-    zero.require()
-    from accelerate.utils import DeepSpeedPlugin
-
-    if cpu:
-        # accelerate turns DeepSpeed off for cpu=True, and without it finds no backend on a machine
-        # with no GPU: the process group is made for CPUs first (gloo, torchrun's ranks), and
-        # DeepSpeed (its CPU accelerator) runs on it.
-        PartialState(cpu=True)
-    plugin = DeepSpeedPlugin(hf_ds_config=zero.ds_config(cfg, precision, on_gpu=not cpu), zero3_init_flag=False)
-    accelerator = Accelerator(mixed_precision=mixed, deepspeed_plugin=plugin)
-    # accelerate tells transformers about ZeRO-3 at once, and from_pretrained then refuses the
-    # device_map our loader places the model with: the weights load whole, and ZeRO-3 partitions
-    # them when the engine is built (Parallel.prepare tells transformers again).
-    from transformers.integrations import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    return accelerator
 
 
 def load_data(cfg: RecipeConfig, tokenizer, accelerator, say: Callable[[str], None]) -> DataBundle:

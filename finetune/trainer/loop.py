@@ -37,7 +37,7 @@ from finetune.metrics import MetricsWriter, Progress, Throughput, peak_memory_by
 from finetune.model.load import load_tokenizer
 from finetune.objectives.loss import Loss, as_loss, count_targets
 from finetune.objectives.preference import attach_reference, preference_accuracy
-from finetune.parallel.runtime import Parallel
+from finetune.parallel.runtime import Parallel, make_accelerator
 from finetune.runs.checkpoint import checkpoint_dir, output_dir_problem, prepare_output_dir, save_adapter
 from finetune.runs.evaluate import exact_match, exact_match_records, held_out_loss
 from finetune.runs.report import PLOT_NAME, open_sinks, plot_curves, require_extras
@@ -153,7 +153,7 @@ class Trainer:
     def setup(self) -> None:
         cfg = self.cfg
         self.precision = resolve_precision(cfg.precision)
-        acc = self.accelerator = build.make_accelerator(self.precision, cfg)
+        acc = self.accelerator = make_accelerator(self.precision, cfg)
         problem = output_dir_problem(cfg)  # refuse early; delete an old run (overwrite) only once loading worked
         if problem:
             raise OutputDirError(problem)
