@@ -36,7 +36,7 @@ ORDER = [
 PACKAGE_ORDER = {
     "config": ["messages", "files", "older_runs", "schema"],
     "model": ["shards", "moe", "varlen", "load", "kernels"],
-    "memory": ["rules", "linear_ce", "tiled_mlp", "offload", "stream", "host_tables", "apply"],
+    "memory": ["rules", "linear_ce", "tiled_mlp", "activation_offload", "optimizer_offload", "stream", "host_tables", "apply"],
     "plan": [
         "shape",
         "inputs",

@@ -108,7 +108,7 @@ def test_launch_rules_need_the_process_count_and_fsdp_rules_name_what_chose_fsdp
 
 @pytest.mark.parametrize("checkpointing", ["all", "none", 2])
 def test_activation_offload_runs_with_every_checkpointing_setting(checkpointing):
-    # Checkpointed layers' inputs are offloaded too (offload.offloaded_checkpoint): no setting is left with nothing to move.
+    # Checkpointed layers' inputs are offloaded too (activation_offload.offloaded_checkpoint): no setting is left with nothing to move.
     cfg = load_recipe(
         "qlora-1x24gb", PATHS + ["memory.activation_offload=true", f"memory.activation_checkpointing={checkpointing}"]
     )

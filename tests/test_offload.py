@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 
 from finetune.config.schema import build_recipe
 from finetune.errors import ConfigError
-from finetune.memory.offload import ActivationOffload, HostAdamW, offloaded_checkpoint
+from finetune.memory.activation_offload import ActivationOffload, offloaded_checkpoint
+from finetune.memory.optimizer_offload import HostAdamW
 from finetune.memory.stream import in_backward
 from finetune.metrics import read_metrics
 from finetune.model.load import decoder_layers

@@ -395,7 +395,7 @@ def test_offloaded_checkpoints_keep_two_layer_inputs_on_the_gpu_and_the_rest_in_
     assert kept.host_ram_parts["activations"] == 0
     activations = next(c for c in off.components if c.key == "activations")
     assert activations.label == "activations in flight to/from host RAM (checkpointed layer inputs)"
-    # speed.py counts the copies back as exposed, though memory/offload.py prefetches them: an upper bound
+    # speed.py counts the copies back as exposed, though memory/activation_offload.py prefetches them: an upper bound
     # of 8 micro-batches x 496 MiB / 25 GB/s (0.17 s) on a multi-second step.
     assert off.step_time_s - kept.step_time_s == pytest.approx(8 * 31 * layer_input / 25e9, rel=1e-6)
     # A setup the trainer runs now, so the search may propose it.

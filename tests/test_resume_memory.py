@@ -24,7 +24,8 @@ from safetensors.torch import load_file
 
 from finetune.config.schema import build_recipe
 from finetune.errors import Preempted
-from finetune.memory.offload import ActivationOffload, HostAdamW
+from finetune.memory.activation_offload import ActivationOffload
+from finetune.memory.optimizer_offload import HostAdamW
 from finetune.metrics import read_metrics
 from finetune.trainer import Trainer, loop
 
@@ -58,7 +59,7 @@ def copies_like_a_gpu(mode: str):
 KILL_DRIVER = """
 import functools, os, signal, sys
 from finetune.config.schema import load_recipe
-from finetune.memory.offload import ActivationOffload
+from finetune.memory.activation_offload import ActivationOffload
 from finetune.trainer import Trainer, loop
 
 if sys.argv[3] == "force_copy":

@@ -4,8 +4,10 @@ rules        every memory.* / strategy compatibility rule, one table (config, pl
              stands before config/ and imports no model code
 linear_ce    memory.loss=chunked: the LM head and the loss over chunks of targets
 tiled_mlp    memory.tiled_mlp: each decoder MLP over tiles of the sequence, each tile a checkpoint
-offload      memory.activation_offload and memory.optimizer_offload: saved activations and AdamW
-             state in host RAM
+activation_offload  memory.activation_offload: saved activations (and checkpointed layers' inputs) in host RAM
+optimizer_offload   memory.optimizer_offload: AdamW's state and step in host RAM (HostAdamW)
 stream       memory.base_weights: frozen 4-bit layers streamed from CPU RAM or an NVMe file
 host_tables  memory.embeddings=cpu: frozen embedding table and LM head in host RAM
+apply        the ordered apply step: kernels -> offloaded checkpoint -> tiled MLP -> compile ->
+             streaming -> host tables, each step with the reason it stands there
 """

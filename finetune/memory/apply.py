@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from finetune.config.schema import RecipeConfig, resolve_offload_dir
+from finetune.memory.activation_offload import offloaded_checkpoint
 from finetune.memory.host_tables import HostTables
-from finetune.memory.offload import offloaded_checkpoint
 from finetune.memory.stream import DiskStore, WeightStream
 from finetune.memory.tiled_mlp import tile_mlps
 from finetune.metrics import human_bytes

@@ -341,7 +341,7 @@ def enable_gradient_checkpointing(model, every: int = 1) -> None:
 def checkpoint_with(model, function) -> int:
     """Make `function` (torch.utils.checkpoint.checkpoint's signature) the one every checkpointing
     module calls, as transformers' own _set_gradient_checkpointing does; returns how many take it.
-    memory.activation_offload gives offload.offloaded_checkpoint, which parks each layer's input in host RAM."""
+    memory.activation_offload gives activation_offload.offloaded_checkpoint, which parks each layer's input in host RAM."""
     modules = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
     for module in modules:
         module._gradient_checkpointing_func = function

@@ -48,9 +48,9 @@ def activation_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: 
     layers_saved = checkpointed * input_only + (L - checkpointed) * full_layer
     host = host_ram = 0
     if setup.activation_offload:
-        # memory/offload.py moves what autograd saves, as forward makes it, on a side stream, and brings it
+        # memory/activation_offload.py moves what autograd saves, as forward makes it, on a side stream, and brings it
         # back as backward reaches it: all of it for the layers that are not checkpointed, the input
-        # of each checkpointed one (offload.offloaded_checkpoint; its recomputation's input comes back one
+        # of each checkpointed one (activation_offload.offloaded_checkpoint; its recomputation's input comes back one
         # layer ahead, on the side stream). On the GPU: the layers in flight (out in forward, back in
         # backward), plus the copies that fall behind when a layer saves more than the link carries
         # while the next one computes. The first layer's input stays: it is the embeddings' output,

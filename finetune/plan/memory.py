@@ -218,7 +218,7 @@ def _static_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, impl: Im
         t.offloaded = t.q_weight + t.q_const + t.lora + t.grads + t.optim
         t.q_weight = t.q_const = t.lora = t.grads = t.optim = 0
     if setup.optimizer_offload and (zero or not setup.cpu_offload):
-        # HostAdamW (memory/offload.py), or ZeRO's offload_optimizer (its partition): an fp32 copy of each
+        # HostAdamW (memory/optimizer_offload.py), or ZeRO's offload_optimizer (its partition): an fp32 copy of each
         # trainable weight, its fp32 gradient and both fp32 moments live in host RAM (pinned); the GPU
         # keeps the weights and their gradients.
         t.host_optimizer = (trainable // n_gpu if multi and strategy.partitions_optimizer else trainable) * 4 * 4

@@ -162,7 +162,7 @@ def _with_host_copies(shape, setup, gpu, micro: float, forward: float, streamed_
     first_layer = weights / shape.layers
     acts = activation_bytes / host_link
     backward = micro - forward
-    # Forward: weights come in while activations go out (PCIe is full duplex). Backward: memory/offload.py
+    # Forward: weights come in while activations go out (PCIe is full duplex). Backward: memory/activation_offload.py
     # copies saved tensors back on the compute stream, so those copies add to the time.
     with_copies = max(forward, weights, acts) + first_layer + max(backward, weights) + first_layer + acts
     return with_copies, 2 * weights + 2 * acts, with_copies - micro

@@ -16,7 +16,7 @@ from finetune.config.schema import RecipeConfig, build_recipe, resolve_offload_d
 from finetune.data import IGNORE_INDEX, DataBundle, DataStats, build_datasets, build_examples
 from finetune.errors import ConfigError
 from finetune.memory.apply import apply_techniques
-from finetune.memory.offload import HostAdamW
+from finetune.memory.optimizer_offload import HostAdamW
 from finetune.memory.stream import DiskStore, WeightStream
 from finetune.metrics import human_bytes
 from finetune.model.load import (

@@ -31,7 +31,7 @@ from finetune.config.schema import RecipeConfig
 from finetune.data import Collator, DataBundle, count_tokens, use_template
 from finetune.errors import OutputDirError, Preempted, TrainingError
 from finetune.hardware import resolve_precision, torch_dtype
-from finetune.memory.offload import ActivationOffload, NoActivationOffload
+from finetune.memory.activation_offload import ActivationOffload, NoActivationOffload
 from finetune.memory.stream import WeightStream
 from finetune.metrics import MetricsWriter, Progress, Throughput, peak_memory_bytes
 from finetune.model.load import load_tokenizer
