@@ -17,18 +17,21 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Strategy:
+    """A strategy names only what it does; every trait it lacks stays False."""
+
     name: str  # the planner's Setup.sharding
     recipe: dict[str, Any]  # the recipe keys that choose it (distributed.*)
-    replicates: bool  # a whole replica per GPU: DDP's all-reduce buckets mirror the gradients
-    partitions_weights: bool  # the base weights split over the GPUs, gathered a layer at a time
-    partitions_optimizer: bool  # gradients and AdamW state split over the GPUs
-    partitions_root: bool  # the embeddings, head and final norm split too (FSDP keeps its root unit whole)
-    wraps_layers: bool  # each decoder layer wrapped by FSDP2's fully_shard: the memory rules' FSDP rows apply
-    deepspeed: bool  # runs through DeepSpeed's engine: its keys (parallel/zero.py) set the offloads, and
-    # distributed.cpu_offload means its weight partitions (offload_params), not every shard as under FSDP
-    loads_whole_on_host: bool  # each process builds the whole model in CPU RAM before it shards
-    starts_whole_on_gpu: bool  # the engine is built from the whole model on each GPU, partitioned after
-    searched: bool  # `plan --fit` tries it
+    replicates: bool = False  # a whole replica per GPU: DDP's all-reduce buckets mirror the gradients
+    partitions_weights: bool = False  # the base weights split over the GPUs, gathered a layer at a time
+    partitions_optimizer: bool = False  # gradients and AdamW state split over the GPUs
+    partitions_root: bool = False  # the embeddings, head and final norm split too (FSDP keeps its root unit whole)
+    wraps_layers: bool = False  # each decoder layer wrapped by FSDP2's fully_shard: the memory rules' FSDP rows apply
+    # Runs through DeepSpeed's engine: its keys (parallel/zero.py) set the offloads, and
+    # distributed.cpu_offload means its weight partitions (offload_params), not every shard as under FSDP.
+    deepspeed: bool = False
+    loads_whole_on_host: bool = False  # each process builds the whole model in CPU RAM before it shards
+    starts_whole_on_gpu: bool = False  # the engine is built from the whole model on each GPU, partitioned after
+    searched: bool = False  # `plan --fit` tries it
     # `plan --gpus N` compares these rows: (label, Setup fields); memory.* as the recipe writes them
     # for a replica, the vocabulary tables on the GPUs for the rest (memory/rules.py).
     compared: tuple[tuple[str, dict[str, Any]], ...] = ()
@@ -44,30 +47,15 @@ class Strategy:
 
 
 DDP = Strategy(
-    "ddp",
-    {"distributed.strategy": "ddp"},
-    replicates=True,
-    partitions_weights=False,
-    partitions_optimizer=False,
-    partitions_root=False,
-    wraps_layers=False,
-    deepspeed=False,
-    loads_whole_on_host=False,
-    starts_whole_on_gpu=False,
-    searched=True,
-    compared=(("ddp", {"cpu_offload": False}),),
+    "ddp", {"distributed.strategy": "ddp"}, replicates=True, searched=True, compared=(("ddp", {"cpu_offload": False}),)
 )
 FSDP = Strategy(
     "fsdp",
     {"distributed.strategy": "fsdp"},
-    replicates=False,
     partitions_weights=True,
     partitions_optimizer=True,
-    partitions_root=False,
     wraps_layers=True,
-    deepspeed=False,
     loads_whole_on_host=True,
-    starts_whole_on_gpu=False,
     searched=True,
     compared=(
         ("fsdp", {"cpu_offload": False, "optimizer_offload": False}),
@@ -77,15 +65,8 @@ FSDP = Strategy(
 ZERO2 = Strategy(
     "zero2",
     {"distributed.strategy": "deepspeed", "distributed.zero_stage": 2},
-    replicates=False,
-    partitions_weights=False,
     partitions_optimizer=True,
-    partitions_root=False,
-    wraps_layers=False,
     deepspeed=True,
-    loads_whole_on_host=False,
-    starts_whole_on_gpu=False,
-    searched=False,
     compared=(
         ("deepspeed zero2", {"cpu_offload": False, "optimizer_offload": False}),
         ("deepspeed zero2 offload_optimizer=cpu", {"cpu_offload": False, "optimizer_offload": True}),
@@ -94,15 +75,11 @@ ZERO2 = Strategy(
 ZERO3 = Strategy(
     "zero3",
     {"distributed.strategy": "deepspeed", "distributed.zero_stage": 3},
-    replicates=False,
     partitions_weights=True,
     partitions_optimizer=True,
     partitions_root=True,
-    wraps_layers=False,
     deepspeed=True,
-    loads_whole_on_host=False,
     starts_whole_on_gpu=True,
-    searched=False,
     compared=(
         ("deepspeed zero3", {"cpu_offload": False, "optimizer_offload": False}),
         ("deepspeed zero3 offload_optimizer+params=cpu", {"cpu_offload": True, "optimizer_offload": True}),
