@@ -100,8 +100,3 @@ def of_recipe(cfg: Any) -> Strategy:
         if all(getattr(d, key.split(".", 1)[1]) == value for key, value in s.recipe.items()):
             return s
     return DDP
-
-
-def wraps_layers(cfg: Any) -> bool:
-    """The recipe names a strategy whose layers FSDP2 wraps (auto's choice is known only at launch)."""
-    return cfg.distributed.strategy != "auto" and of_recipe(cfg).wraps_layers

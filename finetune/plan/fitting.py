@@ -12,7 +12,7 @@ from finetune.config.schema import RecipeConfig
 from finetune.errors import PlanError
 from finetune.gpus import GiB, GpuSpec
 from finetune.memory import rules as memory_rules
-from finetune.parallel.strategies import STRATEGIES, planned
+from finetune.parallel.strategies import STRATEGIES
 from finetune.plan.inputs import RecipeFacts, Setup, describe_setup
 from finetune.plan.memory import Estimate, estimate, gib
 from finetune.plan.recipe import planning_inputs, setup_of
@@ -67,7 +67,7 @@ def mode_settings(s: Setup, recipe: RecipeFacts | None = None) -> memory_rules.S
         optimizer_offload=s.optimizer_offload,
         embeddings=s.embeddings,
         loss=s.loss,
-        fsdp=planned(s.sharding).wraps_layers and s.gpus > 1,
+        fsdp=s.strategy.wraps_layers and s.gpus > 1,
         cpu_offload=s.cpu_offload,
         processes=s.gpus,
     )
@@ -79,7 +79,7 @@ def mode_settings(s: Setup, recipe: RecipeFacts | None = None) -> memory_rules.S
 def runnable(s: Setup, recipe: RecipeFacts | None = None) -> bool:
     """Whether the trainer runs this combination: no rule of finetune/memory/rules.py's table refuses it.
     A sharding strategy on one GPU is left out too: it runs as one process, the same setup as DDP's."""
-    if s.gpus == 1 and not planned(s.sharding).replicates:
+    if s.gpus == 1 and not s.strategy.replicates:
         return False
     return not memory_rules.problems(mode_settings(s, recipe))
 

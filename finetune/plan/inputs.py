@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from finetune import adapters
 from finetune.config.schema import RecipeConfig
-from finetune.parallel.strategies import planned
+from finetune.parallel.strategies import Strategy, planned
 from finetune.plan.shape import LinearGroup, ModelShape
 
 
@@ -39,9 +39,14 @@ class Setup:
     reference_passes: int = 0  # dpo: forwards without gradients (adapter off) per micro-batch, for the reference
 
     @property
+    def strategy(self) -> Strategy:
+        """The declaration of `sharding` (parallel/strategies.py): what it partitions, where it loads."""
+        return planned(self.sharding)
+
+    @property
     def partitions_weights(self) -> bool:
         """The base weights are split over the GPUs (FSDP, ZeRO-3), gathered a layer at a time."""
-        return planned(self.sharding).partitions_weights and self.gpus > 1
+        return self.strategy.partitions_weights and self.gpus > 1
 
     @property
     def rows(self) -> int:
@@ -169,7 +174,7 @@ def lora_targets(shape: ModelShape, target: str | tuple[str, ...]) -> list[Linea
 
 
 def _sharding_label(s: Setup) -> str:
-    return planned(s.sharding).describe(s.cpu_offload, s.optimizer_offload) if s.gpus > 1 else ""
+    return s.strategy.describe(s.cpu_offload, s.optimizer_offload) if s.gpus > 1 else ""
 
 
 def describe_setup(s: Setup) -> str:
@@ -178,7 +183,7 @@ def describe_setup(s: Setup) -> str:
         name
         for name, on in [
             ("activations", s.activation_offload),
-            ("optimizer", s.optimizer_offload and not planned(s.sharding).deepspeed),  # ZeRO's label names it
+            ("optimizer", s.optimizer_offload and not s.strategy.deepspeed),  # ZeRO's label names it
             (f"base weights streamed from {s.base_weights}", s.streams_weights),
             ("vocabulary tables", s.embeddings == "cpu"),
         ]

@@ -8,7 +8,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from finetune.gpus import GiB, GpuSpec
-from finetune.parallel.strategies import planned
 from finetune.plan.activations import OFFLOAD_LAYERS_IN_FLIGHT, Activations, activation_terms  # noqa: F401 - re-exported
 from finetune.plan.inputs import DEFAULT_IMPL, Implementation, RecipeFacts, Setup
 from finetune.plan.shape import ModelShape
@@ -187,7 +186,7 @@ def _static_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, impl: Im
         linear_blocks=linear_blocks,
     )
     t.unquantized -= host_tables
-    strategy, multi = planned(setup.sharding), n_gpu > 1
+    strategy, multi = setup.strategy, n_gpu > 1
     zero = multi and strategy.deepspeed
     if fsdp:
         # Decoder layers are sharded; FSDP's root unit (embeddings, head, final norm) stays whole,
@@ -197,9 +196,8 @@ def _static_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, impl: Im
         t.q_weight, t.q_const = int(t.q_weight / n_gpu), int(t.q_const / n_gpu)
         t.lora, t.grads, t.optim = t.lora // n_gpu, t.grads // n_gpu, t.optim // n_gpu
         t.unquantized = t.unquantized // n_gpu if strategy.partitions_root else t.unquantized
-    elif (
-        multi and strategy.partitions_optimizer
-    ):  # ZeRO-2: gradients and optimizer state partitioned, every weight whole on every GPU
+    # ZeRO-2: gradients and optimizer state partitioned, every weight whole on every GPU
+    elif multi and strategy.partitions_optimizer:
         t.grads, t.optim = t.grads // n_gpu, t.optim // n_gpu
     elif setup.streams_weights:
         # memory.base_weights=cpu|disk (memory/stream.py): the decoder linears' packed weights wait on the host
@@ -250,7 +248,7 @@ def estimate(
     peak_alloc = max(phase_loss, phase_backward)
     # ZeRO-3 builds its engine from the whole model on each GPU (our loader places it with a
     # device_map, which zero.Init refuses) and partitions it then: offload cannot lower that.
-    start = st.whole_model if planned(setup.sharding).starts_whole_on_gpu and n_gpu > 1 else 0
+    start = st.whole_model if setup.strategy.starts_whole_on_gpu and n_gpu > 1 else 0
     phase = "start" if start > peak_alloc else "loss" if loss_peak else "backward"
     peak_alloc = max(peak_alloc, start)
     slack = int(ALLOCATOR_SLACK * peak_alloc) if gpu is not None else 0
@@ -269,7 +267,7 @@ def estimate(
         activation_bytes=act.host,
         exposed_bytes=tr.head_visit + (setup.rows * setup.seq_len * shape.hidden * recipe.compute_bytes if tr.head_visit else 0),
     )
-    fsdp_loads = planned(setup.sharding).loads_whole_on_host and n_gpu > 1  # ZeRO loads on the GPU: one shard at a time in RAM
+    fsdp_loads = setup.strategy.loads_whole_on_host and n_gpu > 1  # ZeRO loads on the GPU: one shard at a time in RAM
     host_parts, captured = _host_ram(shape, recipe, setup, st, act, fsdp_loads, shard_bytes, pinned_blocks=gpu is not None)
     disk_parts = _disk(shape, st, setup, impl, keep_checkpoints, model_on_disk)
     return Estimate(

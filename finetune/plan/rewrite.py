@@ -9,7 +9,7 @@ from typing import Any
 from finetune.config.schema import RecipeConfig, build_recipe, read_recipe_file
 from finetune.memory import rules as memory_rules
 from finetune.parallel import zero
-from finetune.parallel.strategies import of_recipe, planned
+from finetune.parallel.strategies import of_recipe
 from finetune.plan.fitting import KNOBS
 from finetune.plan.inputs import Setup, describe_setup
 from finetune.plan.memory import Estimate, gib
@@ -42,7 +42,7 @@ def setup_changes(setup: Setup, base: Setup, cfg: RecipeConfig | None = None) ->
     if setup.grad_accum != base.grad_accum:
         out["train.grad_accum"] = setup.grad_accum
     if cfg is not None:
-        chosen = planned(setup.sharding)
+        chosen = setup.strategy
         if of_recipe(cfg).wraps_layers and not (chosen.wraps_layers and setup.gpus > 1):
             out.setdefault("distributed.strategy", "auto" if setup.gpus == 1 else "ddp")
         if cfg.distributed.cpu_offload and not setup.cpu_offload:
