@@ -4,7 +4,7 @@ each shipped single-GPU recipe's measured peak next to `finetune plan`.
 
     pip install -e ".[bench,gpu]"                   # trl and liger-kernel; unsloth is tried when installed
     python benchmarks/gpu.py                          # peers, Llama-3.1-8B config, 480 examples
-    python benchmarks/gpu.py --models llama-3.1-8b qwen2.5-7b --tools finetune_varlen trl_liger_packing
+    python benchmarks/gpu.py --models llama-3.1-8b qwen2.5-7b --tools finetune finetune_offload trl_liger_packing
     python benchmarks/gpu.py --suite recipes          # each recipe's peak under its card's cap vs the plan
     python benchmarks/gpu.py --tiny --device cpu --examples 24 --median-words 30   # smoke run (tests)
 
@@ -51,7 +51,7 @@ from gpu_tools import FINETUNE_SETTINGS, TRL_SETTINGS, WARMUP_STEPS, run_recipe,
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
 TOOLS = [*FINETUNE_SETTINGS, *TRL_SETTINGS, "hf", "unsloth"]
-DEFAULT_TOOLS = ["finetune", "finetune_varlen", "trl", "trl_liger_packing", "hf", "unsloth"]
+DEFAULT_TOOLS = ["finetune", "finetune_offload", "trl", "trl_liger_packing", "hf", "unsloth"]
 # The single-GPU recipes and the card each is written for (GiB, the planner's GPU). They run with
 # train.grad_accum=1 (the peak is a micro-batch's: accumulation adds no tensor). The MoE and 70B
 # recipes need models too big for the device's disk in bf16; FSDP needs two GPUs.

@@ -133,13 +133,16 @@ def load_4bit(spec: dict[str, Any]):
 # ----------------------------------------------------------------------------- finetune
 
 FINETUNE_SETTINGS = {
-    # the 24 GB recipe as shipped: packed rows under sdpa (a block-causal mask per row); liger's kernels
-    # when installed (the recipe's model.kernels=auto, in every finetune row)
+    # qlora-1x24gb as shipped: packed rows cut per example (auto: varlen on CUDA in 16-bit), every tensor
+    # on the GPU; liger's kernels when installed (model.kernels=auto, in every finetune row)
     "finetune": [],
-    # + packed rows cut into their examples (no T x T mask)
-    "finetune_varlen": ["model.attn_implementation=varlen"],
-    # + everything on the GPU (no host tables, checkpoints recomputed in place): when memory allows
-    "finetune_fast": ["model.attn_implementation=varlen", "memory.activation_offload=false", "memory.embeddings=device"],
+    # packed rows under sdpa's block-causal mask (what auto picked on CUDA until session 12)
+    "finetune_sdpa": ["model.attn_implementation=sdpa"],
+    # + the recipe's memory settings until session 12: checkpointed inputs and vocabulary tables in host RAM
+    "finetune_offload": ["memory.activation_offload=true", "memory.embeddings=cpu"],
+    # each offload alone (what the next GPU session should measure: which of the two costs the time)
+    "finetune_act_offload": ["memory.activation_offload=true"],
+    "finetune_host_tables": ["memory.embeddings=cpu"],
 }
 
 

@@ -102,10 +102,10 @@ def child(args) -> dict:
             times.append(time.perf_counter() - t0)
             losses.append(totals.loss_sum / totals.units)
     trainer.close()
-    offload = trainer.activation_offload
+    offload = trainer.memory.activations
     return {
         "mode": args.mode,
-        "parked_bytes_per_step": offload.checkpoint_bytes // args.steps if offload else 0,
+        "parked_bytes_per_step": getattr(offload, "checkpoint_bytes", 0) // args.steps,
         "step_s_median": statistics.median(times[1:] or times),
         "first_loss": losses[0],
         "rss_anon_after_setup": base,

@@ -162,7 +162,7 @@ def child(args) -> dict:
         "rss_anon_after_setup": after_setup,
         "rss_anon_train_peak": train.peak,
         "cuda_peak_allocated": torch.cuda.max_memory_allocated() if cuda else None,
-        "streamed_bytes": trainer.stream.streamed_bytes if trainer.stream else None,
+        "streamed_bytes": trainer.memory.stream.streamed_bytes if trainer.memory.stream else None,
     }
     trainer.close()
     return result

@@ -7,6 +7,34 @@ FinetuneError (and subclasses) to exit code 2 and prints no traceback unless
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Rule(Generic[T]):
+    """One thing that cannot run with another: the one shape of every cross-field rule (adapter
+    methods, memory techniques, objectives, ZeRO, gradient compression). `conflicts(x)` says whether
+    `x` (a recipe, or the settings a rule table reads) has it; `says` is the message naming the keys
+    and the fix: a str.format template of the fields the caller gives, or a function of `x`."""
+
+    conflicts: Callable[[T], bool]
+    says: str | Callable[[T], str] = ""
+
+    def message(self, x: T, **fields: Any) -> str:
+        return self.says(x) if callable(self.says) else self.says.format(**fields)
+
+    def check(self, x: T, **fields: Any) -> str | None:
+        return self.message(x, **fields) if self.conflicts(x) else None
+
+
+def broken(rules: Iterable[Rule[T]], x: T, **fields: Any) -> list[str]:
+    """The message of every rule `x` breaks, in the rules' order."""
+    return [m for m in (rule.check(x, **fields) for rule in rules) if m is not None]
+
 
 class FinetuneError(Exception):
     """Base class: a problem with the user's input or environment, with a hint."""

@@ -33,13 +33,13 @@ def test_step_flops_by_hand(gpu_bench):
 def test_every_tool_trains_the_same_examples_and_a_recipe_runs_beside_its_plan(tmp_path):
     out = tmp_path / "results.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--suite", "all", "--tiny", "--device", "cpu",
-           "--examples", "24", "--median-words", "30", "--tools", "finetune_varlen", "trl", "hf", "--baseline", "trl",
+           "--examples", "24", "--median-words", "30", "--tools", "finetune_sdpa", "trl", "hf", "--baseline", "trl",
            "--recipes", "qlora-1x24gb", "--workdir", str(tmp_path / "work"), "--json", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     results = json.loads(out.read_text())
     peers = results["peers"]["llama-3.1-8b"]
-    assert set(peers) == {"finetune_varlen", "trl", "hf"}
+    assert set(peers) == {"finetune_sdpa", "trl", "hf"}
     for tool, row in peers.items():
         assert "error" not in row, (tool, row)
         assert row["examples"] == 24, tool  # one epoch of the same 24 examples, whatever the layout
@@ -47,7 +47,7 @@ def test_every_tool_trains_the_same_examples_and_a_recipe_runs_beside_its_plan(t
         assert math.isfinite(row["eval_loss"]) and 7.0 < row["eval_loss"] < 9.5  # ~ln(4096) = 8.3 at random init
         assert row["mfu"] is None and row["peak_train_gib"] is None  # a CPU: no CUDA peak, no bf16 peak
     assert peers["trl"]["speed_vs_baseline"] == 1.0
-    assert peers["finetune_varlen"]["settings"] == ["model.attn_implementation=varlen"]
+    assert peers["finetune_sdpa"]["settings"] == ["model.attn_implementation=sdpa"]
     recipe = results["recipes"]["llama-3.1-8b/qlora-1x24gb"]
     assert recipe["steps"] == 3 and recipe["planned"] > recipe["planned_allocated"] > 0 and recipe["measured"] > 0
     assert recipe["measured_is"].startswith("peak RSS") and "measured_vs_plan" not in recipe  # no CUDA peak to compare

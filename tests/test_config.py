@@ -152,7 +152,7 @@ def test_union_type_error_is_one_problem():
 
 def test_fsdp_rules_hold_for_the_key_and_for_autos_choice():
     from finetune.errors import ConfigError
-    from finetune.parallel.strategy import check_strategy
+    from finetune.parallel.distribute import check_strategy
 
     base = {"model": {"path": "x"}, "data": {"path": "y"}, "output_dir": "o", "quant": {"bits": 8}}
     with pytest.raises(ConfigError) as err:
@@ -263,18 +263,18 @@ def test_deepspeed_keys_and_what_zero_cannot_run_with():
 def test_deepspeed_missing_says_how_to_install_it(monkeypatch):
     import sys
 
-    from finetune.parallel import zero
+    from finetune.parallel import zero_config
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
     with pytest.raises(ConfigError) as err:
-        zero.require()
+        zero_config.require()
     assert "pip install 'finetune[deepspeed]'" in err.value.problems[0]
 
 
 def test_deepspeed_config_leaves_accumulation_to_the_trainer_and_runs_from_before_it_resume():
     import json
 
-    from finetune.parallel import zero
+    from finetune.parallel import zero_config
     from finetune.runs.checkpoint import recipe_changes
 
     cfg = build_recipe(
@@ -284,14 +284,16 @@ def test_deepspeed_config_leaves_accumulation_to_the_trainer_and_runs_from_befor
             "distributed": {"strategy": "deepspeed", "zero_stage": 3, "offload_params": "nvme", "nvme_dir": "/nv"},
         }
     )
-    c = zero.ds_config(cfg, "bf16", on_gpu=True)
+    c = zero_config.ds_config(cfg, "bf16", on_gpu=True)
     assert (c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"], c["gradient_clipping"]) == (3, 1, 0.5)
     assert c["zero_optimization"]["offload_param"] == {"device": "nvme", "pin_memory": True, "nvme_path": "/nv"}
     assert "offload_optimizer" not in c["zero_optimization"] and c["bf16"] == {"enabled": True}
-    assert c["zero_force_ds_cpu_optimizer"] and not zero.ds_config(cfg, "bf16", on_gpu=False)["zero_force_ds_cpu_optimizer"]
+    assert (
+        c["zero_force_ds_cpu_optimizer"] and not zero_config.ds_config(cfg, "bf16", on_gpu=False)["zero_force_ds_cpu_optimizer"]
+    )
     new = build_recipe(MINIMAL).to_dict()
     old = json.loads(json.dumps(new))
-    for key in zero.DEFAULTS:
+    for key in zero_config.DEFAULTS:
         del old["distributed"][key]
     assert recipe_changes(old, new) == ([], [])
     # How the processes share the work is not what they compute: a ZeRO run resumes under DDP or alone.
@@ -306,25 +308,39 @@ def test_auto_strategy_on_cuda_follows_the_plan_and_says_when_it_cannot_make_one
 
     from finetune import plan
     from finetune.errors import PlanError
-    from finetune.parallel import strategy
+    from finetune.parallel import distribute
 
     cfg = build_recipe({**MINIMAL, "distributed": {"strategy": "auto"}})
     rtx4090 = SimpleNamespace(name="NVIDIA GeForce RTX 4090", total_memory=24 * 2**30)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: rtx4090)
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(plan, "plan_recipe", lambda cfg, gpu, gpus: SimpleNamespace(fits=gpu.memory_bytes > 30 * 2**30))
-    assert strategy.resolve_strategy(cfg, 2, cuda) == "fsdp"  # a replica does not fit 24 GiB
+    assert distribute.resolve_strategy(cfg, 2, cuda) == "fsdp"  # a replica does not fit 24 GiB
     rtx4090.total_memory = 48 * 2**30
-    assert strategy.resolve_strategy(cfg, 2, cuda) == "ddp"
-    assert strategy.resolve_strategy(cfg, 1, cuda) == "single"
+    assert distribute.resolve_strategy(cfg, 2, cuda) == "ddp"
+    assert distribute.resolve_strategy(cfg, 1, cuda) == "single"
     assert capsys.readouterr().out == ""
 
     def unreadable(*args, **kwargs):
         raise PlanError("cannot read config.json of 'org/custom'")
 
     monkeypatch.setattr(plan, "plan_recipe", unreadable)
-    assert strategy.resolve_strategy(cfg, 2, cuda) == "ddp"  # it still trains, and says why unplanned
+    assert distribute.resolve_strategy(cfg, 2, cuda) == "ddp"  # it still trains, and says why unplanned
     assert capsys.readouterr().out == (
         "note: distributed.strategy=auto runs DDP (a whole replica per GPU) without a memory plan: "
         "cannot read config.json of 'org/custom'. Set distributed.strategy=fsdp if a replica does not fit one GPU.\n"
     )
+
+
+def test_a_wrong_value_says_what_the_key_is():
+    # The schema's description, first clause, shortened: the help is where the user reads the error.
+    problems = problems_of({**MINIMAL, "train": {"batch_size": 0}, "memory": {"loss": "bogus"}})
+    assert (
+        "train.batch_size: Input should be greater than or equal to 1 (got 0); batch_size: micro-batch (examples per forward)"
+        in problems
+    )
+    (loss,) = [p for p in problems if p.startswith("memory.loss")]
+    assert loss.endswith(
+        "(got 'bogus'); loss: how the LM head and the loss meet: chunked computes them over loss_chunk target positions at a time, never..."
+    )
+    assert len(loss.split("; loss: ")[1]) <= 110

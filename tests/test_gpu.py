@@ -134,7 +134,7 @@ def _offload_run(recipe_dict, model_dir, out, quant=None, checkpointing="all", *
     peak = torch.cuda.max_memory_allocated() - before
     losses = [r["loss"] for r in read_metrics(result.metrics_path) if "loss" in r]
     trainer.close()
-    kept = {"stream": trainer.stream, "activation_offload": trainer.activation_offload}
+    kept = {"stream": trainer.memory.stream, "activation_offload": trainer.memory.activations}
     del trainer, result
     return losses, setup_bytes, peak, kept
 

@@ -210,7 +210,7 @@ def test_the_planner_moves_both_tables_to_host_ram_and_the_head_visits_for_the_l
     gpu = find_gpu("rtx4090", None)
     base = ["model.path=" + LLAMA_31_8B, "data.path=unused.jsonl", "memory.activation_offload=false"]
     device = plan_recipe(load_recipe("qlora-1x24gb", base + ["memory.embeddings=device"]), gpu)
-    host = plan_recipe(load_recipe("qlora-1x24gb", base), gpu)
+    host = plan_recipe(load_recipe("qlora-1x24gb", base + ["memory.embeddings=cpu"]), gpu)
     table = 128_256 * 4096 * 2  # bf16, untied: the embedding table and the head are each this
     c = lambda e, key: e.component(key)  # noqa: E731
     assert c(device, "weights_unquantized") - c(host, "weights_unquantized") == 2 * table
@@ -231,16 +231,21 @@ def test_the_planner_moves_both_tables_to_host_ram_and_the_head_visits_for_the_l
     assert host.step_time_s - device.step_time_s == pytest.approx(8 * per_micro, rel=1e-9)
 
 
-def test_qlora_1x24gb_plans_under_7_gib_and_the_long_context_recipe_over_100k_tokens():
+def test_qlora_1x24gb_plans_under_7_gib_with_both_offloads_and_the_long_context_recipe_over_100k_tokens():
     from finetune.config.schema import load_recipe
     from finetune.gpus import find_gpu
     from finetune.plan import longest_trainable_seq, plan_recipe
 
     gpu = find_gpu("rtx4090", None)
     model = ["model.path=" + LLAMA_31_8B, "data.path=unused.jsonl"]
-    short = plan_recipe(load_recipe("qlora-1x24gb", model), gpu)
+    # Issue 12's target: 2 x 2048 under 7 GiB with the levers on (the recipe ships them off since an H100
+    # measured them 1.47x slower: it has room to spare without them).
+    levers = ["memory.activation_offload=true", "memory.embeddings=cpu"]
+    short = plan_recipe(load_recipe("qlora-1x24gb", model + levers), gpu)
     assert (short.setup.batch_size, short.setup.seq_len) == (2, 2048)
     assert short.peak_bytes <= 7.0 * GiB
+    shipped = plan_recipe(load_recipe("qlora-1x24gb", model), gpu)
+    assert shipped.peak_bytes <= 0.5 * gpu.memory_bytes
     recipe = Path(__file__).parents[1] / "recipes" / "qlora-longctx-1x24gb.yaml"
     long_cfg = load_recipe(str(recipe), model)
     long = plan_recipe(long_cfg, gpu)
@@ -255,7 +260,7 @@ def test_with_streamed_base_weights_too_the_run_is_bitwise_the_same(recipe_dict,
     # (whose model.to(device) would otherwise bring them back).
     ref_losses, ref_adapter, _ = trained(recipe(recipe_dict, tmp_path / "device", "device"))
     losses, adapter, trainer = trained(recipe(recipe_dict, tmp_path / "both", "cpu", base_weights="cpu"))
-    assert trainer.stream is not None and trainer.stream.loads > 0
+    assert trainer.memory.stream is not None and trainer.memory.stream.loads > 0
     assert losses == ref_losses and all(torch.equal(adapter[k], ref_adapter[k]) for k in adapter)
 
 
@@ -270,7 +275,7 @@ def test_the_search_never_proposes_tables_in_host_ram_to_a_liger_recipe_and_fp32
     cfg = load_recipe("qlora-1x24gb", base)
     shape, recipe = read_model_shape(LLAMA_31_8B), RecipeFacts.from_config(cfg, "bf16")
     tried = candidates(setup_of(cfg), 1, recipe)
-    assert tried and not any(s.embeddings == "cpu" for s in tried)  # memory/rules refuses liger + cpu tables
+    assert tried and not any(s.embeddings == "cpu" for s in tried)  # memory/techniques refuses liger + cpu tables
     assert any(s.embeddings == "cpu" for s in candidates(setup_of(load_recipe("qlora-1x24gb", base[:3])), 1, recipe))
     # fp32 without checkpointing: only an MLP tile is rebuilt in backward, never a negative term.
     fp32 = load_recipe("qlora-1x24gb", base[:3] + ["memory.activation_checkpointing=none", "precision=fp32"])

@@ -61,6 +61,32 @@ def test_liger_gets_the_base_model_and_only_the_pieces_its_function_takes(monkey
     assert calls == [dict(rope=True, ce=False, flce=False, rms=True, swiglu=True, model=base)]
 
 
+def test_a_model_loaded_after_liger_gets_its_own_modules(monkeypatch, tiny_model_dir):
+    # liger swaps classes in transformers' modeling module for the whole process (seen on an H100: a
+    # kernels=none run after an auto one got LigerSwiGLUMLP); finetune puts the classes back at once.
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    class FusedMLP(torch.nn.Module):
+        pass
+
+    def rope(*args, **kwargs):
+        return None
+
+    def apply_liger_kernel_to_llama(model=None):  # what liger's function does, both ways
+        monkeypatch.setattr(modeling_llama, "LlamaMLP", FusedMLP)
+        monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", rope)
+        model.model.layers[0].mlp.fused = True  # its per-instance patch of the model in hand
+
+    own = modeling_llama.LlamaMLP
+    monkeypatch.setattr(kernels, "liger_families", lambda: {"llama": apply_liger_kernel_to_llama})
+    first = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert kernels.apply_kernels(first, "auto", "cuda") == "liger" and first.model.layers[0].mlp.fused
+    assert modeling_llama.LlamaMLP is own and modeling_llama.apply_rotary_pos_emb is rope
+    later = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert type(later.model.layers[0].mlp) is own
+
+
 def test_an_moe_model_keeps_its_experts_and_a_failing_patch_is_said(monkeypatch, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -17,9 +17,9 @@ ORDER = [
     "metrics",
     "adapters",  # declarations: keys, rules, defaults
     "parallel.strategies",
-    "memory.rules",
+    "memory.techniques",
     "objectives.table",
-    "parallel.zero",
+    "parallel.zero_config",
     "parallel.compression",
     "config",  # the recipe, read and checked
     "data",  # records -> tokens and masks
@@ -36,7 +36,16 @@ ORDER = [
 PACKAGE_ORDER = {
     "config": ["messages", "files", "older_runs", "schema"],
     "model": ["shards", "moe", "varlen", "load", "kernels"],
-    "memory": ["rules", "linear_ce", "tiled_mlp", "activation_offload", "optimizer_offload", "stream", "host_tables", "apply"],
+    "memory": [
+        "techniques",
+        "linear_ce",
+        "tiled_mlp",
+        "activation_offload",
+        "optimizer_offload",
+        "stream",
+        "host_tables",
+        "apply",
+    ],
     "plan": [
         "shape",
         "inputs",
@@ -51,7 +60,7 @@ PACKAGE_ORDER = {
         "check",
         "command",
     ],
-    "parallel": ["strategies", "zero", "compression", "strategy", "rank_state", "ddp_hooks", "runtime", "launch"],
+    "parallel": ["strategies", "zero_config", "compression", "distribute", "rank_state", "ddp_hooks", "runtime", "launch"],
     "runs": ["report", "checkpoint", "resume", "evaluate", "preflight", "open", "merge", "export"],
     "objectives": ["table", "loss", "preference"],
     "trainer": ["state", "callbacks", "schedule", "order", "profiling", "build", "loop"],
@@ -62,7 +71,7 @@ HELPERS = {"errors", "hardware", "gpus", "metrics"}  # design: errors and at mos
 
 
 def unit_of(dotted: str) -> str:
-    """The ORDER entry a module belongs to: finetune.memory.rules -> memory.rules, finetune.memory.stream -> memory."""
+    """The ORDER entry a module belongs to: finetune.memory.techniques -> memory.techniques, finetune.memory.stream -> memory."""
     parts = dotted.split(".")[1:]
     if len(parts) >= 2 and ".".join(parts[:2]) in ORDER:
         return ".".join(parts[:2])
@@ -70,7 +79,7 @@ def unit_of(dotted: str) -> str:
 
 
 def imported_modules(path: Path) -> set[str]:
-    """Every finetune module a file imports, dotted (`from finetune.memory import rules` -> finetune.memory.rules)."""
+    """Every finetune module a file imports, dotted (`from finetune.memory import techniques` -> finetune.memory.techniques)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "finetune":

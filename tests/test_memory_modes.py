@@ -1,4 +1,4 @@
-"""The memory-mode table (finetune/memory/rules.py): config, the launch and the --fit search read
+"""The memory-mode table (finetune/memory/techniques.py): config, the launch and the --fit search read
 the same rules, so the search never proposes a setup that the recipe's rules or the launch refuse."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from finetune.config.schema import build_recipe, fsdp_problems, load_recipe
-from finetune.memory import rules as memory_rules
+from finetune.memory import techniques
 from finetune.plan.fitting import candidates, mode_settings, runnable
 from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.recipe import setup_of
@@ -45,7 +45,7 @@ def test_fit_search_proposes_only_setups_the_rules_accept(recipe, overrides, max
         assert setup_of(written, s.gpus) == s
         # and the launch on s.gpus processes accepts it (what Parallel.choose and check_strategy ask)
         strategy = "single" if s.gpus == 1 else written.distributed.strategy.replace("auto", "ddp")
-        assert memory_rules.problems(memory_rules.launch_settings(written, fsdp=strategy == "fsdp", processes=s.gpus)) == []
+        assert techniques.problems(techniques.launch_settings(written, fsdp=strategy == "fsdp", processes=s.gpus)) == []
     # the search tried every mode the table allows: streaming and offloads are among the candidates
     lora = cfg.lora is not None
     assert any(s.streams_weights for s in found) == (lora and cfg.quant.bits != 8)
@@ -54,7 +54,7 @@ def test_fit_search_proposes_only_setups_the_rules_accept(recipe, overrides, max
 
 
 # Each setup the search may try, and the recipe key whose rule refuses it (None: it runs). Written out,
-# not derived from the table: a rule lost or loosened in finetune/memory/rules.py fails here.
+# not derived from the table: a rule lost or loosened in finetune/memory/techniques.py fails here.
 INT8 = RecipeFacts(8, False, 16, "all-linear", 0.05, False, 2)
 RUNNABLE = [
     (Setup(1, 1), None, None),
@@ -80,7 +80,7 @@ RUNNABLE = [
 @pytest.mark.parametrize("setup, recipe, refused_by", RUNNABLE)
 def test_runnable_refuses_exactly_what_the_rules_refuse(setup, recipe, refused_by):
     assert runnable(setup, recipe) == (refused_by is None)
-    messages = memory_rules.problems(mode_settings(setup, recipe))
+    messages = techniques.problems(mode_settings(setup, recipe))
     if refused_by:
         assert any(refused_by in m for m in messages), messages
     else:
@@ -89,8 +89,8 @@ def test_runnable_refuses_exactly_what_the_rules_refuse(setup, recipe, refused_b
 
 def test_launch_rules_need_the_process_count_and_fsdp_rules_name_what_chose_fsdp():
     cfg = load_recipe("qlora-stream-70b-1x24gb", PATHS)
-    assert memory_rules.problems(memory_rules.recipe_settings(cfg)) == []  # the recipe alone does not say
-    (msg,) = memory_rules.problems(memory_rules.launch_settings(cfg, fsdp=False, processes=2), (memory_rules.LAUNCH,))
+    assert techniques.problems(techniques.recipe_settings(cfg)) == []  # the recipe alone does not say
+    (msg,) = techniques.problems(techniques.launch_settings(cfg, fsdp=False, processes=2), (techniques.LAUNCH,))
     assert msg == (
         "memory.base_weights=cpu streams the weights of one process; this launch has 2 processes. Run on one GPU, "
         "or use distributed.strategy=fsdp with distributed.cpu_offload=true."
@@ -101,8 +101,8 @@ def test_launch_rules_need_the_process_count_and_fsdp_rules_name_what_chose_fsdp
         "on one process. Use distributed.cpu_offload=true for FSDP, or run on one GPU."
     ]
     # every row names the recipe keys it reads, and its message names each of them
-    for rule in memory_rules.RULES:
-        text = rule.message(replace(memory_rules.Settings(), processes=2))
+    for rule in techniques.RULES:
+        text = rule.message(replace(techniques.Settings(), processes=2))
         assert all(key.split(".")[-1] in text for key in rule.keys), (rule.keys, text)
 
 
@@ -112,7 +112,33 @@ def test_activation_offload_runs_with_every_checkpointing_setting(checkpointing)
     cfg = load_recipe(
         "qlora-1x24gb", PATHS + ["memory.activation_offload=true", f"memory.activation_checkpointing={checkpointing}"]
     )
-    assert memory_rules.problems(memory_rules.recipe_settings(cfg)) == []
+    assert techniques.problems(techniques.recipe_settings(cfg)) == []
     setup = setup_of(cfg, 1)
-    assert (setup.activation_offload, setup.checkpoint_every) == (True, memory_rules.checkpoint_every(checkpointing))
+    assert (setup.activation_offload, setup.checkpoint_every) == (True, techniques.checkpoint_every(checkpointing))
     assert runnable(setup)
+
+
+def test_every_memory_key_belongs_to_one_technique_and_every_technique_to_the_recipe():
+    # The registry is the one list: a MemoryConfig field no technique owns, a Modes field no technique
+    # switches, or a technique key the schema lacks would each be a copy gone out of step.
+    from dataclasses import fields
+
+    from finetune.config.schema import MemoryConfig
+    from finetune.runs.checkpoint import HARMLESS_CHANGES
+
+    owned = [key for t in techniques.TECHNIQUES for key in t.keys]
+    assert len(owned) == len(set(owned))
+    assert sorted(owned) == sorted(f"memory.{name}" for name in MemoryConfig.model_fields)
+    switches = {f.name for f in fields(techniques.Modes)}
+    assert {t.field for t in techniques.TECHNIQUES} <= switches
+    # Each Modes field is a key of one technique, named as the recipe names it (but checkpoint_every,
+    # the planner's number for memory.activation_checkpointing).
+    assert {"memory." + {"checkpoint_every": "activation_checkpointing"}.get(f, f) for f in switches} <= set(owned)
+    assert set(techniques.RESUME_HARMLESS) <= set(HARMLESS_CHANGES)
+    assert set(techniques.RESUME_HARMLESS) == {
+        "memory.activation_offload", "memory.embeddings", "memory.loss", "memory.loss_chunk", "memory.tiled_mlp"
+    }  # fmt: skip
+    # A recipe's values reach the planner's Setup unchanged: no translator between them.
+    cfg = load_recipe("qlora-offload-1x12gb", PATHS)
+    assert techniques.modes(cfg.memory) == techniques.modes(setup_of(cfg)) | {"optimizer_offload": cfg.memory.optimizer_offload}
+    assert techniques.modes(cfg.memory)["checkpoint_every"] == 0 and cfg.memory.activation_offload

@@ -18,12 +18,13 @@ from safetensors.torch import load_file
 
 from finetune.config.schema import build_recipe
 from finetune.errors import ConfigError
+from finetune.memory import apply
 from finetune.memory.activation_offload import ActivationOffload, offloaded_checkpoint
 from finetune.memory.optimizer_offload import HostAdamW
 from finetune.memory.stream import in_backward
 from finetune.metrics import read_metrics
 from finetune.model.load import decoder_layers
-from finetune.trainer import Trainer, loop
+from finetune.trainer import Trainer
 
 LAYERS = 4
 EXACT = not torch.cuda.is_available()
@@ -71,7 +72,7 @@ def test_streamed_base_weights_train_exactly_like_resident_ones(recipe_dict, fou
                 assert torch.equal(adapter[name], ref_adapter[name]), (mode, name)
         else:
             assert losses == pytest.approx(ref_losses, rel=1e-4)
-        stream = trainer.stream
+        stream = trainer.memory.stream
         # Every streamed weight is a frozen linear weight of a decoder layer: 7 per Llama layer.
         assert [len(layer) for layer in stream.streamed] == [7] * LAYERS
         # Between steps no layer is resident: every streamed parameter holds no bytes.
@@ -100,7 +101,7 @@ def test_disk_with_dora_trains_like_resident_weights(recipe_dict, four_layer_mod
 
     _, ref_losses, ref_adapter = run(dora("device"))
     trainer, losses, adapter = run(dora("disk", base_weights="disk", offload_dir=str(tmp_path / "nvme")))
-    assert trainer.stream.captured_while_loading == 0 and trainer.stream.streamed_bytes > 0
+    assert trainer.memory.stream.captured_while_loading == 0 and trainer.memory.stream.streamed_bytes > 0
     if EXACT:
         assert losses == ref_losses
         assert all(torch.equal(adapter[k], ref_adapter[k]) for k in ref_adapter)
@@ -145,7 +146,7 @@ def test_streaming_holds_at_most_three_layers_during_backward(recipe_dict, four_
     cfg = recipe(recipe_dict, four_layer_model, tmp_path / "s", 4, base_weights="cpu")
     trainer = Trainer(cfg, progress=False)
     trainer.setup()
-    stream = trainer.stream
+    stream = trainer.memory.stream
     seen = []
     for layer in stream.streamed:  # the last streamed weight of each layer (down_proj) about to run
         module = next(m for m in trainer.model.modules() if getattr(m, "weight", None) is layer[-1].param)
@@ -168,14 +169,14 @@ def test_activation_offload_moves_saved_tensors_and_keeps_gradients(recipe_dict,
         if offload:
             # On a CPU device the default is a no-op; copying anyway puts every saved tensor through the
             # GPU run's host buffers and copies (pinning and the side stream: tests/test_gpu.py only).
-            trainer.activation_offload = ActivationOffload(trainer.accelerator.device, min_bytes=0, force_copy=True)
+            trainer.memory.activations = ActivationOffload(trainer.accelerator.device, min_bytes=0, force_copy=True)
         trainer.model.train()
         trainer.accumulate_gradients(0)
         return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.requires_grad}, trainer
 
     plain, _ = grads(False)
     moved, trainer = grads(True)
-    assert trainer.activation_offload.moved_tensors > 0 and trainer.activation_offload.moved_bytes > 0
+    assert trainer.memory.activations.moved_tensors > 0 and trainer.memory.activations.moved_bytes > 0
     for name in plain:
         torch.testing.assert_close(moved[name], plain[name], **({"rtol": 0, "atol": 0} if EXACT else {}))
 
@@ -188,10 +189,10 @@ def test_activation_offload_moves_only_what_non_checkpointed_layers_save(recipe_
         data["memory"] = {"activation_checkpointing": checkpointing, "activation_offload": True}
         trainer = Trainer(build_recipe(data), progress=False)
         trainer.setup()
-        trainer.activation_offload = ActivationOffload(trainer.accelerator.device, min_bytes=0, force_copy=True)
+        trainer.memory.activations = ActivationOffload(trainer.accelerator.device, min_bytes=0, force_copy=True)
         trainer.model.train()
         trainer.accumulate_gradients(0)
-        return trainer.activation_offload.moved_bytes
+        return trainer.memory.activations.moved_bytes
 
     none, every_2nd = moved("none"), moved(2)
     assert 0.45 * none < every_2nd < 0.65 * none  # half the layers (plus the head's share) keep theirs
@@ -271,7 +272,7 @@ def test_offloaded_checkpoints_train_exactly_like_kept_ones(recipe_dict, four_la
     _, ref_losses, ref_adapter = run(recipe(recipe_dict, four_layer_model, tmp_path / "kept", quant, **memory))
     # On a CPU device the default only counts; copying anyway takes the GPU run's round trip and prefetch
     # order, made at once and unpinned (the side stream and its events: tests/test_gpu.py only).
-    monkeypatch.setattr(loop, "ActivationOffload", partial(ActivationOffload, min_bytes=0, force_copy=True))
+    monkeypatch.setattr(apply, "ActivationOffload", partial(ActivationOffload, min_bytes=0, force_copy=True))
     parked_run = recipe(recipe_dict, four_layer_model, tmp_path / "parked", quant, activation_offload=True, **memory)
     trainer, losses, adapter = run(parked_run)
     assert adapter.keys() == ref_adapter.keys() and len(adapter) == LAYERS * 7 * 2
@@ -280,7 +281,7 @@ def test_offloaded_checkpoints_train_exactly_like_kept_ones(recipe_dict, four_la
         assert all(torch.equal(adapter[name], ref_adapter[name]) for name in adapter)
     else:
         assert losses == pytest.approx(ref_losses, rel=1e-5)
-    offload = trainer.activation_offload
+    offload = trainer.memory.activations
     micro_batches = [b for step in range(3) for b in trainer.step_batches(step)]
     assert len(micro_batches) == 3 * 2
     # Each layer's input: (batch x seq) tokens x hidden 64 x fp32, every layer of every micro-batch but

@@ -24,10 +24,11 @@ from safetensors.torch import load_file
 
 from finetune.config.schema import build_recipe
 from finetune.errors import Preempted
+from finetune.memory import apply
 from finetune.memory.activation_offload import ActivationOffload
 from finetune.memory.optimizer_offload import HostAdamW
 from finetune.metrics import read_metrics
-from finetune.trainer import Trainer, loop
+from finetune.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +51,7 @@ FORCE_COPY = {"activation_offload", "offloaded_checkpoints"}
 def copies_like_a_gpu(mode: str):
     with pytest.MonkeyPatch.context() as patch:
         if mode in FORCE_COPY:
-            patch.setattr(loop, "ActivationOffload", partial(ActivationOffload, min_bytes=0, force_copy=True))
+            patch.setattr(apply, "ActivationOffload", partial(ActivationOffload, min_bytes=0, force_copy=True))
         yield
 
 
@@ -59,11 +60,12 @@ def copies_like_a_gpu(mode: str):
 KILL_DRIVER = """
 import functools, os, signal, sys
 from finetune.config.schema import load_recipe
+from finetune.memory import apply
 from finetune.memory.activation_offload import ActivationOffload
-from finetune.trainer import Trainer, loop
+from finetune.trainer import Trainer
 
 if sys.argv[3] == "force_copy":
-    loop.ActivationOffload = functools.partial(ActivationOffload, min_bytes=0, force_copy=True)
+    apply.ActivationOffload = functools.partial(ActivationOffload, min_bytes=0, force_copy=True)
 
 class Dying(Trainer):
     def step_batches(self, step):

@@ -232,7 +232,7 @@ def test_the_context_manager_deletes_the_streamed_weights_file(recipe_dict, tmp_
     )
     with Trainer(cfg, progress=False) as trainer:
         trainer.train()
-        store = trainer.stream.store
+        store = trainer.memory.stream.store
         assert store.is_file()
     assert not store.exists()
 

@@ -139,13 +139,18 @@ def test_packed_training_equals_sdpa_and_the_planner_counts_no_mask(recipe_dict,
     gpu = find_gpu("rtx4090", None)
     base = ["model.path=" + LLAMA_31_8B, "data.path=unused.jsonl", "data.packing=true"]
     mask = lambda *more: plan_recipe(load_recipe("qlora-longctx-1x24gb", base + list(more)), gpu).component("attention_mask")  # noqa: E731
-    assert mask() == 131_072**2 and mask("model.attn_implementation=varlen") == 0
+    assert mask("model.attn_implementation=sdpa") == 131_072**2 and mask("model.attn_implementation=varlen") == 0
+    assert mask() == 0  # auto on CUDA in bf16 cuts packed rows too
 
 
 @pytest.mark.gpu
-def test_cuda_varlen_kernel_matches_sdpa_in_bf16(tmp_path):
+def test_cuda_varlen_kernel_matches_sdpa_in_bf16(tmp_path, monkeypatch):
     # GPU only: torch's varlen flash kernel (torch.nn.attention.varlen) has no CPU implementation.
     sdpa, ours = (m.to("cuda", torch.bfloat16) for m in tiny(tmp_path))
+    paths = []  # which path ran: a silent fall back to the per-segment loop must fail this test
+    for name in ("_flash_varlen", "_per_segment"):
+        real = getattr(varlen, name)
+        monkeypatch.setattr(varlen, name, lambda *a, _real=real, _name=name, **k: paths.append(_name) or _real(*a, **k))
     ids = torch.randint(3, 50, (2, 12), generator=torch.Generator().manual_seed(1)).cuda()
     pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2]]).cuda()
     grads = []
@@ -153,6 +158,7 @@ def test_cuda_varlen_kernel_matches_sdpa_in_bf16(tmp_path):
         model.train()
         model(input_ids=ids, position_ids=pos, labels=ids, use_cache=False).loss.backward()
         grads.append(torch.cat([p.grad.float().flatten() for p in model.parameters()]))
+    assert paths and set(paths) == {"_flash_varlen"}, paths
     torch.testing.assert_close(grads[1], grads[0], rtol=2e-2, atol=2e-3)
 
 
@@ -192,3 +198,36 @@ def test_auto_cuts_long_packed_rows_per_example_on_a_cpu(recipe_dict, data, expe
     attention, note = choose_attention(build_recipe(recipe), torch.device("cpu"), torch.float32)
     assert attention == expected
     assert (note is not None and "picks varlen on a CPU" in note) == (expected == "varlen")
+
+
+@pytest.mark.parametrize(
+    "packed, seq, device, compute_bytes, ok, expected",
+    [
+        (True, 512, "cuda", 2, True, True),  # H100, Llama-3.1-8B 4-bit, rows of 2048: 1.36x sdpa's masked rows
+        (True, 512, "cuda", 4, True, False),  # fp32: the flash kernel takes 16-bit only
+        (True, 2048, "cuda", 2, False, False),  # softcapped or sink attention
+        (False, 2048, "cuda", 2, True, False),  # padded rows: sdpa
+        (True, 2048, "cpu", 4, True, True),
+        (True, 512, "cpu", 4, True, False),
+        (True, 2048, "mps", 2, True, False),
+    ],
+)
+def test_auto_cuts_packed_rows_where_it_was_measured_faster(packed, seq, device, compute_bytes, ok, expected):
+    assert varlen.auto_cuts_packed_rows(packed, seq, device, compute_bytes, ok) is expected
+
+
+def test_the_planner_resolves_auto_as_the_loader_does(tmp_path):
+    gpu = find_gpu("rtx4090", None)
+    base = ["model.path=" + LLAMA_31_8B, "data.path=unused.jsonl", "data.packing=true"]
+    mask = lambda *more: plan_recipe(load_recipe("qlora-1x24gb", base + list(more)), gpu).component("attention_mask")  # noqa: E731
+    rows = load_recipe("qlora-1x24gb", base).train.batch_size
+    assert mask() == 0 and mask("model.attn_implementation=varlen") == 0  # auto on CUDA in bf16: varlen
+    assert mask("model.attn_implementation=sdpa") == rows * 2048**2
+    assert mask("precision=fp32") == rows * 2048**2  # fp32: no flash kernel, auto stays sdpa
+    from transformers import Gemma2Config
+
+    # softcapped attention logits: varlen cannot, so auto stays sdpa (and its mask is planned)
+    Gemma2Config(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=64, vocab_size=1024).save_pretrained(tmp_path)  # fmt: skip
+    capped = plan_recipe(load_recipe("qlora-1x24gb", [*base[1:], f"model.path={tmp_path}"]), gpu)
+    assert capped.component("attention_mask") == rows * 2048**2

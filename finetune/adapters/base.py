@@ -8,6 +8,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from finetune.errors import Rule, broken
+
 EXPERTS = "experts"  # the lora.target entry for MoE models' fused expert weights (finetune/model/moe.py)
 
 
@@ -18,31 +20,17 @@ def lists_experts(cfg: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class Rule:
-    """One thing a method cannot run with.
-
-    `conflicts(cfg)` says whether the recipe (a config.RecipeConfig) has it; `message` is
-    formatted with `key` (the method as the recipe spells it: lora.method=NAME, or
-    lora.dora=true) and `cfg`, and names the keys and the fix.
-    """
-
-    conflicts: Callable[[Any], bool]
-    message: str
-
-    def check(self, cfg: Any, key: str) -> str | None:
-        return self.message.format(key=key, cfg=cfg) if self.conflicts(cfg) else None
-
-
-@dataclass(frozen=True)
 class AdapterMethod:
     name: str  # lora.method's value
     summary: str  # one line: what it is, what it costs
     peft_kwargs: Mapping[str, Any] = field(default_factory=dict)  # peft LoraConfig(**...) on top of r/alpha/dropout/target
-    rules: tuple[Rule, ...] = ()
+    # Rules over the recipe; messages are formatted with `key` (the method as the recipe spells it:
+    # lora.method=NAME, or lora.dora=true) and `cfg`.
+    rules: tuple[Rule[Any], ...] = ()
     # Planner and builder facts.
     trains_magnitude: bool = False  # DoRA: one trained magnitude per output row of each wrapped linear
     wrap_touches_base: bool = False  # wrapping reads (DoRA) or rewrites (PiSSA) every base weight
     scale: Callable[[float, int], float] = lambda alpha, r: alpha / r  # the adapter's scaling: B @ A x scale(alpha, r)
 
     def problems(self, cfg: Any, key: str) -> list[str]:
-        return [m for m in (rule.check(cfg, key) for rule in self.rules) if m]
+        return broken(self.rules, cfg, key=key, cfg=cfg)

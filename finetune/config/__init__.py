@@ -4,8 +4,8 @@
     files       recipe files and bundled assets: found (shipped name or path) and read
     older_runs  an older run's recipe as this version spells it (resume compares recipes)
     schema      RecipeConfig: the only place defaults live; cross-field rules asked of the
-                declarations that stand before it (adapters/, memory/rules, objectives/table,
-                parallel/zero and parallel/compression)
+                declarations that stand before it (adapters/, memory/techniques, objectives/table,
+                parallel/zero_config and parallel/compression)
 
 The schema's entry points are re-exported here: `from finetune.config import load_recipe`.
 """

@@ -162,7 +162,7 @@ def schema_problems(root: type[BaseModel], err: ValidationError) -> list[str]:
             ann = owner.model_fields[str(field[-1])].annotation if owner else None
             expected = str(ann).replace("typing.", "").replace(" | None", " or null") if ann else "another type"
             dotted = ".".join(str(p) for p in field)
-            problems.append(f"{dotted}: expected {expected} (got {_describe(e.get('input'))})")
+            problems.append(f"{dotted}: expected {expected} (got {_describe(e.get('input'))}){_help(root, field)}")
             continue
         dotted = ".".join(str(p) for p in loc)
         etype = e["type"]
@@ -186,5 +186,19 @@ def schema_problems(root: type[BaseModel], err: ValidationError) -> list[str]:
             problems.extend(str(e["msg"]).removeprefix("Value error, ").split("\n"))
         else:
             msg = str(e["msg"]).removeprefix("Value error, ")
-            problems.append(f"{dotted}: {msg} (got {_describe(e.get('input'))})")
+            problems.append(f"{dotted}: {msg} (got {_describe(e.get('input'))}){_help(root, loc)}")
     return problems
+
+
+HELP_CHARS = 110  # the key's help shown after a wrong value: its description's first clause, at most this long
+
+
+def _help(root: type[BaseModel], loc: tuple[Any, ...]) -> str:
+    """'; key: what it is' from the schema's description of the field at `loc`, or ''."""
+    owner = model_at(root, loc[:-1])
+    field = owner.model_fields.get(str(loc[-1])) if owner else None
+    text = (field.description or "") if field else ""
+    gist = text.split("; ")[0].strip()
+    if len(gist) > HELP_CHARS:
+        gist = gist[: gist.rfind(" ", 0, HELP_CHARS - 3)].rstrip(",:") + "..."
+    return f"; {loc[-1]}: {gist}" if gist else ""

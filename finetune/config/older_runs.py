@@ -8,13 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 from finetune import adapters
-from finetune.parallel import zero
+from finetune.parallel import zero_config
 
 # Keys added after runs were written, with the value that reproduces what those runs did.
 _OLDER_RUNS: dict[str, dict[str, Any]] = {
     "memory": {"loss": "full", "loss_chunk": 256, "tiled_mlp": "off", "embeddings": "device"},
     "train": {"objective": "sft", "beta": None, "simpo_gamma": None, "precompute_reference": False, "compile": False},
-    "distributed": {"grad_compression": "none", "powersgd_rank": 1, "powersgd_warmup_steps": None, **zero.DEFAULTS},
+    "distributed": {"grad_compression": "none", "powersgd_rank": 1, "powersgd_warmup_steps": None, **zero_config.DEFAULTS},
     "profile": {"steps": None, "memory_timeline": True},
 }
 

@@ -40,9 +40,9 @@ from finetune.config.files import (  # noqa: F401 - re-exported: the config API
 )
 from finetune.config.messages import field_path, parse_overrides, schema_problems  # noqa: F401 - parse_overrides: the config API
 from finetune.errors import ConfigError
-from finetune.memory import rules as memory_rules
+from finetune.memory import techniques
 from finetune.objectives import table as objectives
-from finetune.parallel import compression, zero
+from finetune.parallel import compression, zero_config
 
 # data.format: the formats of finetune/data/formats/, one module each (that package checks this
 # list against its registry on import; config cannot import it: imports flow one way).
@@ -61,7 +61,8 @@ class ModelConfig(_Section):
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "flex_attention", "varlen"] = Field(
         "auto",
         description="auto: the fastest the model supports (flash_attention_2 on a GPU when flash-attn is installed, "
-        "varlen for packed rows of 1024+ tokens on a CPU, else sdpa, else eager), with a note when it falls back or "
+        "varlen for packed rows on CUDA in 16-bit and of 1024+ tokens on a CPU, else sdpa, else eager), with a note "
+        "when it falls back or "
         "picks varlen; varlen: finetune's own (finetune/model/varlen.py), packed "
         "examples attend each to itself with no T x T mask (torch's varlen flash kernel on CUDA in 16-bit)",
     )
@@ -220,13 +221,17 @@ class CheckpointConfig(_Section):
 class DistributedConfig(_Section):
     strategy: Literal["auto", "ddp", "fsdp", "deepspeed"] = Field(
         "auto",
-        description="ddp: a replica per process; fsdp: weights and optimizer state sharded; deepspeed: ZeRO (parallel/zero.py)",
+        description="ddp: a replica per process; fsdp: weights and optimizer state sharded; deepspeed: ZeRO (parallel/zero_config.py)",
     )
     cpu_offload: bool = Field(False, description="fsdp: sharded parameters, gradients and optimizer state live in CPU RAM")
     reshard_after_forward: bool = Field(True, description="fsdp: free gathered layers after forward (less memory, more traffic)")
     zero_stage: Literal[2, 3] = Field(2, description="deepspeed: 2 partitions optimizer state and gradients; 3 the weights too")
-    offload_optimizer: zero.Offload = Field("none", description="deepspeed: the optimizer state and its step on cpu or nvme")
-    offload_params: zero.Offload = Field("none", description="deepspeed zero_stage 3: the weight partitions wait on cpu or nvme")
+    offload_optimizer: zero_config.Offload = Field(
+        "none", description="deepspeed: the optimizer state and its step on cpu or nvme"
+    )
+    offload_params: zero_config.Offload = Field(
+        "none", description="deepspeed zero_stage 3: the weight partitions wait on cpu or nvme"
+    )
     nvme_dir: str | None = Field(None, description="deepspeed: folder on an NVMe disk for the offloads set to nvme")
     grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = Field(
         "none",
@@ -291,7 +296,7 @@ class MemoryConfig(_Section):
     @property
     def checkpoint_every(self) -> int:
         """Every how many decoder layers one is checkpointed; 0: none."""
-        return memory_rules.checkpoint_every(self.activation_checkpointing)
+        return techniques.checkpoint_every(self.activation_checkpointing)
 
 
 class ReportConfig(_Section):
@@ -360,7 +365,7 @@ class RecipeConfig(_Section):
 
 def fsdp_problems(cfg: RecipeConfig, why: str) -> list[str]:
     """What FSDP cannot run with this recipe; `why` names what chose FSDP (the key, or auto's choice)."""
-    return memory_rules.problems(memory_rules.recipe_settings(cfg, fsdp=True, fsdp_by=why), (memory_rules.FSDP,))
+    return techniques.problems(techniques.recipe_settings(cfg, fsdp=True, fsdp_by=why), (techniques.FSDP,))
 
 
 def resolve_offload_dir(cfg: RecipeConfig) -> str | None:
@@ -368,8 +373,8 @@ def resolve_offload_dir(cfg: RecipeConfig) -> str | None:
 
 
 def memory_problems(cfg: RecipeConfig) -> list[str]:
-    """What the memory.* and FSDP offload modes cannot run with (finetune/memory/rules.py's table)."""
-    return memory_rules.problems(memory_rules.recipe_settings(cfg))
+    """What the memory.* and FSDP offload modes cannot run with (finetune/memory/techniques.py's table)."""
+    return techniques.problems(techniques.recipe_settings(cfg))
 
 
 def adapter_problems(cfg: RecipeConfig) -> list[str]:
@@ -411,7 +416,7 @@ def cross_field_problems(cfg: RecipeConfig) -> list[str]:
         out.append("resume and overwrite=true contradict each other: resume continues a run, overwrite deletes it. Set one.")
     out += adapter_problems(cfg)
     out += objectives.problems(cfg)
-    out += compression.problems(cfg) + zero.problems(cfg)
+    out += compression.problems(cfg) + zero_config.problems(cfg)
     return out
 
 

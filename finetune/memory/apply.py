@@ -1,23 +1,25 @@
 """The ordered apply step: every technique that changes a loaded model, one step each, in the order it must come.
 
-    stream = apply_techniques(model, cfg, device, say, given=False, disk_store=None)
+    applied = apply_techniques(model, cfg, device, say, given=False, disk_store=None)
+    with applied.activations.saving():          # the forward of each micro-batch
+        loss = model(**batch).loss
 
 As torchtitan's parallelize function: the steps run in the order of STEPS, and each step's
 `why` says why it stands there. A step looks at the recipe, changes the model or leaves it,
 and returns the line the run says about it (or None). Sharding (parallel/) comes later,
-on the model these steps return.
+on the model these steps return; what the loop holds on to is `Applied`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from finetune.config.schema import RecipeConfig, resolve_offload_dir
-from finetune.memory.activation_offload import offloaded_checkpoint
+from finetune.memory.activation_offload import ActivationOffload, NoActivationOffload, offloaded_checkpoint
 from finetune.memory.host_tables import HostTables
 from finetune.memory.stream import DiskStore, WeightStream
 from finetune.memory.tiled_mlp import tile_mlps
@@ -27,14 +29,23 @@ from finetune.model.load import checkpoint_with, compile_decoder_layers, count_p
 
 
 @dataclass
+class Applied:
+    """What the training loop holds on to: the weight store (closed after the run) and the context
+    every forward runs in (what it saves for backward may wait in host RAM)."""
+
+    stream: WeightStream | None = None  # memory.base_weights=cpu|disk
+    activations: ActivationOffload | NoActivationOffload = field(default_factory=NoActivationOffload)
+
+
+@dataclass
 class Applying:
-    """What the steps read, and what they hand on (the weight store the stream step attaches)."""
+    """What the steps read, and what they hand on to the loop."""
 
     cfg: RecipeConfig
     device: torch.device
     given: bool  # the caller built the model (Trainer.from_parts): kernels only when asked
     disk_store: DiskStore | None = None  # memory.base_weights=disk: the file the load already wrote
-    stream: WeightStream | None = None
+    applied: Applied = field(default_factory=Applied)
 
 
 @dataclass(frozen=True)
@@ -51,9 +62,11 @@ def _kernels(model, a: Applying) -> str | None:
     return None
 
 
-def _offloaded_checkpoint(model, a: Applying) -> str | None:
-    if a.cfg.memory.activation_offload and a.cfg.memory.checkpoint_every:
-        checkpoint_with(model, offloaded_checkpoint)  # each checkpointed layer's input waits in host RAM
+def _activation_offload(model, a: Applying) -> str | None:
+    if a.cfg.memory.activation_offload:
+        a.applied.activations = ActivationOffload(a.device)
+        if a.cfg.memory.checkpoint_every:
+            checkpoint_with(model, offloaded_checkpoint)  # each checkpointed layer's input waits in host RAM
     return None
 
 
@@ -76,7 +89,9 @@ def _summary(model, a: Applying) -> str | None:
 
 def _stream(model, a: Applying) -> str | None:
     if a.cfg.memory.base_weights != "device":
-        a.stream = WeightStream.attach(model, a.cfg.memory.base_weights, a.device, resolve_offload_dir(a.cfg), store=a.disk_store)
+        a.applied.stream = WeightStream.attach(
+            model, a.cfg.memory.base_weights, a.device, resolve_offload_dir(a.cfg), store=a.disk_store
+        )
     return None  # the loop says where the weights went once the accelerator has placed the model
 
 
@@ -90,9 +105,9 @@ def _host_tables(model, a: Applying) -> str | None:
 STEPS = (
     Step("kernels", "fused modules replace the model's own before any wrapper below captures them", _kernels),
     Step(
-        "offloaded checkpoint",
+        "activation offload",
         "sets the layers' checkpoint function, which tiling's checkpoints run inside",
-        _offloaded_checkpoint,
+        _activation_offload,
     ),
     Step("tiled MLP", "wraps the MLPs' forward, after kernels replaced their activations", _tiled_mlp),
     Step("compile", "compiles each decoder layer as every wrapper above left it", _compile),
@@ -109,14 +124,14 @@ def apply_techniques(
     say: Callable[[str], None],
     given: bool = False,
     disk_store: DiskStore | None = None,
-) -> WeightStream | None:
-    """Apply STEPS in order; the weight store of memory.base_weights=cpu|disk, or None."""
+) -> Applied:
+    """Apply STEPS in order; what the loop keeps of them."""
     applying = Applying(cfg, device, given, disk_store)
     for step in STEPS:
         line = step.apply(model, applying)
         if line:
             say(line)
-    return applying.stream
+    return applying.applied
 
 
 def model_summary(cfg: RecipeConfig, model) -> str:

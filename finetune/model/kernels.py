@@ -9,9 +9,10 @@
 liger patches the loaded model in place: each decoder layer's norms and MLP get liger's forward
 (a mixture of experts keeps its own experts)
 (the modules, their names, parameters and state_dict stay; peft's LoRA layers inside the MLP are
-still called as modules). liger also swaps the family's rotary function and module classes in
-transformers' modeling module: process-wide, so a model of that family loaded later in the same
-process gets liger's modules too. Applied before memory.tiled_mlp, so a tiled MLP tiles liger's
+still called as modules). liger also swaps the family's module classes and rotary function in
+transformers' modeling module, for the whole process: the classes are put back at once (a model
+loaded later gets its own modules; on an H100 a kernels=none run after an auto one got liger's),
+the rotary function, a plain function the attention calls by name, stays liger's. Applied before memory.tiled_mlp, so a tiled MLP tiles liger's
 forward. liger's fused linear cross-entropy is a separate setting, memory.loss=liger
 (finetune/memory/linear_ce.py): finetune computes the loss itself, so liger's replacement of
 the model's forward is never installed.
@@ -20,6 +21,7 @@ the model's forward is never installed.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -74,6 +76,8 @@ def apply_kernels(model, setting: str, device_type: str) -> str:
         # A mixture of experts keeps its own experts: liger's swiglu flag also swaps the experts' forward,
         # which breaks peft's wrapper (LoRA on `experts`) and finetune's 4-bit expert store (finetune/model/moe.py).
         off = [*LIGER_OFF, *(["swiglu"] if fused_expert_params(base) else [])]
+        modeling = sys.modules[type(base).__module__]
+        before = dict(vars(modeling))
         try:
             patch(model=base, **{k: False for k in off if k in accepted})
         except Exception as exc:  # noqa: BLE001 - liger's own checks (a piece a family lacks): said, not hidden
@@ -81,4 +85,14 @@ def apply_kernels(model, setting: str, device_type: str) -> str:
                 f"model.kernels={setting}: liger-kernel's patch for model_type '{model_type}' failed: {exc}",
                 hint="set model.kernels=none (the model's own modules)",
             ) from exc
+        finally:
+            _restore_classes(modeling, before)
     return chosen
+
+
+def _restore_classes(modeling, before: dict[str, Any]) -> None:
+    """Put back the module classes liger swapped in the family's modeling module: this model keeps liger's
+    forwards (patched per instance), a model loaded later in the process gets its own modules."""
+    for name, original in before.items():
+        if isinstance(original, type) and vars(modeling).get(name) is not original:
+            setattr(modeling, name, original)

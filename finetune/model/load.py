@@ -241,15 +241,12 @@ def load_base_model(cfg: RecipeConfig, precision: str | None = None, device: tor
     return model
 
 
-VARLEN_ON_CPU_FROM = 1024  # data.max_seq_len from which auto attention on a CPU cuts packed rows per example
-
-
 def choose_attention(cfg: RecipeConfig, device: torch.device, dtype: torch.dtype) -> tuple[str | None, str | None]:
     """(attn_implementation to load with, a one-line note when auto fell back from sdpa).
 
     auto: flash_attention_2 on a CUDA device with flash-attn installed and a 16-bit dtype, else
-    sdpa, else eager, as the model's class says it supports them; on a CPU, packed rows of 1024+
-    tokens get varlen (one sdpa call per example: faster than a masked row, benchmarks/README.md).
+    sdpa, else eager, as the model's class says it supports them; packed rows get varlen where it is
+    faster than a masked row (varlen.auto_cuts_packed_rows: CUDA in 16-bit, a CPU from 1024 tokens).
     varlen (finetune/model/varlen.py) is registered with transformers here, unless the model's attention
     needs what it does not compute. A model class we cannot look up (custom code) gets None:
     transformers' own default.
@@ -279,12 +276,10 @@ def choose_attention(cfg: RecipeConfig, device: torch.device, dtype: torch.dtype
     )
     if flash and getattr(cls, "_supports_flash_attn", False):
         return "flash_attention_2", None
-    per_example = (
-        cfg.data.packing and cfg.data.max_seq_len >= VARLEN_ON_CPU_FROM and getattr(cls, "_supports_attention_backend", False)
-    )
-    if device.type == "cpu" and per_example and not varlen.unsupported(config):
-        # Measured: 1.6x sdpa's masked rows at 2048 tokens, 2.9x at 8192 (benchmarks/varlen_cpu.py); no gain at 512.
-        note = "note: packed rows attend per example, no T x T mask (model.attn_implementation=auto picks varlen on a CPU)"
+    varlen_ok = getattr(cls, "_supports_attention_backend", False) and not varlen.unsupported(config)
+    if varlen.auto_cuts_packed_rows(cfg.data.packing, cfg.data.max_seq_len, device.type, dtype.itemsize, varlen_ok):
+        where = "on CUDA in 16-bit" if device.type == "cuda" else "on a CPU"
+        note = f"note: packed rows attend per example, no T x T mask (model.attn_implementation=auto picks varlen {where})"
         return varlen.register(), note
     if getattr(cls, "_supports_sdpa", False):
         return "sdpa", None
@@ -341,7 +336,7 @@ def enable_gradient_checkpointing(model, every: int = 1) -> None:
 def checkpoint_with(model, function) -> int:
     """Make `function` (torch.utils.checkpoint.checkpoint's signature) the one every checkpointing
     module calls, as transformers' own _set_gradient_checkpointing does; returns how many take it.
-    memory.activation_offload gives activation_offload.offloaded_checkpoint, which parks each layer's input in host RAM."""
+    memory/apply.py hands it the offloaded checkpoint that parks each layer's input in host RAM."""
     modules = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
     for module in modules:
         module._gradient_checkpointing_func = function
@@ -373,6 +368,12 @@ def lora_targets(cfg: RecipeConfig) -> str | list[str]:
     return target
 
 
+def peft_arguments(cfg: RecipeConfig) -> dict[str, Any]:
+    """The adapter's size as peft's LoraConfig (and adapter_config.json) names it."""
+    assert cfg.lora is not None
+    return {"r": cfg.lora.r, "lora_alpha": cfg.lora.alpha}
+
+
 def wrap_lora(cfg: RecipeConfig, model):
     """Add peft adapters of lora.method (finetune/adapters/) on cfg.lora.target. Returns the PeftModel.
 
@@ -383,8 +384,7 @@ def wrap_lora(cfg: RecipeConfig, model):
     assert cfg.lora is not None
     modules, params = moe.split_targets(model, lora_targets(cfg))
     peft_cfg = LoraConfig(
-        r=cfg.lora.r,
-        lora_alpha=cfg.lora.alpha,  # type: ignore[arg-type]  # peft annotates int; a float alpha works
+        **peft_arguments(cfg),
         lora_dropout=0.0 if params else cfg.lora.dropout,  # peft refuses dropout with target_parameters: set below
         target_modules=modules,
         target_parameters=params or None,

@@ -20,11 +20,14 @@ one sdpa call with the causal + padding mask runs instead.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from finetune.errors import ModelError
 
 NAME = "varlen"
 
@@ -37,6 +40,21 @@ def register() -> str:
     AttentionInterface.register(NAME, varlen_attention)
     AttentionMaskInterface.register(NAME, flash_attention_mask)
     return NAME
+
+
+ON_CPU_FROM = 1024  # data.max_seq_len from which auto attention on a CPU cuts packed rows per example
+
+
+def auto_cuts_packed_rows(packed: bool, seq_len: int, device_type: str, compute_bytes: int, varlen_ok: bool) -> bool:
+    """Whether model.attn_implementation=auto attends per example in packed rows (varlen), for the loader
+    and the planner alike. Measured (benchmarks/README.md): on CUDA in 16-bit torch's varlen flash kernel
+    trained 1.36x the tokens/s of sdpa's masked rows (H100, Llama-3.1-8B 4-bit, rows of 2048); on a CPU
+    one sdpa call per example is 1.6x at 2048 tokens, 2.9x at 8192, no gain at 512."""
+    if not (packed and varlen_ok):
+        return False
+    if device_type == "cuda":
+        return compute_bytes == 2
+    return device_type == "cpu" and seq_len >= ON_CPU_FROM
 
 
 def unsupported(config: Any) -> str | None:
@@ -145,7 +163,19 @@ def _flash_varlen(q, k, v, cu: torch.Tensor, longest: int, scaling, sliding_wind
     v_dim = v.shape[-1]
     if v_dim != q.shape[-1]:  # flash kernels take one head size: pad V (MLA) and crop the output
         v = F.pad(v, [0, q.shape[-1] - v_dim])
-    out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=window, enable_gqa=k.shape[1] != q.shape[1])
+    takes = inspect.signature(varlen_attn).parameters  # torch 2.11 has neither window_size nor enable_gqa
+    if k.shape[1] != q.shape[1] and "enable_gqa" not in takes:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    gqa = {"enable_gqa": k.shape[1] != q.shape[1]} if "enable_gqa" in takes else {}
+    if "window_size" in takes:
+        out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=window, **gqa)
+    elif sliding_window:
+        raise ModelError(
+            f"model.attn_implementation=varlen: this torch ({torch.__version__}) has no sliding window in its varlen "
+            "kernel; use model.attn_implementation=sdpa, or torch >= 2.12"
+        )
+    else:
+        out = varlen_attn(q, k, v, cu, cu, longest, longest, is_causal=True, scale=scaling, **gqa)  # type: ignore[call-arg]  # an older signature
     out = out[0] if isinstance(out, tuple) else out  # a tuple only when asked for the logsumexp
     return out[..., :v_dim]
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from finetune.errors import Rule, broken
+
 
 @dataclass(frozen=True)
 class Objective:
@@ -70,50 +72,75 @@ def simpo_gamma(train: Any) -> float:
     return float(train.simpo_gamma) if train.simpo_gamma is not None else 0.5 * beta(train)
 
 
+def _formats(cfg: Any) -> set[str]:
+    return {cfg.data.format} | {m.format for m in cfg.data.mix or [] if m.format}
+
+
+def _objective(cfg: Any) -> Objective:
+    return get(cfg.train.objective)
+
+
+RULES: tuple[Rule[Any], ...] = (
+    Rule(
+        lambda cfg: _objective(cfg).pairs and _formats(cfg) != {PREFERENCE_FORMAT},
+        lambda cfg: (
+            f"train.objective={_objective(cfg).name} trains on preference pairs, but data.format is "
+            f"{'/'.join(sorted(_formats(cfg)))}. Set data.format=preference (records with prompt, chosen and "
+            "rejected) or train.objective=sft."
+        ),
+    ),
+    Rule(
+        lambda cfg: not _objective(cfg).pairs and PREFERENCE_FORMAT in _formats(cfg),
+        "data.format=preference holds preference pairs, which train.objective=sft cannot train on. "
+        "Set train.objective=dpo (or orpo, simpo), or use SFT data.",
+    ),
+    Rule(
+        lambda cfg: _objective(cfg).pairs and cfg.data.packing,
+        lambda cfg: (
+            f"data.packing with train.objective={_objective(cfg).name}: a preference pair's two sequences are "
+            "scored whole, side by side, not packed. Set data.packing=false."
+        ),
+    ),
+    Rule(
+        lambda cfg: _objective(cfg).reference and cfg.lora is None,
+        lambda cfg: (
+            f"train.objective={_objective(cfg).name} takes its reference from the base model with the adapter "
+            "switched off; full fine-tuning (lora: null) has no such base. Set lora, or use orpo or simpo (no reference)."
+        ),
+    ),
+    Rule(
+        lambda cfg: _objective(cfg).reference and cfg.lora is not None and cfg.lora.method == "pissa",
+        lambda cfg: (
+            f"train.objective={_objective(cfg).name} takes its reference from the base with the adapter switched "
+            "off, but lora.method=pissa rewrites the base weights (W minus the adapter's initial product): that is not the "
+            "base model. Use lora.method=lora (or dora, rslora), or orpo or simpo (no reference)."
+        ),
+    ),
+    Rule(
+        lambda cfg: cfg.train.precompute_reference and not _objective(cfg).reference,
+        lambda cfg: (
+            f"train.precompute_reference is set, but train.objective={_objective(cfg).name} uses no reference "
+            "model. Remove it (or use train.objective=dpo)."
+        ),
+    ),
+    Rule(
+        lambda cfg: _objective(cfg).pairs and cfg.memory.loss in ("chunked", "liger"),
+        lambda cfg: (
+            f"memory.loss={cfg.memory.loss} is the SFT loss's; train.objective={_objective(cfg).name} runs the "
+            "LM head on the response tokens only. Set memory.loss=auto."
+        ),
+    ),
+    Rule(
+        lambda cfg: cfg.train.beta is not None and not _objective(cfg).pairs,
+        "train.beta is a preference-tuning setting; train.objective=sft does not read it. Remove it.",
+    ),
+    Rule(
+        lambda cfg: cfg.train.simpo_gamma is not None and _objective(cfg).name != "simpo",
+        lambda cfg: f"train.simpo_gamma is SimPO's target margin; train.objective={_objective(cfg).name} does not read it.",
+    ),
+)
+
+
 def problems(cfg: Any) -> list[str]:
     """What train.objective cannot run with. Each message names the keys and the fix."""
-    objective, train, data = get(cfg.train.objective), cfg.train, cfg.data
-    out = []
-    formats = {data.format} | {m.format for m in data.mix or [] if m.format}
-    if objective.pairs and formats != {PREFERENCE_FORMAT}:
-        out.append(
-            f"train.objective={objective.name} trains on preference pairs, but data.format is "
-            f"{'/'.join(sorted(formats))}. Set data.format=preference (records with prompt, chosen and "
-            "rejected) or train.objective=sft."
-        )
-    if not objective.pairs and PREFERENCE_FORMAT in formats:
-        out.append(
-            "data.format=preference holds preference pairs, which train.objective=sft cannot train on. "
-            "Set train.objective=dpo (or orpo, simpo), or use SFT data."
-        )
-    if objective.pairs and data.packing:
-        out.append(
-            f"data.packing with train.objective={objective.name}: a preference pair's two sequences are scored "
-            "whole, side by side, not packed. Set data.packing=false."
-        )
-    if objective.reference and cfg.lora is None:
-        out.append(
-            f"train.objective={objective.name} takes its reference from the base model with the adapter switched "
-            "off; full fine-tuning (lora: null) has no such base. Set lora, or use orpo or simpo (no reference)."
-        )
-    if objective.reference and cfg.lora is not None and cfg.lora.method == "pissa":
-        out.append(
-            f"train.objective={objective.name} takes its reference from the base with the adapter switched off, but "
-            "lora.method=pissa rewrites the base weights (W minus the adapter's initial product): that is not the "
-            "base model. Use lora.method=lora (or dora, rslora), or orpo or simpo (no reference)."
-        )
-    if train.precompute_reference and not objective.reference:
-        out.append(
-            f"train.precompute_reference is set, but train.objective={objective.name} uses no reference model. "
-            "Remove it (or use train.objective=dpo)."
-        )
-    if objective.pairs and cfg.memory.loss in ("chunked", "liger"):
-        out.append(
-            f"memory.loss={cfg.memory.loss} is the SFT loss's; train.objective={objective.name} runs the LM head on "
-            "the response tokens only. Set memory.loss=auto."
-        )
-    if train.beta is not None and not objective.pairs:
-        out.append("train.beta is a preference-tuning setting; train.objective=sft does not read it. Remove it.")
-    if train.simpo_gamma is not None and objective.name != "simpo":
-        out.append(f"train.simpo_gamma is SimPO's target margin; train.objective={objective.name} does not read it.")
-    return out
+    return broken(RULES, cfg)

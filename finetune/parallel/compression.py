@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from finetune.errors import Rule, broken
+
 # Plain all-reduce steps before PowerSGD when distributed.powersgd_warmup_steps is null: torch's
 # advice is no fewer than the lr warm-up steps (early training is the most sensitive to gradient
 # error); 10 without lr warm-up costs little bandwidth in a run of hundreds of steps.
@@ -33,23 +35,43 @@ def describe(cfg: Any) -> str:
     return f"gradients all-reduced as {d.grad_compression}"
 
 
+def _chosen(x: tuple[Any, str | None]) -> str:
+    cfg, strategy = x
+    return strategy or cfg.distributed.strategy
+
+
+def _by(x: tuple[Any, str | None]) -> str:
+    return f"distributed.strategy={_chosen(x)}" if x[1] is None else f"distributed.strategy=auto chose {x[1]} here"
+
+
+def _changed(cfg: Any) -> list[str]:
+    # Not "set in the recipe": a run's resolved recipe.yaml lists every key at its default.
+    d = cfg.distributed
+    return [k for k, default in (("powersgd_rank", 1), ("powersgd_warmup_steps", None)) if getattr(d, k) != default]
+
+
+# Rules over (the recipe, the strategy distributed.strategy=auto chose at launch or None).
+RULES: tuple[Rule[tuple[Any, str | None]], ...] = (
+    Rule(
+        lambda x: x[0].distributed.grad_compression != "none" and _chosen(x) not in ("auto", "ddp", "single"),
+        lambda x: (
+            f"distributed.grad_compression={x[0].distributed.grad_compression} compresses DDP's gradient all-reduce, "
+            f"but {_by(x)}, which reduces gradients its own way (no DDP all-reduce to compress). Set distributed.strategy=ddp "
+            "(a full replica per GPU) or distributed.grad_compression=none."
+        ),
+    ),
+    Rule(
+        lambda x: bool(_changed(x[0])) and x[0].distributed.grad_compression != "powersgd" and x[1] is None,
+        lambda x: (
+            f"distributed.{_changed(x[0])[0]} applies to distributed.grad_compression=powersgd (it is "
+            f"{x[0].distributed.grad_compression}). Set grad_compression=powersgd, or remove "
+            f"{' and '.join('distributed.' + k for k in _changed(x[0]))}."
+        ),
+    ),
+)
+
+
 def problems(cfg: Any, strategy: str | None = None) -> list[str]:
     """What distributed.grad_compression cannot run with. strategy: the one distributed.strategy=auto
     chose at launch (None: the recipe's own key)."""
-    d, out = cfg.distributed, []
-    chosen = strategy or d.strategy
-    if d.grad_compression != "none" and chosen not in ("auto", "ddp", "single"):
-        by = f"distributed.strategy={chosen}" if strategy is None else f"distributed.strategy=auto chose {chosen} here"
-        out.append(
-            f"distributed.grad_compression={d.grad_compression} compresses DDP's gradient all-reduce, but {by}, "
-            "which reduces gradients its own way (no DDP all-reduce to compress). Set distributed.strategy=ddp "
-            "(a full replica per GPU) or distributed.grad_compression=none."
-        )
-    # Not "set in the recipe": a run's resolved recipe.yaml lists every key at its default.
-    changed = [k for k, default in (("powersgd_rank", 1), ("powersgd_warmup_steps", None)) if getattr(d, k) != default]
-    if changed and d.grad_compression != "powersgd" and strategy is None:
-        out.append(
-            f"distributed.{changed[0]} applies to distributed.grad_compression=powersgd (it is {d.grad_compression}). "
-            f"Set grad_compression=powersgd, or remove {' and '.join('distributed.' + k for k in changed)}."
-        )
-    return out
+    return broken(RULES, (cfg, strategy))

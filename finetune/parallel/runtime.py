@@ -22,10 +22,9 @@ from torch.nn.parallel import DistributedDataParallel
 from finetune.config.schema import RecipeConfig
 from finetune.errors import ConfigError
 from finetune.hardware import release_free_heap
-from finetune.memory import rules as memory_rules
-from finetune.parallel import compression, ddp_hooks, zero
-from finetune.parallel.rank_state import RankState, rng_states
-from finetune.parallel.strategy import (
+from finetune.memory import techniques
+from finetune.parallel import compression, ddp_hooks, zero_config
+from finetune.parallel.distribute import (
     check_strategy,
     full_optimizer_state,
     full_trainable_state,
@@ -36,6 +35,7 @@ from finetune.parallel.strategy import (
     zero_full_weights,
     zero_optimizer,
 )
+from finetune.parallel.rank_state import RankState, rng_states
 
 
 def make_accelerator(precision: str, cfg: RecipeConfig | None = None):
@@ -53,7 +53,7 @@ def make_accelerator(precision: str, cfg: RecipeConfig | None = None):
     if cfg is None or cfg.distributed.strategy != "deepspeed" or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # set for good by an earlier DeepSpeed Accelerator
         return Accelerator(mixed_precision=mixed, cpu=cpu)
-    zero.require()
+    zero_config.require()
     from accelerate.utils import DeepSpeedPlugin
 
     if cpu:
@@ -61,7 +61,7 @@ def make_accelerator(precision: str, cfg: RecipeConfig | None = None):
         # with no GPU: the process group is made for CPUs first (gloo, torchrun's ranks), and
         # DeepSpeed (its CPU accelerator) runs on it.
         PartialState(cpu=True)
-    plugin = DeepSpeedPlugin(hf_ds_config=zero.ds_config(cfg, precision, on_gpu=not cpu), zero3_init_flag=False)
+    plugin = DeepSpeedPlugin(hf_ds_config=zero_config.ds_config(cfg, precision, on_gpu=not cpu), zero3_init_flag=False)
     accelerator = Accelerator(mixed_precision=mixed, deepspeed_plugin=plugin)
     # accelerate tells transformers about ZeRO-3 at once, and from_pretrained then refuses the
     # device_map our loader places the model with: the weights load whole, and ZeRO-3 partitions
@@ -86,9 +86,9 @@ class Parallel:
         """The strategy for this launch (auto: DDP unless a replica would not fit), checked against the recipe."""
         strategy = resolve_strategy(cfg, accelerator.num_processes, accelerator.device)
         check_strategy(cfg, strategy)
-        problems = memory_rules.problems(
-            memory_rules.launch_settings(cfg, fsdp=strategy == "fsdp", processes=accelerator.num_processes),
-            (memory_rules.LAUNCH,),
+        problems = techniques.problems(
+            techniques.launch_settings(cfg, fsdp=strategy == "fsdp", processes=accelerator.num_processes),
+            (techniques.LAUNCH,),
         )
         if cfg.distributed.strategy == "auto":
             problems += compression.problems(cfg, strategy)
@@ -157,7 +157,7 @@ class Parallel:
             return f"distributed.grad_compression={method} has no effect: one process has no gradients to all-reduce"
         where = f"parallel: {self.strategy} over {self.world} processes"
         if self.strategy == "deepspeed":
-            return f"{where} ({zero.describe(self.cfg)})"
+            return f"{where} ({zero_config.describe(self.cfg)})"
         return where if method == "none" else f"{where}, {compression.describe(self.cfg)}"
 
     def load_device(self, streaming: bool) -> torch.device:

@@ -5,8 +5,8 @@
     strategy.partitions_weights              # ... the questions below, never a comparison with a name
 
 A declaration says what a strategy does to memory and which recipe keys choose it; how it runs
-(wrapping, gradient sync, whole states for a checkpoint) is parallel/strategy.py and runtime.py.
-This module imports nothing of ours: config, memory/rules and plan/ ask it.
+(wrapping, gradient sync, whole states for a checkpoint) is parallel/distribute.py and runtime.py.
+This module imports nothing of ours: config, memory/techniques and plan/ ask it.
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ class Strategy:
     partitions_optimizer: bool = False  # gradients and AdamW state split over the GPUs
     partitions_root: bool = False  # the embeddings, head and final norm split too (FSDP keeps its root unit whole)
     wraps_layers: bool = False  # each decoder layer wrapped by FSDP2's fully_shard: the memory rules' FSDP rows apply
-    # Runs through DeepSpeed's engine: its keys (parallel/zero.py) set the offloads, and
+    # Runs through DeepSpeed's engine: its keys (parallel/zero_config.py) set the offloads, and
     # distributed.cpu_offload means its weight partitions (offload_params), not every shard as under FSDP.
     deepspeed: bool = False
     loads_whole_on_host: bool = False  # each process builds the whole model in CPU RAM before it shards
     starts_whole_on_gpu: bool = False  # the engine is built from the whole model on each GPU, partitioned after
     searched: bool = False  # `plan --fit` tries it
     # `plan --gpus N` compares these rows: (label, Setup fields); memory.* as the recipe writes them
-    # for a replica, the vocabulary tables on the GPUs for the rest (memory/rules.py).
+    # for a replica, the vocabulary tables on the GPUs for the rest (memory/techniques.py).
     compared: tuple[tuple[str, dict[str, Any]], ...] = ()
 
     def describe(self, cpu_offload: bool, optimizer_offload: bool) -> str:
@@ -93,7 +93,7 @@ def planned(name: str) -> Strategy:
 
 
 def of_recipe(cfg: Any) -> Strategy:
-    """The strategy a recipe runs on several GPUs; auto plans as DDP (parallel/strategy.py's resolve_strategy
+    """The strategy a recipe runs on several GPUs; auto plans as DDP (parallel/distribute.py's resolve_strategy
     picks FSDP at launch when a replica does not fit)."""
     d = cfg.distributed
     for s in STRATEGIES.values():

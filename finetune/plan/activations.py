@@ -25,7 +25,7 @@ class Activations:
     saved: int  # kept for backward on the GPU (or in flight to host RAM)
     recompute: int  # one layer's activations, rebuilt during its backward
     host: int  # activation_offload: what waits in host RAM (bytes copied)
-    label: str  # which layers keep what
+    label: str  # what they are and which layers keep what
     host_ram: int = 0  # the host RAM that takes: on a GPU each checkpointed input is a pinned block (pinned_block_bytes)
 
 
@@ -64,11 +64,12 @@ def activation_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: 
     # The head's and the loss's buffers are not moved: they are made right before backward needs them.
     saved = layers_saved + 2 * T * shape.head_dim * b  # + RoPE cos and sin, shared by the layers
     if checkpointed == L:
-        label = " (checkpointed layer inputs)"
+        which = " (checkpointed layer inputs)"
     elif checkpointed == 0:
-        label = " (all layers)"
+        which = " (all layers)"
     else:
-        label = f" ({checkpointed} checkpointed layers' inputs, all of {L - checkpointed} others)"
+        which = f" ({checkpointed} checkpointed layers' inputs, all of {L - checkpointed} others)"
+    label = ("activations in flight to/from host RAM" if setup.activation_offload else "activations kept for backward") + which
     # In fp32 a recomputed layer's first RMSNorm keeps the layer's input itself (no upcast copy):
     # that is the checkpointed input, counted already. Without checkpointing only a tile is rebuilt.
     recompute = rebuilt - (input_only if b == 4 else 0) if checkpointed else rebuilt - full_layer

@@ -56,7 +56,7 @@ def _preflight_memory(cfg: RecipeConfig, refuse: bool) -> tuple[list[str], list[
     if e.peak_bytes <= REFUSE_FACTOR * gpu.memory_bytes:
         return [], [line + ("" if e.fits else "; tight: it may run out of memory")]
     shape = model_shape_of(cfg)
-    recipe = RecipeFacts.from_config(cfg, plan_precision(cfg, gpu))
+    recipe = RecipeFacts.from_config(cfg, plan_precision(cfg, gpu), varlen_ok=shape.varlen_ok)
     best, _ = search(shape, recipe, e.setup, gpu, max_gpus=world, host_ram=physical_ram())
     if best is not None and best.setup.gpus == world:
         fix = "fits as: " + " ".join(f"{k}={_yaml_value(v)}" for k, v in changes_of(best, e.setup).items())

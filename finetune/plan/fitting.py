@@ -11,7 +11,8 @@ from typing import Any
 from finetune.config.schema import RecipeConfig
 from finetune.errors import PlanError
 from finetune.gpus import GiB, GpuSpec
-from finetune.memory import rules as memory_rules
+from finetune.memory import techniques
+from finetune.memory.techniques import TECHNIQUES, Technique
 from finetune.parallel.strategies import STRATEGIES
 from finetune.plan.inputs import RecipeFacts, Setup, describe_setup
 from finetune.plan.memory import Estimate, estimate, gib
@@ -34,54 +35,47 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _checkpoint_choices(s: Setup, _: int) -> list[int]:
-    # none, every 4th, every 2nd, all: each step keeps more activations and replays fewer layers.
-    return sorted({0, 4, 2, 1, s.checkpoint_every})
+def _technique_knob(t: Technique) -> Knob:
+    choices = t.fit or (lambda s: [getattr(s, t.field)])
+    return Knob(t.field, t.keys[0], lambda s, _: choices(s))
 
 
-# The search keeps the fastest setup that fits; every offload mode costs time on the host link
+# The search keeps the fastest setup that fits; every offload technique costs time on the host link
 # (step_time), so it wins only when nothing faster fits, and an exact tie goes to the setup with
 # the lower Setup.offload_rank. base_weights=disk frees the same GPU memory as cpu, no faster,
 # so it is chosen only when the host RAM (search's host_ram) cannot pin the weights.
 SEARCHED = [s.name for s in STRATEGIES.values() if s.searched]  # the strategies --fit tries (ddp, fsdp)
+_TECHNIQUE_KNOBS = [_technique_knob(t) for t in TECHNIQUES if t.fit]
+assert _TECHNIQUE_KNOBS[0].name == "checkpoint_every"
 KNOBS: list[Knob] = [
     Knob("gpus", None, lambda s, max_gpus: list(range(1, max_gpus + 1))),
     # FSDP only means something on more than one GPU; candidates() drops fsdp x 1 GPU.
     Knob("sharding", "distributed.strategy", lambda s, max_gpus: SEARCHED if max_gpus > 1 else [s.sharding]),
     Knob("cpu_offload", "distributed.cpu_offload", lambda s, max_gpus: [False, True] if max_gpus > 1 else [s.cpu_offload]),
-    Knob("checkpoint_every", "memory.activation_checkpointing", _checkpoint_choices),
+    # Every memory technique that declares its --fit choices (finetune/memory/techniques.py), the batch
+    # after activation checkpointing: the order the search has always met (and broken ties in).
+    _TECHNIQUE_KNOBS[0],
     Knob("batch_size", "train.batch_size", lambda s, _: _divisors(s.global_batch)),
-    Knob("activation_offload", "memory.activation_offload", lambda s, _: [False, True]),
-    Knob("optimizer_offload", "memory.optimizer_offload", lambda s, _: [False, True]),
-    Knob("base_weights", "memory.base_weights", lambda s, _: ["device", "cpu", "disk"]),
-    Knob("embeddings", "memory.embeddings", lambda s, _: ["device", "cpu"]),
+    *_TECHNIQUE_KNOBS[1:],
 ]
 
 
-def mode_settings(s: Setup, recipe: RecipeFacts | None = None) -> memory_rules.Settings:
-    """A setup as finetune/memory/rules.py's rules read it (recipe None: a 4-bit LoRA recipe)."""
-    settings = memory_rules.Settings(
-        activation_checkpointing=memory_rules.checkpointing_value(s.checkpoint_every),
-        activation_offload=s.activation_offload,
-        base_weights=s.base_weights,
-        optimizer_offload=s.optimizer_offload,
-        embeddings=s.embeddings,
-        loss=s.loss,
-        fsdp=s.strategy.wraps_layers and s.gpus > 1,
-        cpu_offload=s.cpu_offload,
-        processes=s.gpus,
+def mode_settings(s: Setup, recipe: RecipeFacts | None = None) -> techniques.Settings:
+    """A setup as finetune/memory/techniques.py's rules read it (recipe None: a 4-bit LoRA recipe)."""
+    settings = techniques.Settings(
+        **techniques.modes(s), fsdp=s.strategy.wraps_layers and s.gpus > 1, cpu_offload=s.cpu_offload, processes=s.gpus
     )
     if recipe is None:
         return settings
-    return replace(settings, quant_bits=recipe.quant_bits, lora=recipe.lora_r is not None, compile=recipe.compiled)
+    return replace(settings, quant_bits=recipe.quant_bits, lora=recipe.lora, compile=recipe.compiled)
 
 
 def runnable(s: Setup, recipe: RecipeFacts | None = None) -> bool:
-    """Whether the trainer runs this combination: no rule of finetune/memory/rules.py's table refuses it.
+    """Whether the trainer runs this combination: no rule of finetune/memory/techniques.py's table refuses it.
     A sharding strategy on one GPU is left out too: it runs as one process, the same setup as DDP's."""
     if s.gpus == 1 and not s.strategy.replicates:
         return False
-    return not memory_rules.problems(mode_settings(s, recipe))
+    return not techniques.problems(mode_settings(s, recipe))
 
 
 def candidates(base: Setup, max_gpus: int, recipe: RecipeFacts | None = None) -> list[Setup]:

@@ -8,33 +8,26 @@ from dataclasses import dataclass
 
 from finetune import adapters
 from finetune.config.schema import RecipeConfig
+from finetune.memory.techniques import TECHNIQUES, Modes
+from finetune.model.varlen import auto_cuts_packed_rows
 from finetune.parallel.strategies import Strategy, planned
 from finetune.plan.shape import LinearGroup, ModelShape
 
 
 @dataclass(frozen=True)
-class Setup:
-    """One way to run a recipe: the knobs the search turns, and the sequence length.
-
-    A new memory mode is a field here, a Knob in KNOBS, its terms in `estimate`
-    and `step_time`, its recipe key in `setup_of` / `changes_of`, and its field in
-    fitting.mode_settings (so the search tries only what finetune/memory/rules.py allows).
-    """
+class Setup(Modes):
+    """One way to run a recipe: the knobs the search turns, and the sequence length. The memory
+    techniques' fields come from finetune/memory/techniques.py's Modes, under the recipe's names:
+    a new technique adds none here."""
 
     batch_size: int
     grad_accum: int
     gpus: int = 1
-    checkpoint_every: int = 1  # memory.activation_checkpointing: 1 all layers, 0 none, k every k-th layer
     seq_len: int = 2048
-    sharding: str = "ddp"  # ddp: a full copy per GPU; fsdp: layers sharded; zero2 | zero3: DeepSpeed ZeRO (parallel/zero.py)
+    sharding: str = (
+        "ddp"  # ddp: a full copy per GPU; fsdp: layers sharded; zero2 | zero3: DeepSpeed ZeRO (parallel/zero_config.py)
+    )
     cpu_offload: bool = False  # fsdp: the shards (weights, grads, optimizer state) live in host RAM; zero3: the weights
-    activation_offload: bool = False  # memory.activation_offload: saved activations wait in pinned host RAM
-    base_weights: str = "device"  # memory.base_weights: device | cpu | disk (cpu/disk stream one layer at a time)
-    optimizer_offload: bool = False  # memory.optimizer_offload (zero2|3: offload_optimizer): AdamW state and step in host RAM
-    loss: str = "full"  # memory.loss: full (every target's logits at once) | chunked | liger | auto (a recipe's default)
-    loss_chunk: int = 256  # memory.loss_chunk: target positions per chunk
-    tiled_mlp: str | int = "off"  # memory.tiled_mlp: off | auto | N (a recipe's default is auto)
-    embeddings: str = "device"  # memory.embeddings: device | cpu (the vocabulary tables in host RAM)
     sequences_per_example: int = 1  # preference pairs: chosen and rejected in one forward (finetune/objectives/table.py)
     reference_passes: int = 0  # dpo: forwards without gradients (adapter off) per micro-batch, for the reference
 
@@ -70,10 +63,6 @@ class Setup:
 
         return tiles_for(self.tiled_mlp, self.seq_len, hidden)
 
-    @property
-    def streams_weights(self) -> bool:
-        return self.base_weights != "device"
-
     def checkpointed_layers(self, layers: int) -> int:
         """How many of `layers` decoder layers recompute in backward (model/load.py checkpoints index % k == 0)."""
         return 0 if self.checkpoint_every <= 0 else math.ceil(layers / self.checkpoint_every)
@@ -81,13 +70,7 @@ class Setup:
     @property
     def offload_rank(self) -> int:
         """How much this setup leans on host RAM and the host link; ties in step time go to the lowest."""
-        return (
-            int(self.activation_offload)
-            + int(self.embeddings == "cpu")
-            + int(self.optimizer_offload)
-            + int(self.cpu_offload)
-            + {"device": 0, "cpu": 2, "disk": 3}.get(self.base_weights, 3)
-        )
+        return int(self.cpu_offload) + sum(t.host_rank(self) for t in TECHNIQUES)
 
 
 @dataclass(frozen=True)
@@ -133,9 +116,14 @@ class RecipeFacts:
     def attention_mask(self, rows: int) -> bool:
         """Whether attention gets a (rows, 1, T, T) bool mask: padding in a batch, or packed rows
         (transformers turns restarting position_ids into a block-causal mask under sdpa and eager;
-        auto plans as sdpa). flash_attention_2 and varlen (cut points only) and flex_attention (a
+        auto plans as the loader resolves it). flash_attention_2 and varlen (cut points only) and flex_attention (a
         block mask of 128 x 128 tiles) hold none."""
         return (rows > 1 or self.packed) and self.attention not in ("flash_attention_2", "flex_attention", "varlen")
+
+    @property
+    def lora(self) -> bool:
+        """An adapter trains (False: full fine-tuning)."""
+        return self.lora_r is not None
 
     @property
     def adapter(self) -> adapters.AdapterMethod:
@@ -143,7 +131,7 @@ class RecipeFacts:
         return adapters.get(self.method or ("dora" if self.dora else "lora"))
 
     @classmethod
-    def from_config(cls, cfg: RecipeConfig, precision: str, on_gpu: bool = True) -> RecipeFacts:
+    def from_config(cls, cfg: RecipeConfig, precision: str, on_gpu: bool = True, varlen_ok: bool = True) -> RecipeFacts:
         lora = cfg.lora
         target = "all-linear" if lora is None else lora.target if isinstance(lora.target, str) else tuple(lora.target)
         return cls(
@@ -157,9 +145,19 @@ class RecipeFacts:
             dropout_mask_bytes=1 if on_gpu else (4 if precision == "fp32" else 2),
             method=lora.adapter.name if lora else None,
             packed=cfg.data.packing,
-            attention=cfg.model.attn_implementation,
+            attention=_planned_attention(cfg, precision, on_gpu, varlen_ok),
             compiled=cfg.train.compile,
         )
+
+
+def _planned_attention(cfg: RecipeConfig, precision: str, on_gpu: bool, varlen_ok: bool) -> str:
+    """model.attn_implementation as the loader resolves auto for packed rows (model/load.py)."""
+    wanted = cfg.model.attn_implementation
+    compute_bytes = 4 if precision == "fp32" else 2
+    device = "cuda" if on_gpu else "cpu"
+    if wanted == "auto" and auto_cuts_packed_rows(cfg.data.packing, cfg.data.max_seq_len, device, compute_bytes, varlen_ok):
+        return "varlen"
+    return wanted
 
 
 def lora_targets(shape: ModelShape, target: str | tuple[str, ...]) -> list[LinearGroup]:
@@ -179,16 +177,7 @@ def _sharding_label(s: Setup) -> str:
 
 def describe_setup(s: Setup) -> str:
     ckpt = {1: "all layers", 0: "off"}.get(s.checkpoint_every, f"every {s.checkpoint_every} layers")
-    offload = [
-        name
-        for name, on in [
-            ("activations", s.activation_offload),
-            ("optimizer", s.optimizer_offload and not s.strategy.deepspeed),  # ZeRO's label names it
-            (f"base weights streamed from {s.base_weights}", s.streams_weights),
-            ("vocabulary tables", s.embeddings == "cpu"),
-        ]
-        if on
-    ]
+    offload = [label for t in TECHNIQUES if (label := t.offload_label(s))]
     return (
         f"{s.gpus} GPU{'s' if s.gpus > 1 else ''}{_sharding_label(s)}, "
         f"batch {s.batch_size} x accum {s.grad_accum} (global {s.global_batch}), seq {s.seq_len}, "

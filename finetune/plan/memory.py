@@ -36,6 +36,16 @@ STREAMED_LAYERS_RESIDENT = 3  # memory/stream.py: the layer computing, the prefe
 DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size when the model's shards cannot be seen
 
 
+# `plan --json` prints the planner's own fields around the memory modes (Setup inherits those first),
+# in the order it always has: these, then the modes in their declared order, then the rest.
+_JSON_FIRST = ("batch_size", "grad_accum", "gpus", "checkpoint_every", "seq_len", "sharding", "cpu_offload")
+
+
+def _in_json_order(setup: dict[str, Any]) -> dict[str, Any]:
+    rank = {key: i for i, key in enumerate(_JSON_FIRST)}
+    return dict(sorted(setup.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+
+
 @dataclass
 class Component:
     key: str
@@ -90,7 +100,7 @@ class Estimate:
             "model": self.shape.source,
             "gpu": self.gpu.name if self.gpu else None,
             "gpu_memory_bytes": self.memory_bytes,
-            "setup": asdict(self.setup),
+            "setup": _in_json_order(asdict(self.setup)),
             "components": {c.key: c.bytes for c in self.components},
             "in_peak": [c.key for c in self.components if c.in_peak],
             "peak_phase": self.peak_phase,
@@ -169,7 +179,7 @@ def _static_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, impl: Im
     on_host = setup.embeddings == "cpu"
     host_tables = (shape.embedding_params + shape.head_params) * unq_bytes if on_host else 0
     trainable = trainable_params(shape, recipe)
-    adapter_bytes = impl.adapter_bytes if recipe.lora_r else (4 if b == 4 else b)
+    adapter_bytes = impl.adapter_bytes if recipe.lora else (4 if b == 4 else b)
     grads = trainable * adapter_bytes
     t = _Static(
         q_weight,
@@ -178,7 +188,7 @@ def _static_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, impl: Im
         q_weight + q_const + unquantized,
         trainable,
         adapter_bytes,
-        lora=grads if recipe.lora_r else 0,
+        lora=grads if recipe.lora else 0,
         grads=grads,
         optim=grads * impl.optimizer_states,
         host_tables=host_tables,
@@ -344,18 +354,13 @@ def _components(
             st.unquantized,
         ),
         Component(
-            "lora_weights", f"LoRA weights ({_dtype_label(st.adapter_bytes)})" if recipe.lora_r else "trained weights", st.lora
+            "lora_weights", f"LoRA weights ({_dtype_label(st.adapter_bytes)})" if recipe.lora else "trained weights", st.lora
         ),
         Component("gradients", "gradients of trained weights", st.grads),
         Component("optimizer_state", "AdamW state (2 moments)", st.optim),
         Component("ddp_buckets", "DDP all-reduce buckets", st.ddp_buckets),
         Component("fsdp_gathered", "FSDP gathered layers (2)", st.gathered),
-        Component(
-            "activations",
-            ("activations in flight to/from host RAM" if setup.activation_offload else "activations kept for backward")
-            + act.label,
-            act.saved,
-        ),
+        Component("activations", act.label, act.saved),
         Component("attention_mask", "attention mask (padded or packed rows)", tr.mask),
         Component("logits_loss", "logits and loss buffers", tr.loss, in_peak=loss_peak),
         Component("final_norm", "final norm input (fp32)", tr.final_norm, in_peak=loss_peak),

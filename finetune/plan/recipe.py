@@ -8,6 +8,7 @@ from typing import Any
 
 from finetune.config.schema import RecipeConfig
 from finetune.gpus import GpuSpec
+from finetune.memory.techniques import modes
 from finetune.model.load import model_source
 from finetune.objectives import table as objectives
 from finetune.parallel.strategies import DDP, STRATEGIES, Strategy, of_recipe
@@ -48,18 +49,15 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
         batch_size=cfg.train.batch_size,
         grad_accum=cfg.train.grad_accum,
         gpus=gpus,
-        checkpoint_every=cfg.memory.checkpoint_every,
         seq_len=cfg.data.max_seq_len,
-        # auto runs DDP unless a replica does not fit (finetune.parallel.strategy.resolve_strategy).
+        # auto runs DDP unless a replica does not fit (finetune.parallel.distribute.resolve_strategy).
         sharding=strategy.name if gpus > 1 else DDP.name,
         cpu_offload=gpus > 1 and (cfg.distributed.cpu_offload or (zero and cfg.distributed.offload_params != "none")),
-        activation_offload=cfg.memory.activation_offload,
-        base_weights=cfg.memory.base_weights,
-        optimizer_offload=cfg.memory.optimizer_offload or (zero and gpus > 1 and cfg.distributed.offload_optimizer != "none"),
-        loss=cfg.memory.loss,
-        loss_chunk=cfg.memory.loss_chunk,
-        tiled_mlp=cfg.memory.tiled_mlp,
-        embeddings=cfg.memory.embeddings,
+        **modes(cfg.memory)
+        | {
+            "optimizer_offload": cfg.memory.optimizer_offload
+            or (zero and gpus > 1 and cfg.distributed.offload_optimizer != "none")
+        },
     )
 
 
@@ -70,7 +68,9 @@ def planning_inputs(cfg: RecipeConfig, gpu: GpuSpec | None) -> tuple[ModelShape,
         model_on_disk=Path(model_source(cfg)).is_dir(),
         shard_bytes=_shard_bytes(cfg),
     )
-    return model_shape_of(cfg), RecipeFacts.from_config(cfg, plan_precision(cfg, gpu), on_gpu=gpu is not None), kw
+    shape = model_shape_of(cfg)
+    recipe = RecipeFacts.from_config(cfg, plan_precision(cfg, gpu), on_gpu=gpu is not None, varlen_ok=shape.varlen_ok)
+    return shape, recipe, kw
 
 
 def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Setup | None = None) -> Estimate:
@@ -85,7 +85,7 @@ COMPARED: tuple[tuple[str, Strategy, dict[str, Any]], ...] = tuple(
     for strategy in STRATEGIES.values()
     for label, fields in strategy.compared
 )
-# memory.embeddings=cpu is for one process or DDP (finetune/memory/rules.py): the sharded rows place the tables on the GPUs.
+# memory.embeddings=cpu is for one process or DDP (finetune/memory/techniques.py): the sharded rows place the tables on the GPUs.
 SHARDED_TABLES = {"embeddings": "device"}
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from finetune.config.schema import RecipeConfig, build_recipe, read_recipe_file
-from finetune.memory import rules as memory_rules
-from finetune.parallel import zero
+from finetune.memory import techniques
+from finetune.parallel import zero_config
 from finetune.parallel.strategies import of_recipe
 from finetune.plan.fitting import KNOBS
 from finetune.plan.inputs import Setup, describe_setup
@@ -18,7 +18,7 @@ from finetune.plan.memory import Estimate, gib
 def recipe_value(knob: str, value: Any) -> Any:
     """A Setup value as its recipe key takes it (checkpoint_every 1/0/k -> all/none/k)."""
     if knob == "checkpoint_every":
-        return memory_rules.checkpointing_value(value)
+        return techniques.checkpointing_value(value)
     return value
 
 
@@ -31,7 +31,7 @@ def setup_changes(setup: Setup, base: Setup, cfg: RecipeConfig | None = None) ->
     """Recipe keys to write so a run of `base`'s recipe (cfg, when given) uses `setup`.
 
     With cfg, also the keys a setup makes moot that the recipe's rules would still read
-    (finetune/memory/rules.py): distributed.strategy=fsdp and cpu_offload for a setup that
+    (finetune/memory/techniques.py): distributed.strategy=fsdp and cpu_offload for a setup that
     does not shard (one GPU: the Setup of such a recipe says ddp), memory.offload_dir for one
     that does not stream from disk.
     """
@@ -49,7 +49,7 @@ def setup_changes(setup: Setup, base: Setup, cfg: RecipeConfig | None = None) ->
             out["distributed.cpu_offload"] = False
         if of_recipe(cfg).deepspeed and not chosen.deepspeed:
             # The search tries DDP and FSDP (not ZeRO): ZeRO's keys would be refused without strategy=deepspeed.
-            out.update({f"distributed.{k}": v for k, v in zero.DEFAULTS.items() if getattr(cfg.distributed, k) != v})
+            out.update({f"distributed.{k}": v for k, v in zero_config.DEFAULTS.items() if getattr(cfg.distributed, k) != v})
         if cfg.memory.offload_dir is not None and setup.base_weights != "disk":
             out["memory.offload_dir"] = None
     return out

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.errors import PlanError
+from finetune.model import varlen
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class ModelShape:
     other_params: int  # norms, biases, routers, anything not in a quantizable linear or an expert
     total_params: int
     experts: tuple[ExpertGroup, ...] = ()  # MoE: fused expert parameters (finetune/model/moe.py stores them 4-bit)
+    varlen_ok: bool = True  # finetune/model/varlen.py can run this model's attention
 
     @property
     def linear_params(self) -> int:
@@ -195,6 +197,7 @@ def read_model_shape(source: str, trust_remote_code: bool = False, revision: str
         other_params=other,
         total_params=total,
         experts=experts,
+        varlen_ok=getattr(type(model), "_supports_attention_backend", False) and varlen.unsupported(config) is None,
     )
 
 

@@ -33,13 +33,13 @@ def token_flops(shape, recipe, setup, trainable, seq_len: float | None = None) -
     T = setup.seq_len if seq_len is None else seq_len
     # MoE: a token multiplies by its active experts only (memory holds them all: memory.py).
     matmul_params = shape.linear_params + shape.active_expert_params + (shape.head_params or shape.embedding_params)
-    lora_flops = 2 * trainable if recipe.lora_r else 0
+    lora_flops = 2 * trainable if recipe.lora else 0
     fwd = 2 * matmul_params + lora_flops
     attn_fwd = 2 * T * shape.heads * shape.head_dim * shape.layers  # QK^T and AV, causal half
     ckpt = setup.checkpointed_layers(shape.layers) / shape.layers  # the share of layers replayed
     # Backward of a frozen weight computes only the input gradient (1x forward); attention
     # backward is ~2x its forward; checkpointing replays the decoder forward once more.
-    model = fwd * 2 + attn_fwd * 3 + (lora_flops if recipe.lora_r else 2 * fwd)
+    model = fwd * 2 + attn_fwd * 3 + (lora_flops if recipe.lora else 2 * fwd)
     model += setup.reference_passes * (fwd + attn_fwd)  # DPO's reference: the forward again, adapter off
     recompute = (fwd + attn_fwd) * ckpt
     if setup.loss_rows:  # the chunked head runs again in backward to remake each chunk's logits
@@ -104,7 +104,7 @@ def step_time(
     is for GPUs.
 
     streamed_bytes: base weights streamed per pass over the layer stack (base_weights=cpu|disk);
-    activation_bytes: saved activations sent to host RAM per micro-batch (activation_offload);
+    activation_bytes: saved activations sent to host RAM per micro-batch (activation offload);
     exposed_bytes: copies per micro-batch that wait for nothing to overlap them (memory.embeddings=cpu:
     the head's visit, made when the loss needs it, and the looked-up embedding rows)."""
     if gpu is None:
@@ -162,7 +162,7 @@ def _with_host_copies(shape, setup, gpu, micro: float, forward: float, streamed_
     first_layer = weights / shape.layers
     acts = activation_bytes / host_link
     backward = micro - forward
-    # Forward: weights come in while activations go out (PCIe is full duplex). Backward: memory/activation_offload.py
-    # copies saved tensors back on the compute stream, so those copies add to the time.
+    # Forward: weights come in while activations go out (PCIe is full duplex). Backward: the offloaded activations
+    # come back on the compute stream, so those copies add to the time.
     with_copies = max(forward, weights, acts) + first_layer + max(backward, weights) + first_layer + acts
     return with_copies, 2 * weights + 2 * acts, with_copies - micro

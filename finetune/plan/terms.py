@@ -32,8 +32,8 @@ def mlp_saved_bytes_per_token(shape: ModelShape, recipe: RecipeFacts) -> int:
     """The MLP's share of layer_saved_bytes_per_token: gate, SiLU and up (intermediate-sized), and
     down_proj's input when LoRA wraps it (what a tiled MLP holds for one tile only)."""
     b, f = recipe.compute_bytes, shape.intermediate
-    wrapped = {g.name for g in lora_targets(shape, recipe.lora_target)} if recipe.lora_r else set()
-    return 3 * b * f + (b * f if recipe.lora_r is None or "down_proj" in wrapped else 0)
+    wrapped = {g.name for g in lora_targets(shape, recipe.lora_target)} if recipe.lora else set()
+    return 3 * b * f + (b * f if not recipe.lora or "down_proj" in wrapped else 0)
 
 
 def layer_saved_bytes_per_token(shape: ModelShape, recipe: RecipeFacts, batch_size: int) -> int:
@@ -62,7 +62,7 @@ def layer_saved_bytes_per_token(shape: ModelShape, recipe: RecipeFacts, batch_si
     total = 2 * 4 * h  # two RMSNorms
     total += b * (qd + 2 * kvd + qd) + lse  # SDPA: q, k, v, out
     total += 3 * b * f  # MLP
-    if recipe.lora_r is None:
+    if not recipe.lora:
         return total + b * (h + qd + h + f)  # full fine-tuning: every linear saves its input for the weight grad
     inputs = {
         "q_proj": ("attn_in", h),
@@ -77,7 +77,7 @@ def layer_saved_bytes_per_token(shape: ModelShape, recipe: RecipeFacts, batch_si
     for g in lora_targets(shape, recipe.lora_target):
         source, width = inputs.get(g.name, (g.name, g.in_features))
         per_layer = g.count / shape.layers
-        total += int(b * recipe.lora_r * per_layer)
+        total += int(b * (recipe.lora_r or 0) * per_layer)
         if recipe.lora_dropout > 0:
             total += int((b + recipe.dropout_mask_bytes) * width * per_layer)  # dropout output + mask, per wrapped linear
         elif source != "o_in":  # o_proj's input is the attention output SDPA keeps (its transpose is a view)
@@ -122,18 +122,19 @@ def loss_peak_bytes(tokens: int, vocab: int, logits_bytes: int, impl: Implementa
 def trainable_params(shape: ModelShape, recipe: RecipeFacts) -> int:
     """LoRA A and B of every targeted linear (+ DoRA magnitudes), and of every expert when lora.target
     lists `experts` (peft's ParamWrapper: r x experts rows of A, columns of B); full fine-tuning: every parameter."""
-    if not recipe.lora_r:
+    if not recipe.lora:
         return shape.total_params
+    r = recipe.lora_r or 0
     targets = lora_targets(shape, recipe.lora_target)
     extra = sum(g.out_features * g.count for g in targets) if recipe.adapter.trains_magnitude else 0
     if adapts_experts(recipe):
-        extra += sum(recipe.lora_r * g.experts * (g.in_features + g.out_features) * g.count for g in shape.experts)
-    return sum(recipe.lora_r * (g.in_features + g.out_features) * g.count for g in targets) + extra
+        extra += sum(r * g.experts * (g.in_features + g.out_features) * g.count for g in shape.experts)
+    return sum(r * (g.in_features + g.out_features) * g.count for g in targets) + extra
 
 
 def adapts_experts(recipe: RecipeFacts) -> bool:
     """lora.target lists `experts`: LoRA on the fused expert parameters (finetune/model/moe.py)."""
-    return bool(recipe.lora_r) and not isinstance(recipe.lora_target, str) and EXPERTS in recipe.lora_target
+    return recipe.lora and not isinstance(recipe.lora_target, str) and EXPERTS in recipe.lora_target
 
 
 def expert_weight_bytes(shape: ModelShape, recipe: RecipeFacts) -> tuple[int, int, int]:

@@ -31,8 +31,9 @@ from finetune.config.older_runs import current_spelling
 from finetune.config.schema import RecipeConfig
 from finetune.data.sources import file_digest
 from finetune.errors import CheckpointError, OutputDirError
+from finetune.memory.techniques import RESUME_HARMLESS
+from finetune.parallel.distribute import is_sharded, load_full_trainable_state, shard_optimizer_state, zero_load, zero_optimizer
 from finetune.parallel.rank_state import RankState, restore_rng_states, rng_states
-from finetune.parallel.strategy import is_sharded, load_full_trainable_state, shard_optimizer_state, zero_load, zero_optimizer
 
 RUN_MARKERS = ("recipe.yaml", "metrics.jsonl", "adapter", "checkpoints")
 MANIFEST = "manifest.json"
@@ -180,16 +181,12 @@ HARMLESS_CHANGES = (
     "report.",
     "profile.",  # torch.profiler watches the steps; it changes no number of the run
     # How the same numbers are computed, not which: the objective is unchanged, only rounding
-    # (chunks, tiles, attention kernels) differs. Runs from before these keys resume, said.
-    "memory.loss",
-    "memory.loss_chunk",
-    "memory.tiled_mlp",
+    # (attention kernels) differs. Runs from before these keys resume, said.
     "model.attn_implementation",
     "model.kernels",
     "train.compile",
-    # Where bytes wait, not what is computed (bitwise-equal runs, tests/test_offload.py, test_host_tables.py).
-    "memory.activation_offload",
-    "memory.embeddings",
+    # The memory techniques that declare themselves harmless on resume (finetune/memory/techniques.py).
+    *RESUME_HARMLESS,
     # How the processes share the work, not what they compute (checkpoints hold whole tensors; the
     # reduction order differs in the last bits): a ZeRO run resumes under DDP, FSDP or on one process.
     "distributed.strategy",

@@ -26,8 +26,8 @@ from finetune.config.schema import RecipeConfig, resolve_path
 from finetune.data import IGNORE_INDEX, Collator, generation_prompt, load_records, prompt_and_answer
 from finetune.data.templates import end_of_turn_ids
 from finetune.model.load import compute_device
+from finetune.parallel.distribute import is_sharded
 from finetune.parallel.runtime import Parallel
-from finetune.parallel.strategy import is_sharded
 
 
 @dataclass

@@ -28,7 +28,7 @@ from finetune.data import build_examples, held_out_records, load_records
 from finetune.errors import ConfigError, DataError, FinetuneError, HardwareError, ModelError, RunDirError
 from finetune.hardware import cpu_device, device_free_bytes, resolve_precision
 from finetune.metrics import human_bytes
-from finetune.model.load import default_device, load_base_model, load_tokenizer, model_source
+from finetune.model.load import default_device, load_base_model, load_tokenizer, model_source, peft_arguments
 from finetune.objectives import table as objectives
 from finetune.plan import loaded_weight_bytes
 from finetune.runs.evaluate import Scores, score
@@ -156,9 +156,8 @@ def check_adapter_config(run: Run) -> None:
     missing = [key for key in ADAPTER_KEYS if not isinstance(config, dict) or key not in config]
     if not missing:
         return
-    lora = run.cfg.lora
-    from_recipe = {"peft_type": '"LORA"', "r": lora.r if lora else None, "lora_alpha": lora.alpha if lora else None}
-    fix = ", ".join(f'"{key}": {from_recipe[key]}' for key in missing if from_recipe[key] is not None)
+    from_recipe = {"peft_type": '"LORA"', **(peft_arguments(run.cfg) if run.cfg.lora else {})}
+    fix = ", ".join(f'"{key}": {from_recipe[key]}' for key in missing if from_recipe.get(key) is not None)
     raise RunDirError(
         f"'{path}' lacks {', '.join(f'{key!r} ({ADAPTER_KEYS[key]})' for key in missing)}: the adapter cannot be loaded as trained",
         hint="restore adapter_config.json from a copy of the run or its export"

@@ -15,7 +15,7 @@ import torch
 from finetune.config.schema import RecipeConfig, build_recipe, resolve_offload_dir
 from finetune.data import IGNORE_INDEX, DataBundle, DataStats, build_datasets, build_examples
 from finetune.errors import ConfigError
-from finetune.memory.apply import apply_techniques
+from finetune.memory.apply import Applied, apply_techniques
 from finetune.memory.optimizer_offload import HostAdamW
 from finetune.memory.stream import DiskStore, WeightStream
 from finetune.metrics import human_bytes
@@ -102,11 +102,12 @@ def ready_given_model(cfg: RecipeConfig, model):
 
 def load_model_and_store(
     cfg: RecipeConfig, precision: str, parallel: Parallel, say: Callable[[str], None], given=None
-) -> tuple[Any, WeightStream | None]:
-    """The model (loaded unless given) and, for memory.base_weights=cpu|disk, the store its frozen
-    layer weights now live in. A failure deletes a weights file already written."""
+) -> tuple[Any, Applied]:
+    """The model (loaded unless given), with memory/apply.py's techniques applied, and what the loop
+    keeps of them (the store its frozen layer weights live in for memory.base_weights=cpu|disk, the
+    forward's context). A failure deletes a weights file already written."""
     streaming = cfg.memory.base_weights != "device"
-    disk_store = stream = None
+    disk_store = None
     model = given
     after_init = getattr(given, "finetune_rng_after_init", None)
     if after_init is not None:  # Trainer.from_parts wrapped it: continue from its LoRA init
@@ -126,12 +127,12 @@ def load_model_and_store(
                 model = load_model(cfg, precision=precision, device=load_on, shardable=parallel.sharded)
         if getattr(model, "finetune_attention_note", None):
             say(model.finetune_attention_note)
-        stream = apply_techniques(model, cfg, parallel.device, say, given=given is not None, disk_store=disk_store)
+        applied = apply_techniques(model, cfg, parallel.device, say, given=given is not None, disk_store=disk_store)
     except BaseException:
         if disk_store is not None:
             disk_store.discard()  # tens of GB written for a model that will not train
         raise
-    return model, stream
+    return model, applied
 
 
 def describe_store(stream: WeightStream, device, say: Callable[[str], None]) -> None:

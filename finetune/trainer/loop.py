@@ -31,8 +31,7 @@ from finetune.config.schema import RecipeConfig
 from finetune.data import Collator, DataBundle, count_tokens, use_template
 from finetune.errors import OutputDirError, Preempted, TrainingError
 from finetune.hardware import resolve_precision, torch_dtype
-from finetune.memory.activation_offload import ActivationOffload, NoActivationOffload
-from finetune.memory.stream import WeightStream
+from finetune.memory.apply import Applied
 from finetune.metrics import MetricsWriter, Progress, Throughput, peak_memory_bytes
 from finetune.model.load import load_tokenizer
 from finetune.objectives.loss import Loss, as_loss, count_targets
@@ -88,8 +87,7 @@ class Trainer:
         self.out = Path(cfg.output_dir)
         self.state = TrainState()
         self.accelerator: Any = None  # set by setup(); None until then
-        self.stream: WeightStream | None = None  # memory.base_weights=cpu|disk
-        self.activation_offload: ActivationOffload | NoActivationOffload = NoActivationOffload()  # memory.activation_offload
+        self.memory = Applied()  # the memory techniques' store and forward context (memory/apply.py)
         self.params: list[torch.nn.Parameter] = []
         self._trained = False  # train() returned: every rank got through the run
 
@@ -170,11 +168,11 @@ class Trainer:
         self._plan_steps()
 
         parallel = self.parallel = Parallel.choose(cfg, acc)
-        self.model, self.stream = build.load_model_and_store(cfg, self.precision, parallel, self.say, given=self.model)
+        self.model, self.memory = build.load_model_and_store(cfg, self.precision, parallel, self.say, given=self.model)
         self.loss_fn.fit(self.model)
         self.loss_fn.use_memory(cfg.memory.loss, cfg.memory.loss_chunk, parallel.device, parallel.sharded)
-        if self.stream is not None:
-            build.describe_store(self.stream, acc.device, self.say)
+        if self.memory.stream is not None:
+            build.describe_store(self.memory.stream, acc.device, self.say)
         if parallel.is_main:
             prepare_output_dir(cfg)
         parallel.wait()
@@ -183,8 +181,6 @@ class Trainer:
 
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = build.build_optimizer(cfg, self.params, self._given_optimizer, parallel)
-        if cfg.memory.activation_offload:
-            self.activation_offload = ActivationOffload(acc.device)
         self.scheduler = build.build_lr_schedule(cfg, optimizer, self.state.total_steps, self._given_scheduler)
         self.model, self.optimizer = parallel.prepare(self.model, optimizer)
         if cfg.train.precompute_reference:  # one pass over the pairs with the adapter off, cached
@@ -227,7 +223,7 @@ class Trainer:
         totals = StepTotals(0.0, n_global, sum(count_tokens(b) for b in batches), targets)
         for i, batch in enumerate(batches):
             with parallel.gradient_sync(model, last=i == len(batches) - 1):
-                with self.activation_offload.saving():
+                with self.memory.activations.saving():
                     loss_sum, _ = self.compute_loss(model, batch)
                 self.accelerator.backward(loss_sum * scale)
             totals.loss_sum += float(loss_sum.detach())
@@ -485,8 +481,8 @@ class Trainer:
     def close(self) -> None:
         """Free what outlives a run: the streamed-weights file (base_weights=disk) and the process
         group of a multi-process launch. The model is unusable after."""
-        if self.stream is not None:
-            self.stream.close()
+        if self.memory.stream is not None:
+            self.memory.stream.close()
         if hasattr(self, "parallel"):
             if self._trained:  # our references to the sharded model go first (see Parallel.close)
                 self.model = self.optimizer = self.scheduler = None

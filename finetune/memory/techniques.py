@@ -1,17 +1,19 @@
-"""Memory modes, and what each cannot run with: one table.
+"""Every memory technique, declared once: its recipe keys, its `plan --fit` choices, its place in
+resume's harmless list, what it asks of host RAM, and the rules between it and the rest.
 
-The modes: memory.activation_checkpointing (all | none | k), memory.activation_offload,
-memory.base_weights (device | cpu | disk) with memory.offload_dir, memory.optimizer_offload,
-memory.embeddings (device | cpu), and
-FSDP's own distributed.cpu_offload. Each rule below is one row: the settings that conflict, the
-message (naming the keys) and the fix. Three places ask the table, each with what it knows:
+    modes(cfg.memory)                       -> {field: value} of Modes, from a recipe (or a plan Setup)
+    problems(recipe_settings(cfg))          config: the recipe's cross-field rules
+    problems(launch_settings(cfg, fsdp=.., processes=n), (LAUNCH,))   parallel.runtime: this launch
+    problems(Settings(**modes(setup), ...)) plan.fitting: the setups --fit tries
 
-    problems(recipe_settings(cfg))                       config: the recipe's cross-field rules
-    problems(launch_settings(cfg, fsdp=.., processes=n), LAUNCH)  parallel.runtime: this launch's processes
-    problems(Settings(...) of a plan Setup)              plan.fitting: the setups --fit tries
+`Modes` holds the techniques' settings under the names config.schema.MemoryConfig gives them; the
+planner's Setup and the rules' Settings extend it, so a value goes from the recipe to the planner,
+the search and the rules without a translator. Where each technique acts: its module of memory/,
+applied in memory/apply.py's order. This module stands before config/ and imports no model code.
 
-A new mode: its field in config.schema.MemoryConfig and in `Settings` (and `recipe_settings`), its rows
-here, where it acts (a module of memory/ and its step in memory/apply.py), and its Knob and terms in plan/.
+A new technique: its field(s) in MemoryConfig and `Modes`, its entry in TECHNIQUES, its rules in
+RULES, its module and step in memory/apply.py, its terms in plan/ (tests/test_memory_modes.py checks
+that every Modes field has its recipe key and every key its field).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from finetune import errors
 from finetune.parallel import strategies
 
 # Rule groups. RECIPE rules need the recipe only; FSDP rules apply whenever FSDP runs (the recipe
@@ -28,33 +31,116 @@ from finetune.parallel import strategies
 RECIPE, FSDP, LAUNCH = "recipe", "fsdp", "launch"
 
 
+@dataclass(frozen=True, kw_only=True)
+class Modes:
+    """The memory techniques' settings, named as config.schema.MemoryConfig names them. The defaults
+    are every technique off (the planner's published runs state theirs)."""
+
+    # In the order `plan --json` has always printed them.
+    checkpoint_every: int = 1  # memory.activation_checkpointing: 1 every layer, 0 none, k every k-th
+    activation_offload: bool = False  # saved activations wait in pinned host RAM
+    base_weights: str = "device"  # device | cpu | disk: frozen layer weights streamed from host RAM or a file
+    optimizer_offload: bool = False  # AdamW's state and step in host RAM
+    loss: str = "full"  # full (every target's logits at once) | chunked | liger | auto (a recipe's default)
+    loss_chunk: int = 256  # target positions per chunk
+    tiled_mlp: str | int = "off"  # off | auto | N (a recipe's default is auto)
+    embeddings: str = "device"  # device | cpu: the frozen vocabulary tables in host RAM
+
+    @property
+    def streams_weights(self) -> bool:
+        return self.base_weights != "device"
+
+
+def modes(source: Any) -> dict[str, Any]:
+    """The Modes fields' values of anything that has them: a MemoryConfig, a Setup, Settings."""
+    return {f.name: getattr(source, f.name) for f in fields(Modes)}
+
+
+def _off(_: Any) -> Any:
+    return None
+
+
 @dataclass(frozen=True)
-class Settings:
-    """What the rules read. The defaults are a one-GPU QLoRA run with every mode off."""
+class Technique:
+    """One memory technique as the rest of finetune sees it. Its hooks read a plan Setup."""
+
+    name: str
+    field: str  # its switch: a Modes field (and --fit's knob)
+    keys: tuple[str, ...]  # every recipe key it owns, its switch's first
+    fit: Callable[[Any], list[Any]] | None = None  # the values `plan --fit` tries, given the recipe's Setup
+    resume_harmless: bool = False  # a resumed run may change it: the numbers stay the same
+    host_rank: Callable[[Any], int] = lambda s: 0  # how much it leans on host RAM (--fit's ties go to the least)
+    offload_label: Callable[[Any], str | None] = _off  # what `plan` lists after "offload:" when it is on
+
+
+TECHNIQUES: tuple[Technique, ...] = (
+    Technique(
+        "activation checkpointing",
+        "checkpoint_every",
+        ("memory.activation_checkpointing",),
+        # none, every 4th, every 2nd, all: each keeps more activations and replays fewer layers.
+        fit=lambda s: sorted({0, 4, 2, 1, s.checkpoint_every}),
+    ),
+    Technique(
+        "activation offload",
+        "activation_offload",
+        ("memory.activation_offload",),
+        fit=lambda s: [False, True],
+        resume_harmless=True,  # where bytes wait, not what is computed (tests/test_offload.py)
+        host_rank=lambda s: int(s.activation_offload),
+        offload_label=lambda s: "activations" if s.activation_offload else None,
+    ),
+    Technique(
+        "optimizer offload",
+        "optimizer_offload",
+        ("memory.optimizer_offload",),
+        fit=lambda s: [False, True],
+        host_rank=lambda s: int(s.optimizer_offload),
+        # ZeRO's own label names its optimizer offload.
+        offload_label=lambda s: "optimizer" if s.optimizer_offload and not s.strategy.deepspeed else None,
+    ),
+    Technique(
+        "weight streaming",
+        "base_weights",
+        ("memory.base_weights", "memory.offload_dir"),
+        fit=lambda s: ["device", "cpu", "disk"],
+        host_rank=lambda s: {"device": 0, "cpu": 2, "disk": 3}.get(s.base_weights, 3),
+        offload_label=lambda s: f"base weights streamed from {s.base_weights}" if s.streams_weights else None,
+    ),
+    Technique(
+        "host tables",
+        "embeddings",
+        ("memory.embeddings",),
+        fit=lambda s: ["device", "cpu"],
+        resume_harmless=True,  # bitwise-equal runs (tests/test_host_tables.py)
+        host_rank=lambda s: int(s.embeddings == "cpu"),
+        offload_label=lambda s: "vocabulary tables" if s.embeddings == "cpu" else None,
+    ),
+    # How the same numbers are computed, not which: only rounding differs (chunks, tiles).
+    Technique("chunked loss", "loss", ("memory.loss", "memory.loss_chunk"), resume_harmless=True),
+    Technique("tiled MLP", "tiled_mlp", ("memory.tiled_mlp",), resume_harmless=True),
+)
+RESUME_HARMLESS: tuple[str, ...] = tuple(key for t in TECHNIQUES if t.resume_harmless for key in t.keys)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings(Modes):
+    """What the rules read: the techniques' settings and the rest of the run they meet. The defaults
+    are a one-GPU QLoRA run with every technique off."""
 
     quant_bits: int | None = 4
     lora: bool = True  # False: full fine-tuning (lora: null)
-    activation_checkpointing: str | int = "all"  # all | none | k, as the recipe spells it
-    activation_offload: bool = False
-    base_weights: str = "device"  # device | cpu | disk
-    offload_dir: str | None = None
-    optimizer_offload: bool = False
+    offload_dir: str | None = None  # memory.offload_dir (base_weights=disk's file)
     fsdp: bool = False  # the run shards with FSDP
     fsdp_by: str = "distributed.strategy=fsdp"  # what chose FSDP, as the messages name it
     cpu_offload: bool = False  # distributed.cpu_offload
     processes: int | None = None  # None: not known (a recipe alone)
-    loss: str = "auto"  # memory.loss: auto | full | chunked | liger
-    embeddings: str = "device"  # memory.embeddings: device | cpu
     compile: bool = False  # train.compile
 
     @property
-    def checkpoint_every(self) -> int:
-        """Every how many decoder layers one is checkpointed; 0: none (as config.schema.MemoryConfig)."""
-        return checkpoint_every(self.activation_checkpointing)
-
-    @property
-    def streams(self) -> bool:
-        return self.base_weights != "device"
+    def activation_checkpointing(self) -> str | int:
+        """memory.activation_checkpointing as the recipe spells it."""
+        return checkpointing_value(self.checkpoint_every)
 
 
 def checkpoint_every(value: str | int) -> int:
@@ -66,18 +152,18 @@ def checkpointing_value(every: int) -> str | int:
     return {1: "all", 0: "none"}.get(every, every)
 
 
-@dataclass(frozen=True)
-class Rule:
-    """One conflict. `problem` and `fix` are formatted with the Settings' fields."""
+@dataclass(frozen=True, kw_only=True)
+class Rule(errors.Rule[Settings]):
+    """One conflict between techniques (errors.Rule, with its keys and group). `problem` and `fix` are
+    formatted with the Settings' fields."""
 
     keys: tuple[str, ...]  # the recipe keys that conflict
-    conflicts: Callable[[Settings], bool]
     problem: str  # what goes wrong, naming the keys
     fix: str  # how to fix it (the message's last sentence)
     group: str = RECIPE
 
-    def message(self, s: Settings) -> str:
-        values = {f.name: getattr(s, f.name) for f in fields(s)}
+    def message(self, x: Settings, **_: Any) -> str:
+        values = {f.name: getattr(x, f.name) for f in fields(x)} | {"activation_checkpointing": x.activation_checkpointing}
         return " ".join(part.format(**values) for part in (self.problem, self.fix) if part)
 
 
@@ -106,7 +192,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         keys=("distributed.strategy", "memory.base_weights"),
-        conflicts=lambda s: s.fsdp and s.streams,
+        conflicts=lambda s: s.fsdp and s.streams_weights,
         problem="{fsdp_by} shards the weights itself; " + _STREAMED + " streams them on one process.",
         fix="Use distributed.cpu_offload=true for FSDP, or run on one GPU.",
         group=FSDP,
@@ -120,19 +206,19 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         keys=("memory.base_weights", "memory.activation_checkpointing"),
-        conflicts=lambda s: s.streams and s.checkpoint_every != 1,
+        conflicts=lambda s: s.streams_weights and s.checkpoint_every != 1,
         problem=_STREAMED + " brings each layer's weights back for the recomputation in backward,",
         fix="so it needs memory.activation_checkpointing=all (got {activation_checkpointing!r}).",
     ),
     Rule(
         keys=("memory.base_weights", "quant.bits"),
-        conflicts=lambda s: s.streams and s.quant_bits == 8,
+        conflicts=lambda s: s.streams_weights and s.quant_bits == 8,
         problem=_STREAMED + " streams 4-bit or 16-bit weights; 8-bit (LLM.int8) layers keep state it cannot move.",
         fix="Use quant.bits=4.",
     ),
     Rule(
         keys=("memory.base_weights", "lora"),
-        conflicts=lambda s: s.streams and not s.lora,
+        conflicts=lambda s: s.streams_weights and not s.lora,
         problem=_STREAMED + " streams frozen weights; with full fine-tuning (lora: null) every weight trains.",
         fix="Use LoRA.",
     ),
@@ -165,7 +251,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         keys=("train.compile", "memory.base_weights"),
-        conflicts=lambda s: s.compile and s.streams,
+        conflicts=lambda s: s.compile and s.streams_weights,
         problem="train.compile cannot trace " + _STREAMED + ": each layer's weights are swapped in as it runs.",
         fix="Set train.compile=false, or memory.base_weights=device.",
     ),
@@ -191,7 +277,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         keys=("memory.base_weights",),
-        conflicts=lambda s: s.streams and (s.processes or 1) > 1,
+        conflicts=lambda s: s.streams_weights and (s.processes or 1) > 1,
         problem=_STREAMED + " streams the weights of one process; this launch has {processes} processes.",
         fix="Run on one GPU, or use distributed.strategy=fsdp with distributed.cpu_offload=true.",
         group=LAUNCH,
@@ -201,22 +287,16 @@ RULES: tuple[Rule, ...] = (
 
 def problems(s: Settings, groups: tuple[str, ...] = (RECIPE, FSDP, LAUNCH)) -> list[str]:
     """The message of every rule in `groups` that these settings break, in table order."""
-    return [rule.message(s) for rule in RULES if rule.group in groups and rule.conflicts(s)]
+    return errors.broken((rule for rule in RULES if rule.group in groups), s)
 
 
 def recipe_settings(cfg: Any, **override: Any) -> Settings:
     """The Settings of a config.RecipeConfig (a recipe alone: processes unknown)."""
-    mem = cfg.memory
     s = Settings(
+        **modes(cfg.memory),
+        offload_dir=cfg.memory.offload_dir,
         quant_bits=cfg.quant.bits,
         lora=cfg.lora is not None,
-        activation_checkpointing=mem.activation_checkpointing,
-        activation_offload=mem.activation_offload,
-        base_weights=mem.base_weights,
-        offload_dir=mem.offload_dir,
-        optimizer_offload=mem.optimizer_offload,
-        loss=mem.loss,
-        embeddings=mem.embeddings,
         compile=cfg.train.compile,
         fsdp=strategies.of_recipe(cfg).wraps_layers,
         cpu_offload=cfg.distributed.cpu_offload,

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue 33 in one device lease (about 10 minutes of an H100): the checks in order of value, each under
+# its own timeout so that a hang in one still leaves the others' logs. Run from the repo root on the GPU
+# machine, with .whl/ filled here by benchmarks/gpu_wheels.sh (+ peft, + .whl/alt/datasets 4.4.2 for an
+# image whose pyarrow is older than datasets 5.2 needs). Everything lands in $OUT (at most 8 files).
+#
+#   bash benchmarks/gpu_session.sh [TESTS_S] [BENCH_S]      # default 170 and 330 seconds
+#
+# Session 12 ran it on an H100 in 186 s (tests 68 s); the bench then needed the editable install above.
+set -u
+OUT=${OUT:-/tmp/gpu-session}
+mkdir -p "$OUT"
+TESTS_S=${1:-170}
+BENCH_S=${2:-330}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    arrow=$(python3 -c "import pyarrow; print(pyarrow.__version__.split('.')[0])")
+    if [ "$arrow" -lt 24 ]; then # datasets 5.2 needs pyarrow >= 24
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/alt/*.whl
+    fi
+    python3 - <<'EOF'
+import importlib.metadata as md
+for p in ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "pyarrow", "trl", "liger-kernel", "triton"):
+    try:
+        print(p, md.version(p))
+    except md.PackageNotFoundError:
+        print(p, None)
+EOF
+} >"$OUT/env.txt" 2>&1
+export PYTHONPATH=/tmp/site
+# an editable install: the recipes are package data (finetune.recipes), not importable from the tree alone
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$OUT/env.txt" 2>&1
+
+# 1. every test marked gpu; -rA names what ran, skipped or failed
+timeout -k 10 "$TESTS_S" python3 -m pytest -p no:cacheprovider -m gpu -rA -q tests >"$OUT/gpu_tests.log" 2>&1
+echo "pytest exit $?" >>"$OUT/gpu_tests.log"
+
+# 2 + 3. the 8B job: finetune as shipped, each offload alone, vs TRL + Liger + packing; then the 24 GB
+# recipes' peaks vs their plans (session 12 measured finetune_sdpa, finetune_offload and qlora-1x24gb)
+timeout -k 10 "$BENCH_S" python3 benchmarks/gpu.py --suite all --models llama-3.1-8b --examples 160 \
+    --tools finetune finetune_act_offload finetune_host_tables trl_liger_packing \
+    --recipes qlora-1x24gb dpo-qlora-1x24gb --timeout 200 \
+    --json "$OUT/results.json" >"$OUT/bench.log" 2>&1
+echo "gpu.py exit $?" >>"$OUT/bench.log"
+# the workers' own logs (the last lines of each)
+for log in /tmp/finetune-bench/gpu/runs/*/*/log.txt /tmp/finetune-bench/gpu/recipes/*/*/log.txt; do
+    [ -f "$log" ] && { echo "== $log"; tail -n 25 "$log"; }
+done >"$OUT/workers.log" 2>&1
+nvidia-smi >>"$OUT/env.txt" 2>&1
