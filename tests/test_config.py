@@ -333,14 +333,25 @@ def test_auto_strategy_on_cuda_follows_the_plan_and_says_when_it_cannot_make_one
 
 
 def test_a_wrong_value_says_what_the_key_is():
-    # The schema's description, first clause, shortened: the help is where the user reads the error.
-    problems = problems_of({**MINIMAL, "train": {"batch_size": 0}, "memory": {"loss": "bogus"}})
+    # The schema's description (its first clause when long, never half a parenthesis): the help is where
+    # the user reads the error.
+    problems = problems_of(
+        {
+            **MINIMAL,
+            "train": {"batch_size": 0},
+            "memory": {"loss": "bogus"},
+            "model": {**MINIMAL["model"], "attn_implementation": "x"},
+        }
+    )
     assert (
-        "train.batch_size: Input should be greater than or equal to 1 (got 0); batch_size: micro-batch (examples per forward)"
+        "train.batch_size: Input should be greater than or equal to 1 (got 0) [batch_size: micro-batch (examples per forward)]"
         in problems
     )
     (loss,) = [p for p in problems if p.startswith("memory.loss")]
     assert loss.endswith(
-        "(got 'bogus'); loss: how the LM head and the loss meet: chunked computes them over loss_chunk target positions at a time, never..."
+        "(got 'bogus') [loss: how the LM head and the loss meet: chunked computes them over loss_chunk target positions at a time, never...]"
     )
-    assert len(loss.split("; loss: ")[1]) <= 110
+    (attention,) = [p for p in problems if p.startswith("model.attn_implementation")]
+    assert attention.endswith("(got 'x') [attn_implementation: auto: the fastest the model supports...]")
+    (stage,) = problems_of({**MINIMAL, "distributed": {"zero_stage": 4}})
+    assert stage.endswith("[zero_stage: deepspeed: 2 partitions optimizer state and gradients; 3 the weights too]")

@@ -212,8 +212,23 @@ def test_auto_cuts_long_packed_rows_per_example_on_a_cpu(recipe_dict, data, expe
         (True, 2048, "mps", 2, True, False),
     ],
 )
-def test_auto_cuts_packed_rows_where_it_was_measured_faster(packed, seq, device, compute_bytes, ok, expected):
+def test_auto_cuts_packed_rows_where_it_was_measured_faster(packed, seq, device, compute_bytes, ok, expected, monkeypatch):
+    assert varlen.flash_kernel() is not None  # torch 2.13 has the kernel (with scale and window_size)
     assert varlen.auto_cuts_packed_rows(packed, seq, device, compute_bytes, ok) is expected
+    monkeypatch.setattr(varlen, "flash_kernel", lambda: None)  # a torch without it: CUDA stays on sdpa
+    assert varlen.auto_cuts_packed_rows(packed, seq, device, compute_bytes, ok) is (expected and device == "cpu")
+
+
+def test_fp16_full_fine_tuning_picks_and_plans_attention_by_its_compute_precision():
+    # fp32 weights under fp16 autocast: the loader and the planner both read the matmuls' precision.
+    from finetune.model.load import choose_attention
+
+    full_fp16 = ["model.path=" + LLAMA_31_8B, "data.path=unused.jsonl", "data.packing=true", "precision=fp16", "lora=null",
+                 "quant.bits=null", "memory.embeddings=device"]  # fmt: skip
+    cfg = load_recipe("qlora-1x24gb", full_fp16)
+    attention, _ = choose_attention(cfg, torch.device("cuda"), torch.float32, compute_bytes=2)
+    assert attention == "varlen"
+    assert plan_recipe(cfg, find_gpu("rtx4090", None)).component("attention_mask") == 0
 
 
 def test_the_planner_resolves_auto_as_the_loader_does(tmp_path):

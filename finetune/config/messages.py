@@ -194,11 +194,14 @@ HELP_CHARS = 110  # the key's help shown after a wrong value: its description's 
 
 
 def _help(root: type[BaseModel], loc: tuple[Any, ...]) -> str:
-    """'; key: what it is' from the schema's description of the field at `loc`, or ''."""
+    """' [key: what it is]' from the schema's description of the field at `loc`, or ''."""
     owner = model_at(root, loc[:-1])
     field = owner.model_fields.get(str(loc[-1])) if owner else None
-    text = (field.description or "") if field else ""
-    gist = text.split("; ")[0].strip()
+    gist = ((field.description or "") if field else "").strip()
     if len(gist) > HELP_CHARS:
-        gist = gist[: gist.rfind(" ", 0, HELP_CHARS - 3)].rstrip(",:") + "..."
-    return f"; {loc[-1]}: {gist}" if gist else ""
+        gist = gist.split("; ")[0]  # the first clause
+    if len(gist) > HELP_CHARS:
+        cut = gist[: HELP_CHARS - 3]
+        cut = cut[: cut.rfind("(")] if cut.count("(") > cut.count(")") else cut[: cut.rfind(" ")]  # no half parenthesis
+        gist = cut.rstrip(" ,:") + "..."
+    return f" [{loc[-1]}: {gist}]" if gist else ""

@@ -76,8 +76,8 @@ def apply_kernels(model, setting: str, device_type: str) -> str:
         # A mixture of experts keeps its own experts: liger's swiglu flag also swaps the experts' forward,
         # which breaks peft's wrapper (LoRA on `experts`) and finetune's 4-bit expert store (finetune/model/moe.py).
         off = [*LIGER_OFF, *(["swiglu"] if fused_expert_params(base) else [])]
-        modeling = sys.modules[type(base).__module__]
-        before = dict(vars(modeling))
+        # Every loaded modeling module: a multimodal family's patch also swaps its text model's classes.
+        before = {m: dict(vars(m)) for name, m in list(sys.modules.items()) if name.startswith("transformers.models.")}
         try:
             patch(model=base, **{k: False for k in off if k in accepted})
         except Exception as exc:  # noqa: BLE001 - liger's own checks (a piece a family lacks): said, not hidden
@@ -86,7 +86,8 @@ def apply_kernels(model, setting: str, device_type: str) -> str:
                 hint="set model.kernels=none (the model's own modules)",
             ) from exc
         finally:
-            _restore_classes(modeling, before)
+            for modeling, names in before.items():
+                _restore_classes(modeling, names)
     return chosen
 
 

@@ -199,7 +199,7 @@ def load_base_model(cfg: RecipeConfig, precision: str | None = None, device: tor
     device = device or default_device()
     src = model_source(cfg)
     raise_for_model_config(Path(src))
-    attention, note = choose_attention(cfg, device, dtype)
+    attention, note = choose_attention(cfg, device, dtype, compute_bytes=torch_dtype(precision).itemsize)
     # 4-bit: bitsandbytes quantizes nn.Linear weights; the fused 3-D experts of MoE models are
     # quantized here as they load (finetune/model/moe.py), else they would stay 16-bit.
     fused_4bit = moe.quantizing_experts(cfg.quant.quant_type, cfg.quant.double_quant) if cfg.quant.bits == 4 else nullcontext()
@@ -241,7 +241,9 @@ def load_base_model(cfg: RecipeConfig, precision: str | None = None, device: tor
     return model
 
 
-def choose_attention(cfg: RecipeConfig, device: torch.device, dtype: torch.dtype) -> tuple[str | None, str | None]:
+def choose_attention(
+    cfg: RecipeConfig, device: torch.device, dtype: torch.dtype, compute_bytes: int | None = None
+) -> tuple[str | None, str | None]:
     """(attn_implementation to load with, a one-line note when auto fell back from sdpa).
 
     auto: flash_attention_2 on a CUDA device with flash-attn installed and a 16-bit dtype, else
@@ -277,7 +279,8 @@ def choose_attention(cfg: RecipeConfig, device: torch.device, dtype: torch.dtype
     if flash and getattr(cls, "_supports_flash_attn", False):
         return "flash_attention_2", None
     varlen_ok = getattr(cls, "_supports_attention_backend", False) and not varlen.unsupported(config)
-    if varlen.auto_cuts_packed_rows(cfg.data.packing, cfg.data.max_seq_len, device.type, dtype.itemsize, varlen_ok):
+    compute_bytes = compute_bytes or dtype.itemsize  # the matmuls' precision (fp16 autocast over fp32 weights: 2)
+    if varlen.auto_cuts_packed_rows(cfg.data.packing, cfg.data.max_seq_len, device.type, compute_bytes, varlen_ok):
         where = "on CUDA in 16-bit" if device.type == "cuda" else "on a CPU"
         note = f"note: packed rows attend per example, no T x T mask (model.attn_implementation=auto picks varlen {where})"
         return varlen.register(), note

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from finetune.errors import ModelError
 
 NAME = "varlen"
 
@@ -53,8 +52,18 @@ def auto_cuts_packed_rows(packed: bool, seq_len: int, device_type: str, compute_
     if not (packed and varlen_ok):
         return False
     if device_type == "cuda":
-        return compute_bytes == 2
+        return compute_bytes == 2 and flash_kernel() is not None
     return device_type == "cpu" and seq_len >= ON_CPU_FROM
+
+
+def flash_kernel() -> Callable[..., Any] | None:
+    """torch's varlen flash kernel, when this torch has one finetune can call (torch.nn.attention.varlen with
+    `scale` and `window_size`: seen in torch 2.11 and 2.13); None: CUDA runs take the per-segment path."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn if {"scale", "window_size"} <= set(inspect.signature(varlen_attn).parameters) else None
 
 
 def unsupported(config: Any) -> str | None:
@@ -149,33 +158,24 @@ def varlen_attention(
     flash_dtype = query.dtype
     if query.is_cuda and query.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
         flash_dtype = torch.get_autocast_dtype("cuda")  # fp32 weights under autocast (fp16 full fine-tuning)
-    if query.is_cuda and flash_dtype in (torch.float16, torch.bfloat16) and dropout == 0.0:
-        out = _flash_varlen(q.to(flash_dtype), k.to(flash_dtype), v.to(flash_dtype), cu, longest, scaling, sliding_window)
+    kernel = flash_kernel() if query.is_cuda and flash_dtype in (torch.float16, torch.bfloat16) and dropout == 0.0 else None
+    if kernel is not None:
+        out = _flash_varlen(kernel, q.to(flash_dtype), k.to(flash_dtype), v.to(flash_dtype), cu, longest, scaling, sliding_window)
     else:
         out = _per_segment(q, k, v, bounds, scaling, sliding_window, dropout)
     return out.reshape(rows, length, heads, -1), None
 
 
-def _flash_varlen(q, k, v, cu: torch.Tensor, longest: int, scaling, sliding_window) -> torch.Tensor:
-    from torch.nn.attention.varlen import varlen_attn
-
+def _flash_varlen(kernel, q, k, v, cu: torch.Tensor, longest: int, scaling, sliding_window) -> torch.Tensor:
     window = (sliding_window - 1, 0) if sliding_window else (-1, 0)  # (-1, 0): causal, whole segment
     v_dim = v.shape[-1]
     if v_dim != q.shape[-1]:  # flash kernels take one head size: pad V (MLA) and crop the output
         v = F.pad(v, [0, q.shape[-1] - v_dim])
-    takes = inspect.signature(varlen_attn).parameters  # torch 2.11 has neither window_size nor enable_gqa
-    if k.shape[1] != q.shape[1] and "enable_gqa" not in takes:
+    gqa = k.shape[1] != q.shape[1]
+    if gqa and "enable_gqa" not in inspect.signature(kernel).parameters:  # torch 2.11: query head h reads KV head h // g
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    gqa = {"enable_gqa": k.shape[1] != q.shape[1]} if "enable_gqa" in takes else {}
-    if "window_size" in takes:
-        out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=window, **gqa)
-    elif sliding_window:
-        raise ModelError(
-            f"model.attn_implementation=varlen: this torch ({torch.__version__}) has no sliding window in its varlen "
-            "kernel; use model.attn_implementation=sdpa, or torch >= 2.12"
-        )
-    else:
-        out = varlen_attn(q, k, v, cu, cu, longest, longest, is_causal=True, scale=scaling, **gqa)  # type: ignore[call-arg]  # an older signature
+    extra = {"enable_gqa": gqa} if gqa and "enable_gqa" in inspect.signature(kernel).parameters else {}
+    out = kernel(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=window, **extra)
     out = out[0] if isinstance(out, tuple) else out  # a tuple only when asked for the logsumexp
     return out[..., :v_dim]
 
