@@ -34,7 +34,7 @@ ORDER = [
 ]
 # Inside a folder, the same rule between its modules.
 PACKAGE_ORDER = {
-    "config": ["messages", "files", "older_runs", "schema"],
+    "config": ["messages", "files", "older_runs", "sections", "schema"],
     "model": ["shards", "moe", "varlen", "load", "kernels"],
     "memory": [
         "techniques",

@@ -6,7 +6,7 @@
 
 A method (base.AdapterMethod) is its name, the peft LoraConfig keyword arguments it sets, its
 rules (what it cannot run with, as messages naming the keys and the fix), and the facts the
-builder and the planner read. config.schema.LoraConfig.method accepts exactly the names registered
+builder and the planner read. config.sections.LoraConfig.method accepts exactly the names registered
 here; model.wrap_lora passes the method's peft arguments; config's cross-field rules run its
 rules. Adding a method: a module here defining METHOD, and its line in `_MODULES` below.
 """
@@ -31,7 +31,7 @@ def get(name: str) -> AdapterMethod:
 
 
 def method_of(lora_cfg: Any) -> AdapterMethod:
-    """The method a config.schema.LoraConfig trains (its `lora.dora: true` alias included)."""
+    """The method a config.sections.LoraConfig trains (its `lora.dora: true` alias included)."""
     return get("dora" if getattr(lora_cfg, "dora", False) else lora_cfg.method)
 
 

@@ -3,7 +3,8 @@
     messages    dotted key=value overrides; one clear line per schema problem (did you mean, moved keys)
     files       recipe files and bundled assets: found (shipped name or path) and read
     older_runs  an older run's recipe as this version spells it (resume compares recipes)
-    schema      RecipeConfig: the only place defaults live; cross-field rules asked of the
+    sections    the recipe's sections (model, data, ..., memory): the only place defaults live
+    schema      RecipeConfig: the sections together and the cross-field rules, asked of the
                 declarations that stand before it (adapters/, memory/techniques, objectives/table,
                 parallel/zero_config and parallel/compression)
 

@@ -13,21 +13,16 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
-    field_validator,
-    model_serializer,
     model_validator,
 )
 
-from finetune import adapters
 from finetune.config.files import (  # noqa: F401 - re-exported: the config API
     ASSET_PREFIX,
     ASSETS_DIR,
@@ -39,289 +34,26 @@ from finetune.config.files import (  # noqa: F401 - re-exported: the config API
     shipped_recipes,
 )
 from finetune.config.messages import field_path, parse_overrides, schema_problems  # noqa: F401 - parse_overrides: the config API
+from finetune.config.sections import (  # noqa: F401 - re-exported: the config API
+    CheckpointConfig,
+    DataConfig,
+    DataFormat,
+    DistributedConfig,
+    EvalConfig,
+    LoraConfig,
+    MemoryConfig,
+    MixSource,
+    ModelConfig,
+    ProfileConfig,
+    QuantConfig,
+    ReportConfig,
+    TrainConfig,
+    _Section,
+)
 from finetune.errors import ConfigError
 from finetune.memory import techniques
 from finetune.objectives import table as objectives
 from finetune.parallel import compression, zero_config
-
-# data.format: the formats of finetune/data/formats/, one module each (that package checks this
-# list against its registry on import; config cannot import it: imports flow one way).
-DataFormat = Literal["alpaca", "completion", "input_output", "messages", "preference", "sharegpt", "text"]
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class ModelConfig(_Section):
-    path: str = Field(description="Hugging Face hub id or local directory of a causal LM")
-    revision: str | None = None
-    tokenizer: str | None = Field(None, description="tokenizer source; defaults to model.path")
-    trust_remote_code: bool = False
-    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "flex_attention", "varlen"] = Field(
-        "auto",
-        description="auto: the fastest the model supports (flash_attention_2 on a GPU when flash-attn is installed, "
-        "varlen for packed rows on CUDA in 16-bit and of 1024+ tokens on a CPU, else sdpa, else eager), with a note "
-        "when it falls back or "
-        "picks varlen; varlen: finetune's own (finetune/model/varlen.py), packed "
-        "examples attend each to itself with no T x T mask (torch's varlen flash kernel on CUDA in 16-bit)",
-    )
-    kernels: Literal["auto", "none", "liger"] = Field(
-        "auto",
-        description="fused kernels in the decoder layers (finetune/model/kernels.py): liger-kernel's RMSNorm, RoPE, SwiGLU; "
-        "auto: liger on CUDA when installed (pip install 'finetune[gpu]') for the families it knows, never on a CPU",
-    )
-
-
-class MixSource(_Section):
-    """One more dataset mixed into the training data (data.mix)."""
-
-    path: str = Field(description="local file/folder or hub dataset name")
-    weight: float = Field(1.0, gt=0, description="examples drawn per epoch = weight x its size (0.5: a seeded half)")
-    format: DataFormat | None = None  # None: data.format
-    columns: dict[str, str] | None = None  # None: data.columns
-    split: str | None = None  # None: data.split
-    subset: str | None = None  # hub dataset configuration name (load_dataset's second argument)
-
-
-class DataConfig(_Section):
-    path: str = Field(description="local JSON/JSONL/CSV/Parquet file or hub dataset name")
-    format: DataFormat = "alpaca"
-    split: str = "train"
-    subset: str | None = Field(None, description="hub dataset configuration, e.g. 'main' for openai/gsm8k")
-    weight: float = Field(1.0, gt=0, description="like data.mix[].weight, for data.path")
-    mix: list[MixSource] = Field(default_factory=list, description="more datasets, each with its own weight")
-    eval_path: str | None = None
-    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
-    max_seq_len: int = Field(2048, ge=8)
-    columns: dict[str, str] = Field(
-        default_factory=dict, description="map our column names to the dataset's, e.g. {output: answer}"
-    )
-    template: Literal["auto", "chatml", "llama3", "mistral", "alpaca"] = Field(
-        "auto", description="chat template for chat data formats (messages, ...): auto = the tokenizer's own"
-    )
-    train_on: Literal["assistant", "last", "all"] = Field(
-        "assistant", description="assistant: every reply; last: the last reply only; all: every token"
-    )
-    truncation: Literal["truncate", "drop"] = "truncate"
-    skip_bad_rows: bool = Field(False, description="skip (and count) malformed rows instead of stopping")
-    mask_check: Literal["error", "warn", "drop", "off"] = Field(
-        "error", description="examples whose label mask looks wrong: error stops, warn trains them, drop leaves them out"
-    )
-    packing: bool = Field(False, description="concatenate examples into rows of max_seq_len (no cross-attention)")
-    group_by_length: bool = Field(False, description="batch examples of similar length (less padding)")
-    num_proc: int = Field(1, ge=1, description="processes that tokenize")
-    cache: bool = Field(True, description="reuse tokenized data from an earlier run with the same inputs")
-    cache_dir: str | None = None  # None: $FINETUNE_CACHE or ~/.cache/finetune
-    shuffle: bool = True
-
-
-class QuantConfig(_Section):
-    bits: Literal[4, 8] | None = 4
-    quant_type: Literal["nf4", "fp4"] = "nf4"
-    double_quant: bool = True
-
-
-# lora.method: the methods of finetune/adapters/, one module each.
-AdapterName = Literal[adapters.NAMES]  # type: ignore[valid-type]
-
-
-class LoraConfig(_Section):
-    r: int = Field(16, ge=1)
-    alpha: float = Field(32.0, gt=0)
-    dropout: float = Field(0.05, ge=0.0, lt=1.0)
-    target: str | list[str] = "all-linear"
-    dora: bool = Field(False, description="the older spelling of method=dora (still read; recipe.yaml writes method)")
-    method: AdapterName = Field(
-        adapters.DEFAULT, description=" | ".join(f"{m.name}: {m.summary}" for m in adapters.METHODS.values())
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _dora_alias(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("dora") is True:
-            if data.get("method", "dora") != "dora":
-                raise ValueError(
-                    f"lora.dora=true and lora.method={data['method']} name two methods; remove lora.dora "
-                    "(the older spelling of lora.method=dora)"
-                )
-            data = {**data, "method": "dora"}
-        return data
-
-    @model_serializer(mode="wrap")
-    def _dump(self, handler: Any) -> dict[str, Any]:
-        data = handler(self)
-        data.pop("dora", None)  # written as method: dora
-        data["method"] = self.adapter.name
-        return data
-
-    @property
-    def adapter(self) -> adapters.AdapterMethod:
-        """The method trained (finetune.adapters): lora.method, or dora when lora.dora=true."""
-        return adapters.method_of(self)
-
-    @property
-    def method_key(self) -> str:
-        """The method as this recipe spells it, for messages."""
-        return "lora.dora=true" if self.dora else f"lora.method={self.method}"
-
-
-class TrainConfig(_Section):
-    max_steps: int | None = Field(None, ge=1, description="optimizer steps; overrides epochs")
-    epochs: int = Field(1, ge=1)
-    batch_size: int = Field(1, ge=1, description="micro-batch (examples per forward)")
-    grad_accum: int = Field(1, ge=1)
-    lr: float = Field(2e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
-    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    log_every_steps: int = Field(1, ge=1)
-    on_nonfinite: Literal["stop", "skip"] = Field(
-        "stop", description="non-finite loss/grad: stop (checkpoint of the last good state + error) or skip the update"
-    )
-    loss_spike_factor: float = Field(3.0, gt=1.0, description="log a warning when loss > factor x its recent mean")
-    objective: Literal["sft", "dpo", "orpo", "simpo"] = Field(
-        "sft",
-        description="sft: next-token loss on the responses; dpo, orpo, simpo: preference tuning on "
-        "data.format=preference pairs (finetune/objectives/table.py)",
-    )
-    beta: float | None = Field(
-        None, gt=0, description="preference strength; null: dpo 0.1 (KL to the reference), orpo 0.1, simpo 2.0"
-    )
-    simpo_gamma: float | None = Field(None, ge=0, description="simpo: target reward margin; null: beta / 2")
-    precompute_reference: bool = Field(
-        False,
-        description="dpo: the reference log-probabilities computed in one pass before training and cached, "
-        "instead of a forward with the adapter off at every step",
-    )
-    compile: bool = Field(
-        False,
-        description="torch.compile each decoder layer: compiled during the first step (tens of seconds), the same "
-        "results within float rounding; whether it is faster depends on the model and the GPU (measure: --profile)",
-    )
-
-
-class EvalConfig(_Section):
-    every_steps: int | None = Field(None, ge=1, description="eval loss every N steps (needs eval data)")
-    batch_size: int | None = Field(None, ge=1)
-    max_batches: int | None = Field(None, ge=1)
-    exact_match_path: str | None = Field(
-        None, description="file of prompts+answers (same format as data) scored by greedy generation before and after training"
-    )
-    exact_match_limit: int | None = Field(None, ge=1)
-    max_new_tokens: int = Field(32, ge=1)
-
-
-class CheckpointConfig(_Section):
-    every_steps: int | None = Field(None, ge=1)
-    keep_last: int | None = Field(2, ge=1)
-
-
-class DistributedConfig(_Section):
-    strategy: Literal["auto", "ddp", "fsdp", "deepspeed"] = Field(
-        "auto",
-        description="ddp: a replica per process; fsdp: weights and optimizer state sharded; deepspeed: ZeRO (parallel/zero_config.py)",
-    )
-    cpu_offload: bool = Field(False, description="fsdp: sharded parameters, gradients and optimizer state live in CPU RAM")
-    reshard_after_forward: bool = Field(True, description="fsdp: free gathered layers after forward (less memory, more traffic)")
-    zero_stage: Literal[2, 3] = Field(2, description="deepspeed: 2 partitions optimizer state and gradients; 3 the weights too")
-    offload_optimizer: zero_config.Offload = Field(
-        "none", description="deepspeed: the optimizer state and its step on cpu or nvme"
-    )
-    offload_params: zero_config.Offload = Field(
-        "none", description="deepspeed zero_stage 3: the weight partitions wait on cpu or nvme"
-    )
-    nvme_dir: str | None = Field(None, description="deepspeed: folder on an NVMe disk for the offloads set to nvme")
-    grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = Field(
-        "none",
-        description="ddp: how gradients travel in the all-reduce (slow links between nodes): none (fp32), "
-        "bf16 | fp16 (half the bytes), powersgd (low-rank factors with error feedback: a fraction of them)",
-    )
-    powersgd_rank: int = Field(1, ge=1, description="powersgd: rank of the factors (torch: start at 1, then 2, 4 if loss lags)")
-    powersgd_warmup_steps: int | None = Field(
-        None,
-        ge=2,  # torch: DDP regroups its buckets after step 1, which PowerSGD's memory must not straddle
-        description="powersgd: optimizer steps of plain all-reduce first; null: train.warmup_steps, at least 10",
-    )
-
-
-class MemoryConfig(_Section):
-    """Trade speed for memory: recompute activations, move them or the frozen weights off the GPU."""
-
-    activation_checkpointing: Literal["all", "none"] | Annotated[int, Field(ge=1)] = Field(
-        "all", description="recompute decoder-layer activations in backward: all layers, none, or every k-th layer (k)"
-    )
-    activation_offload: bool = Field(
-        False,
-        description="what autograd saves for backward waits in pinned CPU RAM (copied on a side stream): all the "
-        "activations of layers that are not checkpointed, and the input of each checkpointed one (brought back one "
-        "layer ahead of its recomputation); works with every activation_checkpointing setting",
-    )
-    base_weights: Literal["device", "cpu", "disk"] = Field(
-        "device",
-        description="where the frozen decoder-layer weights live: cpu RAM or a file on disk (NVMe) are streamed "
-        "to the GPU one layer at a time",
-    )
-    offload_dir: str | None = Field(
-        None, description="base_weights=disk: folder for the weight file (put it on an NVMe disk); null: the cache dir"
-    )
-    optimizer_offload: bool = Field(
-        False, description="optimizer state and the fp32 step run in CPU RAM (large LoRA ranks, full fine-tuning)"
-    )
-    loss: Literal["auto", "full", "chunked", "liger"] = Field(
-        "auto",
-        description="how the LM head and the loss meet: chunked computes them over loss_chunk target positions at a "
-        "time, never holding the whole logits (long context); full holds the logits of every target; auto: chunked "
-        "when a batch has more targets than one chunk (full under FSDP); liger: liger-kernel's fused kernel (CUDA)",
-    )
-    loss_chunk: int = Field(256, ge=16, description="target positions per chunk of memory.loss=chunked|auto")
-    embeddings: Literal["device", "cpu"] = Field(
-        "device",
-        description="cpu: the frozen input embedding table stays in host RAM (lookups there, only the rows cross) and "
-        "the LM head visits the GPU for the loss only, not while the decoder runs backward (the peak)",
-    )
-    tiled_mlp: Literal["auto", "off"] | Annotated[int, Field(ge=1)] = Field(
-        "auto",
-        description="each decoder layer's MLP over N tiles of the sequence, each recomputed in backward: its "
-        "intermediate (3 x seq x intermediate_size) never exists whole; auto: tiles of 4096 positions when longer",
-    )
-
-    @field_validator("tiled_mlp", mode="before")
-    @classmethod
-    def _yaml_off(cls, value: Any) -> Any:
-        # YAML 1.1 reads a bare off/on as false/true: tiled_mlp: off means "off".
-        return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
-
-    @property
-    def checkpoint_every(self) -> int:
-        """Every how many decoder layers one is checkpointed; 0: none."""
-        return techniques.checkpoint_every(self.activation_checkpointing)
-
-
-class ReportConfig(_Section):
-    """Where metrics go besides metrics.jsonl. The extras are optional installs, checked by `finetune validate`."""
-
-    tensorboard: bool = Field(False, description="event files in output_dir/tensorboard (pip install 'finetune[tensorboard]')")
-    wandb: bool = Field(False, description="Weights & Biases run (pip install 'finetune[wandb]')")
-    wandb_project: str = Field("finetune", min_length=1, description="W&B project the run is logged to")
-    wandb_mode: Literal["online", "offline"] = Field(
-        "online", description="offline writes output_dir/wandb only (upload later with `wandb sync`)"
-    )
-    plot: bool = Field(True, description="output_dir/loss.png at the end of the run (pip install 'finetune[plot]')")
-
-
-class ProfileConfig(_Section):
-    steps: str | None = Field(None, description="steps to record, 5-7 or 5: trace in output_dir/profile/, op table in the log")
-    memory_timeline: bool = Field(True, description="CUDA: also a memory snapshot of those steps, for pytorch.org/memory_viz")
-
-    @field_validator("steps", mode="before")
-    @classmethod
-    def _range(cls, value: Any) -> Any:
-        first, dash, last = str(value).replace(" ", "").partition("-")
-        if value is not None and not (first.isdigit() and (last.isdigit() or not dash) and 0 < int(first) <= int(last or first)):
-            raise ValueError("not a range of optimizer steps: write FIRST-LAST, 1 <= FIRST <= LAST (e.g. 5-7), or one step")
-        return value if value is None else first + dash + last
 
 
 class RecipeConfig(_Section):

@@ -6,7 +6,7 @@ resume's harmless list, what it asks of host RAM, and the rules between it and t
     problems(launch_settings(cfg, fsdp=.., processes=n), (LAUNCH,))   parallel.runtime: this launch
     problems(Settings(**modes(setup), ...)) plan.fitting: the setups --fit tries
 
-`Modes` holds the techniques' settings under the names config.schema.MemoryConfig gives them; the
+`Modes` holds the techniques' settings under the names config.sections.MemoryConfig gives them; the
 planner's Setup and the rules' Settings extend it, so a value goes from the recipe to the planner,
 the search and the rules without a translator. Where each technique acts: its module of memory/,
 applied in memory/apply.py's order. This module stands before config/ and imports no model code.
@@ -33,7 +33,7 @@ RECIPE, FSDP, LAUNCH = "recipe", "fsdp", "launch"
 
 @dataclass(frozen=True, kw_only=True)
 class Modes:
-    """The memory techniques' settings, named as config.schema.MemoryConfig names them. The defaults
+    """The memory techniques' settings, named as config.sections.MemoryConfig names them. The defaults
     are every technique off (the planner's published runs state theirs)."""
 
     # In the order `plan --json` has always printed them.

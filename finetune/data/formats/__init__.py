@@ -4,7 +4,7 @@
     get_format("alpaca").texts({"instruction": "Add.", "output": "3"})  # (the alpaca prompt, "3")
 
 Adding a format: a module here defining FORMAT (see base.Format and input_output.py,
-the smallest chat one), one import line below, its name in finetune.config.schema.DataFormat,
+the smallest chat one), one import line below, its name in finetune.config.sections.DataFormat,
 its row in README's Data table (a test compares them), and a golden-mask test.
 Modules are imported by name here, never by a name from a recipe.
 """
@@ -25,7 +25,7 @@ FORMATS: dict[str, Format] = {m.FORMAT.name: m.FORMAT for m in _MODULES}
 # config/schema.py cannot import this package (imports flow one way), so it spells the names out; they must agree.
 if tuple(FORMATS) != get_args(DataFormat) or any(m.__name__.rsplit(".", 1)[1] != m.FORMAT.name for m in _MODULES):
     raise ImportError(
-        f"finetune.config.schema.DataFormat lists {get_args(DataFormat)}, finetune/data/formats/ defines {tuple(FORMATS)} "
+        f"finetune.config.sections.DataFormat lists {get_args(DataFormat)}, finetune/data/formats/ defines {tuple(FORMATS)} "
         f"in modules {[m.__name__.rsplit('.', 1)[1] for m in _MODULES]}: make all three the same, in the same order"
     )
 
