@@ -246,3 +246,18 @@ def test_the_planner_resolves_auto_as_the_loader_does(tmp_path):
                  head_dim=64, vocab_size=1024).save_pretrained(tmp_path)  # fmt: skip
     capped = plan_recipe(load_recipe("qlora-1x24gb", [*base[1:], f"model.path={tmp_path}"]), gpu)
     assert capped.component("attention_mask") == rows * 2048**2
+
+
+def test_a_kernel_without_enable_gqa_gets_each_kv_head_repeated_for_its_query_heads():
+    # torch 2.11's varlen_attn has no enable_gqa (seen on the H100): finetune repeats K/V heads, query head h
+    # reading KV head h // g. A stand-in kernel of that signature (per-segment causal sdpa, no GQA of its own)
+    # must give the per-segment path's numbers; tiling the heads (h % kv) instead would not.
+    def kernel_2_11(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), return_aux=None):
+        assert k.shape[1] == q.shape[1], "the kernel got fewer KV heads than query heads"
+        return varlen._per_segment(q, k, v, cu_q.tolist(), scale, None, 0.0)
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(10, 4, 8, generator=g), torch.randn(10, 2, 8, generator=g), torch.randn(10, 2, 8, generator=g)
+    bounds = [0, 6, 10]
+    got = varlen._flash_varlen(kernel_2_11, q, k, v, torch.tensor(bounds), 6, 0.35, None)
+    torch.testing.assert_close(got, varlen._per_segment(q, k, v, bounds, 0.35, None, 0.0), rtol=0, atol=1e-6)

@@ -10,10 +10,10 @@ liger patches the loaded model in place: each decoder layer's norms and MLP get 
 (a mixture of experts keeps its own experts)
 (the modules, their names, parameters and state_dict stay; peft's LoRA layers inside the MLP are
 still called as modules). liger also swaps the family's module classes and rotary function in
-transformers' modeling module, for the whole process: the classes are put back at once (a model
-loaded later gets its own modules; on an H100 a kernels=none run after an auto one got liger's),
-the rotary function, a plain function the attention calls by name, stays liger's. Applied before memory.tiled_mlp, so a tiled MLP tiles liger's
-forward. liger's fused linear cross-entropy is a separate setting, memory.loss=liger
+transformers' modeling modules, for the whole process: the classes are put back at once (a model
+loaded later gets its own modules; on an H100 a kernels=none run after an auto one got liger's);
+the rotary function, a plain function the attention calls by name, stays liger's. Applied before
+memory.tiled_mlp, so a tiled MLP tiles liger's forward. liger's fused linear cross-entropy is a separate setting, memory.loss=liger
 (finetune/memory/linear_ce.py): finetune computes the loss itself, so liger's replacement of
 the model's forward is never installed.
 """
@@ -92,7 +92,7 @@ def apply_kernels(model, setting: str, device_type: str) -> str:
 
 
 def _restore_classes(modeling, before: dict[str, Any]) -> None:
-    """Put back the module classes liger swapped in the family's modeling module: this model keeps liger's
+    """Put back the module classes liger swapped in one modeling module: this model keeps liger's
     forwards (patched per instance), a model loaded later in the process gets its own modules."""
     for name, original in before.items():
         if isinstance(original, type) and vars(modeling).get(name) is not original:

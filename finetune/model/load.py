@@ -278,7 +278,7 @@ def choose_attention(
     )
     if flash and getattr(cls, "_supports_flash_attn", False):
         return "flash_attention_2", None
-    varlen_ok = getattr(cls, "_supports_attention_backend", False) and not varlen.unsupported(config)
+    varlen_ok = varlen.runs(cls, config)
     compute_bytes = compute_bytes or dtype.itemsize  # the matmuls' precision (fp16 autocast over fp32 weights: 2)
     if varlen.auto_cuts_packed_rows(cfg.data.packing, cfg.data.max_seq_len, device.type, compute_bytes, varlen_ok):
         where = "on CUDA in 16-bit" if device.type == "cuda" else "on a CPU"

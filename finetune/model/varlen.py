@@ -23,6 +23,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable
+from functools import cache
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ def auto_cuts_packed_rows(packed: bool, seq_len: int, device_type: str, compute_
     return device_type == "cpu" and seq_len >= ON_CPU_FROM
 
 
+@cache  # asked by every attention call on CUDA: the signature is read once per process
 def flash_kernel() -> Callable[..., Any] | None:
     """torch's varlen flash kernel, when this torch has one finetune can call (torch.nn.attention.varlen with
     `scale` and `window_size`: seen in torch 2.11 and 2.13); None: CUDA runs take the per-segment path."""
@@ -64,6 +66,18 @@ def flash_kernel() -> Callable[..., Any] | None:
     except ImportError:
         return None
     return varlen_attn if {"scale", "window_size"} <= set(inspect.signature(varlen_attn).parameters) else None
+
+
+@cache
+def _takes_gqa(kernel: Callable[..., Any]) -> bool:
+    """torch 2.13's kernel pairs query and KV heads itself (enable_gqa); 2.11's does not."""
+    return "enable_gqa" in inspect.signature(kernel).parameters
+
+
+def runs(model_class: Any, config: Any) -> bool:
+    """Whether varlen can be this model's attention: its class takes registered attention functions
+    and its attention computes nothing varlen leaves out (unsupported). The loader and the planner ask."""
+    return bool(getattr(model_class, "_supports_attention_backend", False)) and unsupported(config) is None
 
 
 def unsupported(config: Any) -> str | None:
@@ -171,10 +185,11 @@ def _flash_varlen(kernel, q, k, v, cu: torch.Tensor, longest: int, scaling, slid
     v_dim = v.shape[-1]
     if v_dim != q.shape[-1]:  # flash kernels take one head size: pad V (MLA) and crop the output
         v = F.pad(v, [0, q.shape[-1] - v_dim])
-    gqa = k.shape[1] != q.shape[1]
-    if gqa and "enable_gqa" not in inspect.signature(kernel).parameters:  # torch 2.11: query head h reads KV head h // g
+    extra = {}
+    if k.shape[1] != q.shape[1] and _takes_gqa(kernel):
+        extra["enable_gqa"] = True
+    elif k.shape[1] != q.shape[1]:  # torch 2.11: query head h reads KV head h // g
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    extra = {"enable_gqa": gqa} if gqa and "enable_gqa" in inspect.signature(kernel).parameters else {}
     out = kernel(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=window, **extra)
     out = out[0] if isinstance(out, tuple) else out  # a tuple only when asked for the logsumexp
     return out[..., :v_dim]

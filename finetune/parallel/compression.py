@@ -11,7 +11,7 @@ PowerSGD's state that checkpoints carry per rank: finetune/parallel/ddp_hooks.py
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from finetune.errors import Rule, broken
 
@@ -35,13 +35,22 @@ def describe(cfg: Any) -> str:
     return f"gradients all-reduced as {d.grad_compression}"
 
 
-def _chosen(x: tuple[Any, str | None]) -> str:
-    cfg, strategy = x
-    return strategy or cfg.distributed.strategy
+class Launch(NamedTuple):
+    """What the rules read: the recipe, and the strategy distributed.strategy=auto chose at launch (None:
+    the recipe alone, its own key)."""
 
+    cfg: Any
+    auto_chose: str | None
 
-def _by(x: tuple[Any, str | None]) -> str:
-    return f"distributed.strategy={_chosen(x)}" if x[1] is None else f"distributed.strategy=auto chose {x[1]} here"
+    @property
+    def strategy(self) -> str:
+        return self.auto_chose or self.cfg.distributed.strategy
+
+    @property
+    def by(self) -> str:
+        if self.auto_chose is None:
+            return f"distributed.strategy={self.strategy}"
+        return f"distributed.strategy=auto chose {self.auto_chose} here"
 
 
 def _changed(cfg: Any) -> list[str]:
@@ -50,22 +59,21 @@ def _changed(cfg: Any) -> list[str]:
     return [k for k, default in (("powersgd_rank", 1), ("powersgd_warmup_steps", None)) if getattr(d, k) != default]
 
 
-# Rules over (the recipe, the strategy distributed.strategy=auto chose at launch or None).
-RULES: tuple[Rule[tuple[Any, str | None]], ...] = (
+RULES: tuple[Rule[Launch], ...] = (
     Rule(
-        lambda x: x[0].distributed.grad_compression != "none" and _chosen(x) not in ("auto", "ddp", "single"),
+        lambda x: x.cfg.distributed.grad_compression != "none" and x.strategy not in ("auto", "ddp", "single"),
         lambda x: (
-            f"distributed.grad_compression={x[0].distributed.grad_compression} compresses DDP's gradient all-reduce, "
-            f"but {_by(x)}, which reduces gradients its own way (no DDP all-reduce to compress). Set distributed.strategy=ddp "
+            f"distributed.grad_compression={x.cfg.distributed.grad_compression} compresses DDP's gradient all-reduce, "
+            f"but {x.by}, which reduces gradients its own way (no DDP all-reduce to compress). Set distributed.strategy=ddp "
             "(a full replica per GPU) or distributed.grad_compression=none."
         ),
     ),
     Rule(
-        lambda x: bool(_changed(x[0])) and x[0].distributed.grad_compression != "powersgd" and x[1] is None,
+        lambda x: bool(_changed(x.cfg)) and x.cfg.distributed.grad_compression != "powersgd" and x.auto_chose is None,
         lambda x: (
-            f"distributed.{_changed(x[0])[0]} applies to distributed.grad_compression=powersgd (it is "
-            f"{x[0].distributed.grad_compression}). Set grad_compression=powersgd, or remove "
-            f"{' and '.join('distributed.' + k for k in _changed(x[0]))}."
+            f"distributed.{_changed(x.cfg)[0]} applies to distributed.grad_compression=powersgd (it is "
+            f"{x.cfg.distributed.grad_compression}). Set grad_compression=powersgd, or remove "
+            f"{' and '.join('distributed.' + k for k in _changed(x.cfg))}."
         ),
     ),
 )
@@ -74,4 +82,4 @@ RULES: tuple[Rule[tuple[Any, str | None]], ...] = (
 def problems(cfg: Any, strategy: str | None = None) -> list[str]:
     """What distributed.grad_compression cannot run with. strategy: the one distributed.strategy=auto
     chose at launch (None: the recipe's own key)."""
-    return broken(RULES, (cfg, strategy))
+    return broken(RULES, Launch(cfg, strategy))

@@ -24,9 +24,8 @@ class Setup(Modes):
     grad_accum: int
     gpus: int = 1
     seq_len: int = 2048
-    sharding: str = (
-        "ddp"  # ddp: a full copy per GPU; fsdp: layers sharded; zero2 | zero3: DeepSpeed ZeRO (parallel/zero_config.py)
-    )
+    # ddp: a full copy per GPU; fsdp: layers sharded; zero2 | zero3: DeepSpeed ZeRO (parallel/zero_config.py)
+    sharding: str = "ddp"
     cpu_offload: bool = False  # fsdp: the shards (weights, grads, optimizer state) live in host RAM; zero3: the weights
     sequences_per_example: int = 1  # preference pairs: chosen and rejected in one forward (finetune/objectives/table.py)
     reference_passes: int = 0  # dpo: forwards without gradients (adapter off) per micro-batch, for the reference
@@ -134,6 +133,11 @@ class RecipeFacts:
     def from_config(cls, cfg: RecipeConfig, precision: str, on_gpu: bool = True, varlen_ok: bool = True) -> RecipeFacts:
         lora = cfg.lora
         target = "all-linear" if lora is None else lora.target if isinstance(lora.target, str) else tuple(lora.target)
+        compute_bytes = 4 if precision == "fp32" else 2
+        attention = cfg.model.attn_implementation
+        packed, seq, device = cfg.data.packing, cfg.data.max_seq_len, "cuda" if on_gpu else "cpu"
+        if attention == "auto" and auto_cuts_packed_rows(packed, seq, device, compute_bytes, varlen_ok):
+            attention = "varlen"  # as the loader resolves auto for packed rows (model/load.py)
         return cls(
             quant_bits=cfg.quant.bits,
             double_quant=cfg.quant.double_quant,
@@ -141,23 +145,13 @@ class RecipeFacts:
             lora_target=target,
             lora_dropout=lora.dropout if lora else 0.0,
             dora=bool(lora and lora.adapter.name == "dora"),
-            compute_bytes=4 if precision == "fp32" else 2,
-            dropout_mask_bytes=1 if on_gpu else (4 if precision == "fp32" else 2),
+            compute_bytes=compute_bytes,
+            dropout_mask_bytes=1 if on_gpu else compute_bytes,
             method=lora.adapter.name if lora else None,
             packed=cfg.data.packing,
-            attention=_planned_attention(cfg, precision, on_gpu, varlen_ok),
+            attention=attention,
             compiled=cfg.train.compile,
         )
-
-
-def _planned_attention(cfg: RecipeConfig, precision: str, on_gpu: bool, varlen_ok: bool) -> str:
-    """model.attn_implementation as the loader resolves auto for packed rows (model/load.py)."""
-    wanted = cfg.model.attn_implementation
-    compute_bytes = 4 if precision == "fp32" else 2
-    device = "cuda" if on_gpu else "cpu"
-    if wanted == "auto" and auto_cuts_packed_rows(cfg.data.packing, cfg.data.max_seq_len, device, compute_bytes, varlen_ok):
-        return "varlen"
-    return wanted
 
 
 def lora_targets(shape: ModelShape, target: str | tuple[str, ...]) -> list[LinearGroup]:

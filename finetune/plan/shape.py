@@ -197,7 +197,7 @@ def read_model_shape(source: str, trust_remote_code: bool = False, revision: str
         other_params=other,
         total_params=total,
         experts=experts,
-        varlen_ok=getattr(type(model), "_supports_attention_backend", False) and varlen.unsupported(config) is None,
+        varlen_ok=varlen.runs(type(model), config),
     )
 
 
