@@ -195,7 +195,7 @@ def test_grad_compression_at_launch_refused_under_autos_fsdp_and_said_useless_on
     assert compression.powersgd_warmup(build_recipe({**cfg.to_dict(), "train": {"warmup_steps": 30}})) == 30
     # distributed.strategy=auto is valid until auto picks FSDP at launch (a replica does not fit).
     monkeypatch.setattr(parallel, "resolve_strategy", lambda *a: "fsdp")
-    accelerator = SimpleNamespace(num_processes=2, device=torch.device("cpu"))
+    accelerator = SimpleNamespace(num_processes=2, process_index=0, device=torch.device("cpu"))
     with pytest.raises(ConfigError, match="distributed.strategy=auto chose fsdp here, which reduces gradients its own way"):
         parallel.Parallel.choose(cfg, accelerator)
     # One process: nothing to all-reduce. Said, not refused (a multi-GPU recipe tried on one).

@@ -21,6 +21,7 @@ ORDER = [
     "objectives.table",
     "parallel.zero_config",
     "parallel.compression",
+    "parallel.layout",
     "config",  # the recipe, read and checked
     "data",  # records -> tokens and masks
     "model",  # the base model loaded, quantized, adapted
@@ -60,7 +61,18 @@ PACKAGE_ORDER = {
         "check",
         "command",
     ],
-    "parallel": ["strategies", "zero_config", "compression", "distribute", "rank_state", "ddp_hooks", "runtime", "launch"],
+    "parallel": [
+        "strategies",
+        "zero_config",
+        "compression",
+        "layout",
+        "distribute",
+        "pipeline",
+        "rank_state",
+        "ddp_hooks",
+        "runtime",
+        "launch",
+    ],
     "runs": ["report", "checkpoint", "resume", "evaluate", "preflight", "open", "merge", "export"],
     "objectives": ["table", "loss", "preference"],
     "trainer": ["state", "callbacks", "schedule", "order", "profiling", "build", "loop"],

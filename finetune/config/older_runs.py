@@ -14,7 +14,15 @@ from finetune.parallel import zero_config
 _OLDER_RUNS: dict[str, dict[str, Any]] = {
     "memory": {"loss": "full", "loss_chunk": 256, "tiled_mlp": "off", "embeddings": "device"},
     "train": {"objective": "sft", "beta": None, "simpo_gamma": None, "precompute_reference": False, "compile": False},
-    "distributed": {"grad_compression": "none", "powersgd_rank": 1, "powersgd_warmup_steps": None, **zero_config.DEFAULTS},
+    "distributed": {
+        "grad_compression": "none",
+        "powersgd_rank": 1,
+        "powersgd_warmup_steps": None,
+        **zero_config.DEFAULTS,
+        "pipeline_parallel": 1,
+        "pipeline_schedule": "1f1b",
+        "virtual_stages": 1,
+    },
     "profile": {"steps": None, "memory_timeline": True},
 }
 

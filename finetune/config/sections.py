@@ -201,6 +201,19 @@ class DistributedConfig(_Section):
         "none", description="deepspeed zero_stage 3: the weight partitions wait on cpu or nvme"
     )
     nvme_dir: str | None = Field(None, description="deepspeed: folder on an NVMe disk for the offloads set to nvme")
+    pipeline_parallel: int = Field(
+        1,
+        ge=1,
+        description="decoder layers split into this many stages, one per process (--nproc = stages x replicas): "
+        "a model too large for one GPU without sharding it; 1: no pipeline (parallel/layout.py)",
+    )
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        "1f1b",
+        description="pipeline_parallel: gpipe (all forwards, then all backwards: most activations in flight), 1f1b "
+        "(the same idle time, at most one micro-batch per stage in flight), interleaved_1f1b (virtual_stages "
+        "per rank: less idle time, more transfers); micro-batches = train.grad_accum",
+    )
+    virtual_stages: int = Field(1, ge=1, description="interleaved_1f1b: stages per process (layers split into pp x this)")
     grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = Field(
         "none",
         description="ddp: how gradients travel in the all-reduce (slow links between nodes): none (fp32), "

@@ -14,6 +14,7 @@ what its share of the window's targets weighs (one micro-batch: exactly transfor
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,13 @@ from finetune.runs.evaluate import loss_sum_and_count, shifted_targets
 
 def count_targets(batch: dict[str, torch.Tensor]) -> int:
     return int((shifted_targets(batch["labels"]) != IGNORE_INDEX).sum())
+
+
+def target_positions(labels: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) booleans: the positions whose next token is a target (where the head must run)."""
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = shifted_targets(labels) != IGNORE_INDEX
+    return keep
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -72,6 +80,16 @@ class Loss:
 
     def use_memory(self, mode: str, chunk: int, device: torch.device, sharded: bool) -> None:
         """Only the causal-LM loss runs its head in chunks; other objectives train on their full logits."""
+
+    def head_loss(self, owner: Any, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(summed loss, units) from the final hidden states (after the last norm): what a pipeline's last
+        stage computes (finetune/parallel/pipeline.py). Only the causal-LM loss has one."""
+        raise ConfigError(
+            [
+                f"distributed.pipeline_parallel: the last stage computes the loss from hidden states, which "
+                f"{type(self).__name__} does not (only the causal-LM loss does). Set distributed.pipeline_parallel=1."
+            ]
+        )
 
 
 class FunctionLoss(Loss):
@@ -159,8 +177,7 @@ class CausalLMLoss(Loss):
 
     def _cross_entropy(self, model, inputs: dict, labels: torch.Tensor) -> tuple[torch.Tensor, int, object]:
         """(summed cross-entropy, target tokens, the model's output: aux_loss and all)."""
-        keep = torch.zeros_like(labels, dtype=torch.bool)
-        keep[:, :-1] = shifted_targets(labels) != IGNORE_INDEX
+        keep = target_positions(labels)
         if self.chunk_rows and not (self.chunk_only_above and int(keep.sum()) <= self.chunk_rows):
             owner = head_owner(model)
             if owner is not None and self._reproduces_logits(model, owner, inputs["input_ids"].device):
@@ -219,16 +236,32 @@ class CausalLMLoss(Loss):
             owner.lm_head = head
         hidden = capture.hidden
         assert hidden is not None, "the model never called its lm_head"
+        return (*self._head_in_chunks(owner, hidden, labels, keep), out)
+
+    def _head_in_chunks(
+        self, owner: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor
+    ) -> tuple[torch.Tensor, int]:
+        """liger's fused kernel where it fits, else the head and the loss over chunk_rows targets at a time."""
+        head = owner.lm_head
         assert isinstance(head, torch.nn.Module)
         if hidden.dim() == 3:  # the whole (batch, seq, hidden): keep the positions that predict a target
             hidden = hidden[keep]
         targets = labels[:, 1:][keep[:, :-1]]
         transform = logits_transform(owner.config)
         if self.fused is not None and transform is None and fusable_head(head) and targets.numel():
-            return self.fused(head.weight, hidden, targets, head.bias), int(targets.numel()), out
+            return self.fused(head.weight, hidden, targets, head.bias), int(targets.numel())
         assert self.chunk_rows is not None
-        loss = chunked_linear_cross_entropy(hidden, head, targets, self.chunk_rows, transform)
-        return loss, int(targets.numel()), out
+        return chunked_linear_cross_entropy(hidden, head, targets, self.chunk_rows, transform), int(targets.numel())
+
+    def head_loss(self, owner: Any, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+        keep = target_positions(labels)
+        if self.chunk_rows and not (self.chunk_only_above and int(keep.sum()) <= self.chunk_rows):
+            return self._head_in_chunks(owner, hidden, labels, keep)
+        logits = owner.lm_head(hidden[keep])  # the head on target positions only, as head_on_targets_only
+        transform = logits_transform(owner.config)
+        if transform is not None:
+            logits = transform(logits)
+        return F.cross_entropy(logits.float(), labels[:, 1:][keep[:, :-1]], reduction="sum"), int(keep.sum())
 
 
 def router_aux_coef(model) -> float:

@@ -23,7 +23,8 @@ from finetune.config.schema import RecipeConfig
 from finetune.errors import ConfigError
 from finetune.hardware import release_free_heap
 from finetune.memory import techniques
-from finetune.parallel import compression, ddp_hooks, zero_config
+from finetune.model.load import head_owner, model_source
+from finetune.parallel import compression, ddp_hooks, layout, zero_config
 from finetune.parallel.distribute import (
     check_strategy,
     full_optimizer_state,
@@ -35,6 +36,7 @@ from finetune.parallel.distribute import (
     zero_full_weights,
     zero_optimizer,
 )
+from finetune.parallel.pipeline import Pipeline
 from finetune.parallel.rank_state import RankState, rng_states
 
 
@@ -80,12 +82,23 @@ class Parallel:
         self.powersgd: ddp_hooks.PowerSGD | None = None  # its state goes into every checkpoint, per rank
         self._gloo = None
         self._zero_groups: list[list[torch.nn.Parameter]] = []  # deepspeed: the optimizer's parameters, as built
+        self.layout = layout.Layout.of(cfg, accelerator.process_index, accelerator.num_processes)
+        self.pipeline: Pipeline | None = None  # distributed.pipeline_parallel > 1: built by shard()
 
     @classmethod
     def choose(cls, cfg: RecipeConfig, accelerator) -> Parallel:
         """The strategy for this launch (auto: DDP unless a replica would not fit), checked against the recipe."""
-        strategy = resolve_strategy(cfg, accelerator.num_processes, accelerator.device)
-        check_strategy(cfg, strategy)
+        world = accelerator.num_processes
+        if cfg.distributed.pipeline_parallel > 1:  # before any weight loads: the model's config.json alone
+            config = _text_config(cfg)
+            known = (config.num_hidden_layers, config.model_type) if config is not None else (None, None)
+            problems = layout.launch_problems(cfg, world, *known)
+            if problems:
+                raise ConfigError(problems)
+            strategy = "pipeline"
+        else:
+            strategy = resolve_strategy(cfg, world, accelerator.device)
+            check_strategy(cfg, strategy)
         problems = techniques.problems(
             techniques.launch_settings(cfg, fsdp=strategy == "fsdp", processes=accelerator.num_processes),
             (techniques.LAUNCH,),
@@ -155,6 +168,8 @@ class Parallel:
             if method == "none":
                 return None
             return f"distributed.grad_compression={method} has no effect: one process has no gradients to all-reduce"
+        if self.pipeline is not None:
+            return f"parallel: {self.pipeline.describe()}"
         where = f"parallel: {self.strategy} over {self.world} processes"
         if self.strategy == "deepspeed":
             return f"{where} ({zero_config.describe(self.cfg)})"
@@ -169,7 +184,17 @@ class Parallel:
     # ------------------------------------------------------------------ wrapping
 
     def shard(self, model, cfg: RecipeConfig, compute_dtype: torch.dtype):
-        """FSDP: shard the model before the optimizer exists (its state is then sharded too)."""
+        """FSDP: shard the model before the optimizer exists (its state is then sharded too). A pipeline:
+        this rank's stages of it."""
+        if self.strategy == "pipeline":
+            owner: Any = head_owner(model)
+            text = owner.config.get_text_config() if owner is not None else None
+            if text is not None:
+                problems = layout.launch_problems(cfg, self.world, text.num_hidden_layers, text.model_type)
+                if problems:  # a model given in memory (Trainer.from_parts) is checked here
+                    raise ConfigError(problems)
+            self.pipeline = Pipeline(model, self.layout, cfg, self.device)
+            return model
         if not self.fsdp:
             return model
         shard_model(model, cfg, compute_dtype)
@@ -181,7 +206,7 @@ class Parallel:
         """accelerate's wrappers: DDP for the model (not for FSDP, which prepare() would wrap in DDP),
         with distributed.grad_compression's communication hook. (accelerate's own comm_hook option
         keeps PowerSGD's state where a checkpoint cannot reach it, and refuses bf16 on gloo.)"""
-        if self.fsdp:
+        if self.fsdp or self.pipeline is not None:  # a pipeline sums its gradients itself (sync_gradients)
             return model, self.accelerator.prepare(optimizer)
         if self.strategy == "deepspeed":
             # ZeRO replaces the optimizer's parameters with flat partitions: its state is read and
@@ -216,6 +241,24 @@ class Parallel:
             self.accelerator.gradient_state._set_sync_gradients(last)
             return nullcontext()
         return self.accelerator.no_sync(model) if not last else nullcontext()
+
+    @property
+    def counts_window(self) -> bool:
+        """Whether this rank's micro-batches count in the window's totals (tokens, targets, loss). A
+        pipeline's stages all hold their replica's window: its last stage counts it, once."""
+        return self.pipeline is None or self.pipeline.is_last
+
+    @property
+    def gradient_scale(self) -> int:
+        """What the window's mean loss is multiplied by in backward: the processes' number where the
+        strategy averages gradients over them (DDP, FSDP, ZeRO), 1 where they are summed (a pipeline)."""
+        return 1 if self.pipeline is not None else self.world
+
+    def sync_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """After the window's backward: a pipeline gives every rank the whole gradient (the others synced
+        theirs inside backward)."""
+        if self.pipeline is not None:
+            self.pipeline.sum_gradients(params)
 
     def global_sum(self, value: float) -> float:
         return self.global_sums(value)[0]
@@ -290,3 +333,17 @@ class Parallel:
             self.wait()
             self.accelerator.free_memory()
         self.accelerator.state.destroy_process_group()
+
+
+def _text_config(cfg: RecipeConfig):
+    """The model's (text) config from its config.json, or None where it cannot be read here (a model
+    given in memory, custom code): Parallel.shard checks the loaded model then."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(
+            model_source(cfg), revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+        )
+    except Exception:  # noqa: BLE001 - loading reports the real problem with the model
+        return None
+    return config.get_text_config()

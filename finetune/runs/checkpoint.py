@@ -194,6 +194,9 @@ HARMLESS_CHANGES = (
     "distributed.offload_optimizer",
     "distributed.offload_params",
     "distributed.nvme_dir",
+    "distributed.pipeline_parallel",  # every stage's adapter and optimizer state are whole in a checkpoint
+    "distributed.pipeline_schedule",
+    "distributed.virtual_stages",
 )
 
 

@@ -195,3 +195,16 @@ def recipe_callbacks(trainer: Any) -> list[Callback]:
     if trainer.cfg.profile.steps:
         found.append(StepProfiler(trainer, trainer.cfg.profile.steps))
     return found
+
+
+def refuse_overridden_loss(trainer_class: Any, parallel, base_compute_loss) -> None:
+    """A pipeline cannot call a Trainer subclass's compute_loss: the model runs split over processes and
+    the last stage computes the objective's head_loss."""
+    if parallel.pipeline is not None and trainer_class.compute_loss is not base_compute_loss:
+        raise ConfigError(
+            [
+                f"distributed.pipeline_parallel: {trainer_class.__name__} overrides compute_loss, which a pipeline "
+                "cannot call (the model runs split over processes; the last stage computes the objective's "
+                "head_loss). Pass a finetune.Loss, or set distributed.pipeline_parallel=1."
+            ]
+        )

@@ -36,6 +36,7 @@ from finetune.metrics import MetricsWriter, Progress, Throughput, peak_memory_by
 from finetune.model.load import load_tokenizer
 from finetune.objectives.loss import Loss, as_loss, count_targets
 from finetune.objectives.preference import attach_reference, preference_accuracy
+from finetune.parallel.layout import Layout
 from finetune.parallel.runtime import Parallel, make_accelerator
 from finetune.runs.checkpoint import checkpoint_dir, output_dir_problem, prepare_output_dir, save_adapter
 from finetune.runs.evaluate import exact_match, exact_match_records, held_out_loss
@@ -177,6 +178,7 @@ class Trainer:
             prepare_output_dir(cfg)
         parallel.wait()
         self.model = parallel.shard(self.model, cfg, torch_dtype(self.precision))
+        build.refuse_overridden_loss(type(self), parallel, Trainer.compute_loss)
         self.say(parallel.describe())
 
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -194,7 +196,8 @@ class Trainer:
         """The data order of this launch, and the run's length in optimizer steps."""
         cfg, acc, state = self.cfg, self.accelerator, self.state
         self.collate = Collator(pad_token_id=self.tokenizer.pad_token_id)
-        self.order = DataOrder(self.data.train, cfg, self.collate, acc.process_index, acc.num_processes, acc.device)
+        layout = Layout.of(cfg, acc.process_index, acc.num_processes)  # a pipeline's stages share their replica's data
+        self.order = DataOrder(self.data.train, cfg, self.collate, layout.replica, layout.replicas, acc.device)
         state.window, state.steps_per_epoch = self.order.window, self.order.steps_per_epoch
         state.is_main = acc.is_main_process
         state.total_steps = self.order.total_steps()
@@ -216,11 +219,16 @@ class Trainer:
         is the gradient of the window's mean loss however the window is split."""
         parallel, model = self.parallel, self.model
         batches = self.step_batches(step)
-        targets = sum(count_targets(b) for b in batches)
-        n_global = parallel.global_sum(sum(self.loss_fn.count(b) for b in batches))  # target tokens, or pairs
-        # DDP averages gradients over processes: multiply back by their number.
-        scale = parallel.world / max(n_global, 1)
-        totals = StepTotals(0.0, n_global, sum(count_tokens(b) for b in batches), targets)
+        counted = batches if parallel.counts_window else []  # a pipeline's stages share a window: the last counts it
+        targets = sum(count_targets(b) for b in counted)
+        n_global = parallel.global_sum(sum(self.loss_fn.count(b) for b in counted))  # target tokens, or pairs
+        # DDP averages gradients over processes: multiply back by their number (a pipeline sums them: 1).
+        scale = parallel.gradient_scale / max(n_global, 1)
+        totals = StepTotals(0.0, n_global, sum(count_tokens(b) for b in counted), targets)
+        if parallel.pipeline is not None:  # the schedule runs every micro-batch through the stages at once
+            with self.memory.activations.saving(), self.accelerator.autocast():  # (no prepared model to cast)
+                totals.loss_sum = parallel.pipeline.train_window(batches, self.loss_fn, scale)
+            return totals
         for i, batch in enumerate(batches):
             with parallel.gradient_sync(model, last=i == len(batches) - 1):
                 with self.memory.activations.saving():
@@ -236,6 +244,7 @@ class Trainer:
         cfg, state, acc = self.cfg, self.state, self.accelerator
         speed.start()
         totals = self.accumulate_gradients(state.step)
+        self.parallel.sync_gradients(self.params)
         units = max(totals.units, 1)
         grad_norm = float(acc.clip_grad_norm_(self.params, cfg.train.max_grad_norm or float("inf")))
         lr = self.scheduler.get_last_lr()[0]
@@ -351,7 +360,7 @@ class Trainer:
         before = self.score_held_out(em_records, "before training") if state.step == 0 else HeldOutScores()
         self.say(
             f"training {state.total_steps} steps ({state.steps_per_epoch} per epoch; {self.cfg.train.batch_size} x "
-            f"{self.cfg.train.grad_accum} accum x {self.parallel.world} proc = {state.window} {self.unit}/step"
+            f"{self.cfg.train.grad_accum} accum x {self.parallel.layout.copies} = {state.window} {self.unit}/step"
             f"{self.order.untrained_per_epoch}), precision {self.precision}"
         )
         self.model.train()

@@ -30,7 +30,7 @@ def test_demo_recipe_learns_the_task(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "pipeline"])
 def test_demo_recipe_on_two_processes_as_a_user_runs_it(tmp_path, strategy):
     # `finetune run demo-cpu --nproc 2 distributed.strategy=...`: exact match is generated
     # before and after training on every rank (FSDP: from the sharded model, ranks in step).
@@ -48,7 +48,12 @@ def test_demo_recipe_on_two_processes_as_a_user_runs_it(tmp_path, strategy):
         "demo-cpu",
         "--nproc",
         "2",
-        f"distributed.strategy={strategy}",
+        # pipeline: 2 stages; 1f1b wants a micro-batch per stage, so 8 x 2 instead of 16 x 1 (the same 16 per step)
+        *(
+            ["distributed.pipeline_parallel=2", "train.grad_accum=2", "train.batch_size=8"]
+            if strategy == "pipeline"
+            else [f"distributed.strategy={strategy}"]
+        ),
         f"output_dir={out}",
         "--no-progress",
         "--master-port",
@@ -57,7 +62,8 @@ def test_demo_recipe_on_two_processes_as_a_user_runs_it(tmp_path, strategy):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert f"parallel: {strategy} over 2 processes" in proc.stdout
+    said = "pipeline: 2 stages of 2 layers" if strategy == "pipeline" else strategy
+    assert f"parallel: {said} over 2 processes" in proc.stdout
     found = re.search(r"exact match\s+([\d.]+)% -> ([\d.]+)%", proc.stdout)
     assert found, proc.stdout[-3000:]
     before, after = float(found.group(1)), float(found.group(2))

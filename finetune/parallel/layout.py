@@ -1,0 +1,208 @@
+"""distributed.pipeline_parallel: how a launch's processes form a grid of pipeline stages x data-parallel
+replicas, and what a pipeline cannot run with (config asks `problems(cfg)`, the launch `launch_problems`).
+
+    layout = Layout.of(cfg, rank, world)     # layout.stage, layout.replica, layout.replicas
+    layout.stages_of_rank                    # the stage indices this rank runs (interleaved: virtual_stages of them)
+
+Ranks are numbered pipeline-outermost, as Megatron-LM and torchtitan number them: rank = stage x
+replicas + replica. On 2 nodes x 2 GPUs with pipeline_parallel=2, a node then holds one stage of both
+replicas: the gradient all-reduce stays inside the node, and only the activations of one micro-batch at
+a time cross between nodes. How the stages run: finetune/parallel/pipeline.py.
+This module imports nothing of ours but the rule type: config asks it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from finetune.errors import Rule, broken
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# The decoder families whose forward a stage runs as it is (embeddings, then layers, then norm, with
+# nothing between them that a stage would repeat or skip): Gemma scales its embeddings inside the
+# forward (a later stage would scale its input again); MoE models add a router loss over all layers.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one rank stands: pp stages x replicas, virtual_stages stages per rank when interleaved."""
+
+    pp: int
+    replicas: int
+    rank: int
+    virtual_stages: int = 1
+
+    @classmethod
+    def of(cls, cfg: Any, rank: int, world: int) -> Layout:
+        d = cfg.distributed
+        pp = max(1, d.pipeline_parallel)
+        return cls(pp, max(1, world // pp), rank, d.virtual_stages if pp > 1 else 1)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def stage(self) -> int:
+        """This rank's place along the pipe (its first stage when interleaved)."""
+        return self.rank // self.replicas
+
+    @property
+    def replica(self) -> int:
+        return self.rank % self.replicas
+
+    @property
+    def stage_count(self) -> int:
+        return self.pp * self.virtual_stages
+
+    @property
+    def stages_of_rank(self) -> list[int]:
+        """Stage indices this rank runs: its own, and with V virtual stages every pp-th after it (the
+        interleaved schedule's loop order: rank r holds stages r, r + pp, r + 2pp, ...)."""
+        return [self.stage + v * self.pp for v in range(self.virtual_stages)]
+
+    @property
+    def copies(self) -> str:
+        """What a step's window is multiplied by, in words: processes, or a pipeline's replicas."""
+        if not self.pipelined:
+            return f"{self.replicas} proc"
+        return f"{self.replicas} replica{'s' if self.replicas > 1 else ''} of {self.pp} stages"
+
+    def pipe_ranks(self) -> list[int]:
+        """The global ranks of this rank's pipeline (one replica's stages, in stage order)."""
+        return [s * self.replicas + self.replica for s in range(self.pp)]
+
+    def layer_range(self, stage: int, layers: int) -> tuple[int, int]:
+        """Decoder layers [lo, hi) of a stage: an even split (launch_problems refuses an uneven one)."""
+        per = layers // self.stage_count
+        return stage * per, (stage + 1) * per
+
+
+def _pipelined(cfg: Any) -> bool:
+    return cfg.distributed.pipeline_parallel > 1
+
+
+def _by(cfg: Any) -> str:
+    return f"distributed.pipeline_parallel={cfg.distributed.pipeline_parallel}"
+
+
+RULES: tuple[Rule[Any], ...] = (
+    Rule(
+        lambda c: _pipelined(c) and c.distributed.strategy in ("fsdp", "deepspeed"),
+        lambda c: (
+            f"{_by(c)} with distributed.strategy={c.distributed.strategy}: a pipeline keeps whole stages and "
+            "all-reduces their gradients over its replicas itself; it does not shard them. Set "
+            "distributed.strategy=auto, or distributed.pipeline_parallel=1."
+        ),
+    ),
+    Rule(
+        lambda c: _pipelined(c) and c.lora is None,
+        lambda c: (
+            f"{_by(c)} trains adapters (QLoRA, LoRA); full fine-tuning is not pipelined. Set lora, or "
+            "distributed.pipeline_parallel=1."
+        ),
+    ),
+    Rule(
+        lambda c: _pipelined(c) and c.train.objective != "sft",
+        lambda c: (
+            f"{_by(c)} runs train.objective=sft; train.objective={c.train.objective} compares two "
+            "forwards of each pair, which the stages do not pass along yet. Set distributed.pipeline_parallel=1."
+        ),
+    ),
+    Rule(
+        lambda c: _pipelined(c) and c.data.packing,
+        lambda c: (
+            f"{_by(c)} with data.packing: packed rows are not passed between stages yet. Set "
+            "data.packing=false, or distributed.pipeline_parallel=1."
+        ),
+    ),
+    Rule(
+        lambda c: _pipelined(c) and c.memory.base_weights != "device",
+        lambda c: (
+            f"{_by(c)} with memory.base_weights={c.memory.base_weights}: a stage keeps its own layers on "
+            "its GPU (that is what the pipeline divides). Set memory.base_weights=device, or "
+            "distributed.pipeline_parallel=1 to stream the layers through one GPU."
+        ),
+    ),
+    Rule(
+        lambda c: _pipelined(c) and c.distributed.grad_compression != "none",
+        lambda c: (
+            f"{_by(c)} with distributed.grad_compression={c.distributed.grad_compression}: compression is "
+            "a hook of DDP's all-reduce, which a pipeline does not use. Set distributed.grad_compression=none, "
+            "or distributed.pipeline_parallel=1."
+        ),
+    ),
+    Rule(
+        lambda c: (c.distributed.pipeline_schedule == "interleaved_1f1b") != (c.distributed.virtual_stages > 1),
+        lambda c: (
+            (
+                "distributed.pipeline_schedule=interleaved_1f1b needs distributed.virtual_stages >= 2 (the stages each rank runs)"
+                if c.distributed.pipeline_schedule == "interleaved_1f1b"
+                else f"distributed.virtual_stages={c.distributed.virtual_stages} needs "
+                f"distributed.pipeline_schedule=interleaved_1f1b (it is {c.distributed.pipeline_schedule})"
+            )
+            + "; or set virtual_stages=1 with gpipe or 1f1b."
+        ),
+    ),
+)
+
+
+def _microbatch_problem(cfg: Any) -> str | None:
+    """What torch's schedule refuses for this many micro-batches (train.grad_accum), or None."""
+    d, m = cfg.distributed, cfg.train.grad_accum
+    if d.pipeline_schedule == "1f1b" and m < d.pipeline_parallel:
+        return f"at least as many micro-batches as stages (train.grad_accum={m} < {d.pipeline_parallel})"
+    rounds = max(1, m // d.pipeline_parallel)
+    if d.pipeline_schedule == "interleaved_1f1b" and m % rounds:
+        return f"train.grad_accum to be a multiple of its {rounds} rounds of {d.pipeline_parallel} micro-batches (it is {m})"
+    return None
+
+
+def _microbatch_fix(cfg: Any) -> str:
+    pp, m, b = cfg.distributed.pipeline_parallel, cfg.train.grad_accum, cfg.train.batch_size
+    if b % pp == 0:
+        fix = f"train.grad_accum={pp * m} train.batch_size={b // pp} (the same {b * m} examples per step per replica)"
+    else:
+        fix = f"train.grad_accum={pp * m} ({pp} times the examples per step)"
+    return (
+        f"distributed.pipeline_schedule={cfg.distributed.pipeline_schedule} needs {_microbatch_problem(cfg)}. Set "
+        f"{fix}, or distributed.pipeline_schedule=gpipe."
+    )
+
+
+RULES += (Rule(lambda c: _pipelined(c) and _microbatch_problem(c) is not None, _microbatch_fix),)
+
+
+def problems(cfg: Any) -> list[str]:
+    """What distributed.pipeline_parallel cannot run with in this recipe."""
+    return broken(RULES, cfg)
+
+
+def launch_problems(cfg: Any, world: int, layers: int | None, model_type: str | None) -> list[str]:
+    """What this launch's process count and model cannot split as the recipe asks (before any weight loads);
+    layers and model_type None: not known yet (checked again on the loaded model)."""
+    pp, v = cfg.distributed.pipeline_parallel, cfg.distributed.virtual_stages
+    if pp <= 1:
+        return []
+    out = []
+    if world % pp:
+        out.append(
+            f"{_by(cfg)} on {world} processes: the processes must be stages x replicas. "
+            f"Launch with --nproc {pp} or a multiple of it ({pp}, {2 * pp}, ...)."
+        )
+    stages = pp * v
+    if layers is not None and layers % stages:
+        fits = [n for n in range(2, layers + 1) if layers % (n * v) == 0][:6]
+        out.append(
+            f"{_by(cfg)} x distributed.virtual_stages={v} = {stages} stages, but the model has {layers} decoder "
+            f"layers, which do not split evenly into {stages}. pipeline_parallel values that do: "
+            f"{', '.join(map(str, fits)) or 'none'}."
+        )
+    if model_type is not None and model_type not in FAMILIES:
+        out.append(
+            f"{_by(cfg)}: the model is a {model_type!r} model; stages run the decoder families "
+            f"{', '.join(FAMILIES)}. Use distributed.pipeline_parallel=1 (DDP or FSDP) for this model."
+        )
+    return out

@@ -1,0 +1,125 @@
+"""Pipeline parallelism (distributed.pipeline_parallel) on CPU, gloo, a tiny 4-layer Llama in 4-bit, fp32:
+the same global batch gives the losses, pre-clip gradient norms and adapter of one process, for every
+schedule and with replicas; a run stopped under pp=2 resumes on one process. Through the real launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import assert_same_steps, build_char_tokenizer, build_tiny_llama, free_port, step_rows
+from e2e.test_distributed import adapter, assert_adapters_close, finetune, preempt_after, write
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> tuple[Path, dict]:
+    """(a folder, the recipe) shared by the module: the tiny Llama with 4 decoder layers (2 stages of 2, or
+    4 virtual stages of 1) in 4-bit, 2 micro-batches per step, clipping off (a wrong gradient scale would
+    hide behind it)."""
+    from conftest import ALPACA_ROWS, write_jsonl
+
+    root = tmp_path_factory.mktemp("pipeline")
+    model = root / "model"
+    model.mkdir()
+    build_tiny_llama(model, vocab_size=len(build_char_tokenizer(model)), layers=4)
+    recipe = {
+        "model": {"path": str(model)},
+        "data": {"path": str(write_jsonl(root / "train.jsonl", ALPACA_ROWS)), "format": "alpaca", "max_seq_len": 256},
+        "seed": 0,
+        "precision": "fp32",
+        "quant": {"bits": 4},
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+        "train": {"max_steps": STEPS, "batch_size": 4, "grad_accum": 2, "lr": 1e-3, "max_grad_norm": None},
+        "memory": {"activation_checkpointing": "none"},
+        "checkpoint": {"every_steps": 2},
+    }
+    return root, recipe
+
+
+@pytest.fixture(scope="module")
+def one_process(base) -> Path:
+    root, recipe = base
+    path, out = write(root, recipe, "one")
+    finetune(str(path), cwd=root)
+    return out
+
+
+@pytest.mark.parametrize(
+    "schedule, nproc, batch",
+    [("1f1b", 2, 4), ("gpipe", 2, 4), ("interleaved_1f1b", 2, 4), ("1f1b", 4, 2)],
+    ids=["1f1b", "gpipe", "interleaved", "pp2xdp2"],
+)
+def test_pipeline_matches_one_process(base, one_process, schedule, nproc, batch):
+    root, recipe = base
+    virtual = 2 if schedule == "interleaved_1f1b" else 1
+    distributed = {"pipeline_parallel": 2, "pipeline_schedule": schedule, "virtual_stages": virtual}
+    path, out = write(root, recipe, f"pp-{schedule}-{nproc}", train__batch_size=batch, distributed=distributed)
+    proc = finetune(str(path), "--nproc", str(nproc), cwd=root)
+    stages = 2 * virtual
+    replicas = "1 replica" if nproc == 2 else "2 replicas"
+    assert f"parallel: pipeline: {stages} stages of {4 // stages} layers over 2 processes x {replicas}" in proc.stdout
+    assert_same_steps(one_process, out, rel=1e-5)
+    assert_adapters_close(adapter(one_process), adapter(out))
+    # The periodic checkpoint holds the whole adapter, as one process writes it.
+    assert (out / "checkpoints" / "step-2" / "manifest.json").is_file()
+
+
+DRIVER = """
+import os, sys
+from finetune.config.schema import load_recipe
+from finetune.parallel.runtime import Parallel
+from finetune.trainer import Trainer
+
+if os.environ.get("WRONG_SCALE"):  # every gradient doubled, the loss values unchanged
+    Parallel.gradient_scale = property(lambda self: 2)
+Trainer(load_recipe(sys.argv[1]), progress=False).train()
+"""
+
+
+def test_a_wrong_gradient_scale_fails_the_comparison(base, one_process, tmp_path):
+    root, recipe_dict = base
+    recipe, out = write(tmp_path, recipe_dict, "doubled", distributed={"pipeline_parallel": 2})
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "WRONG_SCALE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    proc = subprocess.run([*cmd, str(driver), str(recipe)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with pytest.raises(AssertionError, match="differ"):
+        assert_same_steps(one_process, out, rel=1e-5)
+    (loss_one, norm_one), (loss_doubled, norm_doubled) = step_rows(one_process)[0], step_rows(out)[0]
+    assert loss_doubled == pytest.approx(loss_one, rel=1e-5) and norm_doubled == pytest.approx(2 * norm_one, rel=1e-5)
+
+
+def test_sigterm_under_pipeline_resumes_on_one_process(base, tmp_path):
+    # 400 steps so that SIGTERM lands mid-run; the resumed run ends at STEPS + 2 on one process. A constant
+    # learning rate: the schedule of a resumed run follows its new max_steps.
+    _, recipe_dict = base
+    pp_recipe = {**recipe_dict, "train": {**recipe_dict["train"], "scheduler": "constant"}}
+    recipe, out = write(tmp_path, pp_recipe, "moved", distributed={"pipeline_parallel": 2})
+    ref_recipe, ref = write(tmp_path, pp_recipe, "straight")
+    finetune(str(ref_recipe), f"train.max_steps={STEPS + 2}", cwd=tmp_path)
+    output = preempt_after(
+        finetune(str(recipe), "--nproc", "2", "train.max_steps=400", cwd=tmp_path, log=tmp_path / "pp.log"), out, 2
+    )
+    assert "checkpoint" in output
+    stopped = max(json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line)
+    assert stopped < STEPS + 2, "the run finished before SIGTERM"
+    data = yaml.safe_load(recipe.read_text())
+    data["train"]["max_steps"] = STEPS + 2
+    data["distributed"] = {"pipeline_parallel": 1}
+    data["resume"] = "auto"
+    recipe.write_text(yaml.safe_dump(data))
+    proc = finetune(str(recipe), cwd=tmp_path)
+    assert "resume: allowed change distributed.pipeline_parallel: 2 -> 1" in proc.stdout
+    assert_adapters_close(adapter(ref), adapter(out))

@@ -1,0 +1,166 @@
+"""Pipeline parallelism without processes: the grid of stages x replicas, the rules a recipe and a launch
+are checked against, and the stage modules run one after the other in one process (they must give
+what the whole model gives). The multi-process runs: tests/e2e/test_pipeline.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_tiny_llama
+
+from finetune.config.schema import build_recipe
+from finetune.data import IGNORE_INDEX
+from finetune.errors import ConfigError
+from finetune.objectives.loss import CausalLMLoss
+from finetune.parallel.layout import Layout, launch_problems
+from finetune.parallel.pipeline import Stage, pad_window
+
+MINIMAL = {"model": {"path": "m"}, "data": {"path": "d.jsonl"}, "output_dir": "out"}
+
+
+def problems_of(data: dict) -> list[str]:
+    with pytest.raises(ConfigError) as err:
+        build_recipe(data)
+    return err.value.problems
+
+
+def test_ranks_are_numbered_pipeline_outermost():
+    # 2 stages x 2 replicas: ranks 0, 1 run stage 0 (replicas 0, 1); ranks 2, 3 stage 1.
+    got = [(x.stage, x.replica, x.pipe_ranks()) for x in (Layout(2, 2, r) for r in range(4))]
+    assert got == [(0, 0, [0, 2]), (0, 1, [1, 3]), (1, 0, [0, 2]), (1, 1, [1, 3])]
+    interleaved = Layout(2, 1, 1, virtual_stages=2)
+    assert interleaved.stages_of_rank == [1, 3] and interleaved.stage_count == 4
+    assert [interleaved.layer_range(s, 8) for s in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    cfg = build_recipe({**MINIMAL, "distributed": {"pipeline_parallel": 2, "pipeline_schedule": "gpipe"}})
+    assert (Layout.of(cfg, 3, 4).replicas, Layout.of(cfg, 3, 4).stage) == (2, 1)
+    assert not Layout.of(build_recipe(MINIMAL), 1, 2).pipelined  # pipeline_parallel=1: two replicas, no stages
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        ({"distributed": {"pipeline_parallel": 2, "strategy": "fsdp"}}, "does not shard them. Set distributed.strategy=auto"),
+        ({"distributed": {"pipeline_parallel": 2}, "lora": None, "quant": {"bits": None}}, "full fine-tuning is not pipelined"),
+        (
+            {
+                "distributed": {"pipeline_parallel": 2},
+                "train": {"objective": "dpo"},
+                "data": {"path": "d.jsonl", "format": "preference"},
+            },
+            "train.objective=dpo compares two forwards",
+        ),
+        ({"distributed": {"pipeline_parallel": 2}, "data": {"path": "d.jsonl", "packing": True}}, "packed rows are not passed"),
+        ({"distributed": {"pipeline_parallel": 2}, "memory": {"base_weights": "cpu"}}, "memory.base_weights=cpu: a stage keeps"),
+        ({"distributed": {"pipeline_parallel": 2, "grad_compression": "bf16"}}, "a hook of DDP's all-reduce"),
+        (
+            {"distributed": {"pipeline_parallel": 2, "pipeline_schedule": "interleaved_1f1b"}},
+            "needs distributed.virtual_stages >= 2",
+        ),
+        (
+            {"distributed": {"pipeline_parallel": 2, "virtual_stages": 2}},
+            "needs distributed.pipeline_schedule=interleaved_1f1b (it is 1f1b)",
+        ),
+    ],
+)
+def test_a_recipe_the_pipeline_cannot_run_is_refused_naming_the_fix(extra, says):
+    problems = problems_of({**MINIMAL, **extra, "train": {"grad_accum": 2, **extra.get("train", {})}})
+    assert any(says in p for p in problems), problems
+    assert any("distributed.pipeline_parallel=1" in p or "virtual_stages" in p for p in problems)
+
+
+def test_1f1b_with_fewer_micro_batches_than_stages_is_refused_with_the_same_global_batch():
+    (got,) = problems_of({**MINIMAL, "distributed": {"pipeline_parallel": 2}, "train": {"batch_size": 16}})
+    assert got == (
+        "distributed.pipeline_schedule=1f1b needs at least as many micro-batches as stages (train.grad_accum=1 < 2). "
+        "Set train.grad_accum=2 train.batch_size=8 (the same 16 examples per step per replica), or "
+        "distributed.pipeline_schedule=gpipe."
+    )
+    (got,) = problems_of(
+        {
+            **MINIMAL,
+            "distributed": {"pipeline_parallel": 2, "pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2},
+            "train": {"grad_accum": 5},
+        }
+    )
+    assert "needs train.grad_accum to be a multiple of its 2 rounds of 2 micro-batches (it is 5)" in got
+    build_recipe({**MINIMAL, "distributed": {"pipeline_parallel": 2, "pipeline_schedule": "gpipe"}})  # gpipe takes any
+
+
+def test_a_launch_that_cannot_split_is_refused_before_loading():
+    cfg = build_recipe({**MINIMAL, "distributed": {"pipeline_parallel": 4}, "train": {"grad_accum": 4}})
+    assert launch_problems(cfg, 8, 32, "llama") == []
+    world, layers, family = launch_problems(cfg, 6, 30, "gemma2")
+    assert "on 6 processes: the processes must be stages x replicas. Launch with --nproc 4 or a multiple" in world
+    assert (
+        "the model has 30 decoder layers, which do not split evenly into 4. pipeline_parallel values that do: 2, 3, 5, 6, 10, 15"
+        in layers
+    )
+    assert "a 'gemma2' model; stages run the decoder families llama, mistral, qwen2, qwen3" in family
+    assert launch_problems(cfg, 1, None, None)[0].startswith("distributed.pipeline_parallel=4 on 1 processes")
+
+
+def test_a_window_is_right_padded_to_one_shape_that_trains_nothing_more():
+    a = {
+        "input_ids": torch.tensor([[5, 6, 7]]),
+        "labels": torch.tensor([[-100, 6, 7]]),
+        "attention_mask": torch.ones(1, 3, dtype=torch.long),
+    }
+    b = {
+        "input_ids": torch.tensor([[8, 9]]),
+        "labels": torch.tensor([[-100, 9]]),
+        "attention_mask": torch.ones(1, 2, dtype=torch.long),
+    }
+    w = pad_window([a, b], longest=128)
+    assert w["input_ids"].shape == (2, 64)  # bucketed: a few shapes per run
+    assert w["input_ids"][:, :3].tolist() == [[5, 6, 7], [8, 9, 0]]
+    assert w["labels"][1, 1:].tolist() == [9] + [IGNORE_INDEX] * 62 and int((w["labels"] != IGNORE_INDEX).sum()) == 3
+    assert w["attention_mask"].sum(1).tolist() == [3, 2]
+    assert w["position_ids"][1, :4].tolist() == [0, 1, 2, 3]
+    assert pad_window([a], longest=3)["input_ids"].shape == (1, 3)  # never past data.max_seq_len
+
+
+def test_stages_run_one_after_another_give_the_whole_models_loss_and_gradients(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    build_tiny_llama(tmp_path, vocab_size=64, layers=4)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    ids = torch.randint(3, 64, (2, 10))
+    batches = [
+        {"input_ids": ids[:1], "labels": ids[:1].clone(), "attention_mask": torch.ones(1, 10, dtype=torch.long)},
+        {"input_ids": ids[1:, :7], "labels": ids[1:, :7].clone(), "attention_mask": torch.ones(1, 7, dtype=torch.long)},
+    ]
+    loss = CausalLMLoss()
+    want = sum(loss(model, b)[0] for b in batches)
+    want.backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    w = pad_window(batches, longest=256)
+    first, last = Stage(model.model, 0, 2, True, False), Stage(model.model, 2, 4, False, True)
+    assert len(list(first.parameters())) == len(list(model.model.layers[:2].parameters()))  # its layers only
+    hidden = last(first(w["input_ids"], w["attention_mask"], w["position_ids"]), w["attention_mask"], w["position_ids"])
+    got, n = loss.head_loss(model, hidden, w["labels"])
+    assert n == 9 + 6
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    got.backward()
+    for p, g in zip(model.parameters(), want_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5)
+    chunked = CausalLMLoss(chunk_rows=4)  # the chunked loss on the last stage: the same sum
+    torch.testing.assert_close(chunked.head_loss(model, hidden, w["labels"])[0], want, rtol=1e-6, atol=1e-5)
+
+
+def test_a_trainer_that_overrides_compute_loss_is_refused_under_a_pipeline():
+    from types import SimpleNamespace
+
+    from finetune.trainer import Trainer, build
+
+    class Custom(Trainer):
+        def compute_loss(self, model, batch):
+            return super().compute_loss(model, batch)
+
+    pipelined = SimpleNamespace(pipeline=object())
+    with pytest.raises(ConfigError, match="Custom overrides compute_loss, which a pipeline cannot call"):
+        build.refuse_overridden_loss(Custom, pipelined, Trainer.compute_loss)
+    build.refuse_overridden_loss(Trainer, pipelined, Trainer.compute_loss)  # the trainer's own: runs
+    build.refuse_overridden_loss(Custom, SimpleNamespace(pipeline=None), Trainer.compute_loss)  # no pipeline: runs
