@@ -13,7 +13,7 @@ from finetune.data import IGNORE_INDEX
 from finetune.errors import ConfigError
 from finetune.objectives.loss import CausalLMLoss
 from finetune.parallel.layout import Layout, launch_problems
-from finetune.parallel.pipeline import Stage, pad_window
+from finetune.parallel.pipeline import Stage, pad_window, stage_placement
 
 MINIMAL = {"model": {"path": "m"}, "data": {"path": "d.jsonl"}, "output_dir": "out"}
 
@@ -49,9 +49,9 @@ def test_ranks_are_numbered_pipeline_outermost():
             },
             "train.objective=dpo compares two forwards",
         ),
-        ({"distributed": {"pipeline_parallel": 2}, "data": {"path": "d.jsonl", "packing": True}}, "packed rows are not passed"),
         ({"distributed": {"pipeline_parallel": 2}, "memory": {"base_weights": "cpu"}}, "memory.base_weights=cpu: a stage keeps"),
         ({"distributed": {"pipeline_parallel": 2, "grad_compression": "bf16"}}, "a hook of DDP's all-reduce"),
+        ({"distributed": {"pipeline_parallel": 2}, "memory": {"embeddings": "cpu"}}, "the vocabulary tables stay on the stages"),
         (
             {"distributed": {"pipeline_parallel": 2, "pipeline_schedule": "interleaved_1f1b"}},
             "needs distributed.virtual_stages >= 2",
@@ -159,8 +159,76 @@ def test_a_trainer_that_overrides_compute_loss_is_refused_under_a_pipeline():
         def compute_loss(self, model, batch):
             return super().compute_loss(model, batch)
 
-    pipelined = SimpleNamespace(pipeline=object())
+    pipelined = SimpleNamespace(pipeline=SimpleNamespace(objective=None))
     with pytest.raises(ConfigError, match="Custom overrides compute_loss, which a pipeline cannot call"):
-        build.refuse_overridden_loss(Custom, pipelined, Trainer.compute_loss)
-    build.refuse_overridden_loss(Trainer, pipelined, Trainer.compute_loss)  # the trainer's own: runs
-    build.refuse_overridden_loss(Custom, SimpleNamespace(pipeline=None), Trainer.compute_loss)  # no pipeline: runs
+        build.fit_pipeline(Custom, pipelined, Trainer.compute_loss, "loss")
+    build.fit_pipeline(Trainer, pipelined, Trainer.compute_loss, "loss")  # the trainer's own: runs
+    assert pipelined.pipeline.objective == "loss"
+    build.fit_pipeline(Custom, SimpleNamespace(pipeline=None), Trainer.compute_loss, "loss")  # no pipeline: runs
+
+
+def test_a_stage_reads_only_its_own_weights(tmp_path, monkeypatch):
+    # The tensors the loader materializes from the checkpoint, per stage: the other stages' layers are
+    # never read (safetensors slices are lazy until indexed), and their LoRA waits on the meta device.
+    import transformers.modeling_utils as loading
+
+    from finetune.model.load import load_model
+
+    build_tiny_llama(tmp_path, vocab_size=64, layers=4)
+    read: list[str] = []
+    opened = loading.safe_open
+
+    class Counted:
+        def __init__(self, key, inner):
+            self.key, self.inner = key, inner
+
+        def __getitem__(self, index):
+            read.append(self.key)
+            return self.inner[index]
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    class File:
+        def __init__(self, *args, **kwargs):
+            self.inner = opened(*args, **kwargs)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_slice(self, key):
+            return Counted(key, self.inner.get_slice(key))
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+    monkeypatch.setattr(loading, "safe_open", File)
+    recipe = {
+        "model": {"path": str(tmp_path)},
+        "data": {"path": "d.jsonl"},
+        "output_dir": "o",
+        "precision": "fp32",
+        "lora": {"r": 4},
+    }
+    cfg = build_recipe(recipe)
+    for rank, layers in ((0, {"0", "1"}), (1, {"2", "3"})):
+        read.clear()
+        place = stage_placement(Layout(2, 1, rank), 4, False, torch.device("cpu"))
+        model = load_model(cfg, "fp32", torch.device("cpu"), placement=place)
+        assert {k.split(".")[2] for k in read if k.startswith("model.layers.")} == layers
+        assert ("model.embed_tokens.weight" in read) == (rank == 0) and ("lm_head.weight" in read) == (rank == 1)
+        held = {n.split(".")[4] for n, p in model.named_parameters() if p.requires_grad and not p.is_meta}
+        assert held == layers
+
+
+def test_packed_rows_keep_their_segments_and_padding_is_one_more():
+    row = {
+        "input_ids": torch.tensor([[5, 6, 7, 8, 9]]),
+        "labels": torch.tensor([[-100, 6, 7, -100, 9]]),
+        "position_ids": torch.tensor([[0, 1, 2, 0, 1]]),
+    }
+    short = {k: v[:, :3] for k, v in row.items()}
+    w = pad_window([row, short], longest=7)
+    assert "attention_mask" not in w  # packed rows: the model finds the examples from the positions
+    assert w["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 0, 1, 2, 3]]
+    assert w["labels"][1].tolist() == [-100, 6, 7] + [IGNORE_INDEX] * 4

@@ -22,6 +22,7 @@ from finetune.config.schema import RecipeConfig, resolve_path
 from finetune.errors import ModelError
 from finetune.hardware import resolve_precision, torch_dtype
 from finetune.model import moe, varlen
+from finetune.model.partial import only_placed
 
 
 def model_source(cfg: RecipeConfig) -> str:
@@ -183,10 +184,18 @@ def default_device() -> torch.device:
 # that costs ~2 GB of a 24 GB card for no measurable gain (norms already compute
 # in fp32 inside Llama-style RMSNorm). We freeze, enable checkpointing, and let
 # peft keep the adapters themselves in fp32.
-def load_base_model(cfg: RecipeConfig, precision: str | None = None, device: torch.device | None = None, shardable: bool = False):
+def load_base_model(
+    cfg: RecipeConfig,
+    precision: str | None = None,
+    device: torch.device | None = None,
+    shardable: bool = False,
+    placement: dict[str, Any] | None = None,
+):
     """The (quantized) base model on `device`, frozen, without adapters.
 
     shardable: 4-bit weights stored in the compute dtype (bnb_4bit_quant_storage), which FSDP needs.
+    placement: {module name: device or "meta"}, every top-level module named: a pipeline stage's
+    modules on its device, the rest on the meta device, never read (finetune/parallel/pipeline.py).
     """
     from transformers import AutoModelForCausalLM
 
@@ -204,13 +213,13 @@ def load_base_model(cfg: RecipeConfig, precision: str | None = None, device: tor
     # quantized here as they load (finetune/model/moe.py), else they would stay 16-bit.
     fused_4bit = moe.quantizing_experts(cfg.quant.quant_type, cfg.quant.double_quant) if cfg.quant.bits == 4 else nullcontext()
     try:
-        with fused_4bit:
+        with fused_4bit, only_placed(placement):
             model = AutoModelForCausalLM.from_pretrained(
                 src,
                 revision=cfg.model.revision,
                 dtype=dtype,
                 quantization_config=quantization_config(cfg, dtype, storage_dtype=dtype if shardable else None),
-                device_map={"": device},
+                device_map=placement or {"": device},
                 attn_implementation=attention,
                 trust_remote_code=cfg.model.trust_remote_code,
             )
@@ -233,12 +242,26 @@ def load_base_model(cfg: RecipeConfig, precision: str | None = None, device: tor
             ),
             hint="train it on one GPU (or with distributed.strategy=ddp) with memory.base_weights=device",
         )
+    if placement:
+        model.__dict__.pop("hf_device_map", None)  # one device: nothing for accelerate to dispatch
     model.finetune_attention_note = note  # type: ignore[assignment]  # a plain attribute for the trainer to print
     model.config.use_cache = False  # the KV cache is useless in training and costs memory
     for p in model.parameters():
         p.requires_grad_(False)
     keep_4bit_numerics(model)
     return model
+
+
+def causal_lm_class(cfg: RecipeConfig) -> tuple[Any, Any]:
+    """(the transformers class that loads model.path, its config) from config.json alone; raises where it
+    cannot be looked up (custom code, an unreadable config)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = AutoConfig.from_pretrained(
+        model_source(cfg), revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+    )
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], config
 
 
 def choose_attention(
@@ -257,13 +280,7 @@ def choose_attention(
     if wanted not in ("auto", varlen.NAME):
         return wanted, None
     try:
-        from transformers import AutoConfig
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-        config = AutoConfig.from_pretrained(
-            model_source(cfg), revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
-        )
-        cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        cls, config = causal_lm_class(cfg)
     except Exception:  # noqa: BLE001 - custom code or an unreachable config: loading reports real problems
         return (varlen.register() if wanted == varlen.NAME else None), None
     if wanted == varlen.NAME:
@@ -441,7 +458,7 @@ def takes_boolean_logits_to_keep(model) -> bool:
 def compute_device(model) -> torch.device:
     """Where the model computes: its first parameter not in host RAM (memory.embeddings=cpu keeps
     the vocabulary tables there, so the first parameter alone, as `model.device`, can say cpu)."""
-    devices = [p.device for p in model.parameters()]
+    devices = [p.device for p in model.parameters() if not p.is_meta]  # meta: another pipeline stage's
     return next((d for d in devices if d.type != "cpu"), devices[0] if devices else torch.device("cpu"))
 
 
@@ -450,7 +467,7 @@ def count_parameters(model) -> tuple[int, int]:
     trainable = total = 0
     for p in model.parameters():
         n = p.numel()
-        if hasattr(p, "quant_state"):  # bnb Params4bit packs two values per byte
+        if getattr(p, "quant_state", None) is not None:  # bnb Params4bit packs two values per byte (meta: unpacked)
             n = int(torch.Size(p.quant_state.shape).numel())
         total += n
         if p.requires_grad:
@@ -458,9 +475,16 @@ def count_parameters(model) -> tuple[int, int]:
     return trainable, total
 
 
-def load_model(cfg: RecipeConfig, precision: str | None = None, device: torch.device | None = None, shardable: bool = False):
-    """Base model -> frozen, quantized per cfg.quant -> checkpointing -> LoRA. Ready for the trainer."""
-    model = load_base_model(cfg, precision=precision, device=device, shardable=shardable)
+def load_model(
+    cfg: RecipeConfig,
+    precision: str | None = None,
+    device: torch.device | None = None,
+    shardable: bool = False,
+    placement: dict[str, Any] | None = None,
+):
+    """Base model -> frozen, quantized per cfg.quant -> checkpointing -> LoRA. Ready for the trainer.
+    placement: see load_base_model (LoRA of meta modules is drawn as on one process, then left on meta)."""
+    model = load_base_model(cfg, precision=precision, device=device, shardable=shardable, placement=placement)
     if cfg.memory.checkpoint_every:
         enable_gradient_checkpointing(model, cfg.memory.checkpoint_every)
     if cfg.lora is not None:

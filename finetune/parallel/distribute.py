@@ -150,6 +150,22 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {"state": state, "param_groups": sd["param_groups"]}
 
 
+def held_indices(model) -> list[int] | None:
+    """The optimizer indices (positions among the trainable parameters, as one process numbers them) of
+    the parameters this process holds, or None when it holds them all. A pipeline stage holds only its
+    own; the others wait on the meta device (finetune/parallel/pipeline.py)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    held = [i for i, p in enumerate(trainable) if not p.is_meta]
+    return None if len(held) == len(trainable) else held
+
+
+def held_optimizer_state(full_state: dict[str, Any], held: list[int]) -> dict[str, Any]:
+    """A whole optimizer state (as saved, one parameter group) cut to the parameters this process holds."""
+    state = {local: full_state["state"][index] for local, index in enumerate(held) if index in full_state["state"]}
+    (group,) = full_state["param_groups"]
+    return {"state": state, "param_groups": [{**group, "params": list(range(len(held)))}]}
+
+
 def _like(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """`full` laid out like `target`: sharded the same way when target is a DTensor."""
     from torch.distributed.tensor import DTensor, distribute_tensor

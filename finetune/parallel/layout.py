@@ -112,18 +112,19 @@ RULES: tuple[Rule[Any], ...] = (
         ),
     ),
     Rule(
-        lambda c: _pipelined(c) and c.data.packing,
-        lambda c: (
-            f"{_by(c)} with data.packing: packed rows are not passed between stages yet. Set "
-            "data.packing=false, or distributed.pipeline_parallel=1."
-        ),
-    ),
-    Rule(
         lambda c: _pipelined(c) and c.memory.base_weights != "device",
         lambda c: (
             f"{_by(c)} with memory.base_weights={c.memory.base_weights}: a stage keeps its own layers on "
             "its GPU (that is what the pipeline divides). Set memory.base_weights=device, or "
             "distributed.pipeline_parallel=1 to stream the layers through one GPU."
+        ),
+    ),
+    Rule(
+        lambda c: _pipelined(c) and c.memory.embeddings != "device",
+        lambda c: (
+            f"{_by(c)} with memory.embeddings={c.memory.embeddings}: the vocabulary tables stay on the stages "
+            "that use them (the embeddings on the first, the head on the last). Set memory.embeddings=device, or "
+            "distributed.pipeline_parallel=1."
         ),
     ),
     Rule(

@@ -16,6 +16,7 @@ stage's weights is the next step: docs/design.md.) Layout and rules: parallel/la
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import Any
 
@@ -53,7 +54,9 @@ class Stage(nn.Module):
         self.first, self.last = first, last
         self._decoder = [decoder]  # a list: not a submodule
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         decoder = self._decoder[0]
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
         parts: dict[str, nn.Module] = {"layers": self.layers}
@@ -72,17 +75,72 @@ PAD_TO = 64
 def pad_window(batches: list[dict[str, torch.Tensor]], longest: int) -> dict[str, torch.Tensor]:
     """The window's micro-batches as one batch, right-padded to a multiple of PAD_TO (at most `longest`,
     data.max_seq_len, unless a row is longer): the engine sends tensors of one shape between stages.
-    Padding is masked and trains nothing, and under causal attention no real token sees it, so each
-    micro-batch computes what it computes alone."""
+    Padding trains nothing and no real token sees it (causal attention; packed rows: padding is a
+    segment of its own, positions 0, 1, ... as the Collator gives it), so each micro-batch computes
+    what it computes alone. Packed rows carry position_ids and no attention_mask."""
     rows_max = max(b["input_ids"].shape[1] for b in batches)
     length = max(rows_max, min(-(-rows_max // PAD_TO) * PAD_TO, longest))
-    fill = {"input_ids": 0, "labels": IGNORE_INDEX, "attention_mask": 0}
+    packed = "position_ids" in batches[0]
+    fill = {"input_ids": 0, "labels": IGNORE_INDEX, **({"position_ids": 0} if packed else {"attention_mask": 0})}
     joined = {}
     for key, value in fill.items():
         joined[key] = torch.cat([nn.functional.pad(b[key], (0, length - b[key].shape[1]), value=value) for b in batches])
-    rows = joined["input_ids"].shape[0]
-    joined["position_ids"] = torch.arange(length, device=joined["input_ids"].device).expand(rows, -1).contiguous()
+    ramp = torch.arange(length, device=joined["input_ids"].device)
+    if packed:  # the padding its own segment: positions 0, 1, ... from where each row's content ends
+        widths = torch.cat([torch.full((b["input_ids"].shape[0],), b["input_ids"].shape[1]) for b in batches])
+        after = (ramp.unsqueeze(0) - widths.to(ramp.device).unsqueeze(1)).clamp(min=0)
+        joined["position_ids"] = torch.where(
+            ramp.unsqueeze(0) < widths.to(ramp.device).unsqueeze(1), joined["position_ids"], after
+        )
+    else:
+        joined["position_ids"] = ramp.expand(joined["input_ids"].shape[0], -1).contiguous()
     return joined
+
+
+def _model_inputs(window: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What every stage is called with besides its input: the mask (none for packed rows) and positions."""
+    return {k: window[k] for k in ("attention_mask", "position_ids") if k in window}
+
+
+def _padded_rows(batch: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """A batch grown to `rows` rows with rows that train nothing (a short last eval batch): the schedule
+    splits a window into micro-batches of equal rows."""
+    extra = rows - batch["input_ids"].shape[0]
+    if extra <= 0:
+        return batch
+    fill = {"input_ids": 0, "labels": IGNORE_INDEX, "attention_mask": 1}
+    grown = {
+        k: torch.cat([v, torch.full((extra, v.shape[1]), fill[k], dtype=v.dtype, device=v.device)])
+        for k, v in batch.items()
+        if k in fill
+    }
+    if "position_ids" in batch:  # packed rows: each added row one segment
+        ramp = torch.arange(batch["position_ids"].shape[1], device=batch["position_ids"].device)
+        grown["position_ids"] = torch.cat([batch["position_ids"], ramp.expand(extra, -1)])
+    return grown
+
+
+def _untrained(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A micro-batch of the same shape that counts nothing (fills the last eval window)."""
+    return {**batch, "labels": torch.full_like(batch["labels"], IGNORE_INDEX)}
+
+
+def stage_placement(layout: Layout, layers: int, tied: bool, device: torch.device) -> dict[str, Any]:
+    """The loader's device_map for this rank: its stages' decoder layers, the embeddings on the first
+    stage (and on the last when the head shares their weight), the final norm and head on the last, on
+    `device`; every other module on the meta device, never read. Names of the families in
+    layout.FAMILIES, which all lay out model.embed_tokens, model.layers.N, model.norm, model.rotary_emb, lm_head."""
+    stages = layout.stages_of_rank
+    held = {i for s in stages for i in range(*layout.layer_range(s, layers))}
+    first, last = 0 in stages, layout.stage_count - 1 in stages
+    place = {
+        "model.embed_tokens": device if first or (last and tied) else "meta",
+        **{f"model.layers.{i}": device if i in held else "meta" for i in range(layers)},
+        "model.norm": device if last else "meta",
+        "model.rotary_emb": device,  # angles only: every stage computes its own
+        "lm_head": device if last else "meta",
+    }
+    return place
 
 
 class Pipeline:
@@ -102,22 +160,25 @@ class Pipeline:
             Stage(self.decoder, *layout.layer_range(s, n), first=s == 0, last=s == layout.stage_count - 1)
             for s in layout.stages_of_rank
         ]
-        self.group = self._pipe_group()
+        self.group, self.replica_group = self._groups()
+        self.objective: Any = None  # the Loss whose head_loss the last stage runs (the trainer sets it)
         self._schedules: dict[tuple[int, ...], Any] = {}  # one per window shape
         self._step: tuple[Any, float] = (None, 1.0)  # this step's objective and loss scale
 
-    def _pipe_group(self):
-        """One process group per pipeline (a replica's stages); every rank creates every group, in order."""
+    def _groups(self) -> tuple[Any, Any]:
+        """(this rank's pipeline: its replica's stages; its stage's replicas), as process groups. Every rank
+        creates every group, in one order. With one replica the pipeline is the whole world (None)."""
         layout = self.layout
+        pipe = replicas = None
         if layout.replicas == 1:
-            return None  # the default group is the pipeline
-        mine = None
+            return None, None
         for replica in range(layout.replicas):
-            ranks = [s * layout.replicas + replica for s in range(layout.pp)]
-            group = dist.new_group(ranks)
-            if replica == layout.replica:
-                mine = group
-        return mine
+            group = dist.new_group([s * layout.replicas + replica for s in range(layout.pp)])
+            pipe = group if replica == layout.replica else pipe
+        for stage in range(layout.pp):
+            group = dist.new_group([stage * layout.replicas + r for r in range(layout.replicas)])
+            replicas = group if stage == layout.stage else replicas
+        return pipe, replicas
 
     @property
     def is_last(self) -> bool:
@@ -133,6 +194,29 @@ class Pipeline:
             f"replica{'s' if layout.replicas > 1 else ''}, {d.pipeline_schedule}, {m} micro-batches per step (ideal idle time {idle:.0%}; "
             "raise train.grad_accum to shrink it)"
         )
+
+    def held_out_sums(self, batches: list[dict[str, torch.Tensor]], rows: int) -> tuple[float, float]:
+        """(summed loss, units) of this replica's share of the eval batches (each of at most `rows` rows), run
+        forward through the stages grad_accum at a time; (0, 0) on every stage but the last."""
+        mine, m = batches[self.layout.replica :: self.layout.replicas], self.cfg.train.grad_accum
+        total = count = 0.0
+        self._step = (self.objective, 1.0)
+        for start in range(0, len(mine), m):
+            window = [_padded_rows(b, rows) for b in mine[start : start + m]]
+            window += [_untrained(window[0])] * (m - len(window))  # the schedule runs m micro-batches
+            joined = pad_window(window, self.cfg.data.max_seq_len)
+            schedule = self._schedule_for(tuple(joined["input_ids"].shape))
+            args = (joined["input_ids"],) if 0 in self.layout.stages_of_rank else ()
+            kwargs = _model_inputs(joined)
+            with torch.no_grad():
+                if not self.is_last:
+                    schedule.eval(*args, **kwargs)
+                    continue
+                losses: list[torch.Tensor] = []
+                schedule.eval(*args, target=joined["labels"], losses=losses, **kwargs)
+            total += sum(float(loss) for loss in losses)
+            count += sum(self.objective.count(b) for b in window)
+        return total, count
 
     def _schedule_for(self, shape: tuple[int, ...]) -> Any:
         """The schedule for windows of this shape, built on first use (the engine then infers what it sends)."""
@@ -168,7 +252,7 @@ class Pipeline:
         schedule = self._schedule_for(tuple(window["input_ids"].shape))
         self._step = (objective, scale)
         args = (window["input_ids"],) if 0 in self.layout.stages_of_rank else ()
-        kwargs = {"attention_mask": window["attention_mask"], "position_ids": window["position_ids"]}
+        kwargs = _model_inputs(window)
         if not self.is_last:
             schedule.step(*args, **kwargs)
             return 0.0
@@ -176,15 +260,67 @@ class Pipeline:
         schedule.step(*args, target=window["labels"], losses=losses, **kwargs)
         return sum(float(loss.detach()) for loss in losses) / scale
 
-    @staticmethod
-    def sum_gradients(params: list[nn.Parameter]) -> None:
-        """Every rank's gradients summed over all ranks: the stages' (each a different part of the
-        adapter; the others hold none) and the replicas' (the same part, other examples)."""
+    def sum_gradients(self, params: list[nn.Parameter]) -> None:
+        """Each stage's gradients summed over its replicas (the same parameters, other examples)."""
+        if self.layout.replicas == 1:
+            return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=self.replica_group)
         offset = 0
         for p in params:
             n = p.numel()
             p.grad = flat[offset : offset + n].view_as(p).clone()
             offset += n
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
+        """The norm of the whole gradient (every stage's part, summed in squares over the pipeline) and
+        clipping to max_norm with it, by torch's rule (each part scaled by max_norm / (norm + 1e-6))."""
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in params:
+            if p.grad is not None:
+                squares += p.grad.detach().double().pow(2).sum()
+        dist.all_reduce(squares, group=self.group)
+        norm = float(squares.sqrt())
+        coef = max_norm / (norm + 1e-6)
+        if math.isfinite(norm) and coef < 1:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.detach().mul_(coef)
+        return norm
+
+    # ------------------------------------------------------------------ whole states for a checkpoint
+
+    def _gathered(self, mine: Any) -> list[Any] | None:
+        """Every rank's object on rank 0 (a collective); replicas other than the first send None."""
+        parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine if self.layout.replica == 0 else None, parts, dst=0)
+        return parts
+
+    def whole_trainable_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """{name: tensor on CPU} of every trained parameter, as one process names them, on rank 0 (else None)."""
+        mine = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad and not p.is_meta}
+        parts = self._gathered(mine)
+        return None if parts is None else {k: v for part in parts if part for k, v in part.items()}
+
+    def whole_optimizer_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any] | None:
+        """The optimizer state as one process's optimizer numbers it (one parameter group), on rank 0."""
+        sd = optimizer.state_dict()
+        if len(sd["param_groups"]) != 1:
+            raise TrainingError(
+                f"distributed.pipeline_parallel checkpoints an optimizer with one parameter group; this one has "
+                f"{len(sd['param_groups'])}",
+                hint="pass an optimizer with one group (Trainer(optimizer=lambda ps: ...)), or set distributed.pipeline_parallel=1",
+            )
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        held = [i for i, p in enumerate(trainable) if not p.is_meta]
+        mine = {
+            held[local]: {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in sorted(s.items())}
+            for local, s in sd["state"].items()
+        }
+        parts = self._gathered(mine)
+        if parts is None:
+            return None
+        state = {index: s for part in parts if part for index, s in sorted(part.items())}
+        group = {**sd["param_groups"][0], "params": list(range(len(trainable)))}
+        return {"state": dict(sorted(state.items())), "param_groups": [group]}

@@ -36,7 +36,7 @@ from finetune.parallel.distribute import (
     zero_full_weights,
     zero_optimizer,
 )
-from finetune.parallel.pipeline import Pipeline
+from finetune.parallel.pipeline import Pipeline, stage_placement
 from finetune.parallel.rank_state import RankState, rng_states
 
 
@@ -90,7 +90,7 @@ class Parallel:
         """The strategy for this launch (auto: DDP unless a replica would not fit), checked against the recipe."""
         world = accelerator.num_processes
         if cfg.distributed.pipeline_parallel > 1:  # before any weight loads: the model's config.json alone
-            config = _text_config(cfg)
+            config = cls.model_config = _text_config(cfg)
             known = (config.num_hidden_layers, config.model_type) if config is not None else (None, None)
             problems = layout.launch_problems(cfg, world, *known)
             if problems:
@@ -113,6 +113,8 @@ class Parallel:
         if problems:
             raise ConfigError(problems)
         return cls(accelerator, strategy, cfg)
+
+    model_config: Any = None  # a pipeline's model (text) config, read by choose() before loading
 
     # ------------------------------------------------------------------ who and where
 
@@ -174,6 +176,15 @@ class Parallel:
         if self.strategy == "deepspeed":
             return f"{where} ({zero_config.describe(self.cfg)})"
         return where if method == "none" else f"{where}, {compression.describe(self.cfg)}"
+
+    def placement(self) -> dict[str, Any] | None:
+        """What this process loads where (a pipeline stage: its own modules, the rest on the meta device,
+        never read), or None: the whole model on load_device."""
+        config = self.model_config
+        if self.strategy != "pipeline" or config is None:
+            return None
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        return stage_placement(self.layout, config.num_hidden_layers, tied, self.device)
 
     def load_device(self, streaming: bool) -> torch.device:
         """Where the model is loaded. FSDP loads into CPU RAM and moves only this rank's shard to the
@@ -255,10 +266,18 @@ class Parallel:
         return 1 if self.pipeline is not None else self.world
 
     def sync_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        """After the window's backward: a pipeline gives every rank the whole gradient (the others synced
-        theirs inside backward)."""
+        """After the window's backward: a pipeline sums each stage's gradients over its replicas (the other
+        strategies synced theirs inside backward)."""
         if self.pipeline is not None:
             self.pipeline.sum_gradients(params)
+
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        """The norm of the whole gradient before clipping, and clipping to max_norm. A pipeline's stages each
+        hold a part: the norm is summed over them."""
+        if self.pipeline is None:
+            return float(self.accelerator.clip_grad_norm_(params, max_norm))
+        self.accelerator.unscale_gradients()  # fp16: the GradScaler's factor out first, as accelerate does
+        return self.pipeline.clip_grad_norm(params, max_norm)
 
     def global_sum(self, value: float) -> float:
         return self.global_sums(value)[0]
@@ -285,6 +304,9 @@ class Parallel:
         rank calls, rank 0 writes); (None, None) when the process holds them whole already."""
         if self.strategy == "deepspeed":
             return zero_full_weights(self.unwrap(model)), zero_full_optimizer_state(zero_optimizer(optimizer), self._zero_groups)
+        if self.pipeline is not None:
+            unwrapped = self.unwrap(model)
+            return self.pipeline.whole_trainable_state(unwrapped), self.pipeline.whole_optimizer_state(unwrapped, optimizer)
         if not self.fsdp:
             return None, None
         return full_trainable_state(model), full_optimizer_state(optimizer)
@@ -293,6 +315,8 @@ class Parallel:
         """The trained weights whole (FSDP, ZeRO: a collective), or None: `model` holds them."""
         if self.strategy == "deepspeed":
             return zero_full_weights(model)
+        if self.pipeline is not None:
+            return self.pipeline.whole_trainable_state(model)
         return full_trainable_state(model) if self.fsdp else None
 
     def every_rank_state(self) -> list[RankState] | None:

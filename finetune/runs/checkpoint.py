@@ -32,7 +32,15 @@ from finetune.config.schema import RecipeConfig
 from finetune.data.sources import file_digest
 from finetune.errors import CheckpointError, OutputDirError
 from finetune.memory.techniques import RESUME_HARMLESS
-from finetune.parallel.distribute import is_sharded, load_full_trainable_state, shard_optimizer_state, zero_load, zero_optimizer
+from finetune.parallel.distribute import (
+    held_indices,
+    held_optimizer_state,
+    is_sharded,
+    load_full_trainable_state,
+    shard_optimizer_state,
+    zero_load,
+    zero_optimizer,
+)
 from finetune.parallel.rank_state import RankState, restore_rng_states, rng_states
 
 RUN_MARKERS = ("recipe.yaml", "metrics.jsonl", "adapter", "checkpoints")
@@ -458,6 +466,9 @@ def load_checkpoint(
     else:
         # Optimizer.load_state_dict moves state to each parameter's device itself; sharded
         # parameters get their state sharded the same way first.
+        held = held_indices(model)  # a pipeline stage: its own parameters' state only
+        if held is not None:
+            full_optimizer = held_optimizer_state(full_optimizer, held)
         optimizer.load_state_dict(shard_optimizer_state(optimizer, full_optimizer))
     scheduler.load_state_dict(sched)
     follow_schedule(scheduler)

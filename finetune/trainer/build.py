@@ -28,6 +28,7 @@ from finetune.objectives import table as objectives
 from finetune.objectives.loss import CausalLMLoss, Loss
 from finetune.objectives.preference import PreferenceLoss
 from finetune.parallel.runtime import Parallel
+from finetune.runs.evaluate import exact_match_records
 from finetune.trainer.callbacks import Callback
 from finetune.trainer.profiling import ModelFlops, StepProfiler
 from finetune.trainer.schedule import build_scheduler
@@ -124,7 +125,8 @@ def load_model_and_store(
                 with disk_store.capture():
                     model = load_model(cfg, precision=precision, device=load_on, shardable=parallel.sharded)
             else:
-                model = load_model(cfg, precision=precision, device=load_on, shardable=parallel.sharded)
+                placement = parallel.placement()  # a pipeline stage: its own modules only
+                model = load_model(cfg, precision=precision, device=load_on, shardable=parallel.sharded, placement=placement)
         if getattr(model, "finetune_attention_note", None):
             say(model.finetune_attention_note)
         applied = apply_techniques(model, cfg, parallel.device, say, given=given is not None, disk_store=disk_store)
@@ -197,10 +199,12 @@ def recipe_callbacks(trainer: Any) -> list[Callback]:
     return found
 
 
-def refuse_overridden_loss(trainer_class: Any, parallel, base_compute_loss) -> None:
-    """A pipeline cannot call a Trainer subclass's compute_loss: the model runs split over processes and
-    the last stage computes the objective's head_loss."""
-    if parallel.pipeline is not None and trainer_class.compute_loss is not base_compute_loss:
+def fit_pipeline(trainer_class: Any, parallel, base_compute_loss, objective) -> None:
+    """Give a pipeline the objective its last stage runs. A Trainer subclass's compute_loss cannot run:
+    the model runs split over processes and the last stage computes the objective's head_loss."""
+    if parallel.pipeline is None:
+        return
+    if trainer_class.compute_loss is not base_compute_loss:
         raise ConfigError(
             [
                 f"distributed.pipeline_parallel: {trainer_class.__name__} overrides compute_loss, which a pipeline "
@@ -208,3 +212,16 @@ def refuse_overridden_loss(trainer_class: Any, parallel, base_compute_loss) -> N
                 "head_loss). Pass a finetune.Loss, or set distributed.pipeline_parallel=1."
             ]
         )
+    parallel.pipeline.objective = objective
+
+
+def exact_match_prompts(cfg: RecipeConfig, parallel, say: Callable[[str], None]) -> list[dict] | None:
+    """eval.exact_match_path's records, scored before and after training; None in a pipeline, where no
+    process holds the whole model to generate with (said, with the command that scores the run after)."""
+    records = exact_match_records(cfg)
+    if records and parallel.pipeline is not None:
+        say(
+            f"eval: exact match is not generated in a pipeline (each process holds its stage); `finetune eval {cfg.output_dir}` scores it"
+        )
+        return None
+    return records

@@ -39,7 +39,7 @@ from finetune.objectives.preference import attach_reference, preference_accuracy
 from finetune.parallel.layout import Layout
 from finetune.parallel.runtime import Parallel, make_accelerator
 from finetune.runs.checkpoint import checkpoint_dir, output_dir_problem, prepare_output_dir, save_adapter
-from finetune.runs.evaluate import exact_match, exact_match_records, held_out_loss
+from finetune.runs.evaluate import exact_match, held_out_loss
 from finetune.runs.report import PLOT_NAME, open_sinks, plot_curves, require_extras
 from finetune.runs.resume import Resume
 from finetune.trainer import build
@@ -178,10 +178,10 @@ class Trainer:
             prepare_output_dir(cfg)
         parallel.wait()
         self.model = parallel.shard(self.model, cfg, torch_dtype(self.precision))
-        build.refuse_overridden_loss(type(self), parallel, Trainer.compute_loss)
+        build.fit_pipeline(type(self), parallel, Trainer.compute_loss, self.loss_fn)
         self.say(parallel.describe())
 
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = [p for p in self.model.parameters() if p.requires_grad and not p.is_meta]  # meta: other stages'
         optimizer = build.build_optimizer(cfg, self.params, self._given_optimizer, parallel)
         self.scheduler = build.build_lr_schedule(cfg, optimizer, self.state.total_steps, self._given_scheduler)
         self.model, self.optimizer = parallel.prepare(self.model, optimizer)
@@ -246,7 +246,7 @@ class Trainer:
         totals = self.accumulate_gradients(state.step)
         self.parallel.sync_gradients(self.params)
         units = max(totals.units, 1)
-        grad_norm = float(acc.clip_grad_norm_(self.params, cfg.train.max_grad_norm or float("inf")))
+        grad_norm = self.parallel.clip_grad_norm(self.params, cfg.train.max_grad_norm or float("inf"))
         lr = self.scheduler.get_last_lr()[0]
         loss_sum, tokens, trained, *sums = self.parallel.global_sums(
             totals.loss_sum, totals.tokens, totals.trained_tokens, *totals.sums.values()
@@ -356,7 +356,7 @@ class Trainer:
             (self.out / "recipe.yaml").write_text(self.cfg.to_yaml(), encoding="utf-8")
         model = self.parallel.unwrap(self.model)
         state.restore(self.resume.restore(model, self.optimizer, self.scheduler, self.parallel.rank, self.metrics))
-        em_records = exact_match_records(self.cfg)
+        em_records = build.exact_match_prompts(self.cfg, self.parallel, self.say)
         before = self.score_held_out(em_records, "before training") if state.step == 0 else HeldOutScores()
         self.say(
             f"training {state.total_steps} steps ({state.steps_per_epoch} per epoch; {self.cfg.train.batch_size} x "
