@@ -232,3 +232,38 @@ def test_packed_rows_keep_their_segments_and_padding_is_one_more():
     assert "attention_mask" not in w  # packed rows: the model finds the examples from the positions
     assert w["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 0, 1, 2, 3]]
     assert w["labels"][1].tolist() == [-100, 6, 7] + [IGNORE_INDEX] * 4
+
+
+def test_the_cli_refuses_a_launch_that_cannot_split_once_before_torchrun(monkeypatch, tmp_path, capsys):
+    from finetune.cli import commands
+
+    monkeypatch.setattr(commands, "run_launcher", lambda *a, **k: pytest.fail("torchrun was started"))
+    args = [
+        "run",
+        "demo-cpu",
+        "--nproc",
+        "3",
+        "distributed.pipeline_parallel=2",
+        "train.grad_accum=2",
+        f"output_dir={tmp_path / 'r'}",
+    ]
+    assert commands.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("distributed.pipeline_parallel=2 on 3 processes: the processes must be stages x replicas") == 1
+
+
+def test_a_tied_head_is_loaded_on_the_last_stage_with_the_embeddings_weights(tmp_path):
+    # Tied models (small Llama-3.2 and Qwen2.5) share one table: the last stage reads it for its head.
+    from safetensors.torch import load_file
+
+    from finetune.model.load import load_model
+
+    build_tiny_llama(tmp_path, vocab_size=64, layers=4, tied=True)
+    table = load_file(str(tmp_path / "model.safetensors"))["model.embed_tokens.weight"]
+    cfg = build_recipe(
+        {"model": {"path": str(tmp_path)}, "data": {"path": "d.jsonl"}, "output_dir": "o", "precision": "fp32", "lora": {"r": 4}}
+    )
+    last = load_model(cfg, "fp32", torch.device("cpu"), placement=stage_placement(Layout(2, 1, 1), 4, True, torch.device("cpu")))
+    head = last.base_model.model.lm_head.weight
+    assert not head.is_meta and torch.equal(head, table)
+    assert stage_placement(Layout(2, 1, 0), 4, True, torch.device("cpu"))["lm_head"] == "meta"  # the first: no head

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from finetune.config.schema import check_recipe_dict, find_recipe, read_recipe, recipe_description, shipped_recipes
 from finetune.data import FORMATS, get_format
-from finetune.errors import FinetuneError, Preempted
+from finetune.errors import ConfigError, FinetuneError, Preempted
 from finetune.parallel.launch import launch_command, launch_env, run_launcher
 from finetune.runs.preflight import preflight
 
@@ -104,6 +104,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if cfg is None:
         return EXIT_INPUT
     if launching:
+        from finetune.parallel.runtime import pipeline_problems
+
+        problems = pipeline_problems(cfg, args.nproc * args.nnodes)  # said once here, not by each process
+        if problems:
+            raise ConfigError(problems, str(find_recipe(args.recipe)))
         cmd = launch_command(args)
         print(
             f"launching {args.nproc} process{'es' if args.nproc > 1 else ''} x {args.nnodes} node(s): {' '.join(cmd[2:])}",

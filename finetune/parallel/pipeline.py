@@ -1,17 +1,17 @@
 """Pipeline parallelism on torch.distributed.pipelining: each rank runs its stages' decoder layers,
 micro-batches pass between ranks, the schedule (GPipe, 1F1B, interleaved 1F1B) orders them.
 
+    placement = stage_placement(layout, layers, tied, device)    # what this rank loads (the rest: meta)
     pipeline = Pipeline(model, layout, cfg, device)
     loss_sum = pipeline.train_window(batches, objective, scale)   # forward + backward of the whole window
-    pipeline.sum_gradients(params)                                # every rank then holds the whole gradient
+    pipeline.sum_gradients(params)                                # over the stage's replicas
 
 A stage runs the model's own decoder forward (its masks, rotary angles, checkpointed layers) with the
 decoder's layers swapped for the stage's, the embeddings used only by the first stage and the final
 norm only by the last; the last stage's output goes to the objective's head_loss (the chunked loss
-kept). Each rank keeps the whole model and adapter in this release: it computes only its stages'
-gradients, and an all-reduce over every rank gives each the whole gradient, so every rank steps the
-same whole adapter, and checkpoints, eval and exact match run as on one process. (Loading only a
-stage's weights is the next step: docs/design.md.) Layout and rules: parallel/layout.py.
+kept). Each rank loads only its stages' modules (model/partial.py); a checkpoint gathers the stages'
+adapter and optimizer state into the numbering one process uses, so any layout resumes any other.
+Layout and rules: parallel/layout.py.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def stage_placement(layout: Layout, layers: int, tied: bool, device: torch.devic
 
 
 class Pipeline:
-    """This rank's stages and the schedule that runs them; rebuilt when the window's shape changes."""
+    """This rank's stages, and the schedules that run them (one per window shape)."""
 
     def __init__(self, model: nn.Module, layout: Layout, cfg: Any, device: torch.device):
         self.layout, self.cfg, self.device = layout, cfg, device
@@ -161,6 +161,14 @@ class Pipeline:
             for s in layout.stages_of_rank
         ]
         self.group, self.replica_group = self._groups()
+        # The parameters whose gradients this rank computes: its layers', the embeddings' on the first stage,
+        # the norm's and head's on the last (a model given whole to every rank holds the others unchanged).
+        owned: list[nn.Module] = list(self.stages)
+        if 0 in layout.stages_of_rank:
+            owned.append(self.decoder.embed_tokens)
+        if self.is_last:
+            owned += [self.decoder.norm, owner.lm_head]
+        self.owned = {id(p) for m in owned for p in m.parameters()}
         self.objective: Any = None  # the Loss whose head_loss the last stage runs (the trainer sets it)
         self._schedules: dict[tuple[int, ...], Any] = {}  # one per window shape
         self._step: tuple[Any, float] = (None, 1.0)  # this step's objective and loss scale
@@ -299,7 +307,7 @@ class Pipeline:
 
     def whole_trainable_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         """{name: tensor on CPU} of every trained parameter, as one process names them, on rank 0 (else None)."""
-        mine = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad and not p.is_meta}
+        mine = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad and id(p) in self.owned}
         parts = self._gathered(mine)
         return None if parts is None else {k: v for part in parts if part for k, v in part.items()}
 
@@ -313,10 +321,12 @@ class Pipeline:
                 hint="pass an optimizer with one group (Trainer(optimizer=lambda ps: ...)), or set distributed.pipeline_parallel=1",
             )
         trainable = [p for p in model.parameters() if p.requires_grad]
-        held = [i for i, p in enumerate(trainable) if not p.is_meta]
+        index = {id(p): i for i, p in enumerate(trainable)}  # one process's optimizer numbers them so
+        params = optimizer.param_groups[0]["params"]
         mine = {
-            held[local]: {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in sorted(s.items())}
+            index[id(params[local])]: {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in sorted(s.items())}
             for local, s in sd["state"].items()
+            if id(params[local]) in self.owned
         }
         parts = self._gathered(mine)
         if parts is None:

@@ -90,9 +90,8 @@ class Parallel:
         """The strategy for this launch (auto: DDP unless a replica would not fit), checked against the recipe."""
         world = accelerator.num_processes
         if cfg.distributed.pipeline_parallel > 1:  # before any weight loads: the model's config.json alone
-            config = cls.model_config = _text_config(cfg)
-            known = (config.num_hidden_layers, config.model_type) if config is not None else (None, None)
-            problems = layout.launch_problems(cfg, world, *known)
+            cls.model_config = _text_config(cfg)
+            problems = pipeline_problems(cfg, world, cls.model_config)
             if problems:
                 raise ConfigError(problems)
             strategy = "pipeline"
@@ -357,6 +356,17 @@ class Parallel:
             self.wait()
             self.accelerator.free_memory()
         self.accelerator.state.destroy_process_group()
+
+
+def pipeline_problems(cfg: RecipeConfig, world: int, config: Any = None) -> list[str]:
+    """What a launch of `world` processes cannot split as distributed.pipeline_parallel asks (the CLI asks
+    before torchrun starts them, so the message comes once); config: the model's text config, read here
+    when not given."""
+    if cfg.distributed.pipeline_parallel <= 1:
+        return []
+    config = config if config is not None else _text_config(cfg)
+    known = (config.num_hidden_layers, config.model_type) if config is not None else (None, None)
+    return layout.launch_problems(cfg, world, *known)
 
 
 def _text_config(cfg: RecipeConfig):

@@ -75,7 +75,15 @@ def planning_inputs(cfg: RecipeConfig, gpu: GpuSpec | None) -> tuple[ModelShape,
 
 def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Setup | None = None) -> Estimate:
     shape, recipe, kw = planning_inputs(cfg, gpu)
-    return estimate(shape, recipe, setup or setup_of(cfg, gpus), gpu, **kw)
+    e = estimate(shape, recipe, setup or setup_of(cfg, gpus), gpu, **kw)
+    pp = cfg.distributed.pipeline_parallel
+    if pp > 1:
+        e.notes.append(
+            f"distributed.pipeline_parallel={pp} is not planned yet: these are a whole replica's figures; each stage "
+            f"holds about 1/{pp} of the decoder layers' weights, adapters and activations, one of them the embeddings "
+            "or the head"
+        )
+    return e
 
 
 # `finetune plan --gpus N`: the recipe under each way of spreading it over the GPUs, side by side:

@@ -5,6 +5,7 @@ schedule and with replicas; a run stopped under pp=2 resumes on one process. Thr
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -145,3 +146,40 @@ def test_packed_rows_pass_between_stages_as_one_process_trains_them(base, tmp_pa
     finetune(str(pp_path), "--nproc", "2", cwd=tmp_path)
     assert_same_steps(one, pp, rel=1e-5)
     assert_adapters_close(adapter(one), adapter(pp))
+
+
+PARTS_DRIVER = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from finetune import Trainer
+
+model_dir, rows, out, pp = sys.argv[1], json.loads(open(sys.argv[2]).read()), sys.argv[3], int(sys.argv[4])
+settings = {"seed": 0, "precision": "fp32", "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+            "train": {"max_steps": 3, "batch_size": 4, "grad_accum": 2, "lr": 1e-3, "max_grad_norm": None},
+            "memory": {"activation_checkpointing": "none"}, "report": {"plot": False},
+            "distributed": {"pipeline_parallel": pp}}
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+with Trainer.from_parts(model, AutoTokenizer.from_pretrained(model_dir), rows, output_dir=out, progress=False, **settings) as t:
+    t.train()
+"""
+
+
+def test_a_model_given_whole_to_every_rank_trains_its_stages_and_saves_each_stages_adapter(base, tmp_path):
+    # Trainer.from_parts under torchrun: every rank holds the whole model, each trains and saves only its stage's part.
+    from conftest import ALPACA_ROWS
+
+    root, _ = base
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps(ALPACA_ROWS))
+    driver = tmp_path / "parts.py"
+    driver.write_text(PARTS_DRIVER)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    for pp, cmd in (
+        (1, [sys.executable]),
+        (2, [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]),
+    ):
+        args = [*cmd, str(driver), str(root / "model"), str(rows), str(tmp_path / f"parts{pp}"), str(pp)]
+        proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_steps(tmp_path / "parts1", tmp_path / "parts2", rel=1e-5)
+    assert_adapters_close(adapter(tmp_path / "parts1"), adapter(tmp_path / "parts2"))
