@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import assert_same_steps, build_char_tokenizer, build_tiny_llama, free_port, step_rows
-from e2e.test_distributed import adapter, assert_adapters_close, finetune, preempt_after, write
+from test_distributed import adapter, assert_adapters_close, finetune, preempt_after, write
 
 pytestmark = pytest.mark.slow
 
@@ -62,8 +62,10 @@ def test_pipeline_matches_one_process(base, one_process, schedule, nproc, batch)
     root, recipe = base
     virtual = 2 if schedule == "interleaved_1f1b" else 1
     distributed = {"pipeline_parallel": 2, "pipeline_schedule": schedule, "virtual_stages": virtual}
-    # GPipe also recomputes its layers in backward and runs the chunked loss on its last stage: the same numbers.
-    memory = {"activation_checkpointing": "all", "loss": "chunked", "loss_chunk": 16} if schedule == "gpipe" else {}
+    # GPipe also recomputes its layers in backward, moves their inputs to host RAM and back, and runs the
+    # chunked loss on its last stage: the same numbers.
+    chunked = {"activation_checkpointing": "all", "activation_offload": True, "loss": "chunked", "loss_chunk": 16}
+    memory = chunked if schedule == "gpipe" else {}
     changes = {"memory": {**recipe["memory"], **memory}}
     path, out = write(root, recipe, f"pp-{schedule}-{nproc}", train__batch_size=batch, distributed=distributed, **changes)
     proc = finetune(str(path), "--nproc", str(nproc), cwd=root)
