@@ -458,7 +458,7 @@ def takes_boolean_logits_to_keep(model) -> bool:
 def compute_device(model) -> torch.device:
     """Where the model computes: its first parameter not in host RAM (memory.embeddings=cpu keeps
     the vocabulary tables there, so the first parameter alone, as `model.device`, can say cpu)."""
-    devices = [p.device for p in model.parameters() if not p.is_meta]  # meta: another pipeline stage's
+    devices = [p.device for p in model.parameters()]
     return next((d for d in devices if d.type != "cpu"), devices[0] if devices else torch.device("cpu"))
 
 
