@@ -6,7 +6,7 @@ random-init Llama of about 0.3B parameters in 4-bit (issue 27's "each process lo
 
 Each run trains 2 steps of QLoRA (r=16, all linear layers, fp32, batch 2 x accum 2, 256 tokens) through
 finetune's Trainer and reports, per process: the RSS after imports (the floor: torch, transformers), the
-peak RSS (getrusage ru_maxrss), and the weights it holds (bytes of parameters not on the meta device).
+peak RSS (VmHWM in /proc/self/status), and the weights it holds (bytes of parameters not on the meta device).
 On CPU the model lives in host RAM, so peak RSS minus the floor is what the process holds: on a GPU the
 same split is what each card holds.
 """
@@ -22,17 +22,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = """
-import json, os, resource, sys
-floor = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+import json, os, sys
+
+def high_water():  # this process's peak RSS (VmHWM: its own, where ru_maxrss would carry a parent's across exec)
+    line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
 import torch, transformers, peft, bitsandbytes  # noqa: F401 - the import floor
-floor = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+floor = high_water()
 from finetune.config.schema import build_recipe
 from finetune.trainer import Trainer
 recipe = json.loads(sys.argv[1])
 with Trainer(build_recipe(recipe), progress=False) as trainer:
     trainer.train()
     held = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if not p.is_meta)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = high_water()
 rank = int(os.environ.get("RANK", "0"))
 with open(os.path.join(sys.argv[2], f"rank{rank}.json"), "w") as f:
     json.dump({"rank": rank, "floor_bytes": floor, "peak_rss_bytes": peak, "held_parameter_bytes": held}, f)
