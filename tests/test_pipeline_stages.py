@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import build_tiny_llama
+from test_config import MINIMAL, problems_of
 
 from finetune.config.schema import build_recipe
 from finetune.data import IGNORE_INDEX
@@ -14,14 +15,6 @@ from finetune.errors import ConfigError
 from finetune.objectives.loss import CausalLMLoss
 from finetune.parallel.layout import Layout, launch_problems
 from finetune.parallel.pipeline import Stage, pad_window, stage_placement
-
-MINIMAL = {"model": {"path": "m"}, "data": {"path": "d.jsonl"}, "output_dir": "out"}
-
-
-def problems_of(data: dict) -> list[str]:
-    with pytest.raises(ConfigError) as err:
-        build_recipe(data)
-    return err.value.problems
 
 
 def test_ranks_are_numbered_pipeline_outermost():

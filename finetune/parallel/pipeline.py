@@ -161,6 +161,9 @@ class Pipeline:
             for s in layout.stages_of_rank
         ]
         self.group, self.replica_group = self._groups()
+        # Checkpoint gathers travel in host RAM: over NCCL an object gathered passes through GPU memory, and
+        # rank 0 would receive every stage's adapter and optimizer state there at once.
+        self.host_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
         # The parameters whose gradients this rank computes: its layers', the embeddings' on the first stage,
         # the norm's and head's on the last (a model given whole to every rank holds the others unchanged).
         owned: list[nn.Module] = list(self.stages)
@@ -302,7 +305,7 @@ class Pipeline:
     def _gathered(self, mine: Any) -> list[Any] | None:
         """Every rank's object on rank 0 (a collective); replicas other than the first send None."""
         parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine if self.layout.replica == 0 else None, parts, dst=0)
+        dist.gather_object(mine if self.layout.replica == 0 else None, parts, dst=0, group=self.host_group)
         return parts
 
     def whole_trainable_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:

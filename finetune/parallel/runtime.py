@@ -84,14 +84,15 @@ class Parallel:
         self._zero_groups: list[list[torch.nn.Parameter]] = []  # deepspeed: the optimizer's parameters, as built
         self.layout = layout.Layout.of(cfg, accelerator.process_index, accelerator.num_processes)
         self.pipeline: Pipeline | None = None  # distributed.pipeline_parallel > 1: built by shard()
+        self.model_config: Any = None  # a pipeline's model (text) config, read by choose() before loading
 
     @classmethod
     def choose(cls, cfg: RecipeConfig, accelerator) -> Parallel:
         """The strategy for this launch (auto: DDP unless a replica would not fit), checked against the recipe."""
-        world = accelerator.num_processes
+        world, config = accelerator.num_processes, None
         if cfg.distributed.pipeline_parallel > 1:  # before any weight loads: the model's config.json alone
-            cls.model_config = _text_config(cfg)
-            problems = pipeline_problems(cfg, world, cls.model_config)
+            config = _text_config(cfg)
+            problems = pipeline_problems(cfg, world, config)
             if problems:
                 raise ConfigError(problems)
             strategy = "pipeline"
@@ -111,9 +112,9 @@ class Parallel:
             )
         if problems:
             raise ConfigError(problems)
-        return cls(accelerator, strategy, cfg)
-
-    model_config: Any = None  # a pipeline's model (text) config, read by choose() before loading
+        chosen = cls(accelerator, strategy, cfg)
+        chosen.model_config = config
+        return chosen
 
     # ------------------------------------------------------------------ who and where
 
