@@ -19,8 +19,8 @@ from finetune.parallel.pipeline import Stage, pad_window, stage_placement
 
 def test_ranks_are_numbered_pipeline_outermost():
     # 2 stages x 2 replicas: ranks 0, 1 run stage 0 (replicas 0, 1); ranks 2, 3 stage 1.
-    got = [(x.stage, x.replica, x.pipe_ranks()) for x in (Layout(2, 2, r) for r in range(4))]
-    assert got == [(0, 0, [0, 2]), (0, 1, [1, 3]), (1, 0, [0, 2]), (1, 1, [1, 3])]
+    got = [(x.stage, x.replica, x.pipeline_ranks(x.replica), x.stage_ranks(x.stage)) for x in (Layout(2, 2, r) for r in range(4))]
+    assert got == [(0, 0, [0, 2], [0, 1]), (0, 1, [1, 3], [0, 1]), (1, 0, [0, 2], [2, 3]), (1, 1, [1, 3], [2, 3])]
     interleaved = Layout(2, 1, 1, virtual_stages=2)
     assert interleaved.stages_of_rank == [1, 3] and interleaved.stage_count == 4
     assert [interleaved.layer_range(s, 8) for s in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]

@@ -19,12 +19,7 @@ from typing import Any
 
 import torch
 
-# safetensors' dtype names (the file header's) as torch dtypes
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
-    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}  # fmt: skip
+from finetune.model.shards import DTYPES  # safetensors' dtype names as torch dtypes
 
 
 def _skipped(placement: dict[str, Any]) -> re.Pattern[str]:
@@ -40,7 +35,7 @@ class _Unread:
         self.lazy = lazy
 
     def __getitem__(self, index: Any) -> torch.Tensor:
-        dtype = _DTYPES[self.lazy.get_dtype()]
+        dtype = DTYPES[self.lazy.get_dtype()]
         return torch.empty(self.lazy.get_shape(), dtype=dtype, device="meta")[index]
 
     def __getattr__(self, name: str) -> Any:

@@ -18,7 +18,6 @@ from typing import Any
 
 from finetune.errors import Rule, broken
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # The decoder families whose forward a stage runs as it is (embeddings, then layers, then norm, with
 # nothing between them that a stage would repeat or skip): Gemma scales its embeddings inside the
 # forward (a later stage would scale its input again); MoE models add a router loss over all layers.
@@ -70,9 +69,13 @@ class Layout:
             return f"{self.replicas} proc"
         return f"{self.replicas} replica{'s' if self.replicas > 1 else ''} of {self.pp} stages"
 
-    def pipe_ranks(self) -> list[int]:
-        """The global ranks of this rank's pipeline (one replica's stages, in stage order)."""
-        return [s * self.replicas + self.replica for s in range(self.pp)]
+    def pipeline_ranks(self, replica: int) -> list[int]:
+        """The global ranks of one replica's pipeline (its stages, in stage order)."""
+        return [s * self.replicas + replica for s in range(self.pp)]
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        """The global ranks that run one stage (one per replica)."""
+        return [stage * self.replicas + r for r in range(self.replicas)]
 
     def layer_range(self, stage: int, layers: int) -> tuple[int, int]:
         """Decoder layers [lo, hi) of a stage: an even split (launch_problems refuses an uneven one)."""

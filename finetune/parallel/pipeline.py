@@ -184,10 +184,10 @@ class Pipeline:
         if layout.replicas == 1:
             return None, None
         for replica in range(layout.replicas):
-            group = dist.new_group([s * layout.replicas + replica for s in range(layout.pp)])
+            group = dist.new_group(layout.pipeline_ranks(replica))
             pipe = group if replica == layout.replica else pipe
         for stage in range(layout.pp):
-            group = dist.new_group([stage * layout.replicas + r for r in range(layout.replicas)])
+            group = dist.new_group(layout.stage_ranks(stage))
             replicas = group if stage == layout.stage else replicas
         return pipe, replicas
 

@@ -199,10 +199,9 @@ class Parallel:
         this rank's stages of it."""
         if self.strategy == "pipeline":
             owner: Any = head_owner(model)
-            text = owner.config.get_text_config() if owner is not None else None
-            if text is not None:
-                problems = layout.launch_problems(cfg, self.world, text.num_hidden_layers, text.model_type)
-                if problems:  # a model given in memory (Trainer.from_parts) is checked here
+            if owner is not None:  # a model given in memory (Trainer.from_parts) is checked here
+                problems = pipeline_problems(cfg, self.world, owner.config.get_text_config())
+                if problems:
                     raise ConfigError(problems)
             self.pipeline = Pipeline(model, self.layout, cfg, self.device)
             return model
