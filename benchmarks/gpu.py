@@ -187,12 +187,13 @@ def summarize(raw: dict[str, Any], cfg: dict[str, Any], peak_flops: float | None
         "peak_train_gib": raw["peak_train"] / 2**30 if raw["peak_train"] else None,
         "peak_loading_gib": raw["peak_loading"] / 2**30 if raw["peak_loading"] else None,
         "eval_loss": raw["eval_loss"],
+        "train_losses": [round(x, 4) for x in raw.get("losses", [])],  # per step: packed tools take fewer steps
         "settings": raw["settings"],
         "wall_s": raw["wall_s"],
     }
 
 
-def peers(args: argparse.Namespace, job: dict[str, Any], say=print) -> dict[str, Any]:
+def peers(args: argparse.Namespace, job: dict[str, Any], say=print, save=lambda part: None) -> dict[str, Any]:
     from finetune.gpus import gpu_for_device
 
     peak = None
@@ -204,7 +205,7 @@ def peers(args: argparse.Namespace, job: dict[str, Any], say=print) -> dict[str,
     out: dict[str, Any] = {}
     for name, model in job["models"].items():
         cfg = json.loads((model / "config.json").read_text())
-        rows: dict[str, Any] = {}
+        rows: dict[str, Any] = out.setdefault(name, {})
         for tool in args.tools:
             spec = {"tool": tool, "model": str(model), "train": str(job["work"] / "train.jsonl"), "eval": str(job["work"] / "eval.jsonl"),
                     "out": str(job["work"] / "runs" / name / tool), "device": args.device, "precision": args.precision,
@@ -215,13 +216,13 @@ def peers(args: argparse.Namespace, job: dict[str, Any], say=print) -> dict[str,
             raw = run_worker(spec, Path(spec["out"]) / "log.txt", args.timeout)
             rows[tool] = raw if "error" in raw else summarize(raw, cfg, peak)
             say(f"  {json.dumps(rows[tool])[:400]}")
+            save(out)
         base = rows.get(args.baseline, {})
         for row in rows.values():
             if "error" not in row and "error" not in base and base:
                 row["speed_vs_baseline"] = row["trained_tok_s"] / base["trained_tok_s"]
                 if row["peak_train_gib"] and base["peak_train_gib"]:
                     row["peak_vs_baseline"] = row["peak_train_gib"] / base["peak_train_gib"]
-        out[name] = rows
     return out
 
 
@@ -241,7 +242,7 @@ def recipe_data(job: dict[str, Any], recipe: str, seq: int, long_rows: bool) -> 
     return [f"data.path={work / 'train.jsonl'}", "data.format=completion"]
 
 
-def recipes(args: argparse.Namespace, job: dict[str, Any], say=print) -> dict[str, Any]:
+def recipes(args: argparse.Namespace, job: dict[str, Any], say=print, save=lambda part: None) -> dict[str, Any]:
     from finetune.config.schema import load_recipe
 
     out: dict[str, Any] = {}
@@ -265,6 +266,7 @@ def recipes(args: argparse.Namespace, job: dict[str, Any], say=print) -> dict[st
                 raw["measured_vs_plan"] = raw["measured"] / raw["planned_allocated"] - 1
             say(f"  {json.dumps(raw)[:400]}")
             out[f"{name}/{recipe}"] = raw
+            save(out)
     return out
 
 
@@ -314,11 +316,15 @@ def main(argv: list[str] | None = None) -> int:
     say(f"data: {args.examples} examples, lengths {job['lengths']}; packed tools take 1 x {job['packed_accum']} rows a step")
     results: dict[str, Any] = {"versions": versions(), "args": {k: v for k, v in vars(args).items() if k != "worker"},
                                "lengths": job["lengths"], "packed_accum": job["packed_accum"]}  # fmt: skip
-    if args.suite in ("peers", "all"):
-        results["peers"] = peers(args, job, say)
-    if args.suite in ("recipes", "all"):
-        results["recipes"] = recipes(args, job, say)
     path = Path(args.json or Path(args.workdir) / "results.json")
+
+    def saved(suite: str):  # written after every row: a run stopped by a timeout keeps the rows it finished
+        return lambda part: (results.__setitem__(suite, part), path.write_text(json.dumps(results, indent=1)))
+
+    if args.suite in ("peers", "all"):
+        results["peers"] = peers(args, job, say, saved("peers"))
+    if args.suite in ("recipes", "all"):
+        results["recipes"] = recipes(args, job, say, saved("recipes"))
     path.write_text(json.dumps(results, indent=1))
     say(f"results: {path}")
     return 0

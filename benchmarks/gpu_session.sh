@@ -4,14 +4,21 @@
 # machine, with .whl/ filled here by benchmarks/gpu_wheels.sh (+ peft, + .whl/alt/datasets 4.4.2 for an
 # image whose pyarrow is older than datasets 5.2 needs). Everything lands in $OUT (at most 8 files).
 #
-#   bash benchmarks/gpu_session.sh [TESTS_S] [BENCH_S]      # default 170 and 330 seconds
+#   bash benchmarks/gpu_session.sh [TOTAL_S] [TESTS_S] [RECIPES_S]   # default 560, 120, 90 seconds: the peers
+#                                                                     # get what the tests leave, less RECIPES_S
 #
 # Session 12 ran it on an H100 in 186 s (tests 68 s); the bench then needed the editable install above.
+# Session 14: the peers first (finetune as shipped against TRL + Liger + packing, then the two choices
+# auto makes that are still undecided: liger's kernels and compile, and the host tables' cost), the
+# recipes' peaks with what time is left; gpu.py writes its JSON after every row.
 set -u
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
-TESTS_S=${1:-170}
-BENCH_S=${2:-330}
+TOTAL_S=${1:-560}
+TESTS_S=${2:-120}
+RECIPES_S=${3:-90}
+T0=$(date +%s)
+left() { echo $((T0 + TOTAL_S - $(date +%s) - ${1:-0})); }
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 {
@@ -39,13 +46,16 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$OUT
 timeout -k 10 "$TESTS_S" python3 -m pytest -p no:cacheprovider -m gpu -rA -q tests >"$OUT/gpu_tests.log" 2>&1
 echo "pytest exit $?" >>"$OUT/gpu_tests.log"
 
-# 2 + 3. the 8B job: finetune as shipped, each offload alone, vs TRL + Liger + packing; then the 24 GB
-# recipes' peaks vs their plans (session 12 measured finetune_sdpa, finetune_offload and qlora-1x24gb)
-timeout -k 10 "$BENCH_S" python3 benchmarks/gpu.py --suite all --models llama-3.1-8b --examples 160 \
-    --tools finetune finetune_act_offload finetune_host_tables trl_liger_packing \
-    --recipes qlora-1x24gb dpo-qlora-1x24gb --timeout 200 \
-    --json "$OUT/results.json" >"$OUT/bench.log" 2>&1
-echo "gpu.py exit $?" >>"$OUT/bench.log"
+# 3. the 8B job: finetune as shipped vs TRL + Liger + packing, then kernels off, host tables, compile
+timeout -k 10 "$(left "$RECIPES_S")" python3 benchmarks/gpu.py --suite peers --models llama-3.1-8b --examples 160 \
+    --tools finetune trl_liger_packing finetune_no_kernels finetune_host_tables finetune_compile --timeout 150 \
+    --json "$OUT/peers.json" >"$OUT/bench.log" 2>&1
+echo "gpu.py peers exit $?" >>"$OUT/bench.log"
+# 2. the 24 GB recipes' peaks vs their plans (session 12 measured qlora-1x24gb), on the model built above
+timeout -k 10 "$(left 15)" python3 benchmarks/gpu.py --suite recipes --models llama-3.1-8b --examples 160 \
+    --recipes dpo-qlora-1x24gb qlora-longctx-1x24gb --timeout 80 \
+    --json "$OUT/recipes.json" >>"$OUT/bench.log" 2>&1
+echo "gpu.py recipes exit $?" >>"$OUT/bench.log"
 # the workers' own logs (the last lines of each)
 for log in /tmp/finetune-bench/gpu/runs/*/*/log.txt /tmp/finetune-bench/gpu/recipes/*/*/log.txt; do
     [ -f "$log" ] && { echo "== $log"; tail -n 25 "$log"; }

@@ -30,6 +30,7 @@ class StepClock:
         self.held: list[dict[str, Any]] = []
         self.t0: float | None = None
         self.peak_loading = 0
+        self.losses: list[float] = []  # each optimizer step's training loss, as the tool logged it
 
     def train_begins(self) -> None:
         if self.cuda:
@@ -60,10 +61,15 @@ class StepClock:
         self.held = []
         self.t0 = time.perf_counter()  # the accounting above is not the tool's time
 
+    def loss(self, value: float | None) -> None:
+        if value is not None:
+            self.losses.append(float(value))
+
     def result(self) -> dict[str, Any]:
         cuda = self.torch.cuda
         return {
             "steps": self.steps,
+            "losses": self.losses,
             "peak_train": cuda.max_memory_allocated() if self.cuda else None,
             "peak_loading": self.peak_loading if self.cuda else None,
         }
@@ -113,6 +119,9 @@ def clocked(cls, clock: StepClock):
         def on_step_end(self, args, state, control, **kw):
             clock.step_ends()
 
+        def on_log(self, args, state, control, logs=None, **kw):
+            clock.loss((logs or {}).get("loss"))  # logging_steps=1: one per optimizer step
+
     class Clocked(cls):
         def training_step(self, model, inputs, *args, **kwargs):
             clock.batch(inputs)
@@ -143,6 +152,9 @@ FINETUNE_SETTINGS = {
     # each offload alone (what the next GPU session should measure: which of the two costs the time)
     "finetune_act_offload": ["memory.activation_offload=true"],
     "finetune_host_tables": ["memory.embeddings=cpu"],
+    # the two choices auto makes on CUDA that session 12 left undecided: liger's kernels off, and compile on
+    "finetune_no_kernels": ["model.kernels=none"],
+    "finetune_compile": ["train.compile=true"],
 }
 
 
@@ -188,6 +200,7 @@ def run_finetune(spec: dict[str, Any], clock: StepClock) -> dict[str, Any]:
 
         def on_step_end(self, state, metrics):
             clock.step_ends()
+            clock.loss(metrics.get("loss"))
 
     class Clocked(Trainer):
         def step_batches(self, step):

@@ -260,3 +260,51 @@ def test_a_tied_head_is_loaded_on_the_last_stage_with_the_embeddings_weights(tmp
     head = last.base_model.model.lm_head.weight
     assert not head.is_meta and torch.equal(head, table)
     assert stage_placement(Layout(2, 1, 0), 4, True, torch.device("cpu"))["lm_head"] == "meta"  # the first: no head
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_stages_loaded_apart_in_4_bit_give_the_whole_models_loss_and_lora_gradients(tmp_path, device):
+    # Each rank loads its stage alone (the others' modules on meta, never read), quantizes it to NF4 and
+    # draws its LoRA as one process would: run one after the other they are the whole 4-bit model. On
+    # CUDA (gpu): the meta device_map beside bitsandbytes' CUDA quantization, which the CPU never runs.
+    from finetune.model.load import load_model
+
+    build_tiny_llama(tmp_path, vocab_size=64, layers=4)
+    recipe = {"model": {"path": str(tmp_path)}, "data": {"path": "d.jsonl"}, "output_dir": "o", "precision": "fp32"}
+    cfg = build_recipe({**recipe, "lora": {"r": 4, "dropout": 0.0}})  # B's gradient would see each run's dropout mask
+    on = torch.device(device)
+
+    def load(placement=None):
+        torch.manual_seed(cfg.seed)  # as the trainer does before loading: every rank draws the same LoRA
+        return load_model(cfg, "fp32", on, placement=placement)
+
+    whole = load()
+    parts = [load(stage_placement(Layout(2, 1, r), 4, False, on)) for r in (0, 1)]
+    import bitsandbytes as bnb
+
+    assert sum(isinstance(m, bnb.nn.Linear4bit) for m in whole.modules()) == 4 * 7  # every decoder linear
+    for part, held in zip(parts, ((0, 1), (2, 3))):
+        layers = part.base_model.model.model.layers
+        assert sum(isinstance(m, bnb.nn.Linear4bit) for i in held for m in layers[i].modules()) == 2 * 7
+        assert all(p.device.type == on.type for i in held for p in layers[i].parameters())
+        assert all(p.is_meta for i in set(range(4)) - set(held) for p in layers[i].parameters())
+    torch.manual_seed(0)
+    ids = torch.randint(3, 64, (2, 12), device=on)
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    loss = CausalLMLoss()
+    want, n = loss(whole, batch)
+    want.backward()
+    w = pad_window([{k: v[i : i + 1] for k, v in batch.items()} for i in range(2)], longest=256)
+    first = Stage(parts[0].base_model.model.model, 0, 2, True, False)
+    last = Stage(parts[1].base_model.model.model, 2, 4, False, True)
+    hidden = first(w["input_ids"], w["attention_mask"], w["position_ids"])
+    got, m = loss.head_loss(parts[1].base_model.model, last(hidden, w["attention_mask"], w["position_ids"]), w["labels"])
+    assert m == n == 2 * 11
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    got.backward()
+    grads = {k: p.grad for k, p in whole.named_parameters() if p.grad is not None}
+    for part, held in zip(parts, ((0, 1), (2, 3))):
+        mine = {k: p.grad for k, p in part.named_parameters() if p.grad is not None}
+        assert {k.split(".")[4] for k in mine} == {str(i) for i in held}
+        for k, g in mine.items():
+            torch.testing.assert_close(g, grads[k], rtol=1e-4, atol=1e-4)  # of entries up to ~7
