@@ -29,7 +29,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OF
     if [ "$arrow" -lt 24 ]; then # datasets 5.2 needs pyarrow >= 24
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/alt/*.whl
     fi
-    python3 - <<'EOF'
+    PYTHONPATH=/tmp/site python3 - <<'EOF'
 import importlib.metadata as md
 for p in ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "pyarrow", "trl", "liger-kernel", "triton"):
     try:

@@ -602,6 +602,19 @@ def test_the_dpo_recipe_plans_its_pairs(tmp_path):
     assert pre.reference_passes == 0
 
 
+def test_a_preference_loss_plans_every_response_tokens_logits_at_once():
+    # objectives/preference.py scores a pair's response tokens in one head call (runs/evaluate.row_logps):
+    # memory.loss=auto's chunks are the causal-LM loss's only. Planned as chunked, the DPO recipe's peak was
+    # 34% under what an H100 measured (benchmarks/README.md, session 14); planned so, within 0.3%.
+    cfg = load_recipe("dpo-qlora-1x24gb", [f"model.path={CONFIGS / 'llama-3.1-8b'}", "data.path=d.jsonl"])
+    setup = setup_of(cfg)
+    assert not setup.head_in_chunks and setup.loss_rows == 0 and setup.loss == "auto"
+    logits = {c.key: c.bytes for c in plan_recipe(cfg, find_gpu("rtx4090")).components}["logits_loss"]
+    assert logits == 4 * 1024 * 128_256 * 12  # bf16 logits + their gathered copy + fp32 upcast + fp32 log-softmax
+    sft = setup_of(load_recipe("qlora-1x24gb", [f"model.path={CONFIGS / 'llama-3.1-8b'}", "data.path=d.jsonl"]))
+    assert sft.head_in_chunks and sft.loss_rows == 256  # the same memory.loss: one chunk of target positions
+
+
 def test_plan_prints_the_mfu_it_predicts_next_to_the_step_time():
     from finetune.plan import report
 

@@ -10,8 +10,8 @@
             with a target gap simpo_gamma; no reference model
 
 config asks `problems(cfg)` for the recipe's cross-field rules; the trainer builds the loss
-from finetune/objectives/preference.py; the planner reads `sequences_per_example` and
-`reference_passes`.
+from finetune/objectives/preference.py; the planner reads `sequences_per_example`,
+`head_in_chunks` and `reference_passes`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,12 @@ class Objective:
     def sequences_per_example(self) -> int:
         """Sequences one example puts through the model in one forward: chosen and rejected together."""
         return 2 if self.pairs else 1
+
+    @property
+    def head_in_chunks(self) -> bool:
+        """Its loss can run the LM head over one chunk of target positions at a time (memory.loss:
+        objectives/loss.CausalLMLoss); the preference losses score every response token in one head call."""
+        return not self.pairs
 
     @property
     def reference_passes(self) -> int:

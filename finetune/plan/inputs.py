@@ -29,6 +29,7 @@ class Setup(Modes):
     cpu_offload: bool = False  # fsdp: the shards (weights, grads, optimizer state) live in host RAM; zero3: the weights
     sequences_per_example: int = 1  # preference pairs: chosen and rejected in one forward (finetune/objectives/table.py)
     reference_passes: int = 0  # dpo: forwards without gradients (adapter off) per micro-batch, for the reference
+    head_in_chunks: bool = True  # the objective's loss can chunk its head (objectives/table.py): not the preference ones
 
     @property
     def strategy(self) -> Strategy:
@@ -52,8 +53,10 @@ class Setup(Modes):
     @property
     def loss_rows(self) -> int:
         """Target positions whose logits exist at once: one chunk when the head runs chunked (chunked,
-        liger, or auto outside FSDP, as objectives/loss.CausalLMLoss.use_memory decides), else 0 (all of them)."""
-        chunked = self.loss in ("chunked", "liger") or (self.loss == "auto" and not self.partitions_weights)
+        liger, or auto outside FSDP, as objectives/loss.CausalLMLoss.use_memory decides), else 0 (all of them).
+        Preference losses never chunk: every response token's logits at once, whatever memory.loss says."""
+        modes = self.loss in ("chunked", "liger") or (self.loss == "auto" and not self.partitions_weights)
+        chunked = self.head_in_chunks and modes
         return self.loss_chunk if chunked else 0
 
     def mlp_tiles(self, hidden: int) -> int:

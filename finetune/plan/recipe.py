@@ -46,6 +46,7 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
     return Setup(
         sequences_per_example=objective.sequences_per_example,
         reference_passes=0 if cfg.train.precompute_reference else objective.reference_passes,
+        head_in_chunks=objective.head_in_chunks,
         batch_size=cfg.train.batch_size,
         grad_accum=cfg.train.grad_accum,
         gpus=gpus,
