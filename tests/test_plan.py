@@ -277,11 +277,16 @@ def test_preflight_refuses_on_cuda_when_clearly_over_and_only_notes_on_cpu(tmp_p
     ok = recipe_for("llama-2-7b", tmp_path, batch_size=1, grad_accum=16, seq=1024)
     problems, notes = preflight_memory(ok)
     assert not problems and "per GPU of 12.00 GiB" in notes[0]
-    # A pipeline is not planned yet: its whole-replica figure is said, never a refusal.
+    # A pipeline is checked by its fullest stage; the fix names the pipeline's own levers (--fit searches none).
     staged = build_recipe({**cfg.to_dict(), "distributed": {"pipeline_parallel": 2, "pipeline_schedule": "gpipe"}})
     problems, notes = preflight_memory(staged)
-    assert not problems and "for a whole replica; a pipeline stage holds about 1/2 of it (not checked)" in notes[0]
-    assert "distributed.pipeline_parallel=2 is not planned yet" in plan_recipe(staged, None).notes[-1]
+    assert len(problems) == 1 and "the fullest of 2 pipeline stages: more than 1.1 x" in problems[0]
+    assert "raise distributed.pipeline_parallel" in problems[0] and "fits as" not in problems[0]
+    staged_ok = build_recipe({**ok.to_dict(), "distributed": {"pipeline_parallel": 2, "pipeline_schedule": "gpipe"}})
+    problems, notes = preflight_memory(staged_ok)
+    assert not problems and "the fullest of 2 pipeline stages" in notes[0]
+    whole, stage = plan_recipe(ok, find_gpu("rtx3060")), plan_recipe(staged_ok, find_gpu("rtx3060"))
+    assert stage.peak_bytes < whole.peak_bytes  # half the layers
 
 
 # ----------------------------------------------------------------------------- memory modes (memory.*)

@@ -53,12 +53,15 @@ def _preflight_memory(cfg: RecipeConfig, refuse: bool) -> tuple[list[str], list[
     world = int(os.environ.get("WORLD_SIZE", "1"))
     e = plan_recipe(cfg, gpu, gpus=world)
     line = f"memory estimate: peak {gib(e.peak_bytes)} per GPU of {gib(gpu.memory_bytes)} ({gpu.name}, {world} process{'es' if world > 1 else ''})"
-    if cfg.distributed.pipeline_parallel > 1:  # the plan is a whole replica's: an overestimate, never a refusal
-        return [], [
-            f"{line} for a whole replica; a pipeline stage holds about 1/{cfg.distributed.pipeline_parallel} of it (not checked)"
-        ]
+    pp = cfg.distributed.pipeline_parallel
+    if pp > 1:
+        line += f", the fullest of {pp} pipeline stages"
     if e.peak_bytes <= REFUSE_FACTOR * gpu.memory_bytes:
         return [], [line + ("" if e.fits else "; tight: it may run out of memory")]
+    if pp > 1:  # the search tries one-replica setups, not pipeline layouts
+        fix = "lower train.batch_size or data.max_seq_len, or raise distributed.pipeline_parallel (see `finetune plan RECIPE --gpus N`)"
+        problem = f"{line}: more than {REFUSE_FACTOR:g} x the device memory. {fix}. Pass --skip-memory-check to try anyway."
+        return ([problem], []) if refuse else ([], [problem])
     shape = model_shape_of(cfg)
     recipe = RecipeFacts.from_config(cfg, plan_precision(cfg, gpu), varlen_ok=shape.varlen_ok)
     best, _ = search(shape, recipe, e.setup, gpu, max_gpus=world, host_ram=physical_ram())

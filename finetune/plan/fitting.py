@@ -136,6 +136,7 @@ def fit(
 ) -> tuple[Estimate, Estimate]:
     """(the recipe as written on `gpus` GPUs, the fastest setup that fits; with host_ram, one whose
     offload also fits that much RAM). Raises PlanError when none fits."""
+    _not_a_pipeline(cfg, "--fit")
     shape, recipe, kw = planning_inputs(cfg, gpu)
     base = setup_of(cfg, gpus or max_gpus)
     current = estimate(shape, recipe, base, gpu, **kw)
@@ -181,6 +182,7 @@ class LongestSeq:
 
 def longest_trainable_seq(cfg: RecipeConfig, gpu: GpuSpec, max_gpus: int = 1, host_ram: int | None = None) -> LongestSeq:
     """The longest sequence a recipe trains at batch 1 on `gpu` (plan --max-seq): as written, and at best."""
+    _not_a_pipeline(cfg, "--max-seq")
     shape, recipe, kw = planning_inputs(cfg, gpu)
     base = replace(setup_of(cfg, 1), batch_size=1, grad_accum=1)
     as_written = longest_fitting_seq(shape, recipe, base, gpu, upper=LONGEST_SEQ_PROBED, **kw)
@@ -199,3 +201,14 @@ def longest_trainable_seq(cfg: RecipeConfig, gpu: GpuSpec, max_gpus: int = 1, ho
         if seq > best and fits_host:
             best, best_setup = seq, replace(s, seq_len=seq)
     return LongestSeq(as_written, best, best_setup)
+
+
+def _not_a_pipeline(cfg: RecipeConfig, flag: str) -> None:
+    """The searches try one-replica setups (batch, checkpointing, offload, DDP/FSDP/ZeRO), not pipeline layouts."""
+    pp = cfg.distributed.pipeline_parallel
+    if pp > 1:
+        raise PlanError(
+            f"finetune plan {flag} searches DDP, FSDP and ZeRO setups, not pipelines (distributed.pipeline_parallel={pp})",
+            hint=f"plan the recipe as written (without {flag}: every stage's peak is printed), and change train.batch_size, "
+            "data.max_seq_len or distributed.pipeline_parallel by hand; or drop distributed.pipeline_parallel to search the others",
+        )

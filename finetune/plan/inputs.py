@@ -30,6 +30,10 @@ class Setup(Modes):
     sequences_per_example: int = 1  # preference pairs: chosen and rejected in one forward (finetune/objectives/table.py)
     reference_passes: int = 0  # dpo: forwards without gradients (adapter off) per micro-batch, for the reference
     head_in_chunks: bool = True  # the objective's loss can chunk its head (objectives/table.py): not the preference ones
+    # distributed.pipeline_parallel: gpus = stages x replicas, each rank planned apart (finetune/plan/stages.py)
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "1f1b"
+    virtual_stages: int = 1
 
     @property
     def strategy(self) -> Strategy:
@@ -48,7 +52,8 @@ class Setup(Modes):
 
     @property
     def global_batch(self) -> int:
-        return self.batch_size * self.grad_accum * self.gpus
+        """Examples per optimizer step: a pipeline's stages share their micro-batches, its replicas do not."""
+        return self.batch_size * self.grad_accum * self.gpus // self.pipeline_parallel
 
     @property
     def loss_rows(self) -> int:
@@ -169,6 +174,10 @@ def lora_targets(shape: ModelShape, target: str | tuple[str, ...]) -> list[Linea
 
 
 def _sharding_label(s: Setup) -> str:
+    if s.pipeline_parallel > 1:
+        interleaved = f" x {s.virtual_stages} virtual" if s.pipeline_schedule == "interleaved_1f1b" else ""
+        replicas = s.gpus // s.pipeline_parallel
+        return f" (pipeline: {s.pipeline_parallel} stages{interleaved} x {replicas} replica{'s' if replicas > 1 else ''}, {s.pipeline_schedule})"
     return s.strategy.describe(s.cpu_offload, s.optimizer_offload) if s.gpus > 1 else ""
 
 

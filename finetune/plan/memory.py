@@ -4,7 +4,7 @@ host RAM and disk (`estimate`). What each tensor costs follows from how this too
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from finetune.gpus import GiB, GpuSpec
@@ -192,7 +192,7 @@ def _static_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, impl: Im
         grads=grads,
         optim=grads * impl.optimizer_states,
         host_tables=host_tables,
-        host_head=(shape.head_params or shape.embedding_params) * unq_bytes if on_host else 0,
+        host_head=shape.head_matmul_params * unq_bytes if on_host else 0,
         linear_blocks=linear_blocks,
     )
     t.unquantized -= host_tables
@@ -244,13 +244,17 @@ def estimate(
     keep_checkpoints: int = 2,
     model_on_disk: bool = False,
     shard_bytes: int | None = None,
+    held: float = 1.0,
 ) -> Estimate:
-    """Per-GPU memory, step time, host RAM and disk of one setup. gpu=None: a CPU run (no CUDA terms)."""
+    """Per-GPU memory, step time, host RAM and disk of one setup. gpu=None: a CPU run (no CUDA terms).
+    held: micro-batches whose saved activations wait for their backward at once (a pipeline rank: plan/stages.py)."""
     n_gpu = max(setup.gpus, 1)
     fsdp = setup.partitions_weights  # FSDP or ZeRO-3: the base weights are split over the GPUs
     unq_bytes = impl.unquantized_bytes or recipe.compute_bytes
     st = _static_terms(shape, recipe, setup, impl, fsdp)
     act = activation_terms(shape, recipe, setup, gpu, st.trainable)
+    if held != 1:
+        act = replace(act, saved=int(act.saved * held), host=int(act.host * held), host_ram=int(act.host_ram * held))
     tr = _transient_terms(shape, recipe, setup, impl, st.host_head)
     phase_loss = st.on_gpu + act.saved + tr.mask + tr.final_norm + tr.loss + tr.head_visit
     phase_backward = st.on_gpu + act.saved + tr.mask + act.recompute + tr.working + tr.dequant
@@ -317,10 +321,13 @@ def _transient_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, impl:
     b, T, B = recipe.compute_bytes, setup.seq_len, setup.rows  # sequences per forward
     tokens = B * T
     logits_bytes = (impl.unquantized_bytes or b) if impl.loss != "chunked" else b
+    head = shape.head_matmul_params > 0  # a pipeline rank without the last stage computes no loss
     return _Transient(
         mask=B * T * T if recipe.attention_mask(B) else 0,
-        final_norm=tokens * 4 * shape.hidden,
-        loss=loss_peak_bytes(min(tokens, setup.loss_rows) if setup.loss_rows else tokens, shape.vocab, logits_bytes, impl),
+        final_norm=tokens * 4 * shape.hidden if head else 0,
+        loss=loss_peak_bytes(min(tokens, setup.loss_rows) if setup.loss_rows else tokens, shape.vocab, logits_bytes, impl)
+        if head
+        else 0,
         working=tokens * backward_working_bytes_per_token(shape, recipe, 1 if shape.experts else setup.mlp_tiles(shape.hidden)),
         dequant=max(shape.largest_linear * b if recipe.quant_bits else 0, shape.expert_layer_params * b * adapts_experts(recipe)),
         head_visit=head_visit,

@@ -15,6 +15,7 @@ from finetune.parallel.strategies import DDP, STRATEGIES, Strategy, of_recipe
 from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.memory import Estimate, estimate
 from finetune.plan.shape import ModelShape, read_model_shape
+from finetune.plan.stages import plan_pipeline
 
 
 def plan_precision(cfg: RecipeConfig, gpu: GpuSpec | None) -> str:
@@ -47,6 +48,9 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
         sequences_per_example=objective.sequences_per_example,
         reference_passes=0 if cfg.train.precompute_reference else objective.reference_passes,
         head_in_chunks=objective.head_in_chunks,
+        pipeline_parallel=cfg.distributed.pipeline_parallel,
+        pipeline_schedule=cfg.distributed.pipeline_schedule,
+        virtual_stages=cfg.distributed.virtual_stages if cfg.distributed.pipeline_parallel > 1 else 1,
         batch_size=cfg.train.batch_size,
         grad_accum=cfg.train.grad_accum,
         gpus=gpus,
@@ -76,15 +80,11 @@ def planning_inputs(cfg: RecipeConfig, gpu: GpuSpec | None) -> tuple[ModelShape,
 
 def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Setup | None = None) -> Estimate:
     shape, recipe, kw = planning_inputs(cfg, gpu)
-    e = estimate(shape, recipe, setup or setup_of(cfg, gpus), gpu, **kw)
     pp = cfg.distributed.pipeline_parallel
-    if pp > 1:
-        e.notes.append(
-            f"distributed.pipeline_parallel={pp} is not planned yet: these are a whole replica's figures; each stage "
-            f"holds about 1/{pp} of the decoder layers' weights, adapters and activations, one of them the embeddings "
-            "or the head"
-        )
-    return e
+    if pp > 1 and setup is None:
+        # A pipeline runs on stages x replicas: fewer GPUs than stages are planned as one replica.
+        return plan_pipeline(shape, recipe, setup_of(cfg, gpus if gpus >= pp else pp), gpu, **kw)
+    return estimate(shape, recipe, setup or setup_of(cfg, gpus), gpu, **kw)
 
 
 # `finetune plan --gpus N`: the recipe under each way of spreading it over the GPUs, side by side:
@@ -99,10 +99,13 @@ SHARDED_TABLES = {"embeddings": "device"}
 
 
 def compare_strategies(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int) -> list[tuple[str, Estimate]]:
-    """(label, estimate) of the recipe under each of COMPARED on `gpus` GPUs; memory.* modes as written."""
-    base = setup_of(cfg, gpus)
+    """(label, estimate) of the recipe under each of COMPARED on `gpus` GPUs; memory.* modes as written.
+    A pipelined recipe's own layout comes first, the others as they would run without it."""
+    base = replace(setup_of(cfg, gpus), pipeline_parallel=1, virtual_stages=1)
     ddp_offload = {"optimizer_offload": cfg.memory.optimizer_offload}  # the recipe's own HostAdamW, one replica each
-    return [
+    pp = cfg.distributed.pipeline_parallel
+    own = [(f"pipeline {pp} stages (as written)", plan_recipe(cfg, gpu, gpus))] if pp > 1 and gpus % pp == 0 else []
+    return own + [
         (
             label,
             plan_recipe(

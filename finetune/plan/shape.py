@@ -92,6 +92,11 @@ class ModelShape:
         return sum(g.experts * g.in_features * g.out_features for g in self.experts)
 
     @property
+    def head_matmul_params(self) -> int:
+        """The LM head's weight (the embedding table's when tied); 0 for a pipeline stage without the head."""
+        return self.head_params or (self.embedding_params if self.tied_embeddings else 0)
+
+    @property
     def largest_linear(self) -> int:
         return max((g.in_features * g.out_features for g in self.linears), default=0)
 

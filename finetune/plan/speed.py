@@ -32,7 +32,7 @@ def token_flops(shape, recipe, setup, trainable, seq_len: float | None = None) -
     seq_len: the length attention spans, setup.seq_len unless given (a run's mean row length)."""
     T = setup.seq_len if seq_len is None else seq_len
     # MoE: a token multiplies by its active experts only (memory holds them all: memory.py).
-    matmul_params = shape.linear_params + shape.active_expert_params + (shape.head_params or shape.embedding_params)
+    matmul_params = shape.linear_params + shape.active_expert_params + shape.head_matmul_params
     lora_flops = 2 * trainable if recipe.lora else 0
     fwd = 2 * matmul_params + lora_flops
     attn_fwd = 2 * T * shape.heads * shape.head_dim * shape.layers  # QK^T and AV, causal half
@@ -43,7 +43,7 @@ def token_flops(shape, recipe, setup, trainable, seq_len: float | None = None) -
     model += setup.reference_passes * (fwd + attn_fwd)  # DPO's reference: the forward again, adapter off
     recompute = (fwd + attn_fwd) * ckpt
     if setup.loss_rows:  # the chunked head runs again in backward to remake each chunk's logits
-        recompute += 2 * (shape.head_params or shape.embedding_params)
+        recompute += 2 * shape.head_matmul_params
     if setup.mlp_tiles(shape.hidden) > 1 and not shape.experts:  # each MLP tile runs again in backward (not MoE's)
         recompute += 2 * 3 * shape.hidden * shape.intermediate * shape.layers
     return TokenFlops(forward=fwd + attn_fwd, model=model, recompute=recompute)

@@ -1,0 +1,133 @@
+"""distributed.pipeline_parallel in the plan: each pipeline rank planned as the part of the model it holds.
+
+A rank (finetune/parallel/pipeline.py) holds its stages' decoder layers, the embeddings when it runs the
+first stage (and the last, for a tied head), the final norm, head and loss when it runs the last; its
+replicas' gradient all-reduce is DDP's over `replicas` GPUs. What no single-GPU plan has:
+
+  held micro-batches  the saved activations of every micro-batch that has run this rank's forward and not
+                      yet its backward: GPipe all m; 1F1B at most P - r on rank r (torch's Schedule1F1B
+                      warms up P - 1 - r of them); interleaved, 2 (P - 1 - r) + (V - 1) P + 1 chunks of
+                      1/V of the rank's layers each (ScheduleInterleaved1F1B's warm-up, Megatron's).
+  bubble              the step is the slowest rank's micro-batches plus (P - 1) slots in which it waits
+                      for the others to fill and drain the pipe: (m + P - 1) / m of its busy time; V
+                      virtual stages make each slot 1/V as long.
+  p2p                 each micro-batch's activations cross each stage boundary forward and their gradients
+                      backward, over the GPU link, on the critical path (not overlapped: an upper bound).
+
+The estimate returned is the rank with the highest peak, with the whole pipeline's step time, host RAM
+(every process) and disk; its notes give every rank's peak and the bubble.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+from finetune.errors import PlanError
+from finetune.gpus import GpuSpec
+from finetune.parallel.layout import Layout
+from finetune.parallel.strategies import DDP
+from finetune.plan.inputs import RecipeFacts, Setup
+from finetune.plan.memory import Estimate, estimate, gib
+from finetune.plan.shape import ModelShape
+from finetune.plan.speed import LINK_EFFICIENCY
+
+
+def rank_shape(shape: ModelShape, layout: Layout) -> ModelShape:
+    """The part of the model one pipeline rank holds, as a ModelShape the single-GPU terms read."""
+    stages = layout.stages_of_rank
+    first, last = 0 in stages, layout.stage_count - 1 in stages
+    layers = sum(hi - lo for lo, hi in (layout.layer_range(s, shape.layers) for s in stages))
+    share = layers / shape.layers
+    tied = shape.tied_embeddings and last  # the last stage reads the shared table for its head
+    embedding = shape.embedding_params if first or tied else 0
+    head = shape.head_params if last else 0
+    linears = tuple(replace(g, count=round(g.count * share)) for g in shape.linears)
+    other = round(shape.other_params * share)  # norms and biases, per layer (the final norm: a rounding error)
+    total = sum(g.in_features * g.out_features * g.count for g in linears) + embedding + head + other
+    return replace(
+        shape,
+        layers=layers,
+        linears=linears,
+        embedding_params=embedding,
+        head_params=head,
+        tied_embeddings=tied,
+        other_params=other,
+        total_params=total,
+    )
+
+
+def held_micro_batches(schedule: str, layout: Layout, micro_batches: int) -> float:
+    """Micro-batches of this rank's saved activations alive at once, in units of all its layers."""
+    p, r, m, v = layout.pp, layout.stage, micro_batches, layout.virtual_stages
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(m, p - r))
+    chunks = min(m * v, 2 * (p - 1 - r) + (v - 1) * p + 1)  # each chunk: 1/V of the rank's layers
+    return chunks / v
+
+
+def bubble_factor(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> float:
+    """A step's length over its slowest rank's busy time: (m + (P - 1) / V) / m."""
+    v = virtual_stages if schedule == "interleaved_1f1b" else 1
+    return (micro_batches + (pp - 1) / v) / micro_batches
+
+
+def plan_pipeline(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec | None, **kw: Any) -> Estimate:
+    """The plan of setup.gpus processes as setup.pipeline_parallel stages x replicas (see the module)."""
+    pp, schedule, v = setup.pipeline_parallel, setup.pipeline_schedule, setup.virtual_stages
+    world = setup.gpus
+    if world % pp or shape.layers % (pp * v):
+        raise PlanError(
+            f"distributed.pipeline_parallel={pp} (x virtual_stages={v}) on {world} GPUs with {shape.layers} decoder layers: "
+            "the GPUs must be stages x replicas and the layers must split evenly into the stages",
+            hint=f"plan with --gpus {pp} (or a multiple), and a pipeline_parallel that divides {shape.layers}",
+        )
+    replicas, m = world // pp, setup.grad_accum
+    ranks = []
+    for rank in range(pp):  # replica 0 of each rank along the pipe: the others hold the same
+        layout = Layout(pp, replicas, rank * replicas, v)
+        one = replace(setup, gpus=replicas, sharding=DDP.name, pipeline_parallel=1)
+        held = held_micro_batches(schedule, layout, m)
+        ranks.append((layout, estimate(rank_shape(shape, layout), recipe, one, gpu, held=held, **kw), held))
+    worst = max(ranks, key=lambda x: x[1].peak_bytes)[1]
+    slowest = max(ranks, key=lambda x: x[1].step_time_s)[1]
+    parts = dict(slowest.step_time_parts)
+    step = slowest.step_time_s
+    if gpu is not None:
+        busy = step - parts["communication"] - parts["optimizer"]  # the micro-batches, without the step's end
+        parts["pipeline_bubble"] = busy * (bubble_factor(schedule, pp, v, m) - 1)
+        boundary = setup.rows * setup.seq_len * shape.hidden * recipe.compute_bytes  # one micro-batch's activations
+        parts["pipeline_p2p"] = 2 * (m + pp - 1) * boundary / (gpu.interconnect_gbps * 1e9 * LINK_EFFICIENCY)
+        step += parts["pipeline_bubble"] + parts["pipeline_p2p"]
+    notes = [_describe_rank(layout, e, held, shape) for layout, e, held in ranks]
+    bubble = bubble_factor(schedule, pp, v, m)
+    notes.append(
+        f"pipeline: {pp} stages x {replicas} replica{'s' if replicas > 1 else ''}, {schedule}, {m} micro-batches "
+        f"(train.grad_accum): the bubble is {1 - 1 / bubble:.0%} of the step; the plan above is the rank with the highest peak"
+    )
+    return replace(
+        worst,
+        shape=shape,
+        setup=setup,
+        step_time_s=step,
+        step_time_parts=parts,
+        host_ram_bytes=sum(e.host_ram_bytes for _, e, _ in ranks),
+        disk_bytes=sum(e.disk_bytes for _, e, _ in ranks),
+        trainable_params=sum(e.trainable_params for _, e, _ in ranks),
+        notes=[*notes, *worst.notes],
+    )
+
+
+def _describe_rank(layout: Layout, e: Estimate, held: float, shape: ModelShape) -> str:
+    spans = [layout.layer_range(s, shape.layers) for s in layout.stages_of_rank]
+    layers = ", ".join(f"{lo}-{hi - 1}" for lo, hi in spans)
+    first, last = 0 in layout.stages_of_rank, layout.stage_count - 1 in layout.stages_of_rank
+    parts = ["embeddings"] * first + [f"layers {layers}"] + ["norm + head + loss"] * last
+    held_s = f"{held:g}" if held == math.floor(held) else f"{held:.2f}"
+    return (
+        f"pipeline rank {layout.stage}: {' + '.join(parts)}; peak {gib(e.peak_bytes)}, "
+        f"activations of {held_s} micro-batch{'es' if held != 1 else ''} held"
+    )

@@ -1,0 +1,114 @@
+"""The plan of a pipeline (finetune/plan/stages.py): what each rank holds, how many micro-batches of
+activations it keeps, the bubble, and the CLI's report of it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from test_plan import CONFIGS
+
+from finetune.cli.commands import main
+from finetune.config.schema import load_recipe
+from finetune.errors import PlanError
+from finetune.gpus import find_gpu
+from finetune.parallel.layout import Layout
+from finetune.plan import plan_recipe
+from finetune.plan.memory import estimate
+from finetune.plan.recipe import planning_inputs, setup_of
+from finetune.plan.shape import read_model_shape
+from finetune.plan.stages import bubble_factor, held_micro_batches, rank_shape
+
+RECIPE = "qlora-ddp-nx24gb"
+
+
+def recipe(*overrides: str):
+    return load_recipe(RECIPE, [f"model.path={CONFIGS / 'llama-3-70b'}", "data.path=d.jsonl", *overrides])
+
+
+def test_each_rank_holds_its_layers_and_the_first_the_embeddings_the_last_the_head():
+    whole = read_model_shape(str(CONFIGS / "llama-3-70b"))
+    first, last = (rank_shape(whole, Layout(2, 1, r)) for r in (0, 1))
+    assert (first.layers, last.layers) == (40, 40)
+    assert first.embedding_params == whole.embedding_params and first.head_matmul_params == 0
+    assert last.embedding_params == 0 and last.head_matmul_params == whole.head_params == 128_256 * 8192
+    assert first.total_params + last.total_params == whole.total_params  # nothing counted twice or lost
+    assert all(g.count * 2 == w.count for g, w in zip(first.linears, whole.linears))
+    tied = replace(whole, tied_embeddings=True, head_params=0)  # Llama-3.2-1B, Qwen2.5-0.5B: one table
+    t_first, t_last = (rank_shape(tied, Layout(2, 1, r)) for r in (0, 1))
+    assert t_first.head_matmul_params == 0 and t_last.head_matmul_params == t_last.embedding_params == tied.embedding_params
+    interleaved = rank_shape(whole, Layout(2, 1, 0, virtual_stages=2))  # stages 0 and 2: layers 0-19, 40-59
+    assert interleaved.layers == 40 and interleaved.embedding_params and not interleaved.head_params
+
+
+@pytest.mark.parametrize(
+    "schedule, pp, v, m, held",
+    [
+        ("gpipe", 4, 1, 8, [8, 8, 8, 8]),  # every micro-batch's forward before any backward
+        ("1f1b", 4, 1, 8, [4, 3, 2, 1]),  # rank r warms up P - 1 - r, then one forward per backward
+        ("1f1b", 4, 1, 2, [2, 2, 2, 1]),  # never more than there are micro-batches
+        ("interleaved_1f1b", 2, 2, 4, [2.5, 1.5]),  # (2 (P - 1 - r) + (V - 1) P + 1) chunks of 1/V of the layers
+        ("interleaved_1f1b", 2, 2, 1, [1.0, 1.0]),  # capped at m x V chunks
+    ],
+)
+def test_the_micro_batches_a_rank_holds_follow_its_schedule(schedule, pp, v, m, held):
+    assert [held_micro_batches(schedule, Layout(pp, 1, r, v), m) for r in range(pp)] == held
+
+
+def test_the_bubble_is_the_ideal_one_of_the_schedules():
+    # (P - 1) / (V m + P - 1) of the step: the "ideal" column of benchmarks/README.md's bubble table
+    for schedule, v, m, ideal in (("1f1b", 1, 8, 1 / 9), ("gpipe", 1, 4, 1 / 5), ("interleaved_1f1b", 2, 8, 1 / 17)):
+        assert 1 - 1 / bubble_factor(schedule, 2, v, m) == pytest.approx(ideal, rel=1e-12)
+
+
+def test_a_pipeline_plans_its_fullest_rank_and_the_step_with_its_bubble():
+    cfg = recipe("distributed.pipeline_parallel=4", "train.grad_accum=8", "train.batch_size=1")
+    gpu = find_gpu("rtx4090")
+    e = plan_recipe(cfg, gpu, gpus=4)
+    shape, facts, kw = planning_inputs(cfg, gpu)
+    one = replace(setup_of(cfg, 4), gpus=1, pipeline_parallel=1)
+    whole = estimate(shape, facts, one, gpu, **kw)
+    assert e.component("weights_quantized") * 4 == whole.component("weights_quantized")  # a quarter of the layers
+    # Rank 0 (embeddings, 4 micro-batches held) is the fullest; its 20 layers' checkpointed inputs x 4.
+    rank0 = estimate(rank_shape(shape, Layout(4, 1, 0)), facts, one, gpu, held=4, **kw)
+    assert e.peak_bytes == rank0.peak_bytes and e.component("activations") == rank0.component("activations")
+    per_layer_input = 2048 * 8192 * 2  # batch 1 x seq 2048 x hidden 8192, bf16
+    rope = 2 * 2048 * 128 * 2
+    assert rank0.component("activations") == 4 * (20 * per_layer_input + rope)
+    assert e.component("logits_loss") == 0  # rank 0 has no head: only the last rank computes the loss
+    assert "pipeline rank 3: layers 60-79 + norm + head + loss" in e.notes[3]
+    assert "the bubble is 27% of the step" in e.notes[4]  # 3 / 11
+    p = e.step_time_parts
+    busy = p["compute"] + p["dequantize"] + p["host_transfer_exposed"]
+    assert p["pipeline_bubble"] == pytest.approx(busy * 3 / 8, rel=1e-9)
+    assert e.step_time_s == pytest.approx(busy + p["pipeline_bubble"] + p["pipeline_p2p"] + p["communication"] + p["optimizer"])
+    assert e.tokens_per_step == 8 * 2048  # one replica: the stages share the micro-batches
+    assert e.host_ram_bytes == 4 * whole.host_ram_bytes  # each process: the libraries and one weight shard at a time
+
+
+def test_plan_prints_every_rank_and_compares_the_pipeline_with_the_other_strategies(capsys):
+    model = f"model.path={CONFIGS / 'llama-3-70b'}"
+    staged = ["distributed.pipeline_parallel=4", "train.grad_accum=4"]
+    assert main(["plan", RECIPE, model, *staged, "--gpu", "rtx4090", "--gpus", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "setup      4 GPUs (pipeline: 4 stages x 1 replica, 1f1b)" in out
+    assert out.count("note       pipeline rank") == 4
+    assert "pipeline 4 stages (as written)" in out.split("strategies on 4 GPUs")[1]
+
+
+def test_plan_fit_and_max_seq_say_they_do_not_search_pipelines():
+    for flag in ("--fit", "--max-seq"):
+        with pytest.raises(PlanError, match=f"plan {flag} searches DDP, FSDP and ZeRO setups, not pipelines"):
+            if flag == "--fit":
+                from finetune.plan import fit
+
+                fit(recipe("distributed.pipeline_parallel=2"), find_gpu("rtx4090"), max_gpus=2)
+            else:
+                from finetune.plan import longest_trainable_seq
+
+                longest_trainable_seq(recipe("distributed.pipeline_parallel=2"), find_gpu("rtx4090"))
+
+
+def test_a_pipeline_that_cannot_split_the_model_is_refused_by_the_plan():
+    with pytest.raises(PlanError, match="must split evenly"):
+        plan_recipe(recipe("distributed.pipeline_parallel=3", "train.grad_accum=3"), find_gpu("rtx4090"), gpus=3)  # 80 layers
