@@ -94,6 +94,8 @@ PLANS: dict[str, tuple[str, str, tuple[str, ...], str, int]] = {
         1,
     ),
     "off-l3-cpu": ("qlora-offload-1x12gb", "llama-3-8b", (*_ALL, "memory.base_weights=cpu"), "rtx3060", 1),
+    "pp4": ("qlora-pipeline-4x24gb", "llama-3-70b", (), "rtx4090", 4),
+    "pp2": ("qlora-pipeline-4x24gb", "llama-3-70b", ("distributed.pipeline_parallel=2",), "rtx4090", 2),
     "st": ("qlora-stream-70b-1x24gb", "llama-3-70b", (), "rtx4090", 1),
     "st-q72": ("qlora-stream-70b-1x24gb", "qwen2.5-72b", (), "rtx4090", 1),
     "st-dev": ("qlora-stream-70b-1x24gb", "llama-3-70b", ("memory.base_weights=device",), "rtx4090", 1),
@@ -137,7 +139,11 @@ def step(n: str) -> float:
 
 
 def tps(n: str) -> float:
-    return est(n).tokens_per_step / est(n).step_time_s
+    return tps_of(est(n))
+
+
+def tps_of(e) -> float:
+    return e.tokens_per_step / e.step_time_s
 
 
 def pct(n: str) -> float:  # the verdict's "% of the card"
@@ -174,6 +180,18 @@ _Y = "recipes/{}.yaml".format
 # {} is the figure the row checks, {*} any number (another row checks it); runs of whitespace read as one space.
 ROWS: dict[str, list[tuple[str, Value, str]]] = {
     RM: [
+        ("only its quarter of the checkpoint; predicted {} GiB on the fullest GPU", lambda: peak("pp4"), ".2f"),
+        ("layers stream from host RAM | {} GiB |", lambda: peak("st"), ".2f"),
+        ("layers stream from host RAM | {*} GiB | {} GiB |", lambda: host("st"), ".2f"),
+        ("2 pipeline stages would need {} GiB on the fullest", lambda: peak("pp2"), ".2f"),
+        ("GiB on the fullest | {} GiB |", lambda: peak("fsdp"), ".2f"),
+        ("GiB on the fullest | {*} GiB | {} GiB |", lambda: host("fsdp"), ".2f"),
+        ("(4 stages): {} tokens/s planned", lambda: tps("pp4"), ",.0f"),
+        ("tokens/s planned | {} GiB |", lambda: peak("pp4"), ".2f"),
+        ("tokens/s planned | {*} GiB | {} GiB |", lambda: host("pp4"), ".2f"),
+        ("FSDP + CPU offload: {} tokens/s planned", lambda: tps_of(strategy("pp4", "fsdp cpu_offload")), ",.0f"),
+        ("builds the whole model first | {} GiB |", lambda: strategy("pp4", "fsdp cpu_offload").peak_bytes / GiB, ".2f"),
+        ("whole model first | {*} GiB | {} GiB |", lambda: strategy("pp4", "fsdp cpu_offload").host_ram_bytes / GiB, ".2f"),
         ("a 70B at 4 bits needs {} GiB", lambda: loaded_weight_bytes(cfg("st"), "bf16") / GiB, ".1f"),
         ("switched off; predicted {} GiB (Llama-3.1-8B)", lambda: peak("dpo"), ".2f"),
         ("predicted peak {} GiB (Qwen2.5-7B;", lambda: peak("q7"), ".2f"),
@@ -210,6 +228,9 @@ ROWS: dict[str, list[tuple[str, Value, str]]] = {
         ("GiB host RAM, longest {} tokens)", lambda: longest("lc-l31").as_written, ",.0f"),
     ],
     RR: [
+        ("of the checkpoint; {} GiB predicted on the fullest GPU", lambda: peak("pp4"), ".2f"),
+        ("(Llama-3-70B), {} GiB host RAM for the 4 processes", lambda: host("pp4"), ".2f"),
+        ("for the 4 processes, ~{} s/step of 16 x 2048", lambda: step("pp4"), ".2f"),
         ("= 16 rows; {} GiB predicted per GPU (Qwen2.5-7B), ~", lambda: peak("ddp"), ".2f"),
         ("(Qwen2.5-7B), ~{} s/step on 4 x RTX 4090", lambda: step("ddp"), ".1f"),
         ("in host RAM); {} GiB predicted per GPU,", lambda: peak("fsdp"), ".1f"),
@@ -310,6 +331,12 @@ ROWS: dict[str, list[tuple[str, Value, str]]] = {
         ("GiB per GPU, ~{} s.", lambda: step("ddp-host"), ".1f"),
         ("`finetune plan` predicts {} GiB peak per GPU", lambda: peak("ddp"), ".2f"),
         ("one chunk of logits); 4: {} GiB", lambda: peak("ddp-b4"), ".2f"),
+    ],
+    _Y("qlora-pipeline-4x24gb"): [
+        ("--gpu rtx4090 --gpus 4`, Llama-3-70B): {} GiB on the fullest GPU", lambda: peak("pp4"), ".2f"),
+        ("GPU (stage 0), ~{} s per # 16-row step", lambda: step("pp4"), ".2f"),
+        ("16-row step, {} GiB of host RAM for the 4 processes", lambda: host("pp4"), ".2f"),
+        ("on the same cards # plans {} GiB of host RAM", lambda: strategy("pp4", "fsdp cpu_offload").host_ram_bytes / GiB, ".2f"),
     ],
     _Y("qlora-fsdp-2x24gb"): [
         ("batch 1 x 2048): {} GiB per GPU", lambda: peak("fsdp"), ".1f"),

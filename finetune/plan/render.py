@@ -69,7 +69,11 @@ def strategy_table(rows: list[tuple[str, Estimate]]) -> str:
     for label, e in rows:
         verdict = "" if e.gpu is None else ("fits" if e.fits else "does NOT fit")
         step = f"~{e.step_time_s:.2f} s/step" if e.step_time_s else ""
-        lines.append(f"  {label:<44} peak {gib(e.peak_bytes):>10}  {verdict:<12} {step:<14} host RAM {gib(e.host_ram_bytes)}")
+        # tokens/s too: a pipeline's stages share one global batch, so its steps hold fewer rows than DDP's
+        rate = f"{e.tokens_per_step / e.step_time_s:>7,.0f} tok/s" if e.step_time_s else ""
+        lines.append(
+            f"  {label:<44} peak {gib(e.peak_bytes):>10}  {verdict:<12} {step:<15}{rate:<14} host RAM {gib(e.host_ram_bytes)}"
+        )
     return "\n".join(lines)
 
 
