@@ -22,6 +22,7 @@ _OLDER_RUNS: dict[str, dict[str, Any]] = {
         "pipeline_parallel": 1,
         "pipeline_schedule": "1f1b",
         "virtual_stages": 1,
+        "tensor_parallel": 1,
     },
     "profile": {"steps": None, "memory_timeline": True},
 }

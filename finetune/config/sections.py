@@ -214,6 +214,12 @@ class DistributedConfig(_Section):
         "per rank: less idle time, more transfers); micro-batches = train.grad_accum",
     )
     virtual_stages: int = Field(1, ge=1, description="interleaved_1f1b: stages per process (layers split into pp x this)")
+    tensor_parallel: int = Field(
+        1,
+        ge=1,
+        description="each decoder layer split over this many processes, Megatron style (attention heads and the "
+        "MLP; --nproc = this x replicas): the 4-bit layers of a model too large for one GPU; 1: none (parallel/tensor.py)",
+    )
     grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = Field(
         "none",
         description="ddp: how gradients travel in the all-reduce (slow links between nodes): none (fp32), "

@@ -22,7 +22,7 @@ from finetune.config.schema import RecipeConfig, resolve_path
 from finetune.errors import ModelError
 from finetune.hardware import resolve_precision, torch_dtype
 from finetune.model import moe, varlen
-from finetune.model.partial import only_placed
+from finetune.model.partial import Split, only_placed
 
 
 def model_source(cfg: RecipeConfig) -> str:
@@ -190,12 +190,14 @@ def load_base_model(
     device: torch.device | None = None,
     shardable: bool = False,
     placement: dict[str, Any] | None = None,
+    split: Split | None = None,
 ):
     """The (quantized) base model on `device`, frozen, without adapters.
 
     shardable: 4-bit weights stored in the compute dtype (bnb_4bit_quant_storage), which FSDP needs.
     placement: {module name: device or "meta"}, every top-level module named: a pipeline stage's
     modules on its device, the rest on the meta device, never read (finetune/parallel/pipeline.py).
+    split: a tensor-parallel rank's share (model/partial.Split): its narrowed config, its slices read.
     """
     from transformers import AutoModelForCausalLM
 
@@ -213,9 +215,10 @@ def load_base_model(
     # quantized here as they load (finetune/model/moe.py), else they would stay 16-bit.
     fused_4bit = moe.quantizing_experts(cfg.quant.quant_type, cfg.quant.double_quant) if cfg.quant.bits == 4 else nullcontext()
     try:
-        with fused_4bit, only_placed(placement):
+        with fused_4bit, only_placed(placement, split):
             model = AutoModelForCausalLM.from_pretrained(
                 src,
+                **({"config": split.config} if split is not None else {}),
                 revision=cfg.model.revision,
                 dtype=dtype,
                 quantization_config=quantization_config(cfg, dtype, storage_dtype=dtype if shardable else None),
@@ -481,10 +484,11 @@ def load_model(
     device: torch.device | None = None,
     shardable: bool = False,
     placement: dict[str, Any] | None = None,
+    split: Split | None = None,
 ):
     """Base model -> frozen, quantized per cfg.quant -> checkpointing -> LoRA. Ready for the trainer.
-    placement: see load_base_model (LoRA of meta modules is drawn as on one process, then left on meta)."""
-    model = load_base_model(cfg, precision=precision, device=device, shardable=shardable, placement=placement)
+    placement, split: see load_base_model (LoRA of meta modules is drawn as on one process, then left on meta)."""
+    model = load_base_model(cfg, precision=precision, device=device, shardable=shardable, placement=placement, split=split)
     if cfg.memory.checkpoint_every:
         enable_gradient_checkpointing(model, cfg.memory.checkpoint_every)
     if cfg.lora is not None:

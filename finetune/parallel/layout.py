@@ -26,18 +26,21 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 @dataclass(frozen=True)
 class Layout:
-    """Where one rank stands: pp stages x replicas, virtual_stages stages per rank when interleaved."""
+    """Where one rank stands: pp stages x replicas x tp tensor-parallel ranks, virtual_stages stages per
+    rank when interleaved. rank = (stage x replicas + replica) x tp + tp_rank: tensor parallelism
+    innermost (its all-reduces every layer stay in a node), the pipeline outermost."""
 
     pp: int
     replicas: int
     rank: int
     virtual_stages: int = 1
+    tp: int = 1
 
     @classmethod
     def of(cls, cfg: Any, rank: int, world: int) -> Layout:
         d = cfg.distributed
-        pp = max(1, d.pipeline_parallel)
-        return cls(pp, max(1, world // pp), rank, d.virtual_stages if pp > 1 else 1)
+        pp, tp = max(1, d.pipeline_parallel), max(1, d.tensor_parallel)
+        return cls(pp, max(1, world // (pp * tp)), rank, d.virtual_stages if pp > 1 else 1, tp)
 
     @property
     def pipelined(self) -> bool:
@@ -46,11 +49,17 @@ class Layout:
     @property
     def stage(self) -> int:
         """This rank's place along the pipe (its first stage when interleaved)."""
-        return self.rank // self.replicas
+        return self.rank // (self.replicas * self.tp)
 
     @property
     def replica(self) -> int:
-        return self.rank % self.replicas
+        """Which copy of the model this rank belongs to: the copies see different examples."""
+        return (self.rank // self.tp) % self.replicas
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's share of each layer within its tensor-parallel group."""
+        return self.rank % self.tp
 
     @property
     def stage_count(self) -> int:
@@ -64,18 +73,21 @@ class Layout:
 
     @property
     def copies(self) -> str:
-        """What a step's window is multiplied by, in words: processes, or a pipeline's replicas."""
-        if not self.pipelined:
-            return f"{self.replicas} proc"
-        return f"{self.replicas} replica{'s' if self.replicas > 1 else ''} of {self.pp} stages"
+        """What a step's window is multiplied by, in words: processes, or a pipeline's or a group's replicas."""
+        many = f"{self.replicas} replica{'s' if self.replicas > 1 else ''}"
+        if self.pipelined:
+            return f"{many} of {self.pp} stages"
+        if self.tp > 1:
+            return f"{many} of {self.tp} tensor-parallel ranks"
+        return f"{self.replicas} proc"
 
     def pipeline_ranks(self, replica: int) -> list[int]:
         """The global ranks of one replica's pipeline (its stages, in stage order)."""
-        return [s * self.replicas + replica for s in range(self.pp)]
+        return [(s * self.replicas + replica) * self.tp + self.tp_rank for s in range(self.pp)]
 
     def stage_ranks(self, stage: int) -> list[int]:
         """The global ranks that run one stage (one per replica)."""
-        return [stage * self.replicas + r for r in range(self.replicas)]
+        return [(stage * self.replicas + r) * self.tp + self.tp_rank for r in range(self.replicas)]
 
     def layer_range(self, stage: int, layers: int) -> tuple[int, int]:
         """Decoder layers [lo, hi) of a stage: an even split (launch_problems refuses an uneven one)."""
@@ -179,15 +191,63 @@ def _microbatch_fix(cfg: Any) -> str:
 RULES += (Rule(lambda c: _pipelined(c) and _microbatch_problem(c) is not None, _microbatch_fix),)
 
 
+def _split(cfg: Any) -> bool:
+    return cfg.distributed.tensor_parallel > 1
+
+
+def _tp(cfg: Any) -> str:
+    return f"distributed.tensor_parallel={cfg.distributed.tensor_parallel}"
+
+
+TENSOR_RULES: tuple[Rule[Any], ...] = (
+    Rule(
+        lambda c: _split(c) and _pipelined(c),
+        lambda c: f"{_tp(c)} with {_by(c)}: the two do not compose yet. Set one of them to 1.",
+    ),
+    Rule(
+        lambda c: _split(c) and c.distributed.strategy in ("fsdp", "deepspeed"),
+        lambda c: (
+            f"{_tp(c)} with distributed.strategy={c.distributed.strategy}: a tensor-parallel group all-reduces "
+            "its replicas' gradients itself; it does not shard them. Set distributed.strategy=auto."
+        ),
+    ),
+    Rule(
+        lambda c: _split(c) and (c.lora is None or c.lora.method not in ("lora", "rslora")),
+        lambda c: (
+            f"{_tp(c)} splits LoRA adapters (lora.method lora or rslora) with the layers"
+            + ("; full fine-tuning is not split" if c.lora is None else f"; lora.method={c.lora.method} is not split yet")
+            + ". Set lora.method=lora, or distributed.tensor_parallel=1."
+        ),
+    ),
+    Rule(
+        lambda c: _split(c) and c.train.objective != "sft",
+        lambda c: f"{_tp(c)} runs train.objective=sft for now. Set distributed.tensor_parallel=1.",
+    ),
+    Rule(
+        lambda c: _split(c) and (c.memory.base_weights != "device" or c.memory.embeddings != "device"),
+        lambda c: (
+            f"{_tp(c)} keeps each rank's share of the layers and the vocabulary tables on its GPU. Set "
+            "memory.base_weights=device and memory.embeddings=device, or distributed.tensor_parallel=1."
+        ),
+    ),
+    Rule(
+        lambda c: _split(c) and c.distributed.grad_compression != "none",
+        lambda c: f"{_tp(c)} does not use DDP's all-reduce, which grad_compression hooks. Set distributed.grad_compression=none.",
+    ),
+)
+
+
 def problems(cfg: Any) -> list[str]:
-    """What distributed.pipeline_parallel cannot run with in this recipe."""
-    return broken(RULES, cfg)
+    """What distributed.pipeline_parallel and tensor_parallel cannot run with in this recipe."""
+    return broken(RULES + TENSOR_RULES, cfg)
 
 
 def launch_problems(cfg: Any, world: int, layers: int | None, model_type: str | None) -> list[str]:
     """What this launch's process count and model cannot split as the recipe asks (before any weight loads);
     layers and model_type None: not known yet (checked again on the loaded model)."""
-    pp, v = cfg.distributed.pipeline_parallel, cfg.distributed.virtual_stages
+    pp, v, tp = cfg.distributed.pipeline_parallel, cfg.distributed.virtual_stages, cfg.distributed.tensor_parallel
+    if tp > 1:
+        return _tensor_launch_problems(cfg, world, model_type)
     if pp <= 1:
         return []
     out = []
@@ -208,5 +268,20 @@ def launch_problems(cfg: Any, world: int, layers: int | None, model_type: str | 
         out.append(
             f"{_by(cfg)}: the model is a {model_type!r} model; stages run the decoder families "
             f"{', '.join(FAMILIES)}. Use distributed.pipeline_parallel=1 (DDP or FSDP) for this model."
+        )
+    return out
+
+
+def _tensor_launch_problems(cfg: Any, world: int, model_type: str | None) -> list[str]:
+    tp, out = cfg.distributed.tensor_parallel, []
+    if world % tp:
+        out.append(
+            f"{_tp(cfg)} on {world} processes: the processes must be tensor-parallel ranks x replicas. "
+            f"Launch with --nproc {tp} or a multiple of it ({tp}, {2 * tp}, ...)."
+        )
+    if model_type is not None and model_type not in FAMILIES:
+        out.append(
+            f"{_tp(cfg)}: the model is a {model_type!r} model; the split is written for the decoder families "
+            f"{', '.join(FAMILIES)}. Use distributed.tensor_parallel=1 for this model."
         )
     return out

@@ -24,6 +24,7 @@ from finetune.errors import ConfigError
 from finetune.hardware import release_free_heap
 from finetune.memory import techniques
 from finetune.model.load import head_owner, model_source
+from finetune.model.partial import Split
 from finetune.parallel import compression, ddp_hooks, layout, zero_config
 from finetune.parallel.distribute import (
     check_strategy,
@@ -38,6 +39,8 @@ from finetune.parallel.distribute import (
 )
 from finetune.parallel.pipeline import Pipeline, stage_placement
 from finetune.parallel.rank_state import RankState, rng_states
+from finetune.parallel.tensor import TensorParallel, draw_lora_as_one_process, narrowed, split_dim
+from finetune.parallel.tensor import problems as tensor_problems
 
 
 def make_accelerator(precision: str, cfg: RecipeConfig | None = None):
@@ -84,18 +87,21 @@ class Parallel:
         self._zero_groups: list[list[torch.nn.Parameter]] = []  # deepspeed: the optimizer's parameters, as built
         self.layout = layout.Layout.of(cfg, accelerator.process_index, accelerator.num_processes)
         self.pipeline: Pipeline | None = None  # distributed.pipeline_parallel > 1: built by shard()
+        self.tensor: TensorParallel | None = None  # distributed.tensor_parallel > 1: built by shard()
+        self.full_config: Any = None  # a tensor-parallel rank's model config, narrowed by split()
         self.model_config: Any = None  # a pipeline's model (text) config, read by choose() before loading
 
     @classmethod
     def choose(cls, cfg: RecipeConfig, accelerator) -> Parallel:
         """The strategy for this launch (auto: DDP unless a replica would not fit), checked against the recipe."""
         world, config = accelerator.num_processes, None
-        if cfg.distributed.pipeline_parallel > 1:  # before any weight loads: the model's config.json alone
+        split = cfg.distributed.tensor_parallel > 1
+        if cfg.distributed.pipeline_parallel > 1 or split:  # before any weight loads: the model's config.json alone
             config = _text_config(cfg)
             problems = pipeline_problems(cfg, world, config)
             if problems:
                 raise ConfigError(problems)
-            strategy = "pipeline"
+            strategy = "tensor" if split else "pipeline"
         else:
             strategy = resolve_strategy(cfg, world, accelerator.device)
             check_strategy(cfg, strategy)
@@ -172,6 +178,8 @@ class Parallel:
             return f"distributed.grad_compression={method} has no effect: one process has no gradients to all-reduce"
         if self.pipeline is not None:
             return f"parallel: {self.pipeline.describe()}"
+        if self.tensor is not None:
+            return f"parallel: each decoder layer split over {self.layout.tp} processes (tensor parallel) x {self.layout.copies}"
         where = f"parallel: {self.strategy} over {self.world} processes"
         if self.strategy == "deepspeed":
             return f"{where} ({zero_config.describe(self.cfg)})"
@@ -185,6 +193,17 @@ class Parallel:
             return None
         tied = bool(getattr(config, "tie_word_embeddings", False))
         return stage_placement(self.layout, config.num_hidden_layers, tied, self.device)
+
+    def split(self) -> Split | None:
+        """A tensor-parallel rank's reading: its share of every split weight, its narrowed config; or None."""
+        if self.strategy != "tensor":
+            return None
+        from transformers import AutoConfig
+
+        whole = AutoConfig.from_pretrained(
+            model_source(self.cfg), revision=self.cfg.model.revision, trust_remote_code=self.cfg.model.trust_remote_code
+        )
+        return Split(split_dim, self.layout.tp_rank, self.layout.tp, narrowed(whole, self.layout.tp))
 
     def load_device(self, streaming: bool) -> torch.device:
         """Where the model is loaded. FSDP loads into CPU RAM and moves only this rank's shard to the
@@ -205,6 +224,22 @@ class Parallel:
                     raise ConfigError(problems)
             self.pipeline = Pipeline(model, self.layout, cfg, self.device)
             return model
+        if self.strategy == "tensor":
+            narrow = self.layout.tp
+            config = model.config.get_text_config()
+            if config.num_attention_heads * narrow != getattr(self.model_config, "num_attention_heads", None):
+                raise ConfigError(
+                    [
+                        f"distributed.tensor_parallel={narrow}: the model was not loaded split (a model given in memory "
+                        "holds every head); let the trainer load it from model.path, or set distributed.tensor_parallel=1"
+                    ]
+                )
+            self.tensor = TensorParallel(
+                model, narrow, self.layout.tp_rank, self.layout.replicas, self.layout.replica, self.device
+            )
+            draw_lora_as_one_process(model, self.tensor, cfg.seed)
+            model.finetune_local_slice = self.tensor.local  # a checkpoint's whole tensors, sliced
+            return model
         if not self.fsdp:
             return model
         shard_model(model, cfg, compute_dtype)
@@ -216,7 +251,7 @@ class Parallel:
         """accelerate's wrappers: DDP for the model (not for FSDP, which prepare() would wrap in DDP),
         with distributed.grad_compression's communication hook. (accelerate's own comm_hook option
         keeps PowerSGD's state where a checkpoint cannot reach it, and refuses bf16 on gloo.)"""
-        if self.fsdp or self.pipeline is not None:  # a pipeline sums its gradients itself (sync_gradients)
+        if self.fsdp or self.pipeline is not None or self.tensor is not None:  # these sum gradients themselves
             return model, self.accelerator.prepare(optimizer)
         if self.strategy == "deepspeed":
             # ZeRO replaces the optimizer's parameters with flat partitions: its state is read and
@@ -256,27 +291,32 @@ class Parallel:
     def counts_window(self) -> bool:
         """Whether this rank's micro-batches count in the window's totals (tokens, targets, loss). A
         pipeline's stages all hold their replica's window: its last stage counts it, once."""
+        if self.tensor is not None:  # a group's ranks hold one window: its first counts it
+            return self.layout.tp_rank == 0
         return self.pipeline is None or self.pipeline.is_last
 
     @property
     def gradient_scale(self) -> int:
         """What the window's mean loss is multiplied by in backward: the processes' number where the
         strategy averages gradients over them (DDP, FSDP, ZeRO), 1 where they are summed (a pipeline)."""
-        return 1 if self.pipeline is not None else self.world
+        return 1 if self.pipeline is not None or self.tensor is not None else self.world
 
     def sync_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """After the window's backward: a pipeline sums each stage's gradients over its replicas (the other
         strategies synced theirs inside backward)."""
         if self.pipeline is not None:
             self.pipeline.sum_gradients(params)
+        if self.tensor is not None:
+            self.tensor.sum_gradients(params)
 
     def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
         """The norm of the whole gradient before clipping, and clipping to max_norm. A pipeline's stages each
         hold a part: the norm is summed over them."""
-        if self.pipeline is None:
+        split = self.pipeline or self.tensor
+        if split is None:
             return float(self.accelerator.clip_grad_norm_(params, max_norm))
         self.accelerator.unscale_gradients()  # fp16: the GradScaler's factor out first, as accelerate does
-        return self.pipeline.clip_grad_norm(params, max_norm)
+        return split.clip_grad_norm(params, max_norm)
 
     def global_sum(self, value: float) -> float:
         return self.global_sums(value)[0]
@@ -303,9 +343,10 @@ class Parallel:
         rank calls, rank 0 writes); (None, None) when the process holds them whole already."""
         if self.strategy == "deepspeed":
             return zero_full_weights(self.unwrap(model)), zero_full_optimizer_state(zero_optimizer(optimizer), self._zero_groups)
-        if self.pipeline is not None:
+        split = self.pipeline or self.tensor
+        if split is not None:
             unwrapped = self.unwrap(model)
-            return self.pipeline.whole_trainable_state(unwrapped), self.pipeline.whole_optimizer_state(unwrapped, optimizer)
+            return split.whole_trainable_state(unwrapped), split.whole_optimizer_state(unwrapped, optimizer)
         if not self.fsdp:
             return None, None
         return full_trainable_state(model), full_optimizer_state(optimizer)
@@ -314,8 +355,9 @@ class Parallel:
         """The trained weights whole (FSDP, ZeRO: a collective), or None: `model` holds them."""
         if self.strategy == "deepspeed":
             return zero_full_weights(model)
-        if self.pipeline is not None:
-            return self.pipeline.whole_trainable_state(model)
+        split = self.pipeline or self.tensor
+        if split is not None:
+            return split.whole_trainable_state(model)
         return full_trainable_state(model) if self.fsdp else None
 
     def every_rank_state(self) -> list[RankState] | None:
@@ -362,11 +404,14 @@ def pipeline_problems(cfg: RecipeConfig, world: int, config: Any = None) -> list
     """What a launch of `world` processes cannot split as distributed.pipeline_parallel asks (the CLI asks
     before torchrun starts them, so the message comes once); config: the model's text config, read here
     when not given."""
-    if cfg.distributed.pipeline_parallel <= 1:
+    if cfg.distributed.pipeline_parallel <= 1 and cfg.distributed.tensor_parallel <= 1:
         return []
     config = config if config is not None else _text_config(cfg)
     known = (config.num_hidden_layers, config.model_type) if config is not None else (None, None)
-    return layout.launch_problems(cfg, world, *known)
+    out = layout.launch_problems(cfg, world, *known)
+    if cfg.distributed.tensor_parallel > 1 and config is not None:
+        out += tensor_problems(config, cfg.distributed.tensor_parallel)
+    return out
 
 
 def _text_config(cfg: RecipeConfig):

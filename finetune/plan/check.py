@@ -53,7 +53,9 @@ def _preflight_memory(cfg: RecipeConfig, refuse: bool) -> tuple[list[str], list[
     world = int(os.environ.get("WORLD_SIZE", "1"))
     e = plan_recipe(cfg, gpu, gpus=world)
     line = f"memory estimate: peak {gib(e.peak_bytes)} per GPU of {gib(gpu.memory_bytes)} ({gpu.name}, {world} process{'es' if world > 1 else ''})"
-    pp = cfg.distributed.pipeline_parallel
+    pp, tp = cfg.distributed.pipeline_parallel, cfg.distributed.tensor_parallel
+    if tp > 1:  # planned as a whole replica: an overestimate, never a refusal
+        return [], [f"{line} for a whole replica; a tensor-parallel rank holds about 1/{tp} of its layers (not checked)"]
     if pp > 1:
         line += f", the fullest of {pp} pipeline stages"
     if e.peak_bytes <= REFUSE_FACTOR * gpu.memory_bytes:

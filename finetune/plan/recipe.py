@@ -84,7 +84,14 @@ def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Se
     if pp > 1 and setup is None:
         # A pipeline runs on stages x replicas: fewer GPUs than stages are planned as one replica.
         return plan_pipeline(shape, recipe, setup_of(cfg, gpus if gpus >= pp else pp), gpu, **kw)
-    return estimate(shape, recipe, setup or setup_of(cfg, gpus), gpu, **kw)
+    e = estimate(shape, recipe, setup or setup_of(cfg, gpus), gpu, **kw)
+    tp = cfg.distributed.tensor_parallel
+    if tp > 1:
+        e.notes.append(
+            f"distributed.tensor_parallel={tp} is not planned yet: these are a whole replica's figures; each rank holds "
+            f"1/{tp} of the decoder layers' weights and adapters, and the embeddings, head and activations whole"
+        )
+    return e
 
 
 # `finetune plan --gpus N`: the recipe under each way of spreading it over the GPUs, side by side:

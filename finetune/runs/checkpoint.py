@@ -205,6 +205,7 @@ HARMLESS_CHANGES = (
     "distributed.pipeline_parallel",  # every stage's adapter and optimizer state are whole in a checkpoint
     "distributed.pipeline_schedule",
     "distributed.virtual_stages",
+    "distributed.tensor_parallel",  # the split tensors are gathered whole into a checkpoint, sliced again on load
 )
 
 
@@ -397,6 +398,20 @@ def follow_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
     scheduler._last_lr = lrs
 
 
+def _share_of_rank(model, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> tuple[dict, dict]:
+    """A checkpoint's whole tensors cut to this rank's share under tensor parallelism (the model's
+    finetune_local_slice, parallel/tensor.py): adapter weights and their moments alike; else as they are."""
+    local = getattr(model, "finetune_local_slice", None)
+    if local is None:
+        return weights, optimizer_state
+    names = [n for n, p in model.named_parameters() if p.requires_grad]  # the optimizer's numbering
+    state = {
+        i: {k: local(names[int(i)], v) if torch.is_tensor(v) and v.dim() else v for k, v in st.items()}
+        for i, st in optimizer_state["state"].items()
+    }
+    return {k: local(k, v) for k, v in weights.items()}, {**optimizer_state, "state": state}
+
+
 def load_checkpoint(
     path: Path,
     model,
@@ -434,6 +449,7 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint '{path}' cannot be read: {exc}") from None
     if check is not None:
         check(path, state)
+    weights, full_optimizer = _share_of_rank(model, weights, _optimizer_from_tensors(opt_tensors, opt_meta))
     zero = zero_optimizer(optimizer)
     if is_peft and zero is not None:
         # DeepSpeed ZeRO: the parameters of this rank may be empty (ZeRO-3); peft names them as the file does.
@@ -460,7 +476,6 @@ def load_checkpoint(
             f"checkpoint '{path}': weights do not match this model ({len(unexpected)} differ, e.g. {unexpected[0]})",
             hint="the recipe's LoRA shape or base model changed since the checkpoint was written",
         )
-    full_optimizer = _optimizer_from_tensors(opt_tensors, opt_meta)
     if zero is not None:  # each rank keeps its partitions of the whole tensors
         zero_load(zero, zero.finetune_param_groups, [(view[k], weights[k]) for k in sorted(weights)], full_optimizer)
     else:

@@ -324,12 +324,13 @@ def held_out_loss(
         total, count = parallel.global_sum(total), parallel.global_sum(count)
         return total / count if count else None
     total = count = 0.0
-    mine = batches[parallel.rank :: parallel.world]
+    layout = parallel.layout  # a replica's ranks (tensor parallel) run its batches together; one counts them
+    mine = batches[layout.replica :: layout.replicas]
     for r in range(parallel.eval_rounds(len(batches), len(mine))):
         rows = mine[r] if r < len(mine) else batches[0]
         batch = {k: v.to(parallel.device) for k, v in collate(list(rows)).items()}
         loss, n = compute_loss(model, batch)
-        if r < len(mine):
+        if r < len(mine) and parallel.counts_window:
             total += float(loss)
             count += n
     model.train()

@@ -126,7 +126,14 @@ def load_model_and_store(
                     model = load_model(cfg, precision=precision, device=load_on, shardable=parallel.sharded)
             else:
                 placement = parallel.placement()  # a pipeline stage: its own modules only
-                model = load_model(cfg, precision=precision, device=load_on, shardable=parallel.sharded, placement=placement)
+                model = load_model(
+                    cfg,
+                    precision=precision,
+                    device=load_on,
+                    shardable=parallel.sharded,
+                    placement=placement,
+                    split=parallel.split(),
+                )
         if getattr(model, "finetune_attention_note", None):
             say(model.finetune_attention_note)
         applied = apply_techniques(model, cfg, parallel.device, say, given=given is not None, disk_store=disk_store)

@@ -1,0 +1,239 @@
+"""Tensor parallelism (distributed.tensor_parallel): Megatron-LM's split of each decoder layer over the
+ranks of a group, on a 4-bit base. torch's DTensor cannot hold bitsandbytes' Params4bit
+(scripts/spikes/tensor_parallel_4bit.py), so the split is our own, and made before quantization:
+
+    config = narrowed(text_config, tp)           # the model a rank builds: heads / tp, kv heads / tp, MLP / tp
+    with sliced_reads(split_dim, rank, tp):      # model/partial.py: a rank reads only its rows or columns
+        model = from_pretrained(..., config=config)   # bitsandbytes quantizes the rank's slice alone
+    tensor = TensorParallel(model, layout, seed)
+
+q, k, v, gate and up are column-parallel (their output features split: whole heads, a slice of the MLP),
+o and down row-parallel (their input features split): attention and the MLP each run on a rank's share
+and one all-reduce sums their outputs; the input's gradient is all-reduced in backward (Megatron's f and
+g). Embeddings, norms and the head stay whole on every rank. LoRA is split to match, so that the
+group computes the unsplit model: a column-parallel layer keeps A whole and splits B by rows, a
+row-parallel one splits A by columns and keeps B whole; each rank's part is what one process draws
+(the same generator, whole shapes, then sliced), so checkpoints gather into one process's adapter.
+The whole (replicated) LoRA tensors get partial gradients on each rank: they are summed over the group.
+Ranks: tensor-parallel innermost, rank = replica x tp + tp_rank (a group's all-reduces stay in a node).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from finetune.errors import TrainingError
+
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features split: rows of W, and its bias
+ROW = ("o_proj", "down_proj")  # input features split: columns of W
+
+
+def split_dim(name: str) -> int | None:
+    """The dimension a checkpoint tensor or parameter is split along over the group, or None: whole.
+    `name` as the checkpoint or the (peft-wrapped) model names it."""
+    parts = name.split(".")
+    if ".layers." not in f".{name}" or len(parts) < 2:
+        return None
+    module = next((p for p in reversed(parts) if p in COLUMN or p in ROW), None)
+    if module is None:
+        return None
+    if "lora_A" in parts:
+        return 1 if module in ROW else None  # column-parallel A reads the whole input: whole
+    if "lora_B" in parts:
+        return 0 if module in COLUMN else None  # row-parallel B writes the whole output: whole
+    if parts[-1] == "bias":
+        return 0 if module in COLUMN else None
+    return 0 if module in COLUMN else 1
+
+
+def narrowed(config: Any, tp: int) -> Any:
+    """The config each rank builds its model from: its share of the heads and of the MLP; head_dim said
+    explicitly (it would otherwise be recomputed from hidden_size / heads)."""
+    out = copy.deepcopy(config)
+    text = out.get_text_config()
+    heads = text.num_attention_heads
+    text.head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    text.num_attention_heads = heads // tp
+    text.num_key_value_heads = (getattr(text, "num_key_value_heads", None) or heads) // tp
+    text.intermediate_size = text.intermediate_size // tp
+    return out
+
+
+def problems(config: Any, tp: int) -> list[str]:
+    """What does not split over `tp` ranks in this model's config (heads, kv heads, the MLP)."""
+    text = config.get_text_config()
+    heads, kv = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    out = []
+    for what, n in (("attention heads", heads), ("key/value heads", kv), ("MLP intermediate size", text.intermediate_size)):
+        if n % tp:
+            fits = [d for d in range(2, n + 1) if heads % d == 0 and kv % d == 0 and text.intermediate_size % d == 0][:5]
+            out.append(
+                f"distributed.tensor_parallel={tp}: the model's {n} {what} do not split into {tp}; values that "
+                f"split heads, key/value heads and the MLP: {', '.join(map(str, fits)) or 'none'}"
+            )
+    return out
+
+
+class _ToGroup(torch.autograd.Function):
+    """Megatron's f: the input, unchanged, to every rank's share; its gradient summed over the group."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _FromGroup(torch.autograd.Function):
+    """Megatron's g: the ranks' partial outputs summed; the gradient passes unchanged."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class TensorParallel:
+    """This rank's share of every decoder layer, and what the loop asks of it (gradients, norm, states)."""
+
+    def __init__(self, model: nn.Module, tp: int, tp_rank: int, replicas: int, replica: int, device: torch.device):
+        self.tp, self.tp_rank, self.replicas, self.device = tp, tp_rank, replicas, device
+        world = tp * replicas
+        # Every rank creates every group, in one order (torch's rule for new_group).
+        groups = [dist.new_group(list(range(r * tp, (r + 1) * tp))) for r in range(replicas)]
+        across = [dist.new_group(list(range(t, world, tp))) for t in range(tp)]
+        self.group, self.replica_group = groups[replica], across[tp_rank]
+        self.sharded = {id(p) for n, p in model.named_parameters() if p.requires_grad and split_dim(n) is not None}
+        self.hooks = []
+        for name, module in model.named_modules():
+            if name.endswith(".self_attn") or name.endswith(".mlp"):
+                self.hooks.append(module.register_forward_pre_hook(self._into, with_kwargs=True))
+                self.hooks.append(module.register_forward_hook(self._out))
+
+    def _into(self, module: nn.Module, args: tuple, kwargs: dict):
+        if args:
+            return (_ToGroup.apply(args[0], self.group), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": _ToGroup.apply(kwargs["hidden_states"], self.group)}
+
+    def _out(self, module: nn.Module, args: tuple, output: Any):
+        if isinstance(output, tuple):  # attention: (output, weights)
+            return (_FromGroup.apply(output[0], self.group), *output[1:])
+        return _FromGroup.apply(output, self.group)
+
+    # ------------------------------------------------------------------ the step
+
+    def sum_gradients(self, params: list[nn.Parameter]) -> None:
+        """Whole LoRA tensors summed over the group (each rank's gradient is its share's part); then every
+        gradient summed over the replicas (other examples)."""
+        whole = [p for p in params if id(p) not in self.sharded]
+        for group, ps in ((self.group, whole), (self.replica_group, params if self.replicas > 1 else [])):
+            if not ps:
+                continue
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for p in ps:
+                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
+        """The whole gradient's norm (split tensors' squares summed over the group, whole ones once), and
+        clipping to max_norm with it by torch's rule."""
+        split = torch.zeros((), dtype=torch.float64, device=self.device)
+        whole = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in params:
+            if p.grad is not None:
+                part = p.grad.detach().double().pow(2).sum()
+                if id(p) in self.sharded:
+                    split += part
+                else:
+                    whole += part
+        dist.all_reduce(split, group=self.group)
+        norm = float((split + whole).sqrt())
+        coef = max_norm / (norm + 1e-6)
+        if math.isfinite(norm) and coef < 1:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.detach().mul_(coef)
+        return norm
+
+    # ------------------------------------------------------------------ whole states for a checkpoint
+
+    def _whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A tensor of `name` whole: the group's slices concatenated (a collective), or itself."""
+        dim = split_dim(name)
+        if dim is None or t.dim() == 0:
+            return t.detach().cpu()
+        parts = [torch.empty_like(t) for _ in range(self.tp)]
+        dist.all_gather(parts, t.detach().contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim).cpu()
+
+    def whole_trainable_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """{name: whole tensor on CPU} of every trained parameter on rank 0 (every rank calls)."""
+        out = {n: self._whole(n, p) for n, p in model.named_parameters() if p.requires_grad}
+        return out if dist.get_rank() == 0 else None
+
+    def whole_optimizer_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any] | None:
+        """The optimizer state whole (moments of split tensors gathered), on rank 0; one process's numbering:
+        every rank holds every trainable parameter, in the same order."""
+        sd = optimizer.state_dict()
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        if len(sd["param_groups"]) != 1:
+            raise TrainingError(
+                f"distributed.tensor_parallel checkpoints an optimizer with one parameter group; this one has {len(sd['param_groups'])}",
+                hint="pass an optimizer with one group, or set distributed.tensor_parallel=1",
+            )
+        state = {
+            i: {k: (self._whole(names[i], v) if torch.is_tensor(v) and v.dim() else v) for k, v in sorted(s.items())}
+            for i, s in sorted(sd["state"].items())
+        }
+        return {"state": state, "param_groups": sd["param_groups"]} if dist.get_rank() == 0 else None
+
+    def local(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a whole tensor of `name` (a checkpoint's, or one process's draw)."""
+        dim = split_dim(name)
+        if dim is None or whole.dim() == 0:
+            return whole
+        n = whole.shape[dim] // self.tp
+        return whole.narrow(dim, self.tp_rank * n, n)
+
+
+def draw_lora_as_one_process(model: nn.Module, tensor: TensorParallel, seed: int) -> None:
+    """Each rank's LoRA tensors set to its share of what one process draws (peft's order per layer: A and B
+    built as nn.Linear, then A by kaiming_uniform_ and B zero): the group is the unsplit adapter, and a
+    checkpoint gathers into one process's. The generator is left where one process's would be."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            a_layers: Any = getattr(module, "lora_A", None)
+            b_layers: Any = getattr(module, "lora_B", None)
+            if not isinstance(a_layers, nn.ModuleDict) or not a_layers:
+                continue
+            for adapter, a_module in a_layers.items():
+                a: Any = a_module
+                b = b_layers[adapter]
+                a_name, b_name = f"{name}.lora_A.{adapter}.weight", f"{name}.lora_B.{adapter}.weight"
+                whole_in = int(a.in_features) * (tensor.tp if split_dim(a_name) == 1 else 1)
+                whole_out = int(b.out_features) * (tensor.tp if split_dim(b_name) == 0 else 1)
+                full_a = nn.Linear(whole_in, int(a.out_features), bias=False).weight
+                nn.Linear(int(b.in_features), whole_out, bias=False)  # peft builds B this way too: its draws
+                nn.init.kaiming_uniform_(full_a, a=math.sqrt(5))
+                a.weight.copy_(tensor.local(a_name, full_a))
+                b.weight.zero_()

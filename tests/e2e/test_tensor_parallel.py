@@ -1,0 +1,115 @@
+"""Tensor parallelism (distributed.tensor_parallel) on CPU, gloo, a tiny Llama in 4-bit, fp32: each rank
+reads and quantizes its share of every layer, and the group trains as one process does (losses, pre-clip
+gradient norms, adapter), alone and with replicas; a checkpoint of one process resumes split. Through the
+real launcher. Double quantization is off here: its second-level constants group 256 blocks, which a
+row-parallel split regroups (the base differs from the unsplit one by that rounding, not by the split).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import assert_same_steps, build_char_tokenizer, build_tiny_llama, free_port, step_rows
+from test_distributed import adapter, assert_adapters_close, finetune, write
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> tuple[Path, dict]:
+    """The tiny Llama at hidden 128 (4 heads, 2 key/value heads, MLP 256: each 4-bit block of 64 stays in
+    one rank's share), 2 micro-batches per step, clipping at a norm every step exceeds."""
+    from conftest import ALPACA_ROWS, write_jsonl
+
+    root = tmp_path_factory.mktemp("tensor")
+    model = root / "model"
+    model.mkdir()
+    build_tiny_llama(model, vocab_size=len(build_char_tokenizer(model)), hidden=128, layers=2)
+    recipe = {
+        "model": {"path": str(model)},
+        "data": {"path": str(write_jsonl(root / "train.jsonl", ALPACA_ROWS)), "format": "alpaca", "max_seq_len": 256},
+        "seed": 0,
+        "precision": "fp32",
+        "quant": {"bits": 4, "double_quant": False},
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+        "train": {
+            "max_steps": STEPS,
+            "batch_size": 4,
+            "grad_accum": 2,
+            "lr": 1e-3,
+            "max_grad_norm": 0.5,
+            "scheduler": "constant",
+        },
+        "checkpoint": {"every_steps": 2},
+    }
+    return root, recipe
+
+
+@pytest.fixture(scope="module")
+def one_process(base) -> Path:
+    root, recipe = base
+    path, out = write(root, recipe, "one")
+    finetune(str(path), cwd=root)
+    return out
+
+
+@pytest.mark.parametrize("nproc, batch", [(2, 4), (4, 2)], ids=["tp2", "tp2xdp2"])
+def test_tensor_parallel_matches_one_process(base, one_process, nproc, batch):
+    root, recipe = base
+    path, out = write(root, recipe, f"tp-{nproc}", train__batch_size=batch, distributed={"tensor_parallel": 2})
+    proc = finetune(str(path), "--nproc", str(nproc), cwd=root)
+    replicas = "1 replica" if nproc == 2 else "2 replicas"
+    assert f"parallel: each decoder layer split over 2 processes (tensor parallel) x {replicas} of 2" in proc.stdout
+    assert all(norm > 0.5 for _, norm in step_rows(one_process))  # every update clipped
+    assert_same_steps(one_process, out, rel=1e-5)
+    assert_adapters_close(adapter(one_process), adapter(out))  # gathered whole, as one process writes it
+
+
+DRIVER = """
+import os, sys
+from finetune.config.schema import load_recipe
+from finetune.parallel.tensor import TensorParallel
+from finetune.trainer import Trainer
+
+if os.environ.get("UNSUMMED"):  # the whole LoRA tensors' partial gradients left unsummed over the group
+    summed = TensorParallel.sum_gradients
+    def unsummed(self, params):
+        self.sharded = {id(p) for p in params}  # every tensor taken for a split one
+        summed(self, params)
+    TensorParallel.sum_gradients = unsummed
+Trainer(load_recipe(sys.argv[1]), progress=False).train()
+"""
+
+
+def test_a_gradient_not_summed_over_the_group_fails_the_comparison(base, one_process, tmp_path):
+    root, recipe_dict = base
+    recipe, out = write(tmp_path, recipe_dict, "unsummed", distributed={"tensor_parallel": 2})
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "UNSUMMED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    proc = subprocess.run([*cmd, str(driver), str(recipe)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (loss_one, norm_one), (loss_bad, norm_bad) = step_rows(one_process)[0], step_rows(out)[0]
+    assert loss_bad == pytest.approx(loss_one, rel=1e-5)  # the first forward is the same
+    assert norm_bad != pytest.approx(norm_one, rel=1e-3)  # its gradient is not
+    with pytest.raises(AssertionError, match="differ"):
+        assert_same_steps(one_process, out, rel=1e-5)
+
+
+def test_a_checkpoint_of_one_process_resumes_split_to_the_same_adapter(base, one_process, tmp_path):
+    # Whole tensors in every checkpoint: sliced for each rank on load, moments too.
+    root, recipe_dict = base
+    step2 = one_process / "checkpoints" / "step-2"
+    recipe, out = write(tmp_path, recipe_dict, "resumed", distributed={"tensor_parallel": 2}, resume=str(step2))
+    proc = finetune(str(recipe), "--nproc", "2", cwd=tmp_path)
+    assert "resum" in proc.stdout.lower()
+    done = step_rows(out)  # steps 3 and 4, as the uninterrupted run took them
+    assert [x for row in done for x in row] == pytest.approx([x for row in step_rows(one_process)[2:] for x in row], rel=1e-5)
+    assert_adapters_close(adapter(one_process), adapter(out))

@@ -1,0 +1,133 @@
+"""Tensor parallelism without processes: which tensors split along which dimension, the config a rank
+builds, the rank grid, what a recipe or a launch cannot split, and a rank's share read from the
+checkpoint (no other bytes). The multi-process runs: tests/e2e/test_tensor_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_tiny_llama
+from test_config import MINIMAL, problems_of
+
+from finetune.model.partial import Split
+from finetune.parallel.layout import Layout
+from finetune.parallel.tensor import narrowed, problems, split_dim
+
+L = "base_model.model.model.layers.3"
+
+
+@pytest.mark.parametrize(
+    "name, dim",
+    [
+        ("model.layers.0.self_attn.q_proj.weight", 0),  # column-parallel: its heads' rows
+        ("model.layers.0.self_attn.k_proj.bias", 0),  # Qwen2's biases go with the rows
+        ("model.layers.0.self_attn.o_proj.weight", 1),  # row-parallel: its heads' columns
+        ("model.layers.0.mlp.gate_proj.weight", 0),
+        ("model.layers.0.mlp.down_proj.weight", 1),
+        ("model.layers.0.input_layernorm.weight", None),  # norms, embeddings, head: whole
+        ("model.embed_tokens.weight", None),
+        ("lm_head.weight", None),
+        (f"{L}.self_attn.q_proj.lora_A.default.weight", None),  # column: A reads the whole input
+        (f"{L}.self_attn.q_proj.lora_B.default.weight", 0),
+        (f"{L}.mlp.down_proj.lora_A.default.weight", 1),  # row: A reads the rank's share
+        (f"{L}.mlp.down_proj.lora_B.weight", None),  # (as an adapter file names it) B writes the whole output
+        (f"{L}.self_attn.q_proj.base_layer.weight", 0),
+    ],
+)
+def test_each_tensor_splits_along_megatrons_dimension(name, dim):
+    assert split_dim(name) == dim
+
+
+def test_a_rank_builds_its_share_of_heads_and_mlp_with_the_head_dim_kept():
+    from transformers import LlamaConfig
+
+    whole = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+    mine = narrowed(whole, 2)
+    assert (mine.num_attention_heads, mine.num_key_value_heads, mine.intermediate_size, mine.head_dim) == (2, 1, 128, 32)
+    assert whole.num_attention_heads == 4  # the whole config untouched
+    assert problems(whole, 2) == []
+    (said,) = problems(whole, 4)  # 2 key/value heads do not split into 4
+    assert "the model's 2 key/value heads do not split into 4; values that split heads, key/value heads and the MLP: 2" in said
+
+
+def test_ranks_are_numbered_tensor_parallel_innermost():
+    grid = [Layout(1, 2, r, tp=2) for r in range(4)]
+    assert [(x.replica, x.tp_rank) for x in grid] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert grid[3].copies == "2 replicas of 2 tensor-parallel ranks"
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        ({"distributed": {"tensor_parallel": 2, "pipeline_parallel": 2, "pipeline_schedule": "gpipe"}}, "do not compose yet"),
+        ({"distributed": {"tensor_parallel": 2, "strategy": "fsdp"}}, "it does not shard them"),
+        ({"distributed": {"tensor_parallel": 2}, "lora": {"method": "dora"}}, "lora.method=dora is not split yet"),
+        ({"distributed": {"tensor_parallel": 2}, "memory": {"base_weights": "cpu"}}, "memory.base_weights=device"),
+        ({"distributed": {"tensor_parallel": 2}, "memory": {"embeddings": "cpu"}}, "memory.embeddings=device"),
+    ],
+)
+def test_a_recipe_tensor_parallelism_cannot_run_is_refused_naming_the_fix(extra, says):
+    assert any(says in p for p in problems_of({**MINIMAL, **extra}))
+
+
+def test_a_launch_that_cannot_split_is_refused_before_loading(tmp_path):
+    from finetune.config.schema import build_recipe
+    from finetune.parallel.runtime import pipeline_problems
+
+    build_tiny_llama(tmp_path, vocab_size=64, hidden=128)  # 4 heads, 2 key/value heads
+    cfg = build_recipe({**MINIMAL, "model": {"path": str(tmp_path)}, "distributed": {"tensor_parallel": 4}})
+    said = pipeline_problems(cfg, 6)
+    assert any("on 6 processes: the processes must be tensor-parallel ranks x replicas" in p for p in said)
+    assert any("2 key/value heads do not split into 4" in p for p in said)
+
+
+def test_a_rank_reads_only_its_share_of_each_split_weight(tmp_path, monkeypatch):
+    # What the loader materializes per rank: the split weights' slices only; quantized from them.
+    import transformers.modeling_utils as loading
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from finetune.config.schema import build_recipe
+    from finetune.model.load import load_base_model
+
+    build_tiny_llama(tmp_path, vocab_size=64, hidden=128)
+    whole = load_file(str(tmp_path / "model.safetensors"))
+    read: dict[str, tuple] = {}
+    opened = loading.safe_open
+
+    class File:
+        def __init__(self, *args, **kwargs):
+            self.inner = opened(*args, **kwargs)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_slice(self, key):
+            lazy = self.inner.get_slice(key)
+
+            class Counted:
+                def __getitem__(self, index):
+                    got = lazy[index]
+                    read[key] = tuple(got.shape)
+                    return got
+
+                def __getattr__(self, name):
+                    return getattr(lazy, name)
+
+            return Counted()
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+    monkeypatch.setattr(loading, "safe_open", File)
+    cfg = build_recipe({**MINIMAL, "model": {"path": str(tmp_path)}, "precision": "fp32", "quant": {"bits": None}})
+    conf = narrowed(AutoConfig.from_pretrained(tmp_path), 2)
+    model = load_base_model(cfg, "fp32", torch.device("cpu"), split=Split(split_dim, 1, 2, conf))
+    assert read["model.layers.0.self_attn.q_proj.weight"] == (64, 128)  # 2 of 4 heads x 32
+    assert read["model.layers.0.self_attn.o_proj.weight"] == (128, 64)
+    assert read["model.layers.0.mlp.down_proj.weight"] == (128, 128)
+    assert read["model.embed_tokens.weight"] == (64, 128)  # whole
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert torch.equal(q, whole["model.layers.0.self_attn.q_proj.weight"][64:])  # rank 1: the second half
+    down = model.model.layers[1].mlp.down_proj.weight
+    assert torch.equal(down, whole["model.layers.1.mlp.down_proj.weight"][:, 128:])
