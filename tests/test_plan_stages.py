@@ -112,3 +112,33 @@ def test_plan_fit_and_max_seq_say_they_do_not_search_pipelines():
 def test_a_pipeline_that_cannot_split_the_model_is_refused_by_the_plan():
     with pytest.raises(PlanError, match="must split evenly"):
         plan_recipe(recipe("distributed.pipeline_parallel=3", "train.grad_accum=3"), find_gpu("rtx4090"), gpus=3)  # 80 layers
+
+
+def test_a_ranks_planned_weights_are_what_its_loaded_stage_holds(tmp_path):
+    # The real loader, a stage of a 4-layer 4-bit Llama (hidden 256): the bytes of every parameter it holds
+    # (not on the meta device) and of its quantization constants, against the planner's weight terms.
+    import torch
+    from conftest import build_tiny_llama
+
+    from finetune.config.schema import build_recipe
+    from finetune.model.load import load_model
+    from finetune.parallel.pipeline import stage_placement
+
+    build_tiny_llama(tmp_path, vocab_size=512, hidden=256, layers=4)
+    recipe = {"model": {"path": str(tmp_path)}, "data": {"path": "d.jsonl"}, "output_dir": "o", "precision": "fp32"}
+    cfg = build_recipe({**recipe, "lora": {"r": 8}, "distributed": {"pipeline_parallel": 2, "pipeline_schedule": "gpipe"}})
+    shape, facts, kw = planning_inputs(cfg, None)
+    one = replace(setup_of(cfg, 2), gpus=1, pipeline_parallel=1)
+    for rank in (0, 1):
+        planned = estimate(rank_shape(shape, Layout(2, 1, rank)), facts, one, None, **kw)
+        place = stage_placement(Layout(2, 1, rank), 4, False, torch.device("cpu"))
+        model = load_model(cfg, "fp32", torch.device("cpu"), placement=place)
+        held = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+        constants = sum(
+            m.weight.quant_state.absmax.numel() * m.weight.quant_state.absmax.element_size()
+            + m.weight.quant_state.state2.absmax.numel() * 4  # double quant's second-level constants
+            for m in model.modules()
+            if getattr(getattr(m, "weight", None), "quant_state", None) is not None and not m.weight.is_meta
+        )
+        terms = ("weights_quantized", "quant_constants", "weights_unquantized", "lora_weights")
+        assert held + constants == pytest.approx(sum(planned.component(k) for k in terms), rel=0.01)
