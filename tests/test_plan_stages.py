@@ -49,6 +49,8 @@ def test_each_rank_holds_its_layers_and_the_first_the_embeddings_the_last_the_he
         ("1f1b", 4, 1, 2, [2, 2, 2, 1]),  # never more than there are micro-batches
         ("interleaved_1f1b", 2, 2, 4, [2.5, 1.5]),  # (2 (P - 1 - r) + (V - 1) P + 1) chunks of 1/V of the layers
         ("interleaved_1f1b", 2, 2, 1, [1.0, 1.0]),  # capped at m x V chunks
+        ("interleaved_1f1b", 4, 2, 6, [6.0, 5.5, 4.5, 3.5]),  # a round of 6 when m is no multiple of P (torch's)
+        ("interleaved_1f1b", 4, 2, 2, [2.0, 2.0, 2.0, 1.5]),
     ],
 )
 def test_the_micro_batches_a_rank_holds_follow_its_schedule(schedule, pp, v, m, held):

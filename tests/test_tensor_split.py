@@ -64,6 +64,8 @@ def test_ranks_are_numbered_tensor_parallel_innermost():
         ({"distributed": {"tensor_parallel": 2}, "lora": {"method": "dora"}}, "lora.method=dora is not split yet"),
         ({"distributed": {"tensor_parallel": 2}, "memory": {"base_weights": "cpu"}}, "memory.base_weights=device"),
         ({"distributed": {"tensor_parallel": 2}, "memory": {"embeddings": "cpu"}}, "memory.embeddings=device"),
+        ({"distributed": {"tensor_parallel": 2}, "memory": {"optimizer_offload": True}}, "memory.optimizer_offload=false"),
+        ({"distributed": {"tensor_parallel": 2}, "precision": "fp16"}, "decide each rank's skip alone"),
     ],
 )
 def test_a_recipe_tensor_parallelism_cannot_run_is_refused_naming_the_fix(extra, says):
@@ -131,3 +133,24 @@ def test_a_rank_reads_only_its_share_of_each_split_weight(tmp_path, monkeypatch)
     assert torch.equal(q, whole["model.layers.0.self_attn.q_proj.weight"][64:])  # rank 1: the second half
     down = model.model.layers[1].mlp.down_proj.weight
     assert torch.equal(down, whole["model.layers.1.mlp.down_proj.weight"][:, 128:])
+
+
+def test_a_tensor_parallel_plan_counts_its_replicas_not_its_ranks(tmp_path):
+    from finetune.config.schema import build_recipe
+    from finetune.gpus import find_gpu
+    from finetune.plan import plan_recipe
+
+    build_tiny_llama(tmp_path, vocab_size=64, hidden=128)
+    recipe = {**MINIMAL, "model": {"path": str(tmp_path)}, "train": {"batch_size": 2, "grad_accum": 3}}
+    split = plan_recipe(build_recipe({**recipe, "distributed": {"tensor_parallel": 2}}), find_gpu("rtx4090"), gpus=4)
+    assert split.setup.global_batch == 2 * 3 * 2  # 4 processes = 2 replicas of 2 ranks
+    assert "the figures of 2 whole replicas on one GPU each" in split.notes[-1]
+
+
+def test_only_the_whole_lora_tensors_a_share_adds_to_are_summed_over_the_group():
+    from finetune.parallel.tensor import partial_gradient
+
+    assert partial_gradient(f"{L}.self_attn.q_proj.lora_A.default.weight")  # every rank's rows feed its input gradient
+    assert partial_gradient(f"{L}.mlp.down_proj.lora_B.default.weight")  # every rank adds to its output
+    assert not partial_gradient(f"{L}.self_attn.q_proj.lora_B.default.weight")  # split: each rank its own rows
+    assert not partial_gradient("base_model.model.lm_head.lora_A.default.weight")  # whole computation on every rank

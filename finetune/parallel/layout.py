@@ -231,6 +231,18 @@ TENSOR_RULES: tuple[Rule[Any], ...] = (
         ),
     ),
     Rule(
+        lambda c: _split(c) and (c.memory.optimizer_offload or c.precision == "fp16"),
+        lambda c: (
+            f"{_tp(c)} with "
+            + ("memory.optimizer_offload=true (the moments in host RAM)" if c.memory.optimizer_offload else "precision=fp16")
+            + ": not split yet"
+            + ("" if c.memory.optimizer_offload else " (the GradScaler would decide each rank's skip alone)")
+            + ". Set "
+            + ("memory.optimizer_offload=false" if c.memory.optimizer_offload else "precision=bf16 or fp32")
+            + ", or distributed.tensor_parallel=1."
+        ),
+    ),
+    Rule(
         lambda c: _split(c) and c.distributed.grad_compression != "none",
         lambda c: f"{_tp(c)} does not use DDP's all-reduce, which grad_compression hooks. Set distributed.grad_compression=none.",
     ),

@@ -234,6 +234,12 @@ class Parallel:
                         "holds every head); let the trainer load it from model.path, or set distributed.tensor_parallel=1"
                     ]
                 )
+            if compute_dtype == torch.float16:  # precision=auto chose fp16 (a GPU without bf16)
+                raise ConfigError(
+                    [
+                        f"distributed.tensor_parallel={narrow} with fp16: the GradScaler would decide each rank's skip alone. Set precision=fp32."
+                    ]
+                )
             self.tensor = TensorParallel(
                 model, narrow, self.layout.tp_rank, self.layout.replicas, self.layout.replica, self.device
             )

@@ -52,6 +52,16 @@ def split_dim(name: str) -> int | None:
     return 0 if module in COLUMN else 1
 
 
+def partial_gradient(name: str) -> bool:
+    """Whether a whole (unsplit) LoRA tensor's gradient on one rank is only its share's part, to be summed over
+    the group: A of a column-parallel layer (its input's gradient comes from every rank's rows) and B of a
+    row-parallel one (every rank adds to its output). LoRA outside the split layers (lm_head, embeddings)
+    sees the whole computation on every rank: its gradient is whole already."""
+    parts = name.split(".")
+    module = next((p for p in reversed(parts) if p in COLUMN or p in ROW), None)
+    return ("lora_A" in parts and module in COLUMN) or ("lora_B" in parts and module in ROW)
+
+
 def narrowed(config: Any, tp: int) -> Any:
     """The config each rank builds its model from: its share of the heads and of the MLP; head_dim said
     explicitly (it would otherwise be recomputed from hidden_size / heads)."""
@@ -119,7 +129,16 @@ class TensorParallel:
         groups = [dist.new_group(list(range(r * tp, (r + 1) * tp))) for r in range(replicas)]
         across = [dist.new_group(list(range(t, world, tp))) for t in range(tp)]
         self.group, self.replica_group = groups[replica], across[tp_rank]
-        self.sharded = {id(p) for n, p in model.named_parameters() if p.requires_grad and split_dim(n) is not None}
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.sharded = {id(p) for n, p in named if split_dim(n) is not None}
+        self.partial = {id(p) for n, p in named if partial_gradient(n)}
+        self.names = {id(p): n for n, p in named}
+        if tp_rank:  # a row-parallel layer's bias is added once, by the first rank: the group's sum adds the others'
+            with torch.no_grad():
+                for name, module in model.named_modules():
+                    leaf = name.removesuffix(".base_layer").rsplit(".", 1)[-1]
+                    if leaf in ROW and not name.endswith(("lora_A", "lora_B")) and getattr(module, "bias", None) is not None:
+                        module.bias.zero_()
         self.hooks = []
         for name, module in model.named_modules():
             if name.endswith(".self_attn") or name.endswith(".mlp"):
@@ -139,10 +158,10 @@ class TensorParallel:
     # ------------------------------------------------------------------ the step
 
     def sum_gradients(self, params: list[nn.Parameter]) -> None:
-        """Whole LoRA tensors summed over the group (each rank's gradient is its share's part); then every
-        gradient summed over the replicas (other examples)."""
-        whole = [p for p in params if id(p) not in self.sharded]
-        for group, ps in ((self.group, whole), (self.replica_group, params if self.replicas > 1 else [])):
+        """The whole LoRA tensors whose gradient is a share's part summed over the group (partial_gradient);
+        then every gradient summed over the replicas (other examples)."""
+        partial = [p for p in params if id(p) in self.partial]
+        for group, ps in ((self.group, partial), (self.replica_group, params if self.replicas > 1 else [])):
             if not ps:
                 continue
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
@@ -194,7 +213,8 @@ class TensorParallel:
         """The optimizer state whole (moments of split tensors gathered), on rank 0; one process's numbering:
         every rank holds every trainable parameter, in the same order."""
         sd = optimizer.state_dict()
-        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        params = [p for group in optimizer.param_groups for p in group["params"]]  # the state's numbering
+        names = [self.names.get(id(p), "") for p in params]
         if len(sd["param_groups"]) != 1:
             raise TrainingError(
                 f"distributed.tensor_parallel checkpoints an optimizer with one parameter group; this one has {len(sd['param_groups'])}",

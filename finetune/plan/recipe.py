@@ -84,12 +84,14 @@ def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Se
     if pp > 1 and setup is None:
         # A pipeline runs on stages x replicas: fewer GPUs than stages are planned as one replica.
         return plan_pipeline(shape, recipe, setup_of(cfg, gpus if gpus >= pp else pp), gpu, **kw)
-    e = estimate(shape, recipe, setup or setup_of(cfg, gpus), gpu, **kw)
     tp = cfg.distributed.tensor_parallel
+    replicas = max(1, gpus // tp) if setup is None else None  # a tensor-parallel group runs one replica
+    e = estimate(shape, recipe, setup or setup_of(cfg, replicas or gpus), gpu, **kw)
     if tp > 1:
         e.notes.append(
-            f"distributed.tensor_parallel={tp} is not planned yet: these are a whole replica's figures; each rank holds "
-            f"1/{tp} of the decoder layers' weights and adapters, and the embeddings, head and activations whole"
+            f"distributed.tensor_parallel={tp} is not planned yet: these are the figures of {replicas or gpus} whole "
+            f"replica{'s' if (replicas or gpus) > 1 else ''} on one GPU each; each of the {tp} ranks of a replica holds "
+            f"1/{tp} of its decoder layers' weights and adapters, the embeddings, head and activations whole"
         )
     return e
 

@@ -6,8 +6,8 @@ replicas' gradient all-reduce is DDP's over `replicas` GPUs. What no single-GPU 
 
   held micro-batches  the saved activations of every micro-batch that has run this rank's forward and not
                       yet its backward: GPipe all m; 1F1B at most P - r on rank r (torch's Schedule1F1B
-                      warms up P - 1 - r of them); interleaved, 2 (P - 1 - r) + (V - 1) P + 1 chunks of
-                      1/V of the rank's layers each (ScheduleInterleaved1F1B's warm-up, Megatron's).
+                      warms up P - r); interleaved, 2 (P - 1 - r) + (V - 1) R + 1 chunks of 1/V of the
+                      rank's layers each, R = m // (m // P) micro-batches a round (ScheduleInterleaved1F1B).
   bubble              the step is the slowest rank's micro-batches plus (P - 1) slots in which it waits
                       for the others to fill and drain the pipe: (m + P - 1) / m of its busy time; V
                       virtual stages make each slot 1/V as long.
@@ -65,7 +65,8 @@ def held_micro_batches(schedule: str, layout: Layout, micro_batches: int) -> flo
         return float(m)
     if schedule == "1f1b":
         return float(min(m, p - r))
-    chunks = min(m * v, 2 * (p - 1 - r) + (v - 1) * p + 1)  # each chunk: 1/V of the rank's layers
+    per_round = m // max(1, m // p)  # torch's micro-batches per round (p when m is a multiple of p)
+    chunks = min(m * v, 2 * (p - 1 - r) + (v - 1) * per_round + 1)  # each chunk: 1/V of the rank's layers
     return chunks / v
 
 

@@ -398,13 +398,14 @@ def follow_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
     scheduler._last_lr = lrs
 
 
-def _share_of_rank(model, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> tuple[dict, dict]:
+def _share_of_rank(model, optimizer, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> tuple[dict, dict]:
     """A checkpoint's whole tensors cut to this rank's share under tensor parallelism (the model's
     finetune_local_slice, parallel/tensor.py): adapter weights and their moments alike; else as they are."""
     local = getattr(model, "finetune_local_slice", None)
     if local is None:
         return weights, optimizer_state
-    names = [n for n, p in model.named_parameters() if p.requires_grad]  # the optimizer's numbering
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    names = [name_of.get(id(p), "") for group in optimizer.param_groups for p in group["params"]]  # its numbering
     state = {
         i: {k: local(names[int(i)], v) if torch.is_tensor(v) and v.dim() else v for k, v in st.items()}
         for i, st in optimizer_state["state"].items()
@@ -449,7 +450,7 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint '{path}' cannot be read: {exc}") from None
     if check is not None:
         check(path, state)
-    weights, full_optimizer = _share_of_rank(model, weights, _optimizer_from_tensors(opt_tensors, opt_meta))
+    weights, full_optimizer = _share_of_rank(model, optimizer, weights, _optimizer_from_tensors(opt_tensors, opt_meta))
     zero = zero_optimizer(optimizer)
     if is_peft and zero is not None:
         # DeepSpeed ZeRO: the parameters of this rank may be empty (ZeRO-3); peft names them as the file does.

@@ -113,3 +113,36 @@ def test_a_checkpoint_of_one_process_resumes_split_to_the_same_adapter(base, one
     done = step_rows(out)  # steps 3 and 4, as the uninterrupted run took them
     assert [x for row in done for x in row] == pytest.approx([x for row in step_rows(one_process)[2:] for x in row], rel=1e-5)
     assert_adapters_close(adapter(one_process), adapter(out))
+
+
+def test_biased_layers_and_a_lora_on_the_head_train_as_one_process(base, tmp_path):
+    # A row-parallel bias must be added once, not once per rank; a LoRA outside the split layers (the head)
+    # has its whole gradient on every rank, which a sum over the group would multiply.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root, recipe = base
+    biased = tmp_path / "biased"
+    import torch
+
+    torch.manual_seed(0)
+    config = LlamaConfig.from_pretrained(recipe["model"]["path"])
+    config.attention_bias = config.mlp_bias = True
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # random init leaves biases zero: make them count
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(biased)
+    for f in Path(recipe["model"]["path"]).glob("tokenizer*"):
+        (biased / f.name).write_bytes(f.read_bytes())
+    lora = {**recipe["lora"], "target": ["q_proj", "o_proj", "up_proj", "down_proj", "lm_head"]}
+    one, one_out = write(tmp_path, recipe, "one", model={"path": str(biased)}, lora=lora)
+    finetune(str(one), cwd=tmp_path)
+    split, out = write(tmp_path, recipe, "split", model={"path": str(biased)}, lora=lora, distributed={"tensor_parallel": 2})
+    finetune(str(split), "--nproc", "2", cwd=tmp_path)
+    assert_same_steps(one_out, out, rel=1e-5)
+    # peft also saves the head's frozen base weight when one process writes the adapter; a gathered state
+    # holds the trained tensors only (as under FSDP and a pipeline): the LoRA tensors are compared.
+    mine, theirs = adapter(out), adapter(one_out)
+    assert set(theirs) - set(mine) == {"base_model.model.lm_head.base_layer.weight"}
+    assert_adapters_close({k: theirs[k] for k in mine}, mine)
