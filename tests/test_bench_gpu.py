@@ -46,6 +46,7 @@ def test_every_tool_trains_the_same_examples_and_a_recipe_runs_beside_its_plan(t
         assert row["trained_tok_s"] > 0 and row["tok_s"] > row["trained_tok_s"]
         assert math.isfinite(row["eval_loss"]) and 7.0 < row["eval_loss"] < 9.5  # ~ln(4096) = 8.3 at random init
         assert row["mfu"] is None and row["peak_train_gib"] is None  # a CPU: no CUDA peak, no bf16 peak
+        assert len(row["train_losses"]) == row["steps"] and all(7.0 < x < 9.5 for x in row["train_losses"])  # one a step
     assert peers["trl"]["speed_vs_baseline"] == 1.0
     assert peers["finetune_sdpa"]["settings"] == ["model.attn_implementation=sdpa"]
     recipe = results["recipes"]["llama-3.1-8b/qlora-1x24gb"]
