@@ -95,6 +95,13 @@ PLANS: dict[str, tuple[str, str, tuple[str, ...], str, int]] = {
     ),
     "off-l3-cpu": ("qlora-offload-1x12gb", "llama-3-8b", (*_ALL, "memory.base_weights=cpu"), "rtx3060", 1),
     "pp4": ("qlora-pipeline-4x24gb", "llama-3-70b", (), "rtx4090", 4),
+    "tp4": (
+        "qlora-pipeline-4x24gb",
+        "llama-3-70b",
+        ("distributed.pipeline_parallel=1", "distributed.tensor_parallel=4"),
+        "rtx4090",
+        4,
+    ),
     "pp2": ("qlora-pipeline-4x24gb", "llama-3-70b", ("distributed.pipeline_parallel=2",), "rtx4090", 2),
     "st": ("qlora-stream-70b-1x24gb", "llama-3-70b", (), "rtx4090", 1),
     "st-q72": ("qlora-stream-70b-1x24gb", "qwen2.5-72b", (), "rtx4090", 1),
@@ -181,6 +188,9 @@ _Y = "recipes/{}.yaml".format
 ROWS: dict[str, list[tuple[str, Value, str]]] = {
     RM: [
         ("only its quarter of the checkpoint; predicted {} GiB on the fullest GPU", lambda: peak("pp4"), ".2f"),
+        ("`distributed.tensor_parallel=4`: {} tokens/s planned", lambda: tps("tp4"), ",.0f"),
+        ("its all-reduces over PCIe | {} GiB |", lambda: peak("tp4"), ".2f"),
+        ("its all-reduces over PCIe | {*} GiB | {} GiB |", lambda: host("tp4"), ".2f"),
         ("layers stream from host RAM | {} GiB |", lambda: peak("st"), ".2f"),
         ("layers stream from host RAM | {*} GiB | {} GiB |", lambda: host("st"), ".2f"),
         ("2 pipeline stages would need {} GiB on the fullest", lambda: peak("pp2"), ".2f"),

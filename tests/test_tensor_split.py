@@ -144,7 +144,7 @@ def test_a_tensor_parallel_plan_counts_its_replicas_not_its_ranks(tmp_path):
     recipe = {**MINIMAL, "model": {"path": str(tmp_path)}, "train": {"batch_size": 2, "grad_accum": 3}}
     split = plan_recipe(build_recipe({**recipe, "distributed": {"tensor_parallel": 2}}), find_gpu("rtx4090"), gpus=4)
     assert split.setup.global_batch == 2 * 3 * 2  # 4 processes = 2 replicas of 2 ranks
-    assert "the figures of 2 whole replicas on one GPU each" in split.notes[-1]
+    assert split.notes[0].startswith("tensor parallel: 2 ranks x 2 replicas; each rank holds 1/2 of every decoder linear")
 
 
 def test_only_the_whole_lora_tensors_a_share_adds_to_are_summed_over_the_group():
@@ -154,3 +154,47 @@ def test_only_the_whole_lora_tensors_a_share_adds_to_are_summed_over_the_group()
     assert partial_gradient(f"{L}.mlp.down_proj.lora_B.default.weight")  # every rank adds to its output
     assert not partial_gradient(f"{L}.self_attn.q_proj.lora_B.default.weight")  # split: each rank its own rows
     assert not partial_gradient("base_model.model.lm_head.lora_A.default.weight")  # whole computation on every rank
+
+
+def test_a_ranks_planned_weights_are_what_its_loaded_share_holds_and_the_step_adds_its_all_reduces(tmp_path):
+    # The real loader, rank 1 of 2 of a 4-bit Llama (hidden 256): the bytes of every parameter it holds and of
+    # its quantization constants against the planner's weight terms for that rank.
+    from dataclasses import replace
+
+    from transformers import AutoConfig
+
+    from finetune.config.schema import build_recipe
+    from finetune.gpus import find_gpu
+    from finetune.model.load import load_model
+    from finetune.parallel.strategies import DDP
+    from finetune.plan import plan_recipe
+    from finetune.plan.memory import estimate
+    from finetune.plan.recipe import planning_inputs, setup_of
+    from finetune.plan.stages import tensor_rank_shape
+
+    build_tiny_llama(tmp_path, vocab_size=256, hidden=256, layers=2)
+    recipe = {**MINIMAL, "model": {"path": str(tmp_path)}, "precision": "fp32", "lora": {"r": 8}}
+    cfg = build_recipe({**recipe, "distributed": {"tensor_parallel": 2}})
+    conf = narrowed(AutoConfig.from_pretrained(tmp_path), 2)
+    model = load_model(cfg, "fp32", torch.device("cpu"), split=Split(split_dim, 1, 2, conf))
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    constants = sum(
+        m.weight.quant_state.absmax.numel() * m.weight.quant_state.absmax.element_size()
+        + m.weight.quant_state.state2.absmax.numel() * 4
+        for m in model.modules()
+        if getattr(getattr(m, "weight", None), "quant_state", None) is not None
+    )
+    shape, facts, kw = planning_inputs(cfg, None)
+    one = replace(setup_of(cfg, 2), gpus=1, sharding=DDP.name, tensor_parallel=1)
+    planned = estimate(tensor_rank_shape(shape, 2), facts, one, None, **kw)
+    terms = ("weights_quantized", "quant_constants", "weights_unquantized", "lora_weights")
+    assert held + constants == pytest.approx(sum(planned.component(k) for k in terms), rel=0.01)
+    # The step: 2 all-reduces per layer, forward, backward and the checkpointed recompute, of a micro-batch's
+    # hidden states, 2 (N - 1) / N of them each way on the GPU link.
+    gpu = find_gpu("rtx4090")
+    e = plan_recipe(cfg, gpu, gpus=2)
+    s = e.setup
+    hidden_states = s.rows * s.seq_len * 256 * 4
+    ring = 2 * (1 / 2) * hidden_states / (gpu.interconnect_gbps * 1e9 * 0.8)
+    assert e.step_time_parts["tensor_allreduce"] == pytest.approx(2 * 2 * 3 * ring * s.grad_accum, rel=1e-9)
+    assert "12 all-reduces of" in e.notes[0] and e.setup.global_batch == s.batch_size * s.grad_accum

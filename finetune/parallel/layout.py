@@ -22,6 +22,9 @@ from finetune.errors import Rule, broken
 # nothing between them that a stage would repeat or skip): Gemma scales its embeddings inside the
 # forward (a later stage would scale its input again); MoE models add a router loss over all layers.
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# distributed.tensor_parallel splits these decoder linears (parallel/tensor.py; the planner reads them too):
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features split: rows of W, and its bias
+ROW = ("o_proj", "down_proj")  # input features split: columns of W
 
 
 @dataclass(frozen=True)

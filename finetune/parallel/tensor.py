@@ -29,9 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from finetune.errors import TrainingError
-
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features split: rows of W, and its bias
-ROW = ("o_proj", "down_proj")  # input features split: columns of W
+from finetune.parallel.layout import COLUMN, ROW
 
 
 def split_dim(name: str) -> int | None:

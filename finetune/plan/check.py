@@ -54,14 +54,13 @@ def _preflight_memory(cfg: RecipeConfig, refuse: bool) -> tuple[list[str], list[
     e = plan_recipe(cfg, gpu, gpus=world)
     line = f"memory estimate: peak {gib(e.peak_bytes)} per GPU of {gib(gpu.memory_bytes)} ({gpu.name}, {world} process{'es' if world > 1 else ''})"
     pp, tp = cfg.distributed.pipeline_parallel, cfg.distributed.tensor_parallel
-    if tp > 1:  # planned as a whole replica: an overestimate, never a refusal
-        return [], [f"{line} for a whole replica; a tensor-parallel rank holds about 1/{tp} of its layers (not checked)"]
     if pp > 1:
         line += f", the fullest of {pp} pipeline stages"
     if e.peak_bytes <= REFUSE_FACTOR * gpu.memory_bytes:
         return [], [line + ("" if e.fits else "; tight: it may run out of memory")]
-    if pp > 1:  # the search tries one-replica setups, not pipeline layouts
-        fix = "lower train.batch_size or data.max_seq_len, or raise distributed.pipeline_parallel (see `finetune plan RECIPE --gpus N`)"
+    if pp > 1 or tp > 1:  # the search tries one-replica setups, not pipeline or tensor-parallel layouts
+        key = "pipeline_parallel" if pp > 1 else "tensor_parallel"
+        fix = f"lower train.batch_size or data.max_seq_len, or raise distributed.{key} (see `finetune plan RECIPE --gpus N`)"
         problem = f"{line}: more than {REFUSE_FACTOR:g} x the device memory. {fix}. Pass --skip-memory-check to try anyway."
         return ([problem], []) if refuse else ([], [problem])
     shape = model_shape_of(cfg)

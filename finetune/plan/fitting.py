@@ -205,10 +205,11 @@ def longest_trainable_seq(cfg: RecipeConfig, gpu: GpuSpec, max_gpus: int = 1, ho
 
 def _not_a_pipeline(cfg: RecipeConfig, flag: str) -> None:
     """The searches try one-replica setups (batch, checkpointing, offload, DDP/FSDP/ZeRO), not pipeline layouts."""
-    pp = cfg.distributed.pipeline_parallel
-    if pp > 1:
-        raise PlanError(
-            f"finetune plan {flag} searches DDP, FSDP and ZeRO setups, not pipelines (distributed.pipeline_parallel={pp})",
-            hint=f"plan the recipe as written (without {flag}: every stage's peak is printed), and change train.batch_size, "
-            "data.max_seq_len or distributed.pipeline_parallel by hand; or drop distributed.pipeline_parallel to search the others",
-        )
+    for key, what in (("pipeline_parallel", "pipelines"), ("tensor_parallel", "tensor-parallel layouts")):
+        n = getattr(cfg.distributed, key)
+        if n > 1:
+            raise PlanError(
+                f"finetune plan {flag} searches DDP, FSDP and ZeRO setups, not {what} (distributed.{key}={n})",
+                hint=f"plan the recipe as written (without {flag}), and change train.batch_size, data.max_seq_len or "
+                f"distributed.{key} by hand; or drop distributed.{key} to search the others",
+            )

@@ -34,6 +34,7 @@ class Setup(Modes):
     pipeline_parallel: int = 1
     pipeline_schedule: str = "1f1b"
     virtual_stages: int = 1
+    tensor_parallel: int = 1  # distributed.tensor_parallel: gpus = ranks x replicas (finetune/plan/stages.py)
 
     @property
     def strategy(self) -> Strategy:
@@ -53,7 +54,7 @@ class Setup(Modes):
     @property
     def global_batch(self) -> int:
         """Examples per optimizer step: a pipeline's stages share their micro-batches, its replicas do not."""
-        return self.batch_size * self.grad_accum * self.gpus // self.pipeline_parallel
+        return self.batch_size * self.grad_accum * self.gpus // (self.pipeline_parallel * self.tensor_parallel)
 
     @property
     def loss_rows(self) -> int:
@@ -178,6 +179,9 @@ def _sharding_label(s: Setup) -> str:
         interleaved = f" x {s.virtual_stages} virtual" if s.pipeline_schedule == "interleaved_1f1b" else ""
         replicas = s.gpus // s.pipeline_parallel
         return f" (pipeline: {s.pipeline_parallel} stages{interleaved} x {replicas} replica{'s' if replicas > 1 else ''}, {s.pipeline_schedule})"
+    if s.tensor_parallel > 1:
+        replicas = s.gpus // s.tensor_parallel
+        return f" (tensor parallel: {s.tensor_parallel} ranks x {replicas} replica{'s' if replicas > 1 else ''})"
     return s.strategy.describe(s.cpu_offload, s.optimizer_offload) if s.gpus > 1 else ""
 
 

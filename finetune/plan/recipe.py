@@ -15,7 +15,7 @@ from finetune.parallel.strategies import DDP, STRATEGIES, Strategy, of_recipe
 from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.memory import Estimate, estimate
 from finetune.plan.shape import ModelShape, read_model_shape
-from finetune.plan.stages import plan_pipeline
+from finetune.plan.stages import plan_pipeline, plan_tensor_parallel
 
 
 def plan_precision(cfg: RecipeConfig, gpu: GpuSpec | None) -> str:
@@ -51,6 +51,7 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
         pipeline_parallel=cfg.distributed.pipeline_parallel,
         pipeline_schedule=cfg.distributed.pipeline_schedule,
         virtual_stages=cfg.distributed.virtual_stages if cfg.distributed.pipeline_parallel > 1 else 1,
+        tensor_parallel=cfg.distributed.tensor_parallel,
         batch_size=cfg.train.batch_size,
         grad_accum=cfg.train.grad_accum,
         gpus=gpus,
@@ -85,15 +86,9 @@ def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Se
         # A pipeline runs on stages x replicas: fewer GPUs than stages are planned as one replica.
         return plan_pipeline(shape, recipe, setup_of(cfg, gpus if gpus >= pp else pp), gpu, **kw)
     tp = cfg.distributed.tensor_parallel
-    replicas = max(1, gpus // tp) if setup is None else None  # a tensor-parallel group runs one replica
-    e = estimate(shape, recipe, setup or setup_of(cfg, replicas or gpus), gpu, **kw)
-    if tp > 1:
-        e.notes.append(
-            f"distributed.tensor_parallel={tp} is not planned yet: these are the figures of {replicas or gpus} whole "
-            f"replica{'s' if (replicas or gpus) > 1 else ''} on one GPU each; each of the {tp} ranks of a replica holds "
-            f"1/{tp} of its decoder layers' weights and adapters, the embeddings, head and activations whole"
-        )
-    return e
+    if tp > 1 and setup is None:  # fewer GPUs than ranks are planned as one replica
+        return plan_tensor_parallel(shape, recipe, setup_of(cfg, gpus if gpus >= tp else tp), gpu, **kw)
+    return estimate(shape, recipe, setup or setup_of(cfg, gpus), gpu, **kw)
 
 
 # `finetune plan --gpus N`: the recipe under each way of spreading it over the GPUs, side by side:
@@ -110,10 +105,11 @@ SHARDED_TABLES = {"embeddings": "device"}
 def compare_strategies(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int) -> list[tuple[str, Estimate]]:
     """(label, estimate) of the recipe under each of COMPARED on `gpus` GPUs; memory.* modes as written.
     A pipelined recipe's own layout comes first, the others as they would run without it."""
-    base = replace(setup_of(cfg, gpus), pipeline_parallel=1, virtual_stages=1)
+    base = replace(setup_of(cfg, gpus), pipeline_parallel=1, virtual_stages=1, tensor_parallel=1)
     ddp_offload = {"optimizer_offload": cfg.memory.optimizer_offload}  # the recipe's own HostAdamW, one replica each
-    pp = cfg.distributed.pipeline_parallel
+    pp, tp = cfg.distributed.pipeline_parallel, cfg.distributed.tensor_parallel
     own = [(f"pipeline {pp} stages (as written)", plan_recipe(cfg, gpu, gpus))] if pp > 1 and gpus % pp == 0 else []
+    own += [(f"tensor parallel {tp} ranks (as written)", plan_recipe(cfg, gpu, gpus))] if tp > 1 and gpus % tp == 0 else []
     return own + [
         (
             label,

@@ -48,6 +48,13 @@ def report(e: Estimate) -> str:
             f"dequantize {p['dequantize']:.2f} s at {BANDWIDTH_EFFICIENCY:.0%} of {e.gpu.bandwidth_gbps:g} GB/s, "
             f"communication {p['communication']:.2f} s, optimizer {p['optimizer']:.2f} s)"
         )
+        if "pipeline_bubble" in p or "tensor_allreduce" in p:  # what splitting the model over GPUs adds to a step
+            split = (
+                f"the bubble {p['pipeline_bubble']:.2f} s/step, sends between stages {p['pipeline_p2p']:.2f} s/step"
+                if "pipeline_bubble" in p
+                else f"all-reduces inside each layer {p['tensor_allreduce']:.2f} s/step at {e.gpu.interconnect_gbps:g} GB/s"
+            )
+            lines.append(f"split      {split} (in the step time above)")
         if p.get("host_transfer"):
             s = e.setup
             rate = f"{e.gpu.pcie_gbps:g} GB/s (pinned, host link)"

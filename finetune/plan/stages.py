@@ -1,4 +1,4 @@
-"""distributed.pipeline_parallel in the plan: each pipeline rank planned as the part of the model it holds.
+"""distributed.pipeline_parallel and tensor_parallel in the plan: each rank planned as the part of the model it holds.
 
 A rank (finetune/parallel/pipeline.py) holds its stages' decoder layers, the embeddings when it runs the
 first stage (and the last, for a tied head), the final norm, head and loss when it runs the last; its
@@ -16,6 +16,12 @@ replicas' gradient all-reduce is DDP's over `replicas` GPUs. What no single-GPU 
 
 The estimate returned is the rank with the highest peak, with the whole pipeline's step time, host RAM
 (every process) and disk; its notes give every rank's peak and the bubble.
+
+A tensor-parallel rank (finetune/parallel/tensor.py) holds every layer's share: q, k, v, gate and up with
+1/N of their output features, o and down with 1/N of their input features (their LoRA to match), the
+heads' and the MLP's activations 1/N, the layer inputs, norms, embeddings and head whole. Its step adds
+the all-reduces after attention and the MLP, forward and backward (and in a checkpointed layer's
+recompute): 2 (N - 1) / N of a micro-batch's hidden states each, on the GPU link, not overlapped.
 """
 
 from __future__ import annotations
@@ -26,12 +32,13 @@ from typing import Any
 
 from finetune.errors import PlanError
 from finetune.gpus import GpuSpec
-from finetune.parallel.layout import Layout
+from finetune.parallel.layout import COLUMN, ROW, Layout
 from finetune.parallel.strategies import DDP
 from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.memory import Estimate, estimate, gib
 from finetune.plan.shape import ModelShape
 from finetune.plan.speed import LINK_EFFICIENCY
+from finetune.plan.terms import trainable_params
 
 
 def rank_shape(shape: ModelShape, layout: Layout) -> ModelShape:
@@ -131,4 +138,63 @@ def _describe_rank(layout: Layout, e: Estimate, held: float, shape: ModelShape) 
     return (
         f"pipeline rank {layout.stage}: {' + '.join(parts)}; peak {gib(e.peak_bytes)}, "
         f"activations of {held_s} micro-batch{'es' if held != 1 else ''} held"
+    )
+
+
+def tensor_rank_shape(shape: ModelShape, tp: int) -> ModelShape:
+    """One tensor-parallel rank's share of every layer, as a ModelShape the single-GPU terms read."""
+    linears = tuple(
+        replace(g, out_features=g.out_features // tp)
+        if g.name in COLUMN
+        else replace(g, in_features=g.in_features // tp)
+        if g.name in ROW
+        else g
+        for g in shape.linears
+    )
+    split = sum(g.in_features * g.out_features * g.count for g in shape.linears) - sum(
+        g.in_features * g.out_features * g.count for g in linears
+    )
+    return replace(
+        shape,
+        heads=shape.heads // tp,
+        kv_heads=shape.kv_heads // tp,
+        intermediate=shape.intermediate // tp,
+        linears=linears,
+        total_params=shape.total_params - split,
+    )
+
+
+def plan_tensor_parallel(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec | None, **kw: Any) -> Estimate:
+    """The plan of setup.gpus processes as setup.tensor_parallel ranks x replicas (see the module)."""
+    tp, world = setup.tensor_parallel, setup.gpus
+    if world % tp:
+        raise PlanError(
+            f"distributed.tensor_parallel={tp} on {world} GPUs: the GPUs must be ranks x replicas",
+            hint=f"plan with --gpus {tp} (or a multiple)",
+        )
+    replicas = world // tp
+    one = replace(setup, gpus=replicas, sharding=DDP.name, tensor_parallel=1)
+    e = estimate(tensor_rank_shape(shape, tp), recipe, one, gpu, **kw)
+    parts, step = dict(e.step_time_parts), e.step_time_s
+    hidden_states = setup.rows * setup.seq_len * shape.hidden * recipe.compute_bytes  # one micro-batch's
+    passes = 2 + setup.checkpointed_layers(shape.layers) / shape.layers  # forward, backward, the recompute
+    count = 2 * shape.layers * passes  # after attention and after the MLP
+    if gpu is not None:
+        ring = 2 * (tp - 1) / tp * hidden_states / (gpu.interconnect_gbps * 1e9 * LINK_EFFICIENCY)
+        parts["tensor_allreduce"] = count * ring * setup.grad_accum
+        step += parts["tensor_allreduce"]
+    note = (
+        f"tensor parallel: {tp} ranks x {replicas} replica{'s' if replicas > 1 else ''}; each rank holds 1/{tp} of every "
+        f"decoder linear and its LoRA, the embeddings, head and norms whole; {count:.0f} all-reduces of "
+        f"{hidden_states / 2**20:.1f} MiB per micro-batch on the GPU link"
+    )
+    return replace(
+        e,
+        shape=shape,
+        setup=setup,
+        step_time_s=step,
+        step_time_parts=parts,
+        host_ram_bytes=e.host_ram_bytes * tp,  # e counted one process per replica
+        trainable_params=trainable_params(shape, recipe),
+        notes=[note, *e.notes],
     )
