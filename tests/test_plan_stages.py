@@ -112,7 +112,7 @@ def test_plan_fit_and_max_seq_say_they_do_not_search_pipelines():
 
 
 def test_a_pipeline_that_cannot_split_the_model_is_refused_by_the_plan():
-    with pytest.raises(PlanError, match="must split evenly"):
+    with pytest.raises(PlanError, match="the stages must hold every layer"):
         plan_recipe(recipe("distributed.pipeline_parallel=3", "train.grad_accum=3"), find_gpu("rtx4090"), gpus=3)  # 80 layers
 
 
@@ -144,3 +144,47 @@ def test_a_ranks_planned_weights_are_what_its_loaded_stage_holds(tmp_path):
         )
         terms = ("weights_quantized", "quant_constants", "weights_unquantized", "lora_weights")
         assert held + constants == pytest.approx(sum(planned.component(k) for k in terms), rel=0.01)
+
+
+def test_uneven_stages_hold_the_layers_given_and_auto_balances_the_fullest_peak():
+    assert [Layout(3, 1, 0, splits=(1, 3, 2)).layer_range(s, 6) for s in range(3)] == [(0, 1), (1, 4), (4, 6)]
+    gpu = find_gpu("rtx4090")
+    even = plan_recipe(
+        load_recipe("qlora-pipeline-4x24gb", [f"model.path={CONFIGS / 'llama-3-70b'}", "data.path=d.jsonl"]), gpu, 4
+    )
+    auto = plan_recipe(
+        load_recipe(
+            "qlora-pipeline-4x24gb",
+            [f"model.path={CONFIGS / 'llama-3-70b'}", "data.path=d.jsonl", "distributed.pipeline_layers=auto"],
+        ),
+        gpu,
+        4,
+    )
+    # Rank 0 holds the embeddings (2 GiB) and 4 micro-batches: it gives layers to the ranks that hold fewer.
+    assert auto.setup.pipeline_layers == (17, 21, 22, 20)
+    assert auto.peak_bytes < even.peak_bytes - 1.5 * 2**30
+    assert "pipeline rank 2: layers 38-59" in auto.notes[2]
+
+
+@pytest.mark.parametrize(
+    "layers, says",
+    [
+        ("[1,2,3]", "one count of at least 1 per stage (2 of them)"),
+        ("[0,4]", "one count of at least 1 per stage"),
+    ],
+)
+def test_a_layer_split_that_cannot_be_is_refused(layers, says):
+    with pytest.raises(Exception, match=says.replace("(", r"\(").replace(")", r"\)")):
+        load_recipe(RECIPE, ["data.path=d.jsonl", "distributed.pipeline_parallel=2", f"distributed.pipeline_layers={layers}"])
+
+
+def test_a_split_that_does_not_add_up_to_the_models_layers_is_refused_at_launch():
+    from finetune.parallel.runtime import pipeline_problems
+
+    cfg = recipe("distributed.pipeline_parallel=2", "distributed.pipeline_layers=[40,41]")
+    (said,) = pipeline_problems(cfg, 2)
+    assert "adds up to 81 decoder layers, but the model has 80" in said
+    assert (
+        pipeline_problems(recipe("distributed.pipeline_parallel=3", "train.grad_accum=3", "distributed.pipeline_layers=auto"), 3)
+        == []
+    )

@@ -102,6 +102,7 @@ PLANS: dict[str, tuple[str, str, tuple[str, ...], str, int]] = {
         "rtx4090",
         4,
     ),
+    "pp4-auto": ("qlora-pipeline-4x24gb", "llama-3-70b", ("distributed.pipeline_layers=auto",), "rtx4090", 4),
     "pp2": ("qlora-pipeline-4x24gb", "llama-3-70b", ("distributed.pipeline_parallel=2",), "rtx4090", 2),
     "st": ("qlora-stream-70b-1x24gb", "llama-3-70b", (), "rtx4090", 1),
     "st-q72": ("qlora-stream-70b-1x24gb", "qwen2.5-72b", (), "rtx4090", 1),
@@ -343,6 +344,8 @@ ROWS: dict[str, list[tuple[str, Value, str]]] = {
         ("one chunk of logits); 4: {} GiB", lambda: peak("ddp-b4"), ".2f"),
     ],
     _Y("qlora-pipeline-4x24gb"): [
+        ("auto: 17/21/22/20 puts {} GiB on the fullest GPU", lambda: peak("pp4-auto"), ".2f"),
+        ("GiB on the fullest GPU, ~{}% slower steps", lambda: slower("pp4-auto", "pp4"), ".1f"),
         ("--gpu rtx4090 --gpus 4`, Llama-3-70B): {} GiB on the fullest GPU", lambda: peak("pp4"), ".2f"),
         ("GPU (stage 0), ~{} s per # 16-row step", lambda: step("pp4"), ".2f"),
         ("16-row step, {} GiB of host RAM for the 4 processes", lambda: host("pp4"), ".2f"),

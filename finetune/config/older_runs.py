@@ -23,6 +23,7 @@ _OLDER_RUNS: dict[str, dict[str, Any]] = {
         "pipeline_schedule": "1f1b",
         "virtual_stages": 1,
         "tensor_parallel": 1,
+        "pipeline_layers": "even",
     },
     "profile": {"steps": None, "memory_timeline": True},
 }

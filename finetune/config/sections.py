@@ -214,6 +214,12 @@ class DistributedConfig(_Section):
         "per rank: less idle time, more transfers); micro-batches = train.grad_accum",
     )
     virtual_stages: int = Field(1, ge=1, description="interleaved_1f1b: stages per process (layers split into pp x this)")
+    pipeline_layers: Literal["even", "auto"] | list[int] = Field(
+        "even",
+        description="pipeline_parallel: decoder layers per stage: even, auto (balanced so that no stage's planned peak "
+        "is higher than it must be: the first holds the embeddings and the most micro-batches, the last the head and "
+        "loss), or a count per stage",
+    )
     tensor_parallel: int = Field(
         1,
         ge=1,

@@ -38,12 +38,15 @@ class Layout:
     rank: int
     virtual_stages: int = 1
     tp: int = 1
+    splits: tuple[int, ...] = ()  # decoder layers of each stage (distributed.pipeline_layers); (): an even split
 
     @classmethod
     def of(cls, cfg: Any, rank: int, world: int) -> Layout:
+        """The recipe's grid (distributed.pipeline_layers=auto: an even split until runtime.Parallel balances it)."""
         d = cfg.distributed
         pp, tp = max(1, d.pipeline_parallel), max(1, d.tensor_parallel)
-        return cls(pp, max(1, world // (pp * tp)), rank, d.virtual_stages if pp > 1 else 1, tp)
+        splits = tuple(d.pipeline_layers) if isinstance(d.pipeline_layers, list) else ()
+        return cls(pp, max(1, world // (pp * tp)), rank, d.virtual_stages if pp > 1 else 1, tp, splits)
 
     @property
     def pipelined(self) -> bool:
@@ -93,7 +96,11 @@ class Layout:
         return [(stage * self.replicas + r) * self.tp + self.tp_rank for r in range(self.replicas)]
 
     def layer_range(self, stage: int, layers: int) -> tuple[int, int]:
-        """Decoder layers [lo, hi) of a stage: an even split (launch_problems refuses an uneven one)."""
+        """Decoder layers [lo, hi) of a stage: the splits given, or an even split (launch_problems refuses a
+        split that does not add up to the model's layers)."""
+        if self.splits:
+            lo = sum(self.splits[:stage])
+            return lo, lo + self.splits[stage]
         per = layers // self.stage_count
         return stage * per, (stage + 1) * per
 
@@ -191,7 +198,27 @@ def _microbatch_fix(cfg: Any) -> str:
     )
 
 
-RULES += (Rule(lambda c: _pipelined(c) and _microbatch_problem(c) is not None, _microbatch_fix),)
+RULES += (
+    Rule(lambda c: _pipelined(c) and _microbatch_problem(c) is not None, _microbatch_fix),
+    Rule(
+        lambda c: c.distributed.pipeline_layers != "even" and (not _pipelined(c) or c.distributed.virtual_stages > 1),
+        lambda c: (
+            f"distributed.pipeline_layers={c.distributed.pipeline_layers} splits the layers of a pipeline of "
+            "distributed.pipeline_parallel >= 2 stages with virtual_stages=1; set pipeline_layers=even"
+        ),
+    ),
+    Rule(
+        lambda c: (
+            isinstance(c.distributed.pipeline_layers, list)
+            and _pipelined(c)
+            and (len(c.distributed.pipeline_layers) != c.distributed.pipeline_parallel or min(c.distributed.pipeline_layers) < 1)
+        ),
+        lambda c: (
+            f"distributed.pipeline_layers={c.distributed.pipeline_layers}: one count of at least 1 per stage "
+            f"({c.distributed.pipeline_parallel} of them), e.g. pipeline_layers=auto to balance them"
+        ),
+    ),
+)
 
 
 def _split(cfg: Any) -> bool:
@@ -272,12 +299,18 @@ def launch_problems(cfg: Any, world: int, layers: int | None, model_type: str | 
             f"Launch with --nproc {pp} or a multiple of it ({pp}, {2 * pp}, ...)."
         )
     stages = pp * v
-    if layers is not None and layers % stages:
+    given = cfg.distributed.pipeline_layers
+    if layers is not None and isinstance(given, list) and sum(given) != layers:
+        out.append(
+            f"distributed.pipeline_layers={given} adds up to {sum(given)} decoder layers, but the model has {layers}. "
+            "Give counts that add up to it, or pipeline_layers=auto."
+        )
+    if layers is not None and given == "even" and layers % stages:
         fits = [n for n in range(2, layers + 1) if layers % (n * v) == 0][:6]
         out.append(
             f"{_by(cfg)} x distributed.virtual_stages={v} = {stages} stages, but the model has {layers} decoder "
             f"layers, which do not split evenly into {stages}. pipeline_parallel values that do: "
-            f"{', '.join(map(str, fits)) or 'none'}."
+            f"{', '.join(map(str, fits)) or 'none'}; or distributed.pipeline_layers=auto (or a count per stage)."
         )
     if model_type is not None and model_type not in FAMILIES:
         out.append(

@@ -197,7 +197,9 @@ class Pipeline:
 
     def describe(self) -> str:
         d, layout = self.cfg.distributed, self.layout
-        layers = len(self.decoder.layers) // layout.stage_count
+        n = len(self.decoder.layers)
+        counts = [hi - lo for lo, hi in (layout.layer_range(s, n) for s in range(layout.stage_count))]
+        layers = str(counts[0]) if len(set(counts)) == 1 else " + ".join(map(str, counts))
         m = self.cfg.train.grad_accum
         idle = (layout.pp - 1) / layout.virtual_stages / (m + (layout.pp - 1) / layout.virtual_stages)
         return (

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -120,6 +121,8 @@ class Parallel:
             raise ConfigError(problems)
         chosen = cls(accelerator, strategy, cfg)
         chosen.model_config = config
+        if strategy == "pipeline" and cfg.distributed.pipeline_layers == "auto":
+            chosen.layout = replace(chosen.layout, splits=_balanced(cfg, world, accelerator.device))
         return chosen
 
     # ------------------------------------------------------------------ who and where
@@ -418,6 +421,20 @@ def pipeline_problems(cfg: RecipeConfig, world: int, config: Any = None) -> list
     if cfg.distributed.tensor_parallel > 1 and config is not None:
         out += tensor_problems(config, cfg.distributed.tensor_parallel)
     return out
+
+
+def _balanced(cfg: RecipeConfig, world: int, device: torch.device) -> tuple[int, ...]:
+    """distributed.pipeline_layers=auto: the planner's balanced split for this GPU (any on a CPU: its peaks
+    are compared, not checked against a card)."""
+    from finetune.gpus import gpu_for_device
+    from finetune.plan.recipe import planning_inputs, setup_of
+    from finetune.plan.stages import balanced_layers
+
+    gpu = None
+    if device.type == "cuda":
+        gpu = gpu_for_device(torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory)
+    shape, facts, kw = planning_inputs(cfg, gpu)
+    return balanced_layers(shape, facts, setup_of(cfg, world), gpu, **kw)
 
 
 def _text_config(cfg: RecipeConfig):

@@ -34,6 +34,7 @@ class Setup(Modes):
     pipeline_parallel: int = 1
     pipeline_schedule: str = "1f1b"
     virtual_stages: int = 1
+    pipeline_layers: tuple[int, ...] = ()  # decoder layers per stage; (): even (distributed.pipeline_layers)
     tensor_parallel: int = 1  # distributed.tensor_parallel: gpus = ranks x replicas (finetune/plan/stages.py)
 
     @property

@@ -15,7 +15,7 @@ from finetune.parallel.strategies import DDP, STRATEGIES, Strategy, of_recipe
 from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.memory import Estimate, estimate
 from finetune.plan.shape import ModelShape, read_model_shape
-from finetune.plan.stages import plan_pipeline, plan_tensor_parallel
+from finetune.plan.stages import balanced_layers, plan_pipeline, plan_tensor_parallel
 
 
 def plan_precision(cfg: RecipeConfig, gpu: GpuSpec | None) -> str:
@@ -52,6 +52,7 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
         pipeline_schedule=cfg.distributed.pipeline_schedule,
         virtual_stages=cfg.distributed.virtual_stages if cfg.distributed.pipeline_parallel > 1 else 1,
         tensor_parallel=cfg.distributed.tensor_parallel,
+        pipeline_layers=tuple(cfg.distributed.pipeline_layers) if isinstance(cfg.distributed.pipeline_layers, list) else (),
         batch_size=cfg.train.batch_size,
         grad_accum=cfg.train.grad_accum,
         gpus=gpus,
@@ -84,7 +85,10 @@ def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Se
     pp = cfg.distributed.pipeline_parallel
     if pp > 1 and setup is None:
         # A pipeline runs on stages x replicas: fewer GPUs than stages are planned as one replica.
-        return plan_pipeline(shape, recipe, setup_of(cfg, gpus if gpus >= pp else pp), gpu, **kw)
+        staged = setup_of(cfg, gpus if gpus >= pp else pp)
+        if cfg.distributed.pipeline_layers == "auto":
+            staged = replace(staged, pipeline_layers=balanced_layers(shape, recipe, staged, gpu, **kw))
+        return plan_pipeline(shape, recipe, staged, gpu, **kw)
     tp = cfg.distributed.tensor_parallel
     if tp > 1 and setup is None:  # fewer GPUs than ranks are planned as one replica
         return plan_tensor_parallel(shape, recipe, setup_of(cfg, gpus if gpus >= tp else tp), gpu, **kw)

@@ -86,20 +86,17 @@ def bubble_factor(schedule: str, pp: int, virtual_stages: int, micro_batches: in
 def plan_pipeline(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec | None, **kw: Any) -> Estimate:
     """The plan of setup.gpus processes as setup.pipeline_parallel stages x replicas (see the module)."""
     pp, schedule, v = setup.pipeline_parallel, setup.pipeline_schedule, setup.virtual_stages
-    world = setup.gpus
-    if world % pp or shape.layers % (pp * v):
+    world, splits = setup.gpus, setup.pipeline_layers
+    uneven = sum(splits) != shape.layers if splits else shape.layers % (pp * v)
+    if world % pp or uneven:
         raise PlanError(
-            f"distributed.pipeline_parallel={pp} (x virtual_stages={v}) on {world} GPUs with {shape.layers} decoder layers: "
-            "the GPUs must be stages x replicas and the layers must split evenly into the stages",
-            hint=f"plan with --gpus {pp} (or a multiple), and a pipeline_parallel that divides {shape.layers}",
+            f"distributed.pipeline_parallel={pp} (x virtual_stages={v}) on {world} GPUs with {shape.layers} decoder layers"
+            f"{f' as {list(splits)}' if splits else ''}: the GPUs must be stages x replicas and the stages must hold "
+            "every layer (an even split, or distributed.pipeline_layers adding up to them)",
+            hint=f"plan with --gpus {pp} (or a multiple), and distributed.pipeline_layers=auto or counts adding up to {shape.layers}",
         )
     replicas, m = world // pp, setup.grad_accum
-    ranks = []
-    for rank in range(pp):  # replica 0 of each rank along the pipe: the others hold the same
-        layout = Layout(pp, replicas, rank * replicas, v)
-        one = replace(setup, gpus=replicas, sharding=DDP.name, pipeline_parallel=1)
-        held = held_micro_batches(schedule, layout, m)
-        ranks.append((layout, estimate(rank_shape(shape, layout), recipe, one, gpu, held=held, **kw), held))
+    ranks = _ranks(shape, recipe, setup, gpu, **kw)
     worst = max(ranks, key=lambda x: x[1].peak_bytes)[1]
     slowest = max(ranks, key=lambda x: x[1].step_time_s)[1]
     parts = dict(slowest.step_time_parts)
@@ -127,6 +124,50 @@ def plan_pipeline(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: Gpu
         trainable_params=sum(e.trainable_params for _, e, _ in ranks),
         notes=[*notes, *worst.notes],
     )
+
+
+def _ranks(
+    shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec | None, **kw: Any
+) -> list[tuple[Layout, Estimate, float]]:
+    """(layout, estimate, micro-batches held) of replica 0's rank at each place along the pipe (the others hold the same)."""
+    pp, replicas = setup.pipeline_parallel, setup.gpus // setup.pipeline_parallel
+    one = replace(setup, gpus=replicas, sharding=DDP.name, pipeline_parallel=1, pipeline_layers=())
+    out = []
+    for rank in range(pp):
+        layout = Layout(pp, replicas, rank * replicas, setup.virtual_stages, splits=setup.pipeline_layers)
+        held = held_micro_batches(setup.pipeline_schedule, layout, setup.grad_accum)
+        out.append((layout, estimate(rank_shape(shape, layout), recipe, one, gpu, held=held, **kw), held))
+    return out
+
+
+def balanced_layers(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec | None, **kw: Any) -> tuple[int, ...]:
+    """distributed.pipeline_layers=auto: layers per stage so that the fullest rank's planned peak is as low as
+    moving one layer at a time from it to another rank makes it (the first rank holds the embeddings and the
+    most micro-batches, the last the head and the loss), from as even a split as the layers allow."""
+    pp, n = setup.pipeline_parallel, shape.layers
+    splits = [n // pp + (1 if i < n % pp else 0) for i in range(pp)]
+
+    def peaks(counts: list[int]) -> list[int]:
+        return [
+            e.peak_allocated_bytes for _, e, _ in _ranks(shape, recipe, replace(setup, pipeline_layers=tuple(counts)), gpu, **kw)
+        ]
+
+    current = peaks(splits)
+    for _ in range(n):  # each accepted move lowers the highest peak: at most one per layer
+        fullest = current.index(max(current))
+        tries = []
+        for to in range(pp):  # counts, not ranges: the stages between shift by one layer and keep their count
+            if to != fullest and splits[fullest] > 1:
+                moved = list(splits)
+                moved[fullest] -= 1
+                moved[to] += 1
+                tries.append((max(peaks(moved)), moved))
+        best = min(tries, default=None)
+        if best is None or best[0] >= max(current):
+            break
+        splits = best[1]
+        current = peaks(splits)
+    return tuple(splits)
 
 
 def _describe_rank(layout: Layout, e: Estimate, held: float, shape: ModelShape) -> str:

@@ -206,6 +206,7 @@ HARMLESS_CHANGES = (
     "distributed.pipeline_schedule",
     "distributed.virtual_stages",
     "distributed.tensor_parallel",  # the split tensors are gathered whole into a checkpoint, sliced again on load
+    "distributed.pipeline_layers",
 )
 
 

@@ -174,3 +174,14 @@ def test_a_model_given_whole_to_every_rank_trains_its_stages_and_saves_each_stag
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_steps(tmp_path / "parts1", tmp_path / "parts2", rel=1e-5)
     assert_adapters_close(adapter(tmp_path / "parts1"), adapter(tmp_path / "parts2"))
+
+
+def test_stages_of_uneven_layer_counts_train_as_one_process(base, one_process):
+    # distributed.pipeline_layers=[1, 3]: the first stage 1 layer (and the embeddings), the last 3 (and the head).
+    root, recipe = base
+    distributed = {"pipeline_parallel": 2, "pipeline_layers": [1, 3]}
+    path, out = write(root, recipe, "pp-uneven", distributed=distributed)
+    proc = finetune(str(path), "--nproc", "2", cwd=root)
+    assert "parallel: pipeline: 2 stages of 1 + 3 layers over 2 processes" in proc.stdout
+    assert_same_steps(one_process, out, rel=1e-5)
+    assert_adapters_close(adapter(one_process), adapter(out))
