@@ -182,7 +182,8 @@ class Parallel:
         if self.pipeline is not None:
             return f"parallel: {self.pipeline.describe()}"
         if self.tensor is not None:
-            return f"parallel: each decoder layer split over {self.layout.tp} processes (tensor parallel) x {self.layout.copies}"
+            many = f"{self.layout.replicas} replica{'s' if self.layout.replicas > 1 else ''}"
+            return f"parallel: tensor parallel, each decoder layer split over {self.layout.tp} processes x {many}"
         where = f"parallel: {self.strategy} over {self.world} processes"
         if self.strategy == "deepspeed":
             return f"{where} ({zero_config.describe(self.cfg)})"

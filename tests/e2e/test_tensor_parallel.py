@@ -65,7 +65,7 @@ def test_tensor_parallel_matches_one_process(base, one_process, nproc, batch):
     path, out = write(root, recipe, f"tp-{nproc}", train__batch_size=batch, distributed={"tensor_parallel": 2})
     proc = finetune(str(path), "--nproc", str(nproc), cwd=root)
     replicas = "1 replica" if nproc == 2 else "2 replicas"
-    assert f"parallel: each decoder layer split over 2 processes (tensor parallel) x {replicas} of 2" in proc.stdout
+    assert f"parallel: tensor parallel, each decoder layer split over 2 processes x {replicas}" in proc.stdout
     assert all(norm > 0.5 for _, norm in step_rows(one_process))  # every update clipped
     assert_same_steps(one_process, out, rel=1e-5)
     assert_adapters_close(adapter(one_process), adapter(out))  # gathered whole, as one process writes it
