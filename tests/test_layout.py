@@ -68,6 +68,7 @@ PACKAGE_ORDER = {
         "compression",
         "layout",
         "distribute",
+        "grads",
         "pipeline",
         "tensor",
         "rank_state",

@@ -16,7 +16,6 @@ Layout and rules: parallel/layout.py.
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from typing import Any
 
@@ -27,6 +26,7 @@ from torch import nn
 from finetune.data import IGNORE_INDEX
 from finetune.errors import TrainingError
 from finetune.model.load import head_owner
+from finetune.parallel.grads import clip_to, squares, sum_over
 from finetune.parallel.layout import Layout
 
 
@@ -275,32 +275,15 @@ class Pipeline:
 
     def sum_gradients(self, params: list[nn.Parameter]) -> None:
         """Each stage's gradients summed over its replicas (the same parameters, other examples)."""
-        if self.layout.replicas == 1:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.replica_group)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
-            offset += n
+        if self.layout.replicas > 1:
+            sum_over(params, self.replica_group)
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
         """The norm of the whole gradient (every stage's part, summed in squares over the pipeline) and
-        clipping to max_norm with it, by torch's rule (each part scaled by max_norm / (norm + 1e-6))."""
-        squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in params:
-            if p.grad is not None:
-                squares += p.grad.detach().double().pow(2).sum()
-        dist.all_reduce(squares, group=self.group)
-        norm = float(squares.sqrt())
-        coef = max_norm / (norm + 1e-6)
-        if math.isfinite(norm) and coef < 1:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.detach().mul_(coef)
-        return norm
+        clipping to max_norm with it, by torch's rule."""
+        total = squares(params, self.device)
+        dist.all_reduce(total, group=self.group)
+        return clip_to(params, float(total.sqrt()), max_norm)
 
     # ------------------------------------------------------------------ whole states for a checkpoint
 

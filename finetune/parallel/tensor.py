@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from finetune.errors import TrainingError
+from finetune.parallel.grads import clip_to, squares, sum_over
 from finetune.parallel.layout import COLUMN, ROW
 
 
@@ -158,38 +159,17 @@ class TensorParallel:
     def sum_gradients(self, params: list[nn.Parameter]) -> None:
         """The whole LoRA tensors whose gradient is a share's part summed over the group (partial_gradient);
         then every gradient summed over the replicas (other examples)."""
-        partial = [p for p in params if id(p) in self.partial]
-        for group, ps in ((self.group, partial), (self.replica_group, params if self.replicas > 1 else [])):
-            if not ps:
-                continue
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=group)
-            offset = 0
-            for p in ps:
-                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
+        sum_over([p for p in params if id(p) in self.partial], self.group)
+        if self.replicas > 1:
+            sum_over(params, self.replica_group)
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
         """The whole gradient's norm (split tensors' squares summed over the group, whole ones once), and
         clipping to max_norm with it by torch's rule."""
-        split = torch.zeros((), dtype=torch.float64, device=self.device)
-        whole = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in params:
-            if p.grad is not None:
-                part = p.grad.detach().double().pow(2).sum()
-                if id(p) in self.sharded:
-                    split += part
-                else:
-                    whole += part
+        split = squares([p for p in params if id(p) in self.sharded], self.device)
         dist.all_reduce(split, group=self.group)
-        norm = float((split + whole).sqrt())
-        coef = max_norm / (norm + 1e-6)
-        if math.isfinite(norm) and coef < 1:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.detach().mul_(coef)
-        return norm
+        whole = squares([p for p in params if id(p) not in self.sharded], self.device)
+        return clip_to(params, float((split + whole).sqrt()), max_norm)
 
     # ------------------------------------------------------------------ whole states for a checkpoint
 

@@ -59,6 +59,19 @@ def finetune(*args: str, cwd: Path, port: int | None = None, timeout: int = 420,
     return proc
 
 
+def run_driver(tmp_path: Path, source: str, recipe: Path, nproc: int = 2, **env: str) -> subprocess.CompletedProcess:
+    """A test's own Python driver (source: a script taking the recipe path) under torchrun, to a successful end;
+    env: the variables it reads (e.g. the fault it injects)."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(source)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+    proc = subprocess.run(
+        [*cmd, str(driver), str(recipe)], cwd=tmp_path, env={**ENV, **env}, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 def preempt_after(job: Job, out: Path, logged: int) -> str:
     """SIGTERM a launched job (what Slurm/Kubernetes send) once `logged` steps are in its metrics.jsonl
     (training is under way, its handlers set); it must checkpoint and exit 75. Its output."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import assert_same_steps, build_char_tokenizer, build_tiny_llama, free_port, step_rows
-from test_distributed import adapter, assert_adapters_close, finetune, preempt_after, write
+from test_distributed import adapter, assert_adapters_close, finetune, preempt_after, run_driver, write
 
 pytestmark = pytest.mark.slow
 
@@ -95,12 +95,7 @@ Trainer(load_recipe(sys.argv[1]), progress=False).train()
 def test_a_wrong_gradient_scale_fails_the_comparison(base, one_process, tmp_path):
     root, recipe_dict = base
     recipe, out = write(tmp_path, recipe_dict, "doubled", distributed={"pipeline_parallel": 2})
-    driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "WRONG_SCALE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-    proc = subprocess.run([*cmd, str(driver), str(recipe)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_driver(tmp_path, DRIVER, recipe, WRONG_SCALE="1")
     with pytest.raises(AssertionError, match="differ"):
         assert_same_steps(one_process, out, rel=1e-5)
     (loss_one, norm_one), (loss_doubled, norm_doubled) = step_rows(one_process)[0], step_rows(out)[0]

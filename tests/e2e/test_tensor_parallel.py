@@ -7,14 +7,11 @@ row-parallel split regroups (the base differs from the unsplit one by that round
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import assert_same_steps, build_char_tokenizer, build_tiny_llama, free_port, step_rows
-from test_distributed import adapter, assert_adapters_close, finetune, write
+from conftest import assert_same_steps, build_char_tokenizer, build_tiny_llama, step_rows
+from test_distributed import adapter, assert_adapters_close, finetune, run_driver, write
 
 pytestmark = pytest.mark.slow
 
@@ -90,12 +87,7 @@ Trainer(load_recipe(sys.argv[1]), progress=False).train()
 def test_a_gradient_not_summed_over_the_group_fails_the_comparison(base, one_process, tmp_path):
     root, recipe_dict = base
     recipe, out = write(tmp_path, recipe_dict, "unsummed", distributed={"tensor_parallel": 2})
-    driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "UNSUMMED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-    proc = subprocess.run([*cmd, str(driver), str(recipe)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_driver(tmp_path, DRIVER, recipe, UNSUMMED="1")
     (loss_one, norm_one), (loss_bad, norm_bad) = step_rows(one_process)[0], step_rows(out)[0]
     assert loss_bad == pytest.approx(loss_one, rel=1e-5)  # the first forward is the same
     assert norm_bad != pytest.approx(norm_one, rel=1e-3)  # its gradient is not
