@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from finetune.errors import GpuError
@@ -33,6 +34,19 @@ class GpuSpec:
     pcie_gbps: float  # host<->GPU, one direction, GB/s (effective)
     supports_bf16: bool = True
     description: str = ""
+    gpus_per_node: int = 0  # several nodes (plan --nodes): GPUs in each; 0: every GPU in one node
+    node_link_gbps: float = 0.0  # between nodes, one direction, GB/s (plan --node-link, given in Gbit/s)
+
+    def link_gbps(self, ranks: Iterable[int]) -> float:
+        """The slowest link a collective among these global ranks crosses: the nodes' link where they span
+        nodes (ranks fill one node, then the next), else the GPUs' own."""
+        if self.gpus_per_node and len({r // self.gpus_per_node for r in ranks}) > 1:
+            return self.node_link_gbps
+        return self.interconnect_gbps
+
+    def nodes_of(self, gpus: int) -> int:
+        """The nodes `gpus` GPUs fill."""
+        return -(-gpus // self.gpus_per_node) if self.gpus_per_node else 1
 
 
 _PCIE4 = 25.0  # 32 GB/s x16 peak, ~80% reached in practice

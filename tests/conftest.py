@@ -115,6 +115,44 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return d
 
 
+@pytest.fixture
+def checkpoint_reads(monkeypatch) -> dict[str, tuple[int, ...]]:
+    """{checkpoint key: shape read} of every tensor transformers' loader materializes from safetensors while
+    the test runs (slices are lazy until indexed: a key never indexed is never read)."""
+    import transformers.modeling_utils as loading
+
+    read: dict[str, tuple[int, ...]] = {}
+    opened = loading.safe_open
+
+    class Counted:
+        def __init__(self, key, inner):
+            self.key, self.inner = key, inner
+
+        def __getitem__(self, index):
+            got = self.inner[index]
+            read[self.key] = tuple(got.shape)
+            return got
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    class File:
+        def __init__(self, *args, **kwargs):
+            self.inner = opened(*args, **kwargs)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_slice(self, key):
+            return Counted(key, self.inner.get_slice(key))
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+    monkeypatch.setattr(loading, "safe_open", File)
+    return read
+
+
 def step_rows(out: Path) -> list[tuple[float, float]]:
     """(loss, pre-clip grad norm) of every logged training step of the run in `out`."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

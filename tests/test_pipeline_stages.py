@@ -160,42 +160,13 @@ def test_a_trainer_that_overrides_compute_loss_is_refused_under_a_pipeline():
     build.fit_pipeline(Custom, SimpleNamespace(pipeline=None), Trainer.compute_loss, "loss")  # no pipeline: runs
 
 
-def test_a_stage_reads_only_its_own_weights(tmp_path, monkeypatch):
+def test_a_stage_reads_only_its_own_weights(tmp_path, checkpoint_reads):
     # The tensors the loader materializes from the checkpoint, per stage: the other stages' layers are
     # never read (safetensors slices are lazy until indexed), and their LoRA waits on the meta device.
-    import transformers.modeling_utils as loading
-
     from finetune.model.load import load_model
 
     build_tiny_llama(tmp_path, vocab_size=64, layers=4)
-    read: list[str] = []
-    opened = loading.safe_open
-
-    class Counted:
-        def __init__(self, key, inner):
-            self.key, self.inner = key, inner
-
-        def __getitem__(self, index):
-            read.append(self.key)
-            return self.inner[index]
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-    class File:
-        def __init__(self, *args, **kwargs):
-            self.inner = opened(*args, **kwargs)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_slice(self, key):
-            return Counted(key, self.inner.get_slice(key))
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-    monkeypatch.setattr(loading, "safe_open", File)
+    read = checkpoint_reads
     recipe = {
         "model": {"path": str(tmp_path)},
         "data": {"path": "d.jsonl"},

@@ -4,6 +4,7 @@ activations it keeps, the bubble, and the CLI's report of it."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from test_plan import CONFIGS
@@ -98,17 +99,62 @@ def test_plan_prints_every_rank_and_compares_the_pipeline_with_the_other_strateg
     assert "pipeline 4 stages (as written)" in out.split("strategies on 4 GPUs")[1]
 
 
-def test_plan_fit_and_max_seq_say_they_do_not_search_pipelines():
-    for flag in ("--fit", "--max-seq"):
-        with pytest.raises(PlanError, match=f"plan {flag} searches DDP, FSDP and ZeRO setups, not pipelines"):
-            if flag == "--fit":
-                from finetune.plan import fit
+def test_fit_searches_pipelines_and_tensor_parallel_layouts_and_writes_the_one_it_picks(tmp_path):
+    # Llama-3-70B on 4 x RTX 4090 with 64 GB of host RAM: no replica fits a card and FSDP's load of the whole
+    # model per process needs 177 GiB of RAM, so the fastest setup that fits is a layout; the recipe written
+    # runs it.
+    from finetune.config.schema import build_recipe, read_recipe_file
+    from finetune.plan import fit
+    from finetune.plan.rewrite import write_fitted_recipe
 
-                fit(recipe("distributed.pipeline_parallel=2"), find_gpu("rtx4090"), max_gpus=2)
-            else:
-                from finetune.plan import longest_trainable_seq
+    gpu, cfg = find_gpu("rtx4090"), recipe()
+    current, best = fit(cfg, gpu, max_gpus=4, host_ram=64 * 2**30)
+    s = best.setup
+    assert not current.fits and s.gpus == 4 and s.pipeline_parallel * s.tensor_parallel == 4, s
+    assert s.global_batch == current.setup.global_batch and best.peak_bytes <= 0.9 * gpu.memory_bytes
+    source = tmp_path / "ddp.yaml"
+    source.write_text((Path(__file__).parents[1] / "recipes" / f"{RECIPE}.yaml").read_text())
+    fitted = write_fitted_recipe(source, tmp_path / "fit.yaml", {"model.path": str(CONFIGS / "llama-3-70b")}, current, best, "t")
+    written = build_recipe(read_recipe_file(fitted.path), str(fitted.path)).distributed
+    assert (written.pipeline_parallel, written.tensor_parallel, written.pipeline_schedule) == (
+        s.pipeline_parallel,
+        s.tensor_parallel,
+        s.pipeline_schedule,
+    )
+    assert fitted.command.endswith("--nproc 4")
 
-                longest_trainable_seq(recipe("distributed.pipeline_parallel=2"), find_gpu("rtx4090"))
+
+def test_across_two_nodes_only_what_crosses_them_pays_the_nodes_link():
+    # 2 nodes x 2 RTX 4090 over 10 Gbit/s: a pipeline of 2 stages x 2 tensor-parallel ranks puts a stage on each
+    # node: its all-reduces stay on PCIe, its sends cross the Ethernet; 4 tensor-parallel ranks span the nodes.
+    from finetune.plan.recipe import plan_recipe as plan
+
+    one_node, two = find_gpu("rtx4090"), replace(find_gpu("rtx4090"), gpus_per_node=2, node_link_gbps=10 / 8)
+    assert (two.link_gbps([0, 1]), two.link_gbps([1, 2]), one_node.link_gbps([1, 2])) == (25.0, 1.25, 25.0)
+    staged = recipe(
+        "distributed.pipeline_parallel=2", "distributed.tensor_parallel=2", "train.batch_size=1", "train.grad_accum=16"
+    )
+    near, far = plan(staged, one_node, gpus=4).step_time_parts, plan(staged, two, gpus=4).step_time_parts
+    assert far["tensor_allreduce"] == pytest.approx(near["tensor_allreduce"], rel=1e-9)
+    assert far["pipeline_p2p"] == pytest.approx(near["pipeline_p2p"] * 25 / 1.25, rel=1e-9)
+    split = recipe("distributed.tensor_parallel=4", "train.batch_size=1", "train.grad_accum=16")
+    near, far = plan(split, one_node, gpus=4).step_time_parts, plan(split, two, gpus=4).step_time_parts
+    assert far["tensor_allreduce"] == pytest.approx(near["tensor_allreduce"] * 25 / 1.25, rel=1e-9)
+    replicas = recipe("train.batch_size=1", "train.grad_accum=16")  # DDP over 4 GPUs: its all-reduce spans the nodes
+    near, far = plan(replicas, one_node, gpus=4).step_time_parts, plan(replicas, two, gpus=4).step_time_parts
+    assert far["communication"] == pytest.approx(near["communication"] * 25 / 1.25, rel=1e-9)
+
+
+def test_max_seq_plans_a_pipeline_on_the_gpus_one_replica_needs():
+    from finetune.plan import longest_trainable_seq
+
+    gpu = find_gpu("rtx4090")
+    found = longest_trainable_seq(recipe("distributed.pipeline_parallel=4", "train.grad_accum=4"), gpu, max_gpus=4)
+    assert found.as_written > 2048
+    at = ("distributed.pipeline_parallel=4", "train.batch_size=1", "train.grad_accum=1", "distributed.pipeline_schedule=gpipe")
+    for seq, fits in ((found.as_written, True), (found.as_written + 1, False)):
+        e = plan_recipe(recipe(*at, f"data.max_seq_len={seq}"), gpu, 4)
+        assert (e.peak_bytes <= 0.9 * gpu.memory_bytes) == fits, seq
 
 
 def test_a_pipeline_that_cannot_split_the_model_is_refused_by_the_plan():

@@ -59,7 +59,6 @@ def test_ranks_are_numbered_tensor_parallel_innermost():
 @pytest.mark.parametrize(
     "extra, says",
     [
-        ({"distributed": {"tensor_parallel": 2, "pipeline_parallel": 2, "pipeline_schedule": "gpipe"}}, "do not compose yet"),
         ({"distributed": {"tensor_parallel": 2, "strategy": "fsdp"}}, "it does not shard them"),
         ({"distributed": {"tensor_parallel": 2}, "lora": {"method": "dora"}}, "lora.method=dora is not split yet"),
         ({"distributed": {"tensor_parallel": 2}, "memory": {"base_weights": "cpu"}}, "memory.base_weights=device"),
@@ -81,11 +80,47 @@ def test_a_launch_that_cannot_split_is_refused_before_loading(tmp_path):
     said = pipeline_problems(cfg, 6)
     assert any("on 6 processes: the processes must be tensor-parallel ranks x replicas" in p for p in said)
     assert any("2 key/value heads do not split into 4" in p for p in said)
+    staged = build_recipe(
+        {
+            **MINIMAL,
+            "model": {"path": str(tmp_path)},
+            "distributed": {"tensor_parallel": 2, "pipeline_parallel": 2, "pipeline_schedule": "gpipe"},
+        }
+    )
+    said = pipeline_problems(staged, 6)
+    assert said == [
+        "distributed.pipeline_parallel=2 x distributed.tensor_parallel=2 on 6 processes: the processes must be stages x "
+        "tensor-parallel ranks x replicas. Launch with --nproc 4 or a multiple of it (4, 8, ...)."
+    ]
+    assert pipeline_problems(staged, 8) == []
 
 
-def test_a_rank_reads_only_its_share_of_each_split_weight(tmp_path, monkeypatch):
+def test_a_split_stage_reads_only_its_share_of_its_own_layers(tmp_path, checkpoint_reads):
+    # pipeline x tensor parallelism: stage 1's second tensor-parallel rank (rank 3 of 2 x 2) reads its half of
+    # layer 1's split weights, layer 1's norms and the head whole, and nothing of layer 0 or the embeddings.
+    from transformers import AutoConfig
+
+    from finetune.config.schema import build_recipe
+    from finetune.model.load import load_model
+    from finetune.parallel.pipeline import stage_placement
+
+    build_tiny_llama(tmp_path, vocab_size=64, hidden=128)
+    layout = Layout(2, 1, 3, tp=2)
+    assert (layout.stage, layout.tp_rank, layout.pipeline_ranks(0), layout.tensor_ranks(1)) == (1, 1, [1, 3], [2, 3])
+    cfg = build_recipe({**MINIMAL, "model": {"path": str(tmp_path)}, "precision": "fp32", "lora": {"r": 4}})
+    place = stage_placement(layout, 2, False, torch.device("cpu"))
+    split = Split(split_dim, 1, 2, narrowed(AutoConfig.from_pretrained(tmp_path), 2))
+    model = load_model(cfg, "fp32", torch.device("cpu"), placement=place, split=split)
+    assert {k.split(".")[2] for k in checkpoint_reads if k.startswith("model.layers.")} == {"1"}
+    assert "model.embed_tokens.weight" not in checkpoint_reads and checkpoint_reads["lm_head.weight"] == (64, 128)
+    assert checkpoint_reads["model.layers.1.self_attn.q_proj.weight"] == (64, 128)
+    assert checkpoint_reads["model.layers.1.mlp.down_proj.weight"] == (128, 128)
+    layer0 = model.get_base_model().model.layers[0].self_attn.q_proj
+    assert layer0.weight.is_meta and tuple(layer0.weight.shape)[0] * 2 == 128  # another stage's share, never read
+
+
+def test_a_rank_reads_only_its_share_of_each_split_weight(tmp_path, checkpoint_reads):
     # What the loader materializes per rank: the split weights' slices only; quantized from them.
-    import transformers.modeling_utils as loading
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -94,34 +129,7 @@ def test_a_rank_reads_only_its_share_of_each_split_weight(tmp_path, monkeypatch)
 
     build_tiny_llama(tmp_path, vocab_size=64, hidden=128)
     whole = load_file(str(tmp_path / "model.safetensors"))
-    read: dict[str, tuple] = {}
-    opened = loading.safe_open
-
-    class File:
-        def __init__(self, *args, **kwargs):
-            self.inner = opened(*args, **kwargs)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_slice(self, key):
-            lazy = self.inner.get_slice(key)
-
-            class Counted:
-                def __getitem__(self, index):
-                    got = lazy[index]
-                    read[key] = tuple(got.shape)
-                    return got
-
-                def __getattr__(self, name):
-                    return getattr(lazy, name)
-
-            return Counted()
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-    monkeypatch.setattr(loading, "safe_open", File)
+    read = checkpoint_reads
     cfg = build_recipe({**MINIMAL, "model": {"path": str(tmp_path)}, "precision": "fp32", "quant": {"bits": None}})
     conf = narrowed(AutoConfig.from_pretrained(tmp_path), 2)
     model = load_base_model(cfg, "fp32", torch.device("cpu"), split=Split(split_dim, 1, 2, conf))
@@ -198,3 +206,44 @@ def test_a_ranks_planned_weights_are_what_its_loaded_share_holds_and_the_step_ad
     ring = 2 * (1 / 2) * hidden_states / (gpu.interconnect_gbps * 1e9 * 0.8)
     assert e.step_time_parts["tensor_allreduce"] == pytest.approx(2 * 2 * 3 * ring * s.grad_accum, rel=1e-9)
     assert "12 all-reduces of" in e.notes[0] and e.setup.global_batch == s.batch_size * s.grad_accum
+
+
+def test_a_split_stages_planned_weights_are_what_its_loaded_share_holds(tmp_path):
+    # pipeline x tensor parallelism: the planner's rank for stage 1 of 2 x 2 against the real loader's rank 3
+    # (its half of layers 2-3's linears, the norm and head whole); the step adds its own layers' all-reduces.
+    from transformers import AutoConfig
+
+    from finetune.config.schema import build_recipe
+    from finetune.gpus import find_gpu
+    from finetune.model.load import load_model
+    from finetune.parallel.pipeline import stage_placement
+    from finetune.plan import plan_recipe
+    from finetune.plan.recipe import planning_inputs, setup_of
+    from finetune.plan.stages import _ranks
+
+    build_tiny_llama(tmp_path, vocab_size=256, hidden=256, layers=4)
+    distributed = {"tensor_parallel": 2, "pipeline_parallel": 2, "pipeline_schedule": "gpipe"}
+    cfg = build_recipe(
+        {**MINIMAL, "model": {"path": str(tmp_path)}, "precision": "fp32", "lora": {"r": 8}, "distributed": distributed}
+    )
+    split = Split(split_dim, 1, 2, narrowed(AutoConfig.from_pretrained(tmp_path), 2))
+    place = stage_placement(Layout(2, 1, 3, tp=2), 4, False, torch.device("cpu"))
+    model = load_model(cfg, "fp32", torch.device("cpu"), placement=place, split=split)
+    held = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+    constants = sum(
+        m.weight.quant_state.absmax.numel() * m.weight.quant_state.absmax.element_size()
+        + m.weight.quant_state.state2.absmax.numel() * 4
+        for m in model.modules()
+        if getattr(getattr(m, "weight", None), "quant_state", None) is not None and not m.weight.is_meta
+    )
+    shape, facts, kw = planning_inputs(cfg, None)
+    layout, planned, _ = _ranks(shape, facts, setup_of(cfg, 4), None, **kw)[1]
+    assert (layout.stage, layout.tp) == (1, 2)
+    terms = ("weights_quantized", "quant_constants", "weights_unquantized", "lora_weights")
+    assert held + constants == pytest.approx(sum(planned.component(k) for k in terms), rel=0.01)
+    gpu = find_gpu("rtx4090")
+    e = plan_recipe(cfg, gpu, gpus=4)
+    s = e.setup
+    ring = 2 * (1 / 2) * s.rows * s.seq_len * 256 * 4 / (gpu.interconnect_gbps * 1e9 * 0.8)
+    assert e.step_time_parts["tensor_allreduce"] == pytest.approx(2 * 2 * 3 * ring * s.grad_accum, rel=1e-9)  # 2 layers each
+    assert "pipeline: 2 stages x 2 tensor-parallel ranks" in e.notes[2] and s.global_batch == s.batch_size * s.grad_accum

@@ -387,10 +387,9 @@ def _add_recipe_commands(sub) -> None:
     )
     plan.add_argument("--gpu-mem", help="memory per GPU, e.g. 11GB (any other card, or to override the catalogue)")
     plan.add_argument("--gpus", type=int, default=1, help="GPUs available (the search may use fewer); default 1")
-    plan.add_argument(
-        "--host-ram",
-        help="host RAM, e.g. 64GB: checked against what loading and offload need; --fit leaves out setups that need more",
-    )
+    plan.add_argument("--nodes", type=int, default=1, help="nodes holding the GPUs, as many on each (default 1)")
+    plan.add_argument("--node-link", type=float, default=10.0, help="Gbit/s between nodes (default 10: Ethernet)")
+    plan.add_argument("--host-ram", help="host RAM per node, e.g. 64GB: --fit leaves out setups that need more")
     plan.add_argument("--json", action="store_true", help="print one JSON object (every component in bytes)")
     plan.add_argument(
         "--max-seq",

@@ -86,13 +86,12 @@ class _File:
 
     def get_slice(self, key: str) -> Any:
         lazy = self.opened.get_slice(key)
-        if self.skipped.match(key):
-            return _Unread(lazy)
         split = self.split
         dim = split.dim_of(key) if split is not None else None
         if split is not None and dim is not None:
-            return _Share(lazy, dim, split.rank, split.size)
-        return lazy
+            lazy = _Share(lazy, dim, split.rank, split.size)
+        # A skipped module of a split layer (another stage's, under pipeline x tensor parallelism): its share's shape.
+        return _Unread(lazy) if self.skipped.match(key) else lazy
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.opened, name)

@@ -82,18 +82,29 @@ class Layout:
         """What a step's window is multiplied by, in words: processes, or a pipeline's or a group's replicas."""
         many = f"{self.replicas} replica{'s' if self.replicas > 1 else ''}"
         if self.pipelined:
-            return f"{many} of {self.pp} stages"
+            return f"{many} of {self.pp} stages" + (f" x {self.tp} tensor-parallel ranks" if self.tp > 1 else "")
         if self.tp > 1:
             return f"{many} of {self.tp} tensor-parallel ranks"
         return f"{self.replicas} proc"
 
-    def pipeline_ranks(self, replica: int) -> list[int]:
-        """The global ranks of one replica's pipeline (its stages, in stage order)."""
-        return [(s * self.replicas + replica) * self.tp + self.tp_rank for s in range(self.pp)]
+    @property
+    def world(self) -> int:
+        return self.pp * self.replicas * self.tp
 
-    def stage_ranks(self, stage: int) -> list[int]:
-        """The global ranks that run one stage (one per replica)."""
-        return [(stage * self.replicas + r) * self.tp + self.tp_rank for r in range(self.replicas)]
+    def tensor_ranks(self, block: int) -> list[int]:
+        """The global ranks of one tensor-parallel group (block = stage x replicas + replica: consecutive ranks)."""
+        return list(range(block * self.tp, (block + 1) * self.tp))
+
+    def pipeline_ranks(self, replica: int, tp_rank: int | None = None) -> list[int]:
+        """The global ranks of one replica's pipeline (its stages, in stage order) of a tensor-parallel rank
+        (None: this rank's): each of a group's ranks runs a pipeline of its own shares."""
+        t = self.tp_rank if tp_rank is None else tp_rank
+        return [(s * self.replicas + replica) * self.tp + t for s in range(self.pp)]
+
+    def stage_ranks(self, stage: int, tp_rank: int | None = None) -> list[int]:
+        """The global ranks that run one stage's share (one per replica) of a tensor-parallel rank (None: this rank's)."""
+        t = self.tp_rank if tp_rank is None else tp_rank
+        return [(stage * self.replicas + r) * self.tp + t for r in range(self.replicas)]
 
     def layer_range(self, stage: int, layers: int) -> tuple[int, int]:
         """Decoder layers [lo, hi) of a stage: the splits given, or an even split (launch_problems refuses a
@@ -231,10 +242,6 @@ def _tp(cfg: Any) -> str:
 
 TENSOR_RULES: tuple[Rule[Any], ...] = (
     Rule(
-        lambda c: _split(c) and _pipelined(c),
-        lambda c: f"{_tp(c)} with {_by(c)}: the two do not compose yet. Set one of them to 1.",
-    ),
-    Rule(
         lambda c: _split(c) and c.distributed.strategy in ("fsdp", "deepspeed"),
         lambda c: (
             f"{_tp(c)} with distributed.strategy={c.distributed.strategy}: a tensor-parallel group all-reduces "
@@ -287,49 +294,49 @@ def problems(cfg: Any) -> list[str]:
 def launch_problems(cfg: Any, world: int, layers: int | None, model_type: str | None) -> list[str]:
     """What this launch's process count and model cannot split as the recipe asks (before any weight loads);
     layers and model_type None: not known yet (checked again on the loaded model)."""
-    pp, v, tp = cfg.distributed.pipeline_parallel, cfg.distributed.virtual_stages, cfg.distributed.tensor_parallel
-    if tp > 1:
-        return _tensor_launch_problems(cfg, world, model_type)
-    if pp <= 1:
-        return []
+    pp, tp = cfg.distributed.pipeline_parallel, cfg.distributed.tensor_parallel
     out = []
-    if world % pp:
+    if pp > 1 and tp > 1 and world % (pp * tp):
         out.append(
-            f"{_by(cfg)} on {world} processes: the processes must be stages x replicas. "
-            f"Launch with --nproc {pp} or a multiple of it ({pp}, {2 * pp}, ...)."
+            f"{_by(cfg)} x {_tp(cfg)} on {world} processes: the processes must be stages x tensor-parallel ranks x "
+            f"replicas. Launch with --nproc {pp * tp} or a multiple of it ({pp * tp}, {2 * pp * tp}, ...)."
         )
-    stages = pp * v
-    given = cfg.distributed.pipeline_layers
-    if layers is not None and isinstance(given, list) and sum(given) != layers:
-        out.append(
-            f"distributed.pipeline_layers={given} adds up to {sum(given)} decoder layers, but the model has {layers}. "
-            "Give counts that add up to it, or pipeline_layers=auto."
-        )
-    if layers is not None and given == "even" and layers % stages:
-        fits = [n for n in range(2, layers + 1) if layers % (n * v) == 0][:6]
-        out.append(
-            f"{_by(cfg)} x distributed.virtual_stages={v} = {stages} stages, but the model has {layers} decoder "
-            f"layers, which do not split evenly into {stages}. pipeline_parallel values that do: "
-            f"{', '.join(map(str, fits)) or 'none'}; or distributed.pipeline_layers=auto (or a count per stage)."
-        )
-    if model_type is not None and model_type not in FAMILIES:
-        out.append(
-            f"{_by(cfg)}: the model is a {model_type!r} model; stages run the decoder families "
-            f"{', '.join(FAMILIES)}. Use distributed.pipeline_parallel=1 (DDP or FSDP) for this model."
-        )
-    return out
-
-
-def _tensor_launch_problems(cfg: Any, world: int, model_type: str | None) -> list[str]:
-    tp, out = cfg.distributed.tensor_parallel, []
-    if world % tp:
+    elif tp > 1 and world % tp:
         out.append(
             f"{_tp(cfg)} on {world} processes: the processes must be tensor-parallel ranks x replicas. "
             f"Launch with --nproc {tp} or a multiple of it ({tp}, {2 * tp}, ...)."
         )
-    if model_type is not None and model_type not in FAMILIES:
+    elif pp > 1 and world % pp:
         out.append(
-            f"{_tp(cfg)}: the model is a {model_type!r} model; the split is written for the decoder families "
-            f"{', '.join(FAMILIES)}. Use distributed.tensor_parallel=1 for this model."
+            f"{_by(cfg)} on {world} processes: the processes must be stages x replicas. "
+            f"Launch with --nproc {pp} or a multiple of it ({pp}, {2 * pp}, ...)."
+        )
+    out += _stage_problems(cfg, layers) if pp > 1 else []
+    if model_type is not None and model_type not in FAMILIES and (pp > 1 or tp > 1):
+        asked, runs = (_by(cfg), "stages run") if pp > 1 else (_tp(cfg), "the split is written for")
+        out.append(
+            f"{asked}: the model is a {model_type!r} model; {runs} the decoder families {', '.join(FAMILIES)}. "
+            "Use distributed.pipeline_parallel=1 and tensor_parallel=1 (DDP or FSDP) for this model."
         )
     return out
+
+
+def _stage_problems(cfg: Any, layers: int | None) -> list[str]:
+    """What the model's decoder layers cannot split into as distributed.pipeline_layers asks."""
+    if layers is None:
+        return []
+    pp, v, given = cfg.distributed.pipeline_parallel, cfg.distributed.virtual_stages, cfg.distributed.pipeline_layers
+    stages = pp * v
+    if isinstance(given, list) and sum(given) != layers:
+        return [
+            f"distributed.pipeline_layers={given} adds up to {sum(given)} decoder layers, but the model has {layers}. "
+            "Give counts that add up to it, or pipeline_layers=auto."
+        ]
+    if given == "even" and layers % stages:
+        fits = [n for n in range(2, layers + 1) if layers % (n * v) == 0][:6]
+        return [
+            f"{_by(cfg)} x distributed.virtual_stages={v} = {stages} stages, but the model has {layers} decoder "
+            f"layers, which do not split evenly into {stages}. pipeline_parallel values that do: "
+            f"{', '.join(map(str, fits)) or 'none'}; or distributed.pipeline_layers=auto (or a count per stage)."
+        ]
+    return []

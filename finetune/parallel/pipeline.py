@@ -160,6 +160,7 @@ class Pipeline:
             Stage(self.decoder, *layout.layer_range(s, n), first=s == 0, last=s == layout.stage_count - 1)
             for s in layout.stages_of_rank
         ]
+        self.tensor: Any = None  # distributed.tensor_parallel: the stage's split (parallel/tensor.py), set by Parallel
         self.group, self.replica_group = self._groups()
         # Checkpoint gathers travel in host RAM: over NCCL an object gathered passes through GPU memory, and
         # rank 0 would receive every stage's adapter and optimizer state there at once.
@@ -177,23 +178,32 @@ class Pipeline:
         self._step: tuple[Any, float] = (None, 1.0)  # this step's objective and loss scale
 
     def _groups(self) -> tuple[Any, Any]:
-        """(this rank's pipeline: its replica's stages; its stage's replicas), as process groups. Every rank
-        creates every group, in one order. With one replica the pipeline is the whole world (None)."""
+        """(this rank's pipeline: its replica's stages; its stage's replicas), as process groups; with tensor
+        parallelism, of this rank's share (each tp rank runs a pipeline of its shares). Every rank creates
+        every group, in one order. One replica and no split: the pipeline is the whole world (None)."""
         layout = self.layout
         pipe = replicas = None
-        if layout.replicas == 1:
+        if layout.replicas == 1 and layout.tp == 1:
             return None, None
         for replica in range(layout.replicas):
-            group = dist.new_group(layout.pipeline_ranks(replica))
-            pipe = group if replica == layout.replica else pipe
+            for t in range(layout.tp):
+                group = dist.new_group(layout.pipeline_ranks(replica, t))
+                pipe = group if (replica, t) == (layout.replica, layout.tp_rank) else pipe
         for stage in range(layout.pp):
-            group = dist.new_group(layout.stage_ranks(stage))
-            replicas = group if stage == layout.stage else replicas
+            for t in range(layout.tp):
+                group = dist.new_group(layout.stage_ranks(stage, t)) if layout.replicas > 1 else None
+                replicas = group if (stage, t) == (layout.stage, layout.tp_rank) else replicas
         return pipe, replicas
 
     @property
     def is_last(self) -> bool:
         return any(s.last for s in self.stages)
+
+    @property
+    def reports(self) -> bool:
+        """Whether this rank's losses count: the last stage's (its first tensor-parallel rank's, when split:
+        the group's ranks compute one loss)."""
+        return self.is_last and (self.tensor is None or self.tensor.tp_rank == 0)
 
     def describe(self) -> str:
         d, layout = self.cfg.distributed, self.layout
@@ -203,14 +213,16 @@ class Pipeline:
         m = self.cfg.train.grad_accum
         idle = (layout.pp - 1) / layout.virtual_stages / (m + (layout.pp - 1) / layout.virtual_stages)
         return (
-            f"pipeline: {layout.stage_count} stages of {layers} layers over {layout.pp} processes x {layout.replicas} "
+            f"pipeline: {layout.stage_count} stages of {layers} layers over {layout.pp} processes"
+            + (f" x {layout.tp} tensor-parallel ranks (each layer split)" if layout.tp > 1 else "")
+            + f" x {layout.replicas} "
             f"replica{'s' if layout.replicas > 1 else ''}, {d.pipeline_schedule}, {m} micro-batches per step (ideal idle time {idle:.0%}; "
             "raise train.grad_accum to shrink it)"
         )
 
     def held_out_sums(self, batches: list[dict[str, torch.Tensor]], rows: int) -> tuple[float, float]:
         """(summed loss, units) of this replica's share of the eval batches (each of at most `rows` rows), run
-        forward through the stages grad_accum at a time; (0, 0) on every stage but the last."""
+        forward through the stages grad_accum at a time; (0, 0) where they do not count (reports)."""
         mine, m = batches[self.layout.replica :: self.layout.replicas], self.cfg.train.grad_accum
         total = count = 0.0
         self._step = (self.objective, 1.0)
@@ -227,8 +239,9 @@ class Pipeline:
                     continue
                 losses: list[torch.Tensor] = []
                 schedule.eval(*args, target=joined["labels"], losses=losses, **kwargs)
-            total += sum(float(loss) for loss in losses)
-            count += sum(self.objective.count(b) for b in window)
+            if self.reports:
+                total += sum(float(loss) for loss in losses)
+                count += sum(self.objective.count(b) for b in window)
         return total, count
 
     def _schedule_for(self, shape: tuple[int, ...]) -> Any:
@@ -260,7 +273,7 @@ class Pipeline:
 
     def train_window(self, batches: list[dict[str, torch.Tensor]], objective, scale: float) -> float:
         """Forward and backward of the window's micro-batches through the stages, each micro-batch's summed
-        loss multiplied by `scale` (1 / the window's units). The summed loss on the last stage, else 0."""
+        loss multiplied by `scale` (1 / the window's units). The summed loss where it counts (reports), else 0."""
         window = pad_window(batches, self.cfg.data.max_seq_len)
         schedule = self._schedule_for(tuple(window["input_ids"].shape))
         self._step = (objective, scale)
@@ -271,31 +284,42 @@ class Pipeline:
             return 0.0
         losses: list[torch.Tensor] = []  # each micro-batch's loss as _loss returned it (scaled)
         schedule.step(*args, target=window["labels"], losses=losses, **kwargs)
-        return sum(float(loss.detach()) for loss in losses) / scale
+        return sum(float(loss.detach()) for loss in losses) / scale if self.reports else 0.0
 
     def sum_gradients(self, params: list[nn.Parameter]) -> None:
-        """Each stage's gradients summed over its replicas (the same parameters, other examples)."""
+        """Each stage's gradients summed over its replicas (the same parameters, other examples); split over
+        a tensor-parallel group, the group's partial ones first."""
+        if self.tensor is not None:
+            self.tensor.sum_gradients(params)  # the group only: its replica sum is this one
         if self.layout.replicas > 1:
             sum_over(params, self.replica_group)
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
         """The norm of the whole gradient (every stage's part, summed in squares over the pipeline) and
         clipping to max_norm with it, by torch's rule."""
-        total = squares(params, self.device)
+        total = self.tensor.squares(params) if self.tensor is not None else squares(params, self.device)
         dist.all_reduce(total, group=self.group)
         return clip_to(params, float(total.sqrt()), max_norm)
+
+    def _whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A tensor on CPU, whole: a tensor-parallel share gathered over its group (a collective), else itself."""
+        if self.tensor is not None:
+            return self.tensor.whole(name, t)
+        return t.detach().cpu()
 
     # ------------------------------------------------------------------ whole states for a checkpoint
 
     def _gathered(self, mine: Any) -> list[Any] | None:
-        """Every rank's object on rank 0 (a collective); replicas other than the first send None."""
+        """Every rank's object on rank 0 (a collective); only the first replica's first tensor-parallel rank sends
+        (the others hold the same stage, or its whole tensors gathered already)."""
         parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine if self.layout.replica == 0 else None, parts, dst=0, group=self.host_group)
+        sends = self.layout.replica == 0 and self.layout.tp_rank == 0
+        dist.gather_object(mine if sends else None, parts, dst=0, group=self.host_group)
         return parts
 
     def whole_trainable_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         """{name: tensor on CPU} of every trained parameter, as one process names them, on rank 0 (else None)."""
-        mine = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad and id(p) in self.owned}
+        mine = {n: self._whole(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) in self.owned}
         parts = self._gathered(mine)
         return None if parts is None else {k: v for part in parts if part for k, v in part.items()}
 
@@ -311,8 +335,11 @@ class Pipeline:
         trainable = [p for p in model.parameters() if p.requires_grad]
         index = {id(p): i for i, p in enumerate(trainable)}  # one process's optimizer numbers them so
         params = optimizer.param_groups[0]["params"]
+        names = {id(p): n for n, p in model.named_parameters()}  # a split tensor's moments are gathered as it is
         mine = {
-            index[id(params[local])]: {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in sorted(s.items())}
+            index[id(params[local])]: {
+                k: (self._whole(names[id(params[local])], v) if torch.is_tensor(v) else v) for k, v in sorted(s.items())
+            }
             for local, s in sd["state"].items()
             if id(params[local]) in self.owned
         }

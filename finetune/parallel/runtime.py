@@ -102,7 +102,7 @@ class Parallel:
             problems = pipeline_problems(cfg, world, config)
             if problems:
                 raise ConfigError(problems)
-            strategy = "tensor" if split else "pipeline"
+            strategy = "pipeline" if cfg.distributed.pipeline_parallel > 1 else "tensor"  # pipeline: split stages too
         else:
             strategy = resolve_strategy(cfg, world, accelerator.device)
             check_strategy(cfg, strategy)
@@ -193,14 +193,14 @@ class Parallel:
         """What this process loads where (a pipeline stage: its own modules, the rest on the meta device,
         never read), or None: the whole model on load_device."""
         config = self.model_config
-        if self.strategy != "pipeline" or config is None:
+        if not self.layout.pipelined or config is None:
             return None
         tied = bool(getattr(config, "tie_word_embeddings", False))
         return stage_placement(self.layout, config.num_hidden_layers, tied, self.device)
 
     def split(self) -> Split | None:
         """A tensor-parallel rank's reading: its share of every split weight, its narrowed config; or None."""
-        if self.strategy != "tensor":
+        if self.layout.tp <= 1:
             return None
         from transformers import AutoConfig
 
@@ -218,44 +218,46 @@ class Parallel:
     # ------------------------------------------------------------------ wrapping
 
     def shard(self, model, cfg: RecipeConfig, compute_dtype: torch.dtype):
-        """FSDP: shard the model before the optimizer exists (its state is then sharded too). A pipeline:
-        this rank's stages of it."""
+        """FSDP: shard the model before the optimizer exists (its state is then sharded too). Tensor
+        parallelism: this rank's share of each layer; a pipeline: this rank's stages (of its shares)."""
+        if self.layout.tp > 1:
+            self._split_layers(model, cfg, compute_dtype)
         if self.strategy == "pipeline":
             owner: Any = head_owner(model)
             if owner is not None:  # a model given in memory (Trainer.from_parts) is checked here
-                problems = pipeline_problems(cfg, self.world, owner.config.get_text_config())
+                text = owner.config.get_text_config()
+                problems = layout.launch_problems(cfg, self.world, text.num_hidden_layers, text.model_type)
                 if problems:
                     raise ConfigError(problems)
             self.pipeline = Pipeline(model, self.layout, cfg, self.device)
-            return model
-        if self.strategy == "tensor":
-            narrow = self.layout.tp
-            config = model.config.get_text_config()
-            if config.num_attention_heads * narrow != getattr(self.model_config, "num_attention_heads", None):
-                raise ConfigError(
-                    [
-                        f"distributed.tensor_parallel={narrow}: the model was not loaded split (a model given in memory "
-                        "holds every head); let the trainer load it from model.path, or set distributed.tensor_parallel=1"
-                    ]
-                )
-            if compute_dtype == torch.float16:  # precision=auto chose fp16 (a GPU without bf16)
-                raise ConfigError(
-                    [
-                        f"distributed.tensor_parallel={narrow} with fp16: the GradScaler would decide each rank's skip alone. Set precision=fp32."
-                    ]
-                )
-            self.tensor = TensorParallel(
-                model, narrow, self.layout.tp_rank, self.layout.replicas, self.layout.replica, self.device
-            )
-            draw_lora_as_one_process(model, self.tensor, cfg.seed)
-            model.finetune_local_slice = self.tensor.local  # a checkpoint's whole tensors, sliced
-            return model
+            self.pipeline.tensor = self.tensor
         if not self.fsdp:
             return model
         shard_model(model, cfg, compute_dtype)
         place_sharded(model, self.device, keep_params_on_cpu=cfg.distributed.cpu_offload)
         release_free_heap()  # the whole model each process loaded, now that it keeps only its shards
         return model
+
+    def _split_layers(self, model, cfg: RecipeConfig, compute_dtype: torch.dtype) -> None:
+        """Tensor parallelism: this rank's share of each layer (loaded split), its LoRA drawn as one process's."""
+        narrow = self.layout.tp
+        config = model.config.get_text_config()
+        if config.num_attention_heads * narrow != getattr(self.model_config, "num_attention_heads", None):
+            raise ConfigError(
+                [
+                    f"distributed.tensor_parallel={narrow}: the model was not loaded split (a model given in memory "
+                    "holds every head); let the trainer load it from model.path, or set distributed.tensor_parallel=1"
+                ]
+            )
+        if compute_dtype == torch.float16:  # precision=auto chose fp16 (a GPU without bf16)
+            raise ConfigError(
+                [
+                    f"distributed.tensor_parallel={narrow} with fp16: the GradScaler would decide each rank's skip alone. Set precision=fp32."
+                ]
+            )
+        self.tensor = TensorParallel(model, self.layout, self.device)
+        draw_lora_as_one_process(model, self.tensor, cfg.seed)
+        model.finetune_local_slice = self.tensor.local  # a checkpoint's whole tensors, sliced
 
     def prepare(self, model, optimizer):
         """accelerate's wrappers: DDP for the model (not for FSDP, which prepare() would wrap in DDP),
@@ -301,9 +303,9 @@ class Parallel:
     def counts_window(self) -> bool:
         """Whether this rank's micro-batches count in the window's totals (tokens, targets, loss). A
         pipeline's stages all hold their replica's window: its last stage counts it, once."""
-        if self.tensor is not None:  # a group's ranks hold one window: its first counts it
-            return self.layout.tp_rank == 0
-        return self.pipeline is None or self.pipeline.is_last
+        if self.pipeline is not None:
+            return self.pipeline.reports
+        return self.layout.tp_rank == 0  # a tensor-parallel group's ranks hold one window: its first counts it
 
     @property
     def gradient_scale(self) -> int:
@@ -314,9 +316,9 @@ class Parallel:
     def sync_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """After the window's backward: a pipeline sums each stage's gradients over its replicas (the other
         strategies synced theirs inside backward)."""
-        if self.pipeline is not None:
+        if self.pipeline is not None:  # a split stage's group sums first, inside
             self.pipeline.sum_gradients(params)
-        if self.tensor is not None:
+        elif self.tensor is not None:
             self.tensor.sum_gradients(params)
 
     def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:

@@ -30,7 +30,7 @@ from torch import nn
 
 from finetune.errors import TrainingError
 from finetune.parallel.grads import clip_to, squares, sum_over
-from finetune.parallel.layout import COLUMN, ROW
+from finetune.parallel.layout import COLUMN, ROW, Layout
 
 
 def split_dim(name: str) -> int | None:
@@ -121,18 +121,21 @@ class _FromGroup(torch.autograd.Function):
 class TensorParallel:
     """This rank's share of every decoder layer, and what the loop asks of it (gradients, norm, states)."""
 
-    def __init__(self, model: nn.Module, tp: int, tp_rank: int, replicas: int, replica: int, device: torch.device):
-        self.tp, self.tp_rank, self.replicas, self.device = tp, tp_rank, replicas, device
-        world = tp * replicas
-        # Every rank creates every group, in one order (torch's rule for new_group).
-        groups = [dist.new_group(list(range(r * tp, (r + 1) * tp))) for r in range(replicas)]
-        across = [dist.new_group(list(range(t, world, tp))) for t in range(tp)]
-        self.group, self.replica_group = groups[replica], across[tp_rank]
+    def __init__(self, model: nn.Module, layout: Layout, device: torch.device):
+        self.tp, self.tp_rank, self.replicas, self.device = layout.tp, layout.tp_rank, layout.replicas, device
+        # Every rank creates every group, in one order (torch's rule for new_group). Under a pipeline the
+        # replicas of a stage's share are summed by the pipeline (parallel/pipeline.py): no groups across here.
+        groups = [dist.new_group(layout.tensor_ranks(b)) for b in range(layout.world // layout.tp)]
+        self.group = groups[layout.rank // layout.tp]
+        self.replica_group = None
+        if not layout.pipelined and layout.replicas > 1:
+            across = [dist.new_group(layout.stage_ranks(0, t)) for t in range(layout.tp)]
+            self.replica_group = across[layout.tp_rank]
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.sharded = {id(p) for n, p in named if split_dim(n) is not None}
         self.partial = {id(p) for n, p in named if partial_gradient(n)}
         self.names = {id(p): n for n, p in named}
-        if tp_rank:  # a row-parallel layer's bias is added once, by the first rank: the group's sum adds the others'
+        if self.tp_rank:  # a row-parallel layer's bias is added once, by the first rank: the group's sum adds the others'
             with torch.no_grad():
                 for name, module in model.named_modules():
                     leaf = name.removesuffix(".base_layer").rsplit(".", 1)[-1]
@@ -158,22 +161,24 @@ class TensorParallel:
 
     def sum_gradients(self, params: list[nn.Parameter]) -> None:
         """The whole LoRA tensors whose gradient is a share's part summed over the group (partial_gradient);
-        then every gradient summed over the replicas (other examples)."""
+        then every gradient summed over the replicas (other examples), unless a pipeline sums them."""
         sum_over([p for p in params if id(p) in self.partial], self.group)
-        if self.replicas > 1:
+        if self.replica_group is not None:
             sum_over(params, self.replica_group)
 
-    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
-        """The whole gradient's norm (split tensors' squares summed over the group, whole ones once), and
-        clipping to max_norm with it by torch's rule."""
+    def squares(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """The sum of the group's gradient squares: split tensors' summed over the group, whole ones once."""
         split = squares([p for p in params if id(p) in self.sharded], self.device)
         dist.all_reduce(split, group=self.group)
-        whole = squares([p for p in params if id(p) not in self.sharded], self.device)
-        return clip_to(params, float((split + whole).sqrt()), max_norm)
+        return split + squares([p for p in params if id(p) not in self.sharded], self.device)
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
+        """The whole gradient's norm, and clipping to max_norm with it by torch's rule."""
+        return clip_to(params, float(self.squares(params).sqrt()), max_norm)
 
     # ------------------------------------------------------------------ whole states for a checkpoint
 
-    def _whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
+    def whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """A tensor of `name` whole: the group's slices concatenated (a collective), or itself."""
         dim = split_dim(name)
         if dim is None or t.dim() == 0:
@@ -184,7 +189,7 @@ class TensorParallel:
 
     def whole_trainable_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         """{name: whole tensor on CPU} of every trained parameter on rank 0 (every rank calls)."""
-        out = {n: self._whole(n, p) for n, p in model.named_parameters() if p.requires_grad}
+        out = {n: self.whole(n, p) for n, p in model.named_parameters() if p.requires_grad}
         return out if dist.get_rank() == 0 else None
 
     def whole_optimizer_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any] | None:
@@ -199,7 +204,7 @@ class TensorParallel:
                 hint="pass an optimizer with one group, or set distributed.tensor_parallel=1",
             )
         state = {
-            i: {k: (self._whole(names[i], v) if torch.is_tensor(v) and v.dim() else v) for k, v in sorted(s.items())}
+            i: {k: (self.whole(names[i], v) if torch.is_tensor(v) and v.dim() else v) for k, v in sorted(s.items())}
             for i, s in sorted(sd["state"].items())
         }
         return {"state": state, "param_groups": sd["param_groups"]} if dist.get_rank() == 0 else None

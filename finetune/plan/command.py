@@ -5,6 +5,7 @@ or the fastest setup that fits, written as a recipe (--fit). Arguments come from
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from finetune.config.schema import read_recipe
@@ -24,6 +25,13 @@ def plan_command(args: argparse.Namespace) -> int:
     data, source = read_recipe(args.recipe, args.overrides)
     cfg = build_recipe(data, source)  # planning needs no data file or output_dir: schema only
     gpu = find_gpu(args.gpu, args.gpu_mem)
+    if args.nodes > 1:  # collectives and sends that span nodes go over the nodes' link
+        if args.gpus % args.nodes:
+            raise FinetuneError(
+                f"--gpus {args.gpus} --nodes {args.nodes}: the GPUs must be the same number on each node",
+                hint=f"give --gpus as the total, a multiple of {args.nodes}",
+            )
+        gpu = replace(gpu, gpus_per_node=args.gpus // args.nodes, node_link_gbps=args.node_link / 8)
     host_ram = parse_bytes(args.host_ram, "--host-ram") if args.host_ram else None
     if args.max_seq:
         return _print_longest_seq(args, cfg, gpu, host_ram)

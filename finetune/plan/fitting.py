@@ -13,11 +13,13 @@ from finetune.errors import PlanError
 from finetune.gpus import GiB, GpuSpec
 from finetune.memory import techniques
 from finetune.memory.techniques import TECHNIQUES, Technique
-from finetune.parallel.strategies import STRATEGIES
+from finetune.parallel import layout
+from finetune.parallel.strategies import DDP, STRATEGIES
 from finetune.plan.inputs import RecipeFacts, Setup, describe_setup
-from finetune.plan.memory import Estimate, estimate, gib
-from finetune.plan.recipe import planning_inputs, setup_of
+from finetune.plan.memory import Estimate, gib
+from finetune.plan.recipe import plan_recipe, planning_inputs, setup_of
 from finetune.plan.shape import ModelShape
+from finetune.plan.stages import balanced_layers, plan_setup
 
 FIT_HEADROOM = 0.10  # --fit keeps 10% of the card free: the model's error on published runs reaches ~15%
 
@@ -78,19 +80,87 @@ def runnable(s: Setup, recipe: RecipeFacts | None = None) -> bool:
     return not techniques.problems(mode_settings(s, recipe))
 
 
-def candidates(base: Setup, max_gpus: int, recipe: RecipeFacts | None = None) -> list[Setup]:
-    """Every runnable setup the knobs allow that keeps the global batch (batch x accum x GPUs)."""
+def candidates(
+    base: Setup, max_gpus: int, recipe: RecipeFacts | None = None, layouts: tuple[tuple[int, int], ...] = ()
+) -> list[Setup]:
+    """Every runnable setup the knobs allow that keeps the global batch (batch x accum x replicas): one replica
+    per GPU (DDP, FSDP, ZeRO), and each of `layouts` (pipeline stages, tensor-parallel ranks) on the GPUs
+    that hold a whole number of its replicas."""
     out = []
     names = [k.name for k in KNOBS]
+    one = replace(base, pipeline_parallel=1, tensor_parallel=1, virtual_stages=1, pipeline_layers=())
+    if one.pipeline_schedule == "interleaved_1f1b":
+        one = replace(one, pipeline_schedule="1f1b")  # interleaving needs virtual stages: not a pipeline's setting here
     for values in product(*(k.candidates(base, max_gpus) for k in KNOBS)):
-        s = replace(base, **dict(zip(names, values)))
+        s = replace(one, **dict(zip(names, values)))
         if not runnable(s, recipe):
             continue
-        per_gpu = base.global_batch / (s.batch_size * s.gpus)
-        if per_gpu < 1 or per_gpu != int(per_gpu):
-            continue
-        out.append(replace(s, grad_accum=int(per_gpu)))
+        for pp, tp in ((1, 1), *layouts):
+            laid = _laid_out(s, base, pp, tp)
+            if laid is not None:
+                out.append(laid)
     return out
+
+
+def _laid_out(s: Setup, base: Setup, pp: int, tp: int) -> Setup | None:
+    """`s` as `pp` stages x `tp` tensor-parallel ranks x replicas, with the accumulation that keeps base's
+    global batch and a schedule that runs it; None where it cannot run so (a layout keeps its layers and
+    tables on its GPUs and sums its own gradients: DDP's row only, nothing streamed or sharded)."""
+    if s.gpus % (pp * tp):
+        return None
+    if (pp, tp) != (1, 1):
+        kept = s.base_weights == "device" and s.embeddings == "device" and not (tp > 1 and s.optimizer_offload)
+        if not (kept and s.sharding == DDP.name and not s.cpu_offload):
+            return None
+    per_replica = base.global_batch / (s.batch_size * s.gpus // (pp * tp))
+    if per_replica < 1 or per_replica != int(per_replica):
+        return None
+    m = int(per_replica)
+    s = replace(s, pipeline_parallel=pp, tensor_parallel=tp, grad_accum=m)
+    if pp == 1:
+        return s
+    if base.pipeline_parallel == pp and base.pipeline_schedule == "interleaved_1f1b" and m % max(1, m // pp) == 0:
+        return replace(s, pipeline_schedule=base.pipeline_schedule, virtual_stages=base.virtual_stages)
+    return replace(s, pipeline_schedule="1f1b" if m >= pp else "gpipe", virtual_stages=1)
+
+
+def layout_choices(cfg: RecipeConfig, shape: ModelShape, max_gpus: int) -> tuple[tuple[int, int], ...]:
+    """(pipeline stages, tensor-parallel ranks) the search may try for this recipe and model on up to max_gpus:
+    the model's layers split evenly into the stages, its heads and MLP into the ranks, and nothing in the
+    recipe (objective, adapter, precision) that a pipeline or a split refuses."""
+    out = []
+    for pp in range(1, max_gpus + 1):
+        for tp in range(1, max_gpus // pp + 1):
+            if pp * tp == 1 or shape.layers % pp or shape.model_type not in layout.FAMILIES:
+                continue
+            if tp > 1 and (shape.heads % tp or shape.kv_heads % tp or shape.intermediate % tp):
+                continue
+            as_layout = cfg.model_copy(
+                update={
+                    "distributed": cfg.distributed.model_copy(
+                        update={
+                            "pipeline_parallel": pp,
+                            "tensor_parallel": tp,
+                            "strategy": "auto",
+                            "grad_compression": "none",
+                            "pipeline_schedule": "gpipe",
+                            "virtual_stages": 1,
+                            "pipeline_layers": "even",
+                        }
+                    ),
+                    "memory": cfg.memory.model_copy(
+                        update={"base_weights": "device", "embeddings": "device", "optimizer_offload": False}
+                    ),
+                }
+            )
+            if not layout.problems(as_layout):
+                out.append((pp, tp))
+    return tuple(out)
+
+
+def _node_ram(e: Estimate, gpu: GpuSpec) -> float:
+    """Host RAM on each node the setup fills (host_ram is one machine's)."""
+    return e.host_ram_bytes / gpu.nodes_of(e.setup.gpus)
 
 
 def _fits_with_headroom(e: Estimate, gpu: GpuSpec) -> bool:
@@ -98,17 +168,24 @@ def _fits_with_headroom(e: Estimate, gpu: GpuSpec) -> bool:
 
 
 def search(
-    shape: ModelShape, recipe: RecipeFacts, base: Setup, gpu: GpuSpec, max_gpus: int, host_ram: int | None = None, **kw
+    shape: ModelShape,
+    recipe: RecipeFacts,
+    base: Setup,
+    gpu: GpuSpec,
+    max_gpus: int,
+    host_ram: int | None = None,
+    layouts: tuple[tuple[int, int], ...] = (),
+    **kw,
 ) -> tuple[Estimate | None, list[Estimate]]:
     """(fastest setup that fits with FIT_HEADROOM to spare, or None; every estimate made).
     host_ram: the machine's RAM, when known; setups that need more (offload, FSDP's load of
     the whole model per process) are left out. Ties go to less offloading, then fewer GPUs,
-    then more headroom."""
-    setups = candidates(base, max_gpus, recipe)
+    then more headroom. layouts: the (pipeline stages, tensor-parallel ranks) to try besides (layout_choices)."""
+    setups = candidates(base, max_gpus, recipe, layouts)
     if shape.experts:  # MoE: finetune/model/moe.py's 4-bit experts are neither streamed nor sharded (model/load.py refuses)
         setups = [s for s in setups if not (s.streams_weights or s.partitions_weights)]
-    estimates = [estimate(shape, recipe, s, gpu, **kw) for s in setups]
-    fitting = [e for e in estimates if _fits_with_headroom(e, gpu) and (host_ram is None or e.host_ram_bytes <= host_ram)]
+    estimates = [plan_setup(shape, recipe, s, gpu, **kw) for s in setups]
+    fitting = [e for e in estimates if _fits_with_headroom(e, gpu) and (host_ram is None or _node_ram(e, gpu) <= host_ram)]
     best = min(
         fitting,
         key=lambda e: (round(e.step_time_s, 6), e.setup.offload_rank, e.setup.gpus, -(e.headroom_bytes or 0)),
@@ -124,7 +201,7 @@ def longest_fitting_seq(shape: ModelShape, recipe: RecipeFacts, base: Setup, gpu
     probe = replace(base, batch_size=1, grad_accum=1)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _fits_with_headroom(estimate(shape, recipe, replace(probe, seq_len=mid), gpu, **kw), gpu):
+        if _fits_with_headroom(plan_setup(shape, recipe, replace(probe, seq_len=mid), gpu, **kw), gpu):
             lo = mid
         else:
             hi = mid - 1
@@ -136,11 +213,10 @@ def fit(
 ) -> tuple[Estimate, Estimate]:
     """(the recipe as written on `gpus` GPUs, the fastest setup that fits; with host_ram, one whose
     offload also fits that much RAM). Raises PlanError when none fits."""
-    _not_a_pipeline(cfg, "--fit")
     shape, recipe, kw = planning_inputs(cfg, gpu)
-    base = setup_of(cfg, gpus or max_gpus)
-    current = estimate(shape, recipe, base, gpu, **kw)
-    best, estimates = search(shape, recipe, base, gpu, max_gpus, host_ram=host_ram, **kw)
+    current = plan_recipe(cfg, gpu, gpus or max_gpus)
+    layouts = layout_choices(cfg, shape, max_gpus)
+    best, estimates = search(shape, recipe, current.setup, gpu, max_gpus, host_ram=host_ram, layouts=layouts, **kw)
     if best is None and any(_fits_with_headroom(e, gpu) for e in estimates):
         # The GPU is not the limit: every setup that fits it needs more host RAM than there is.
         least = min((e for e in estimates if _fits_with_headroom(e, gpu)), key=lambda e: e.host_ram_bytes)
@@ -162,7 +238,7 @@ def fit(
             "a smaller lora.r or fewer lora.target modules" if cfg.lora else "LoRA (lora.r=16) instead of full fine-tuning"
         )
         raise PlanError(
-            f"no setup of '{cfg.model.path}' at data.max_seq_len={base.seq_len} fits {max_gpus} x {gpu.name} "
+            f"no setup of '{cfg.model.path}' at data.max_seq_len={current.setup.seq_len} fits {max_gpus} x {gpu.name} "
             f"({gib(gpu.memory_bytes)} each, {FIT_HEADROOM:.0%} kept free): the smallest needs {gib(smallest.peak_bytes)} per GPU "
             f"({describe_setup(smallest.setup)}; the weights alone take {gib(static)})",
             hint="; or ".join(how),
@@ -182,34 +258,24 @@ class LongestSeq:
 
 def longest_trainable_seq(cfg: RecipeConfig, gpu: GpuSpec, max_gpus: int = 1, host_ram: int | None = None) -> LongestSeq:
     """The longest sequence a recipe trains at batch 1 on `gpu` (plan --max-seq): as written, and at best."""
-    _not_a_pipeline(cfg, "--max-seq")
     shape, recipe, kw = planning_inputs(cfg, gpu)
-    base = replace(setup_of(cfg, 1), batch_size=1, grad_accum=1)
+    ranks = cfg.distributed.pipeline_parallel * cfg.distributed.tensor_parallel  # the GPUs one replica needs
+    base = replace(setup_of(cfg, ranks), batch_size=1, grad_accum=1, pipeline_schedule="gpipe")
+    if cfg.distributed.pipeline_layers == "auto":
+        base = replace(base, pipeline_layers=balanced_layers(shape, recipe, base, gpu, **kw))
     as_written = longest_fitting_seq(shape, recipe, base, gpu, upper=LONGEST_SEQ_PROBED, **kw)
     best, best_setup = as_written, None
     # The search may also turn on the long-context levers the recipe switched off.
     tried = replace(
         base, loss="auto" if base.loss == "full" else base.loss, tiled_mlp="auto" if base.tiled_mlp == "off" else base.tiled_mlp
     )
-    for s in candidates(tried, max_gpus, recipe):
+    for s in candidates(tried, max_gpus, recipe, layout_choices(cfg, shape, max_gpus)):
         if best_setup is not None and s.gpus > best_setup.gpus and best >= LONGEST_SEQ_PROBED:
             continue
         seq = longest_fitting_seq(shape, recipe, s, gpu, upper=LONGEST_SEQ_PROBED, **kw)
         fits_host = (
-            host_ram is None or estimate(shape, recipe, replace(s, seq_len=max(seq, 64)), gpu, **kw).host_ram_bytes <= host_ram
+            host_ram is None or _node_ram(plan_setup(shape, recipe, replace(s, seq_len=max(seq, 64)), gpu, **kw), gpu) <= host_ram
         )
         if seq > best and fits_host:
             best, best_setup = seq, replace(s, seq_len=seq)
     return LongestSeq(as_written, best, best_setup)
-
-
-def _not_a_pipeline(cfg: RecipeConfig, flag: str) -> None:
-    """The searches try one-replica setups (batch, checkpointing, offload, DDP/FSDP/ZeRO), not pipeline layouts."""
-    for key, what in (("pipeline_parallel", "pipelines"), ("tensor_parallel", "tensor-parallel layouts")):
-        n = getattr(cfg.distributed, key)
-        if n > 1:
-            raise PlanError(
-                f"finetune plan {flag} searches DDP, FSDP and ZeRO setups, not {what} (distributed.{key}={n})",
-                hint=f"plan the recipe as written (without {flag}), and change train.batch_size, data.max_seq_len or "
-                f"distributed.{key} by hand; or drop distributed.{key} to search the others",
-            )

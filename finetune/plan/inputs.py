@@ -178,8 +178,9 @@ def lora_targets(shape: ModelShape, target: str | tuple[str, ...]) -> list[Linea
 def _sharding_label(s: Setup) -> str:
     if s.pipeline_parallel > 1:
         interleaved = f" x {s.virtual_stages} virtual" if s.pipeline_schedule == "interleaved_1f1b" else ""
-        replicas = s.gpus // s.pipeline_parallel
-        return f" (pipeline: {s.pipeline_parallel} stages{interleaved} x {replicas} replica{'s' if replicas > 1 else ''}, {s.pipeline_schedule})"
+        replicas = s.gpus // (s.pipeline_parallel * s.tensor_parallel)
+        split = f" x {s.tensor_parallel} tensor-parallel ranks" if s.tensor_parallel > 1 else ""
+        return f" (pipeline: {s.pipeline_parallel} stages{interleaved}{split} x {replicas} replica{'s' if replicas > 1 else ''}, {s.pipeline_schedule})"
     if s.tensor_parallel > 1:
         replicas = s.gpus // s.tensor_parallel
         return f" (tensor parallel: {s.tensor_parallel} ranks x {replicas} replica{'s' if replicas > 1 else ''})"

@@ -15,7 +15,7 @@ from finetune.parallel.strategies import DDP, STRATEGIES, Strategy, of_recipe
 from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.memory import Estimate, estimate
 from finetune.plan.shape import ModelShape, read_model_shape
-from finetune.plan.stages import balanced_layers, plan_pipeline, plan_tensor_parallel
+from finetune.plan.stages import balanced_layers, plan_setup
 
 
 def plan_precision(cfg: RecipeConfig, gpu: GpuSpec | None) -> str:
@@ -81,18 +81,15 @@ def planning_inputs(cfg: RecipeConfig, gpu: GpuSpec | None) -> tuple[ModelShape,
 
 
 def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Setup | None = None) -> Estimate:
+    """The plan of a recipe on `gpus` GPUs (fewer than its pipeline or tensor-parallel ranks: one replica of
+    them), or of `setup` when given."""
     shape, recipe, kw = planning_inputs(cfg, gpu)
-    pp = cfg.distributed.pipeline_parallel
-    if pp > 1 and setup is None:
-        # A pipeline runs on stages x replicas: fewer GPUs than stages are planned as one replica.
-        staged = setup_of(cfg, gpus if gpus >= pp else pp)
-        if cfg.distributed.pipeline_layers == "auto":
-            staged = replace(staged, pipeline_layers=balanced_layers(shape, recipe, staged, gpu, **kw))
-        return plan_pipeline(shape, recipe, staged, gpu, **kw)
-    tp = cfg.distributed.tensor_parallel
-    if tp > 1 and setup is None:  # fewer GPUs than ranks are planned as one replica
-        return plan_tensor_parallel(shape, recipe, setup_of(cfg, gpus if gpus >= tp else tp), gpu, **kw)
-    return estimate(shape, recipe, setup or setup_of(cfg, gpus), gpu, **kw)
+    if setup is None:
+        ranks = cfg.distributed.pipeline_parallel * cfg.distributed.tensor_parallel
+        setup = setup_of(cfg, gpus if gpus >= ranks else ranks)
+        if setup.pipeline_parallel > 1 and cfg.distributed.pipeline_layers == "auto":
+            setup = replace(setup, pipeline_layers=balanced_layers(shape, recipe, setup, gpu, **kw))
+    return plan_setup(shape, recipe, setup, gpu, **kw)
 
 
 # `finetune plan --gpus N`: the recipe under each way of spreading it over the GPUs, side by side:
@@ -112,8 +109,9 @@ def compare_strategies(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int) -> lis
     base = replace(setup_of(cfg, gpus), pipeline_parallel=1, virtual_stages=1, tensor_parallel=1)
     ddp_offload = {"optimizer_offload": cfg.memory.optimizer_offload}  # the recipe's own HostAdamW, one replica each
     pp, tp = cfg.distributed.pipeline_parallel, cfg.distributed.tensor_parallel
-    own = [(f"pipeline {pp} stages (as written)", plan_recipe(cfg, gpu, gpus))] if pp > 1 and gpus % pp == 0 else []
-    own += [(f"tensor parallel {tp} ranks (as written)", plan_recipe(cfg, gpu, gpus))] if tp > 1 and gpus % tp == 0 else []
+    split = f" x {tp} tensor-parallel ranks" if tp > 1 else ""
+    own = [(f"pipeline {pp} stages{split} (as written)", plan_recipe(cfg, gpu, gpus))] if pp > 1 and gpus % (pp * tp) == 0 else []
+    own += [(f"tensor parallel {tp} ranks (as written)", plan_recipe(cfg, gpu, gpus))] if pp == 1 < tp and gpus % tp == 0 else []
     return own + [
         (
             label,

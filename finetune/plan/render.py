@@ -7,13 +7,22 @@ from finetune.plan.memory import Estimate, gib
 from finetune.plan.speed import BANDWIDTH_EFFICIENCY, MATMUL_EFFICIENCY, NVME_READ_GBPS, predicted_mfu
 
 
+def _nodes(e: Estimate) -> str:
+    """How the GPUs sit in nodes, when they fill several (plan --nodes)."""
+    assert e.gpu is not None
+    nodes = e.gpu.nodes_of(e.setup.gpus)
+    if nodes <= 1:
+        return ""
+    return f", {e.gpu.gpus_per_node} per node x {nodes} nodes linked at {e.gpu.node_link_gbps * 8:g} Gbit/s"
+
+
 def report(e: Estimate) -> str:
     """The human-readable plan: per-GPU breakdown, peak, verdict, host RAM, disk, step time."""
     lines = [
         f"model      {e.shape.source} ({e.shape.model_type}, {e.shape.total_params / 1e9:.2f}B parameters, "
         f"{e.trainable_params / 1e6:.1f}M trainable)",
         f"setup      {describe_setup(e.setup)}",
-        f"device     {e.gpu.description or e.gpu.name} ({gib(e.gpu.memory_bytes)})" if e.gpu else "device     CPU",
+        f"device     {e.gpu.description or e.gpu.name} ({gib(e.gpu.memory_bytes)}){_nodes(e)}" if e.gpu else "device     CPU",
         "",
         "per-GPU memory at the peak ("
         + {"loss": "end of forward: logits and loss", "start": "start: the whole model, before ZeRO-3 partitions it"}.get(
@@ -49,11 +58,12 @@ def report(e: Estimate) -> str:
             f"communication {p['communication']:.2f} s, optimizer {p['optimizer']:.2f} s)"
         )
         if "pipeline_bubble" in p or "tensor_allreduce" in p:  # what splitting the model over GPUs adds to a step
-            split = (
-                f"the bubble {p['pipeline_bubble']:.2f} s/step, sends between stages {p['pipeline_p2p']:.2f} s/step"
-                if "pipeline_bubble" in p
-                else f"all-reduces inside each layer {p['tensor_allreduce']:.2f} s/step at {e.gpu.interconnect_gbps:g} GB/s"
-            )
+            said = []
+            if "pipeline_bubble" in p:
+                said.append(f"the bubble {p['pipeline_bubble']:.2f} s/step, sends between stages {p['pipeline_p2p']:.2f} s/step")
+            if "tensor_allreduce" in p:
+                said.append(f"all-reduces inside each layer {p['tensor_allreduce']:.2f} s/step")
+            split = ", ".join(said)
             lines.append(f"split      {split} (in the step time above)")
         if p.get("host_transfer"):
             s = e.setup
@@ -110,6 +120,8 @@ def _host_lines(e: Estimate) -> list[str]:
         f"max({loading}; kept while training: {', '.join(kept)})" if kept else loading
     )
     per = f", {e.setup.gpus} processes" if e.setup.gpus > 1 else ""
+    nodes = e.gpu.nodes_of(e.setup.gpus) if e.gpu else 1
+    per += f"; {gib(e.host_ram_bytes / nodes)} on each of {nodes} nodes" if nodes > 1 else ""
     disk = [
         f"{label} {gib(d[k])}"
         for k, label in [

@@ -14,6 +14,9 @@ from finetune.plan.fitting import KNOBS
 from finetune.plan.inputs import Setup, describe_setup
 from finetune.plan.memory import Estimate, gib
 
+# The Setup fields of a layout, each written as distributed.<field> (a pipeline's split: pipeline_layers).
+LAYOUT_FIELDS = ("pipeline_parallel", "tensor_parallel", "pipeline_schedule", "virtual_stages")
+
 
 def recipe_value(knob: str, value: Any) -> Any:
     """A Setup value as its recipe key takes it (checkpoint_every 1/0/k -> all/none/k)."""
@@ -41,6 +44,12 @@ def setup_changes(setup: Setup, base: Setup, cfg: RecipeConfig | None = None) ->
             out[knob.recipe_key] = recipe_value(knob.name, getattr(setup, knob.name))
     if setup.grad_accum != base.grad_accum:
         out["train.grad_accum"] = setup.grad_accum
+    for field in LAYOUT_FIELDS:  # the layout the search chose (fitting._laid_out): its stages, ranks and schedule
+        if getattr(setup, field) != getattr(base, field):
+            out[f"distributed.{field}"] = getattr(setup, field)
+    if setup.pipeline_layers != base.pipeline_layers or (cfg is not None and setup.pipeline_parallel != base.pipeline_parallel):
+        if cfg is not None and cfg.distributed.pipeline_layers != "even":
+            out["distributed.pipeline_layers"] = list(setup.pipeline_layers) or "even"
     if cfg is not None:
         chosen = setup.strategy
         if of_recipe(cfg).wraps_layers and not (chosen.wraps_layers and setup.gpus > 1):
@@ -134,7 +143,12 @@ def write_fitted_recipe(
     changes = changes_of(best, current.setup, cfg)
     n, gpu = best.setup.gpus, best.gpu
     assert gpu is not None, "a fitted setup is planned for a GPU"
+    nodes = gpu.nodes_of(n)
     command = f"finetune run {out}" if n == 1 else f"finetune run {out} --nproc {n}"
+    if nodes > 1:  # torchrun on each node: ranks fill node 0 first, as the plan placed them
+        command = (
+            f"finetune run {out} --nproc {gpu.gpus_per_node} --nnodes {nodes} --node-rank R --master-addr NODE0 (on each node R)"
+        )
     why = f"finetune plan --fit: {describe_setup(best.setup)}"
     header = [
         f"Written by `{invocation}` from {source}:",

@@ -115,7 +115,7 @@ def step_time(
     # Copies that nothing overlaps add whole.
     micro, transfer, exposed = (x + exposed_bytes / host_link for x in (micro, transfer, exposed))
     n = setup.gpus
-    link = gpu.interconnect_gbps * 1e9 * LINK_EFFICIENCY
+    link = gpu.link_gbps(range(n)) * 1e9 * LINK_EFFICIENCY  # the nodes' link when the GPUs span nodes
     comm = 0.0
     ckpt = setup.checkpointed_layers(shape.layers) / shape.layers
     if n > 1 and fsdp:

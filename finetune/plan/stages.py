@@ -85,17 +85,18 @@ def bubble_factor(schedule: str, pp: int, virtual_stages: int, micro_batches: in
 
 def plan_pipeline(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec | None, **kw: Any) -> Estimate:
     """The plan of setup.gpus processes as setup.pipeline_parallel stages x replicas (see the module)."""
-    pp, schedule, v = setup.pipeline_parallel, setup.pipeline_schedule, setup.virtual_stages
+    pp, schedule, v, tp = setup.pipeline_parallel, setup.pipeline_schedule, setup.virtual_stages, setup.tensor_parallel
     world, splits = setup.gpus, setup.pipeline_layers
     uneven = sum(splits) != shape.layers if splits else shape.layers % (pp * v)
-    if world % pp or uneven:
+    if world % (pp * tp) or uneven:
+        grid = f"stages x {tp} tensor-parallel ranks x replicas" if tp > 1 else "stages x replicas"
         raise PlanError(
             f"distributed.pipeline_parallel={pp} (x virtual_stages={v}) on {world} GPUs with {shape.layers} decoder layers"
-            f"{f' as {list(splits)}' if splits else ''}: the GPUs must be stages x replicas and the stages must hold "
+            f"{f' as {list(splits)}' if splits else ''}: the GPUs must be {grid} and the stages must hold "
             "every layer (an even split, or distributed.pipeline_layers adding up to them)",
-            hint=f"plan with --gpus {pp} (or a multiple), and distributed.pipeline_layers=auto or counts adding up to {shape.layers}",
+            hint=f"plan with --gpus {pp * tp} (or a multiple), and distributed.pipeline_layers=auto or counts adding up to {shape.layers}",
         )
-    replicas, m = world // pp, setup.grad_accum
+    replicas, m = world // (pp * tp), setup.grad_accum
     ranks = _ranks(shape, recipe, setup, gpu, **kw)
     worst = max(ranks, key=lambda x: x[1].peak_bytes)[1]
     slowest = max(ranks, key=lambda x: x[1].step_time_s)[1]
@@ -105,23 +106,25 @@ def plan_pipeline(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: Gpu
         busy = step - parts["communication"] - parts["optimizer"]  # the micro-batches, without the step's end
         parts["pipeline_bubble"] = busy * (bubble_factor(schedule, pp, v, m) - 1)
         boundary = setup.rows * setup.seq_len * shape.hidden * recipe.compute_bytes  # one micro-batch's activations
-        parts["pipeline_p2p"] = 2 * (m + pp - 1) * boundary / (gpu.interconnect_gbps * 1e9 * LINK_EFFICIENCY)
+        parts["pipeline_p2p"] = 2 * (m + pp - 1) * boundary / (_send_link(setup, gpu) * 1e9 * LINK_EFFICIENCY)
         step += parts["pipeline_bubble"] + parts["pipeline_p2p"]
     notes = [_describe_rank(layout, e, held, shape) for layout, e, held in ranks]
     bubble = bubble_factor(schedule, pp, v, m)
+    split = f" x {tp} tensor-parallel ranks (each holds 1/{tp} of its stage's decoder linears)" if tp > 1 else ""
     notes.append(
-        f"pipeline: {pp} stages x {replicas} replica{'s' if replicas > 1 else ''}, {schedule}, {m} micro-batches "
+        f"pipeline: {pp} stages{split} x {replicas} replica{'s' if replicas > 1 else ''}, {schedule}, {m} micro-batches "
         f"(train.grad_accum): the bubble is {1 - 1 / bubble:.0%} of the step; the plan above is the rank with the highest peak"
     )
     return replace(
         worst,
         shape=shape,
         setup=setup,
+        gpu=gpu,
         step_time_s=step,
         step_time_parts=parts,
-        host_ram_bytes=sum(e.host_ram_bytes for _, e, _ in ranks),
-        disk_bytes=sum(e.disk_bytes for _, e, _ in ranks),
-        trainable_params=sum(e.trainable_params for _, e, _ in ranks),
+        host_ram_bytes=sum(e.host_ram_bytes for _, e, _ in ranks) * tp,  # each of a stage's tp ranks a process
+        disk_bytes=sum(e.disk_bytes for _, e, _ in ranks) * tp,
+        trainable_params=trainable_params(shape, recipe) if tp > 1 else sum(e.trainable_params for _, e, _ in ranks),
         notes=[*notes, *worst.notes],
     )
 
@@ -129,14 +132,24 @@ def plan_pipeline(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: Gpu
 def _ranks(
     shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec | None, **kw: Any
 ) -> list[tuple[Layout, Estimate, float]]:
-    """(layout, estimate, micro-batches held) of replica 0's rank at each place along the pipe (the others hold the same)."""
-    pp, replicas = setup.pipeline_parallel, setup.gpus // setup.pipeline_parallel
-    one = replace(setup, gpus=replicas, sharding=DDP.name, pipeline_parallel=1, pipeline_layers=())
+    """(layout, estimate, micro-batches held) of replica 0's first tensor-parallel rank at each place along the pipe
+    (the others hold the same); split over tensor-parallel ranks, each its share, its all-reduces in its step."""
+    pp, tp = setup.pipeline_parallel, setup.tensor_parallel
+    replicas = setup.gpus // (pp * tp)
+    one = replace(setup, gpus=replicas, sharding=DDP.name, pipeline_parallel=1, pipeline_layers=(), tensor_parallel=1)
     out = []
-    for rank in range(pp):
-        layout = Layout(pp, replicas, rank * replicas, setup.virtual_stages, splits=setup.pipeline_layers)
+    for stage in range(pp):
+        layout = Layout(pp, replicas, stage * replicas * tp, setup.virtual_stages, tp, setup.pipeline_layers)
         held = held_micro_batches(setup.pipeline_schedule, layout, setup.grad_accum)
-        out.append((layout, estimate(rank_shape(shape, layout), recipe, one, gpu, held=held, **kw), held))
+        part = rank_shape(shape, layout)
+        seen = gpu and _as_seen_by(gpu, layout.stage_ranks(stage))  # the stage's replicas all-reduce over their link
+        e = estimate(tensor_rank_shape(part, tp) if tp > 1 else part, recipe, one, seen, held=held, **kw)
+        if tp > 1 and gpu is not None:
+            allreduce = tensor_allreduce_s(part, recipe, setup, _as_seen_by(gpu, layout.tensor_ranks(layout.rank // tp)))
+            e = replace(
+                e, step_time_s=e.step_time_s + allreduce, step_time_parts={**e.step_time_parts, "tensor_allreduce": allreduce}
+            )
+        out.append((layout, e, held))
     return out
 
 
@@ -215,18 +228,16 @@ def plan_tensor_parallel(shape: ModelShape, recipe: RecipeFacts, setup: Setup, g
         )
     replicas = world // tp
     one = replace(setup, gpus=replicas, sharding=DDP.name, tensor_parallel=1)
-    e = estimate(tensor_rank_shape(shape, tp), recipe, one, gpu, **kw)
+    layout = Layout(1, replicas, 0, tp=tp)
+    e = estimate(tensor_rank_shape(shape, tp), recipe, one, gpu and _as_seen_by(gpu, layout.stage_ranks(0)), **kw)
     parts, step = dict(e.step_time_parts), e.step_time_s
     hidden_states = setup.rows * setup.seq_len * shape.hidden * recipe.compute_bytes  # one micro-batch's
-    passes = 2 + setup.checkpointed_layers(shape.layers) / shape.layers  # forward, backward, the recompute
-    count = 2 * shape.layers * passes  # after attention and after the MLP
     if gpu is not None:
-        ring = 2 * (tp - 1) / tp * hidden_states / (gpu.interconnect_gbps * 1e9 * LINK_EFFICIENCY)
-        parts["tensor_allreduce"] = count * ring * setup.grad_accum
+        parts["tensor_allreduce"] = tensor_allreduce_s(shape, recipe, setup, _as_seen_by(gpu, layout.tensor_ranks(0)))
         step += parts["tensor_allreduce"]
     note = (
         f"tensor parallel: {tp} ranks x {replicas} replica{'s' if replicas > 1 else ''}; each rank holds 1/{tp} of every "
-        f"decoder linear and its LoRA, the embeddings, head and norms whole; {count:.0f} all-reduces of "
+        f"decoder linear and its LoRA, the embeddings, head and norms whole; {_allreduces(shape, setup):.0f} all-reduces of "
         f"{hidden_states / 2**20:.1f} MiB per micro-batch on the GPU link"
     )
     return replace(
@@ -236,6 +247,51 @@ def plan_tensor_parallel(shape: ModelShape, recipe: RecipeFacts, setup: Setup, g
         step_time_s=step,
         step_time_parts=parts,
         host_ram_bytes=e.host_ram_bytes * tp,  # e counted one process per replica
+        gpu=gpu,
         trainable_params=trainable_params(shape, recipe),
         notes=[note, *e.notes],
     )
+
+
+def _allreduces(shape: ModelShape, setup: Setup) -> float:
+    """A micro-batch's tensor-parallel all-reduces over `shape`'s layers: after attention and after the MLP,
+    in forward, backward and a checkpointed layer's recompute."""
+    passes = 2 + setup.checkpointed_layers(shape.layers) / shape.layers
+    return 2 * shape.layers * passes
+
+
+def tensor_allreduce_s(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec) -> float:
+    """Seconds per step of the all-reduces of `shape`'s layers (a whole model, or a pipeline rank's part) over
+    setup.tensor_parallel ranks: each a ring of one micro-batch's hidden states on the GPU link, not overlapped."""
+    tp = setup.tensor_parallel
+    hidden_states = setup.rows * setup.seq_len * shape.hidden * recipe.compute_bytes
+    ring = 2 * (tp - 1) / tp * hidden_states / (gpu.interconnect_gbps * 1e9 * LINK_EFFICIENCY)
+    return _allreduces(shape, setup) * ring * setup.grad_accum
+
+
+def plan_setup(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec | None, **kw: Any) -> Estimate:
+    """The plan of any setup: a pipeline (of split stages or not), tensor parallelism, or one replica per GPU."""
+    if setup.pipeline_parallel > 1:
+        return plan_pipeline(shape, recipe, setup, gpu, **kw)
+    if setup.tensor_parallel > 1:
+        return plan_tensor_parallel(shape, recipe, setup, gpu, **kw)
+    return estimate(shape, recipe, setup, gpu, **kw)
+
+
+def _as_seen_by(gpu: GpuSpec, ranks: list[int]) -> GpuSpec:
+    """`gpu` with the link a group of these global ranks communicates over as its only link (the nodes' link
+    where the group spans nodes): a rank's plan then costs its group's collectives on that link."""
+    return replace(gpu, interconnect_gbps=gpu.link_gbps(ranks), gpus_per_node=0)
+
+
+def _send_link(setup: Setup, gpu: GpuSpec) -> float:
+    """The slowest link a pipeline's sends cross: the nodes' link if any stage boundary spans two nodes."""
+    pp, tp = setup.pipeline_parallel, setup.tensor_parallel
+    layout = Layout(pp, setup.gpus // (pp * tp), 0, tp=tp)
+    boundaries = [
+        (a, b)
+        for t in range(tp)
+        for r in range(layout.replicas)
+        for a, b in zip(layout.pipeline_ranks(r, t), layout.pipeline_ranks(r, t)[1:])
+    ]
+    return min((gpu.link_gbps(pair) for pair in boundaries), default=gpu.interconnect_gbps)

@@ -451,8 +451,12 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint '{path}' cannot be read: {exc}") from None
     if check is not None:
         check(path, state)
-    weights, full_optimizer = _share_of_rank(model, optimizer, weights, _optimizer_from_tensors(opt_tensors, opt_meta))
+    full_optimizer = _optimizer_from_tensors(opt_tensors, opt_meta)
     zero = zero_optimizer(optimizer)
+    held = held_indices(model) if zero is None else None  # a pipeline stage: its own parameters' state only
+    if held is not None:
+        full_optimizer = held_optimizer_state(full_optimizer, held)  # numbered as this rank's optimizer, then sliced
+    weights, full_optimizer = _share_of_rank(model, optimizer, weights, full_optimizer)
     if is_peft and zero is not None:
         # DeepSpeed ZeRO: the parameters of this rank may be empty (ZeRO-3); peft names them as the file does.
         view = get_peft_model_state_dict(model, state_dict=dict(model.named_parameters()))
@@ -483,9 +487,6 @@ def load_checkpoint(
     else:
         # Optimizer.load_state_dict moves state to each parameter's device itself; sharded
         # parameters get their state sharded the same way first.
-        held = held_indices(model)  # a pipeline stage: its own parameters' state only
-        if held is not None:
-            full_optimizer = held_optimizer_state(full_optimizer, held)
         optimizer.load_state_dict(shard_optimizer_state(optimizer, full_optimizer))
     scheduler.load_state_dict(sched)
     follow_schedule(scheduler)

@@ -81,6 +81,14 @@ def preempt_after(job: Job, out: Path, logged: int) -> str:
     return job.output()
 
 
+def stopped_under_sigterm(recipe: Path, out: Path, cwd: Path, nproc: int = 2) -> int:
+    """Launch `recipe` on nproc processes for 400 steps (it cannot end before the signal lands), SIGTERM it
+    after 2 logged steps; the step of the checkpoint it left."""
+    job = finetune(str(recipe), "--nproc", str(nproc), "train.max_steps=400", cwd=cwd, log=cwd / f"{out.name}.log")
+    assert "checkpoint" in preempt_after(job, out, 2)
+    return max(int(m.parent.name.split("-")[1]) for m in (out / "checkpoints").glob("step-*/manifest.json"))
+
+
 def assert_adapters_close(a: dict, b: dict, atol: float = 1e-5) -> None:
     assert a.keys() == b.keys() and len(a) > 0
     for k in a:

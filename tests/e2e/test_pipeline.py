@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import assert_same_steps, build_char_tokenizer, build_tiny_llama, free_port, step_rows
-from test_distributed import adapter, assert_adapters_close, finetune, preempt_after, run_driver, write
+from test_distributed import adapter, assert_adapters_close, finetune, run_driver, stopped_under_sigterm, write
 
 pytestmark = pytest.mark.slow
 
@@ -111,10 +111,7 @@ def test_sigterm_under_pipeline_resumes_on_one_process_then_under_pipeline_again
     recipe, out = write(tmp_path, pp_recipe, "moved", distributed={"pipeline_parallel": 2})
     ref_recipe, ref = write(tmp_path, pp_recipe, "straight")
     finetune(str(ref_recipe), f"train.max_steps={total}", cwd=tmp_path)
-    # 400 steps: the run cannot end before the signal lands.
-    job = finetune(str(recipe), "--nproc", "2", "train.max_steps=400", cwd=tmp_path, log=tmp_path / "pp.log")
-    assert "checkpoint" in preempt_after(job, out, 2)
-    stopped = max(int(m.parent.name.split("-")[1]) for m in (out / "checkpoints").glob("step-*/manifest.json"))
+    stopped = stopped_under_sigterm(recipe, out, tmp_path)
     assert stopped <= total - 4, stopped
     alone = ("distributed.pipeline_parallel=1", f"train.max_steps={stopped + 2}", "resume=auto")
     assert "resume: allowed change distributed.pipeline_parallel: 2 -> 1" in finetune(str(recipe), *alone, cwd=tmp_path).stdout

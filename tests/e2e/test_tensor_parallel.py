@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import assert_same_steps, build_char_tokenizer, build_tiny_llama, step_rows
-from test_distributed import adapter, assert_adapters_close, finetune, run_driver, write
+from test_distributed import adapter, assert_adapters_close, finetune, run_driver, stopped_under_sigterm, write
 
 pytestmark = pytest.mark.slow
 
@@ -68,6 +68,31 @@ def test_tensor_parallel_matches_one_process(base, one_process, nproc, batch):
     assert_adapters_close(adapter(one_process), adapter(out))  # gathered whole, as one process writes it
 
 
+def test_pipeline_of_split_stages_matches_one_process(base, one_process):
+    # pp=2 x tp=2 on 4 processes: each tensor-parallel rank runs a pipeline of its shares (1 layer per stage),
+    # the group's all-reduces inside each stage, the norm summed over both.
+    root, recipe = base
+    distributed = {"tensor_parallel": 2, "pipeline_parallel": 2, "pipeline_schedule": "1f1b"}
+    path, out = write(root, recipe, "pp2xtp2", distributed=distributed)
+    proc = finetune(str(path), "--nproc", "4", cwd=root)
+    said = "parallel: pipeline: 2 stages of 1 layers over 2 processes x 2 tensor-parallel ranks (each layer split) x 1 replica"
+    assert said in proc.stdout
+    assert_same_steps(one_process, out, rel=1e-5)
+    assert_adapters_close(adapter(one_process), adapter(out))
+    # Its checkpoint (stages' shares gathered whole, moments too) resumes on one process, and one
+    # process's checkpoint resumes as split stages (held, then sliced): steps 3 and 4 as uninterrupted.
+    later = [x for row in step_rows(one_process)[2:] for x in row]
+    alone, alone_out = write(root, recipe, "pp2xtp2-alone", resume=str(out / "checkpoints" / "step-2"))
+    finetune(str(alone), cwd=root)
+    split, split_out = write(
+        root, recipe, "alone-pp2xtp2", distributed=distributed, resume=str(one_process / "checkpoints" / "step-2")
+    )
+    finetune(str(split), "--nproc", "4", cwd=root)
+    for resumed in (alone_out, split_out):
+        assert [x for row in step_rows(resumed) for x in row] == pytest.approx(later, rel=1e-5)
+        assert_adapters_close(adapter(one_process), adapter(resumed))
+
+
 DRIVER = """
 import os, sys
 from finetune.config.schema import load_recipe
@@ -105,6 +130,23 @@ def test_a_checkpoint_of_one_process_resumes_split_to_the_same_adapter(base, one
     done = step_rows(out)  # steps 3 and 4, as the uninterrupted run took them
     assert [x for row in done for x in row] == pytest.approx([x for row in step_rows(one_process)[2:] for x in row], rel=1e-5)
     assert_adapters_close(adapter(one_process), adapter(out))
+
+
+def test_sigterm_under_tensor_parallelism_resumes_under_a_pipeline(base, tmp_path):
+    # Split tensors gathered whole into the checkpoint, read back as stages: the run ends where an
+    # uninterrupted one-process run ends.
+    root, recipe_dict = base
+    total = 24
+    recipe, out = write(tmp_path, recipe_dict, "moved", distributed={"tensor_parallel": 2})
+    ref_recipe, ref = write(tmp_path, recipe_dict, "straight")
+    finetune(str(ref_recipe), f"train.max_steps={total}", cwd=tmp_path)
+    stopped = stopped_under_sigterm(recipe, out, tmp_path)
+    assert stopped <= total - 4, stopped
+    staged = ("distributed.tensor_parallel=1", "distributed.pipeline_parallel=2", f"train.max_steps={total}", "resume=auto")
+    proc = finetune(str(recipe), "--nproc", "2", *staged, cwd=tmp_path)
+    assert "resume: allowed change distributed.tensor_parallel: 2 -> 1" in proc.stdout
+    assert "parallel: pipeline: 2 stages of 1 layers" in proc.stdout
+    assert_adapters_close(adapter(ref), adapter(out))
 
 
 def test_biased_layers_and_a_lora_on_the_head_train_as_one_process(base, tmp_path):
