@@ -69,6 +69,7 @@ PACKAGE_ORDER = {
         "layout",
         "distribute",
         "grads",
+        "stage_time",
         "pipeline",
         "tensor",
         "rank_state",

@@ -28,6 +28,7 @@ from finetune.errors import TrainingError
 from finetune.model.load import head_owner
 from finetune.parallel.grads import clip_to, squares, sum_over
 from finetune.parallel.layout import Layout
+from finetune.parallel.stage_time import BusyClock
 
 
 @contextmanager
@@ -176,6 +177,7 @@ class Pipeline:
         self.objective: Any = None  # the Loss whose head_loss the last stage runs (the trainer sets it)
         self._schedules: dict[tuple[int, ...], Any] = {}  # one per window shape
         self._step: tuple[Any, float] = (None, 1.0)  # this step's objective and loss scale
+        self.clock = BusyClock(device)  # the last window's busy and whole seconds on this rank
 
     def _groups(self) -> tuple[Any, Any]:
         """(this rank's pipeline: its replica's stages; its stage's replicas), as process groups; with tensor
@@ -205,13 +207,20 @@ class Pipeline:
         the group's ranks compute one loss)."""
         return self.is_last and (self.tensor is None or self.tensor.tp_rank == 0)
 
+    @property
+    def ideal_idle(self) -> float:
+        """The schedule's idle share of a window, (P - 1) / V over m + (P - 1) / V."""
+        layout, m = self.layout, self.cfg.train.grad_accum
+        fill = (layout.pp - 1) / layout.virtual_stages
+        return fill / (m + fill)
+
     def describe(self) -> str:
         d, layout = self.cfg.distributed, self.layout
         n = len(self.decoder.layers)
         counts = [hi - lo for lo, hi in (layout.layer_range(s, n) for s in range(layout.stage_count))]
         layers = str(counts[0]) if len(set(counts)) == 1 else " + ".join(map(str, counts))
         m = self.cfg.train.grad_accum
-        idle = (layout.pp - 1) / layout.virtual_stages / (m + (layout.pp - 1) / layout.virtual_stages)
+        idle = self.ideal_idle
         return (
             f"pipeline: {layout.stage_count} stages of {layers} layers over {layout.pp} processes"
             + (f" x {layout.tp} tensor-parallel ranks (each layer split)" if layout.tp > 1 else "")
@@ -255,13 +264,16 @@ class Pipeline:
             pp.PipelineStage(stage, index, layout.stage_count, self.device, group=self.group)
             for stage, index in zip(self.stages, layout.stages_of_rank)
         ]
-        m = self.cfg.train.grad_accum
+        for stage in stages:  # what the schedule calls per micro-batch: the rank's busy time (stage_time.py)
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, name, self.clock.timed(getattr(stage, name)))
+        m, loss = self.cfg.train.grad_accum, self.clock.timed(self._loss)
         schedule: Any
         if d.pipeline_schedule == "interleaved_1f1b":
-            schedule = pp.ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=self._loss, scale_grads=False)
+            schedule = pp.ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss, scale_grads=False)
         else:
             kind = pp.ScheduleGPipe if d.pipeline_schedule == "gpipe" else pp.Schedule1F1B
-            schedule = kind(stages[0], n_microbatches=m, loss_fn=self._loss, scale_grads=False)
+            schedule = kind(stages[0], n_microbatches=m, loss_fn=loss, scale_grads=False)
         self._schedules[shape] = schedule
         return schedule
 
@@ -279,11 +291,14 @@ class Pipeline:
         self._step = (objective, scale)
         args = (window["input_ids"],) if 0 in self.layout.stages_of_rank else ()
         kwargs = _model_inputs(window)
-        if not self.is_last:
-            schedule.step(*args, **kwargs)
-            return 0.0
         losses: list[torch.Tensor] = []  # each micro-batch's loss as _loss returned it (scaled)
-        schedule.step(*args, target=window["labels"], losses=losses, **kwargs)
+        with self.clock.window():
+            if self.is_last:
+                schedule.step(*args, target=window["labels"], losses=losses, **kwargs)
+            else:
+                schedule.step(*args, **kwargs)
+        if not self.is_last:
+            return 0.0
         return sum(float(loss.detach()) for loss in losses) / scale if self.reports else 0.0
 
     def sum_gradients(self, params: list[nn.Parameter]) -> None:

@@ -340,6 +340,13 @@ class Parallel:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         return self.accelerator.reduce(t, reduction="sum").tolist()
 
+    def every_rank(self, *values: float) -> list[tuple[float, ...]]:
+        """Each rank's values, in rank order, on every rank (a collective)."""
+        if self.world == 1:
+            return [tuple(values)]
+        t = torch.tensor([values], dtype=torch.float64, device=self.device)
+        return [tuple(row) for row in self.accelerator.gather(t).tolist()]
+
     def eval_rounds(self, n_batches: int, mine: int) -> int:
         """Forwards this rank runs to evaluate its share of n_batches. FSDP gathers weights inside every
         forward, so all ranks must run as many; ranks with fewer batches repeat one and discard it."""

@@ -30,7 +30,7 @@ from finetune.objectives.preference import PreferenceLoss
 from finetune.parallel.runtime import Parallel
 from finetune.runs.evaluate import exact_match_records
 from finetune.trainer.callbacks import Callback
-from finetune.trainer.profiling import ModelFlops, StepProfiler
+from finetune.trainer.profiling import ModelFlops, StageTimes, StepProfiler
 from finetune.trainer.schedule import build_scheduler
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None
@@ -198,9 +198,10 @@ def build_lr_schedule(cfg: RecipeConfig, optimizer: torch.optim.Optimizer, total
 
 
 def recipe_callbacks(trainer: Any) -> list[Callback]:
-    """The callbacks a recipe asks for, run before the user's: MFU on every step, torch.profiler on profile.steps.
+    """The callbacks a recipe asks for, run before the user's: MFU (and a pipeline's stage times) on every step,
+    torch.profiler on profile.steps.
     They read the trainer's parts (model, device, precision) when training begins."""
-    found: list[Callback] = [ModelFlops(trainer)]
+    found: list[Callback] = [ModelFlops(trainer), StageTimes(trainer)]
     if trainer.cfg.profile.steps:
         found.append(StepProfiler(trainer, trainer.cfg.profile.steps))
     return found

@@ -133,6 +133,36 @@ class ModelFlops(Callback):
         metrics["mfu"] = metrics["tflops"] / (self.peak * self.trainer.parallel.world)
 
 
+class StageTimes(Callback):
+    """A pipeline's measured time in each step's row (parallel/stage_time.py): stage_busy_s, each pipeline rank's
+    forward, backward and loss time in the step's window (the first replica's, in order along the pipe), and
+    bubble, the mean over them of the window's idle share (waiting on the other stages and on the sends).
+    At the end, the mean bubble beside the schedule's ideal one."""
+
+    adds_metrics = True
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.bubbles: list[float] = []
+
+    def on_step_end(self, state: TrainState, metrics: dict[str, Any]) -> None:
+        parallel = self.trainer.parallel
+        if parallel.pipeline is None:
+            return
+        every = parallel.every_rank(*parallel.pipeline.clock.last)  # a collective: every rank gets here
+        ranks = [every[r] for r in parallel.layout.pipeline_ranks(0, 0)]
+        metrics["stage_busy_s"] = [round(busy, 6) for busy, _ in ranks]
+        metrics["bubble"] = sum(1 - busy / whole for busy, whole in ranks if whole) / len(ranks)
+        if state.step > 1:  # the first window of a run also infers the shapes the stages send
+            self.bubbles.append(metrics["bubble"])
+
+    def on_train_end(self, state: TrainState, metrics: dict[str, Any]) -> None:
+        pipeline = self.trainer.parallel.pipeline
+        if pipeline is not None and self.bubbles:
+            measured = sum(self.bubbles) / len(self.bubbles)
+            _say(self.trainer, f"pipeline: idle {measured:.0%} of each window, measured ({pipeline.ideal_idle:.0%} ideal)")
+
+
 class StepProfiler(Callback):
     """torch.profiler over optimizer steps FIRST..LAST of profile.steps (see the module's docstring)."""
 

@@ -78,6 +78,14 @@ def test_pipeline_matches_one_process(base, one_process, schedule, nproc, batch)
     assert_adapters_close(adapter(one_process), adapter(out))
     # The periodic checkpoint holds the whole adapter, as one process writes it.
     assert (out / "checkpoints" / "step-2" / "manifest.json").is_file()
+    # Each step's measured time per stage and the idle share of its window (ideal: 1/3, interleaved 1/5; this CPU
+    # measured 0.20-0.29 after the first step, which also infers the shapes sent). All busy or all idle fails.
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"stage_busy_s"' in line]
+    assert len(rows) == STEPS and all(len(r["stage_busy_s"]) == 2 and min(r["stage_busy_s"]) > 0 for r in rows)
+    measured = sum(r["bubble"] for r in rows[1:]) / (STEPS - 1)
+    assert 0.05 < measured < 0.6, measured
+    ideal = "20%" if virtual == 2 else "33%"
+    assert f"% of each window, measured ({ideal} ideal)" in proc.stdout
 
 
 DRIVER = """
