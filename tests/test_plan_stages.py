@@ -110,7 +110,7 @@ def test_fit_searches_pipelines_and_tensor_parallel_layouts_and_writes_the_one_i
     gpu, cfg = find_gpu("rtx4090"), recipe()
     current, best = fit(cfg, gpu, max_gpus=4, host_ram=64 * 2**30)
     s = best.setup
-    assert not current.fits and s.gpus == 4 and s.pipeline_parallel * s.tensor_parallel == 4, s
+    assert not current.fits and (s.gpus, s.pipeline_parallel, s.tensor_parallel) == (4, 4, 1), s  # README's "Why"
     assert s.global_batch == current.setup.global_batch and best.peak_bytes <= 0.9 * gpu.memory_bytes
     source = tmp_path / "ddp.yaml"
     source.write_text((Path(__file__).parents[1] / "recipes" / f"{RECIPE}.yaml").read_text())
@@ -122,6 +122,9 @@ def test_fit_searches_pipelines_and_tensor_parallel_layouts_and_writes_the_one_i
         s.pipeline_schedule,
     )
     assert fitted.command.endswith("--nproc 4")
+    # 2 nodes x 2 over 10 Gbit/s: a stage per node, the all-reduces inside each (README's "Why").
+    _, far = fit(cfg, replace(gpu, gpus_per_node=2, node_link_gbps=10 / 8), max_gpus=4, host_ram=64 * 2**30)
+    assert (far.setup.pipeline_parallel, far.setup.tensor_parallel) == (2, 2), far.setup
 
 
 def test_across_two_nodes_only_what_crosses_them_pays_the_nodes_link():

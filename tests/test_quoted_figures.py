@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
@@ -26,6 +27,7 @@ _DS = ("train.batch_size=4", "train.grad_accum=4")
 # qlora-1x24gb's memory settings until session 12 (an H100 then measured them 1.47x slower, benchmarks/README.md)
 _OFFLOADS = ("memory.activation_offload=true", "memory.embeddings=cpu")
 _ALL = ("memory.activation_checkpointing=all",)
+_PP2TP2 = ("distributed.pipeline_parallel=2", "distributed.tensor_parallel=2")
 # name: (recipe, fixture model, overrides, --gpu, --gpus)
 PLANS: dict[str, tuple[str, str, tuple[str, ...], str, int]] = {
     "q7": ("qlora-1x24gb", "qwen2.5-7b", (), "rtx4090", 1),
@@ -104,6 +106,16 @@ PLANS: dict[str, tuple[str, str, tuple[str, ...], str, int]] = {
     ),
     "pp4-auto": ("qlora-pipeline-4x24gb", "llama-3-70b", ("distributed.pipeline_layers=auto",), "rtx4090", 4),
     "pp2": ("qlora-pipeline-4x24gb", "llama-3-70b", ("distributed.pipeline_parallel=2",), "rtx4090", 2),
+    "pp2tp2": ("qlora-pipeline-4x24gb", "llama-3-70b", _PP2TP2, "rtx4090", 4),
+    "pp2tp2-nodes": ("qlora-pipeline-4x24gb", "llama-3-70b", _PP2TP2, "rtx4090/2nodes", 4),
+    "pp4-nodes": ("qlora-pipeline-4x24gb", "llama-3-70b", (), "rtx4090/2nodes", 4),
+    "tp4-nodes": (
+        "qlora-pipeline-4x24gb",
+        "llama-3-70b",
+        ("distributed.pipeline_parallel=1", "distributed.tensor_parallel=4"),
+        "rtx4090/2nodes",
+        4,
+    ),
     "st": ("qlora-stream-70b-1x24gb", "llama-3-70b", (), "rtx4090", 1),
     "st-q72": ("qlora-stream-70b-1x24gb", "qwen2.5-72b", (), "rtx4090", 1),
     "st-dev": ("qlora-stream-70b-1x24gb", "llama-3-70b", ("memory.base_weights=device",), "rtx4090", 1),
@@ -119,9 +131,17 @@ def cfg(name: str):
     return load_recipe(recipe, [f"model.path={CONFIGS / model}", *overrides])
 
 
+def gpu_of(name: str):
+    """PLANS' --gpu: a catalogue name, or NAME/2nodes: `--gpus N --nodes 2` (10 Gbit/s between them)."""
+    card, _, nodes = PLANS[name][3].partition("/")
+    if not nodes:
+        return find_gpu(card)
+    return replace(find_gpu(card), gpus_per_node=PLANS[name][4] // int(nodes[0]), node_link_gbps=10 / 8)
+
+
 @cache
 def est(name: str):
-    return plan_recipe(cfg(name), find_gpu(PLANS[name][3]), gpus=PLANS[name][4])
+    return plan_recipe(cfg(name), gpu_of(name), gpus=PLANS[name][4])
 
 
 @cache
@@ -198,6 +218,14 @@ ROWS: dict[str, list[tuple[str, Value, str]]] = {
         ("GiB on the fullest | {} GiB |", lambda: peak("fsdp"), ".2f"),
         ("GiB on the fullest | {*} GiB | {} GiB |", lambda: host("fsdp"), ".2f"),
         ("(4 stages): {} tokens/s planned", lambda: tps("pp4"), ",.0f"),
+        ("2 tensor-parallel ranks each: {} tokens/s planned", lambda: tps("pp2tp2"), ",.0f"),
+        ("layer split on its GPU's PCIe | {} GiB |", lambda: peak("pp2tp2"), ".2f"),
+        ("layer split on its GPU's PCIe | {*} GiB | {} GiB |", lambda: host("pp2tp2"), ".2f"),
+        ("picks 2 stages x 2 tensor-parallel ranks, a stage per node: {} tokens/s", lambda: tps("pp2tp2-nodes"), ",.0f"),
+        ("a stage per node: {*} tokens/s | {} GiB |", lambda: peak("pp2tp2-nodes"), ".2f"),
+        ("a stage per node: {*} tokens/s | {*} GiB | {} GiB per node", lambda: host("pp2tp2-nodes") / 2, ".2f"),
+        ("4 stages over the nodes plan {} tokens/s", lambda: tps("pp4-nodes"), ",.0f"),
+        ("4 tensor-parallel ranks over the nodes {} tokens/s", lambda: tps("tp4-nodes"), ",.0f"),
         ("tokens/s planned | {} GiB |", lambda: peak("pp4"), ".2f"),
         ("tokens/s planned | {*} GiB | {} GiB |", lambda: host("pp4"), ".2f"),
         ("FSDP + CPU offload: {} tokens/s planned", lambda: tps_of(strategy("pp4", "fsdp cpu_offload")), ",.0f"),
