@@ -257,10 +257,6 @@ TENSOR_RULES: tuple[Rule[Any], ...] = (
         ),
     ),
     Rule(
-        lambda c: _split(c) and c.train.objective != "sft",
-        lambda c: f"{_tp(c)} runs train.objective=sft for now. Set distributed.tensor_parallel=1.",
-    ),
-    Rule(
         lambda c: _split(c) and (c.memory.base_weights != "device" or c.memory.embeddings != "device"),
         lambda c: (
             f"{_tp(c)} keeps each rank's share of the layers and the vocabulary tables on its GPU. Set "

@@ -234,10 +234,10 @@ class Trainer:
                 with self.memory.activations.saving():
                     loss_sum, _ = self.compute_loss(model, batch)
                 self.accelerator.backward(loss_sum * scale)
-            if parallel.counts_window:  # a tensor-parallel group's ranks computed one loss: one reports it
-                totals.loss_sum += float(loss_sum.detach())
-                for key, value in self.loss_fn.metric_sums().items():
-                    totals.sums[key] = totals.sums.get(key, 0.0) + value
+            counts = parallel.counts_window  # a tensor-parallel group's ranks computed one loss: one reports it
+            totals.loss_sum += float(loss_sum.detach()) * counts
+            for key, value in self.loss_fn.metric_sums().items():  # every rank the same keys: summed together
+                totals.sums[key] = totals.sums.get(key, 0.0) + value * counts
         return totals
 
     def _optimizer_step(self, speed: Throughput) -> tuple[dict[str, Any], bool]:

@@ -7,6 +7,7 @@ row-parallel split regroups (the base differs from the unsplit one by that round
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,27 @@ def test_a_checkpoint_of_one_process_resumes_split_to_the_same_adapter(base, one
     done = step_rows(out)  # steps 3 and 4, as the uninterrupted run took them
     assert [x for row in done for x in row] == pytest.approx([x for row in step_rows(one_process)[2:] for x in row], rel=1e-5)
     assert_adapters_close(adapter(one_process), adapter(out))
+
+
+def test_dpo_split_over_two_ranks_matches_one_process(base, tmp_path):
+    # Preference pairs: chosen and rejected in one forward, the reference with the adapter switched off on
+    # every rank; the loss a mean over the step's pairs, its metrics counted once per group.
+    from conftest import write_jsonl
+    from test_preference_distributed import PAIRS
+
+    _, recipe = base
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    dpo = {"data": {"path": str(pairs), "format": "preference", "max_seq_len": 64}, "train__objective": "dpo", "train__lr": 1e-2}
+    one, one_out = write(tmp_path, recipe, "one", **dpo)
+    finetune(str(one), cwd=tmp_path)
+    split, out = write(tmp_path, recipe, "split", distributed={"tensor_parallel": 2}, **dpo)
+    finetune(str(split), "--nproc", "2", cwd=tmp_path)
+    assert step_rows(one_out)[0][0] == pytest.approx(0.6931472, abs=1e-6)
+    assert_same_steps(one_out, out, rel=1e-5)
+    assert_adapters_close(adapter(one_out), adapter(out))
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"rewards/chosen"' in line]
+    alone = [json.loads(line) for line in (one_out / "metrics.jsonl").read_text().splitlines() if '"rewards/chosen"' in line]
+    assert [m["rewards/chosen"] for m in metrics] == pytest.approx([m["rewards/chosen"] for m in alone], rel=1e-4, abs=1e-6)
 
 
 def test_sigterm_under_tensor_parallelism_resumes_under_a_pipeline(base, tmp_path):
