@@ -37,10 +37,10 @@ def test_ranks_are_numbered_pipeline_outermost():
         (
             {
                 "distributed": {"pipeline_parallel": 2},
-                "train": {"objective": "dpo"},
+                "train": {"objective": "dpo", "precompute_reference": True},
                 "data": {"path": "d.jsonl", "format": "preference"},
             },
-            "train.objective=dpo compares two forwards",
+            "Set train.precompute_reference=false",
         ),
         ({"distributed": {"pipeline_parallel": 2}, "memory": {"base_weights": "cpu"}}, "memory.base_weights=cpu: a stage keeps"),
         ({"distributed": {"pipeline_parallel": 2, "grad_compression": "bf16"}}, "a hook of DDP's all-reduce"),

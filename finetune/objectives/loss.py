@@ -65,6 +65,8 @@ class Loss:
 
     ranks_pairs = False
     head_on_targets_only = False
+    metric_keys: tuple[str, ...] = ()  # what metric_sums() returns, known before a call (a pipeline's stages all sum them)
+    needs_reference = False  # dpo: the loss compares with the same rows' forward with the adapter off
 
     def __call__(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         raise NotImplementedError

@@ -29,13 +29,15 @@ import time
 from collections.abc import Sequence
 from contextlib import contextmanager
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from finetune.errors import TrainingError
+from finetune.memory.linear_ce import logits_transform
 from finetune.objectives import table as objectives
-from finetune.objectives.loss import Loss
+from finetune.objectives.loss import Loss, target_positions
 from finetune.runs.evaluate import chosen_wins, held_out_loss, row_logps
 from finetune.runs.resume import data_fingerprint
 
@@ -96,9 +98,11 @@ class PreferenceLoss(Loss):
     """(model, batch of pairs) -> (summed loss over the pairs, number of pairs)."""
 
     ranks_pairs = True
+    metric_keys = REWARD_METRICS
 
     def __init__(self, objective: str, beta: float, gamma: float = 0.0):
         self.objective, self.beta, self.gamma = objective, beta, gamma
+        self.needs_reference = objective == "dpo"
         self.last_sums: dict[str, float] = {}
 
     def count(self, batch: dict[str, torch.Tensor]) -> int:
@@ -115,9 +119,35 @@ class PreferenceLoss(Loss):
             return row_logps(model, batch, self.head_on_targets_only)[0]
 
     def __call__(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        pairs = self.count(batch)
         ref = self.reference_logps(model, batch) if self.objective == "dpo" else None
-        logps, counts = row_logps(model, batch, self.head_on_targets_only)
+        return self._pairs_loss(*row_logps(model, batch, self.head_on_targets_only), ref)
+
+    def reference_rows(self, owner: Any, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """A pipeline's last stage, in the pass with the adapter off: each row's summed log-probability."""
+        return hidden_row_logps(owner, hidden, labels)[0]
+
+    def head_loss(
+        self,
+        owner: Any,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        reference: torch.Tensor | None = None,
+        real: int | None = None,
+    ) -> tuple[torch.Tensor, int]:
+        """A pipeline's last stage: the pairs' loss from the final hidden states (parallel/pipeline.py).
+        reference (dpo): the rows' log-probabilities with the adapter off, from the stages' pass before;
+        real: the pairs that count (the first of each half: a short eval batch is filled with pairs)."""
+        logps, counts = hidden_row_logps(owner, hidden, labels)
+        if real is not None:
+            half = logps.shape[0] // 2
+            rows = torch.cat([torch.arange(real), half + torch.arange(real)]).to(logps.device)
+            logps, counts = logps[rows], counts[rows]
+            reference = None if reference is None else reference[rows]
+        return self._pairs_loss(logps, counts, reference)
+
+    def _pairs_loss(self, logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        """(summed loss, pairs) of rows scored as chosen sides then rejected ones; the rewards into last_sums."""
+        pairs = logps.shape[0] // 2
         losses, reward_c, reward_r = pair_losses(
             self.objective,
             self.beta,
@@ -133,6 +163,19 @@ class PreferenceLoss(Loss):
         sums = torch.stack([reward_c.sum(), reward_r.sum(), (reward_c - reward_r).sum(), (reward_c > reward_r).sum()])
         self.last_sums = dict(zip(REWARD_METRICS, sums.tolist()))  # one device sync, not four
         return losses.sum(), pairs
+
+
+def hidden_row_logps(owner: Any, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """runs/evaluate.row_logps from a decoder's final hidden states (a pipeline's last stage): the head on
+    the target positions only."""
+    keep = target_positions(labels)
+    logits = owner.lm_head(hidden[keep])
+    transform = logits_transform(owner.config)
+    if transform is not None:
+        logits = transform(logits)
+    token_logps = -F.cross_entropy(logits.float(), labels[:, 1:][keep[:, :-1]], reduction="none")
+    sums = torch.zeros(labels.shape[0], dtype=token_logps.dtype, device=token_logps.device)
+    return sums.index_add(0, keep.nonzero()[:, 0], token_logps), keep.sum(dim=1)
 
 
 def preference_accuracy(model, examples, cfg, collate, parallel, head_on_targets_only: bool = False) -> float | None:

@@ -141,10 +141,11 @@ RULES: tuple[Rule[Any], ...] = (
         ),
     ),
     Rule(
-        lambda c: _pipelined(c) and c.train.objective != "sft",
+        lambda c: _pipelined(c) and c.train.objective != "sft" and c.train.precompute_reference,
         lambda c: (
-            f"{_by(c)} runs train.objective=sft; train.objective={c.train.objective} compares two "
-            "forwards of each pair, which the stages do not pass along yet. Set distributed.pipeline_parallel=1."
+            f"{_by(c)} with train.precompute_reference: the reference pass runs through the stages with each "
+            "step (no process holds the whole model to precompute it). Set train.precompute_reference=false, or "
+            "distributed.pipeline_parallel=1."
         ),
     ),
     Rule(

@@ -121,6 +121,19 @@ def _padded_rows(batch: dict[str, torch.Tensor], rows: int) -> dict[str, torch.T
     return grown
 
 
+def _padded_pairs(batch: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """A batch of pairs (chosen rows, then rejected ones) grown to `rows` pairs with filler pairs at the end of
+    each half, so that the halves stay aligned; the loss counts only the real ones (head_loss's real)."""
+    half = batch["input_ids"].shape[0] // 2
+    if half >= rows:
+        return batch
+    grown = (
+        _padded_rows({k: v[:half] for k, v in batch.items()}, rows),
+        _padded_rows({k: v[half:] for k, v in batch.items()}, rows),
+    )
+    return {k: torch.cat([grown[0][k], grown[1][k]]) for k in grown[0]}
+
+
 def _untrained(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A micro-batch of the same shape that counts nothing (fills the last eval window)."""
     return {**batch, "labels": torch.full_like(batch["labels"], IGNORE_INDEX)}
@@ -156,6 +169,7 @@ class Pipeline:
                 hint="set distributed.pipeline_parallel=1",
             )
         self.owner, self.decoder = owner, owner.model  # the *ForCausalLM (head, config) and its decoder
+        self.model: Any = model  # the PeftModel: its adapter is switched off for a DPO reference pass
         n = len(self.decoder.layers)
         self.stages = [
             Stage(self.decoder, *layout.layer_range(s, n), first=s == 0, last=s == layout.stage_count - 1)
@@ -175,8 +189,8 @@ class Pipeline:
             owned += [self.decoder.norm, owner.lm_head]
         self.owned = {id(p) for m in owned for p in m.parameters()}
         self.objective: Any = None  # the Loss whose head_loss the last stage runs (the trainer sets it)
-        self._schedules: dict[tuple[int, ...], Any] = {}  # one per window shape
-        self._step: tuple[Any, float] = (None, 1.0)  # this step's objective and loss scale
+        self._schedules: dict[tuple[int, ...], Any] = {}  # one per window shape and mode (train or forward only)
+        self._head: Any = None  # what _loss computes on the last stage (set before each run of a schedule)
         self.clock = BusyClock(device)  # the last window's busy and whole seconds on this rank
 
     def _groups(self) -> tuple[Any, Any]:
@@ -232,29 +246,24 @@ class Pipeline:
     def held_out_sums(self, batches: list[dict[str, torch.Tensor]], rows: int) -> tuple[float, float]:
         """(summed loss, units) of this replica's share of the eval batches (each of at most `rows` rows), run
         forward through the stages grad_accum at a time; (0, 0) where they do not count (reports)."""
-        mine, m = batches[self.layout.replica :: self.layout.replicas], self.cfg.train.grad_accum
+        mine, m, objective = batches[self.layout.replica :: self.layout.replicas], self.cfg.train.grad_accum, self.objective
         total = count = 0.0
-        self._step = (self.objective, 1.0)
+        pairs = objective.ranks_pairs  # a batch of pairs is filled with pairs, its real ones counted
         for start in range(0, len(mine), m):
-            window = [_padded_rows(b, rows) for b in mine[start : start + m]]
+            given = mine[start : start + m]
+            window = [_padded_pairs(b, rows) if pairs else _padded_rows(b, rows) for b in given]
             window += [_untrained(window[0])] * (m - len(window))  # the schedule runs m micro-batches
+            real = [objective.count(b) for b in given] + [0] * (m - len(given)) if pairs else None
             joined = pad_window(window, self.cfg.data.max_seq_len)
-            schedule = self._schedule_for(tuple(joined["input_ids"].shape))
-            args = (joined["input_ids"],) if 0 in self.layout.stages_of_rank else ()
-            kwargs = _model_inputs(joined)
-            with torch.no_grad():
-                if not self.is_last:
-                    schedule.eval(*args, **kwargs)
-                    continue
-                losses: list[torch.Tensor] = []
-                schedule.eval(*args, target=joined["labels"], losses=losses, **kwargs)
+            self._head = self._objective_head(objective, 1.0, self._extras(objective, joined, real), {})
+            losses = self._run(joined, train=False)
             if self.reports:
                 total += sum(float(loss) for loss in losses)
-                count += sum(self.objective.count(b) for b in window)
+                count += sum(objective.count(b) for b in given)
         return total, count
 
     def _schedule_for(self, shape: tuple[int, ...]) -> Any:
-        """The schedule for windows of this shape, built on first use (the engine then infers what it sends)."""
+        """The schedule for windows of this shape and mode, built on first use (the engine then infers what it sends)."""
         if shape in self._schedules:
             return self._schedules[shape]
         from torch.distributed import pipelining as pp
@@ -277,29 +286,70 @@ class Pipeline:
         self._schedules[shape] = schedule
         return schedule
 
-    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss of one micro-batch (summed over its targets), scaled for backward."""
-        objective, scale = self._step
-        loss, _ = objective.head_loss(self.owner, hidden, labels)
-        return loss * scale
+    def _loss(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """What the last stage computes from one micro-batch's final hidden states (the schedule's loss_fn):
+        the objective's loss scaled for backward, or in a reference pass its rows' log-probabilities. The
+        target is the labels with the micro-batch's index as a last column (_run): the engine also calls
+        this once on the first micro-batch to infer gradient shapes, so calls are told apart by index."""
+        return self._head(hidden, target[:, :-1], int(target[0, -1]))
 
-    def train_window(self, batches: list[dict[str, torch.Tensor]], objective, scale: float) -> float:
+    def _objective_head(self, objective, scale: float, extras: list[dict[str, Any]], sums: dict[int, dict[str, float]]):
+        """Each micro-batch's loss with what it needs besides its hidden states (extras[index]); its metric
+        sums kept by index in `sums` (a second call for one micro-batch replaces them)."""
+
+        def head(hidden: torch.Tensor, labels: torch.Tensor, index: int) -> torch.Tensor:
+            loss, _ = objective.head_loss(self.owner, hidden, labels, **extras[index])
+            sums[index] = dict(objective.metric_sums())
+            return loss * scale
+
+        return head
+
+    def _run(self, joined: dict[str, torch.Tensor], train: bool) -> list[torch.Tensor]:
+        """The window through the stages (train: forward and backward; else forward only, without gradients,
+        on a schedule of its own: the engine re-infers shapes whenever one switches); what _loss returned for
+        each micro-batch on the last stage, else []."""
+        schedule = self._schedule_for((*joined["input_ids"].shape, train))
+        m, rows = self.cfg.train.grad_accum, joined["labels"].shape[0]
+        args = (joined["input_ids"],) if 0 in self.layout.stages_of_rank else ()
+        kwargs: dict[str, Any] = dict(_model_inputs(joined))
+        out: list[torch.Tensor] = []
+        if self.is_last:
+            index = torch.arange(m, device=joined["labels"].device).repeat_interleave(rows // m)
+            kwargs = {**kwargs, "target": torch.cat([joined["labels"], index[:, None]], dim=1), "losses": out}
+        if train:
+            schedule.step(*args, **kwargs)
+        else:
+            with torch.no_grad():
+                schedule.eval(*args, **kwargs)
+        return out
+
+    def _extras(self, objective, joined: dict[str, torch.Tensor], real: list[int] | None) -> list[dict[str, Any]]:
+        """Per micro-batch, what the objective's head_loss takes besides hidden states: a DPO reference (its
+        rows' log-probabilities, run through the stages first with the adapter off on every one) and the
+        pairs that count (real: a short eval batch is filled)."""
+        m = self.cfg.train.grad_accum
+        extras: list[dict[str, Any]] = [{} for _ in range(m)] if real is None else [{"real": n} for n in real]
+        if objective.needs_reference:
+            self._head = lambda hidden, labels, index: objective.reference_rows(self.owner, hidden, labels)
+            with self.model.disable_adapter():
+                rows = self._run(joined, train=False)
+            found: list[Any] = rows or [None] * m  # the reference reaches the last stage only
+            extras = [{**e, "reference": r} for e, r in zip(extras, found)]
+        return extras
+
+    def train_window(self, batches: list[dict[str, torch.Tensor]], objective, scale: float) -> tuple[float, dict[str, float]]:
         """Forward and backward of the window's micro-batches through the stages, each micro-batch's summed
-        loss multiplied by `scale` (1 / the window's units). The summed loss where it counts (reports), else 0."""
+        loss multiplied by `scale` (1 / the window's units). (The summed loss, the objective's metric sums)
+        where they count (reports), else zeros."""
         window = pad_window(batches, self.cfg.data.max_seq_len)
-        schedule = self._schedule_for(tuple(window["input_ids"].shape))
-        self._step = (objective, scale)
-        args = (window["input_ids"],) if 0 in self.layout.stages_of_rank else ()
-        kwargs = _model_inputs(window)
-        losses: list[torch.Tensor] = []  # each micro-batch's loss as _loss returned it (scaled)
+        sums: dict[int, dict[str, float]] = {}
         with self.clock.window():
-            if self.is_last:
-                schedule.step(*args, target=window["labels"], losses=losses, **kwargs)
-            else:
-                schedule.step(*args, **kwargs)
-        if not self.is_last:
-            return 0.0
-        return sum(float(loss.detach()) for loss in losses) / scale if self.reports else 0.0
+            self._head = self._objective_head(objective, scale, self._extras(objective, window, None), sums)
+            losses = self._run(window, train=True)
+        totals = {k: sum(s.get(k, 0.0) for s in sums.values()) if self.reports else 0.0 for k in objective.metric_keys}
+        if not self.reports:
+            return 0.0, totals
+        return sum(float(loss.detach()) for loss in losses) / scale, totals
 
     def sum_gradients(self, params: list[nn.Parameter]) -> None:
         """Each stage's gradients summed over its replicas (the same parameters, other examples); split over

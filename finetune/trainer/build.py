@@ -221,6 +221,10 @@ def fit_pipeline(trainer_class: Any, parallel, base_compute_loss, objective) -> 
             ]
         )
     parallel.pipeline.objective = objective
+    if getattr(objective, "ranks_pairs", False) and parallel.is_main:
+        print(
+            f"eval: preference accuracy is not scored in a pipeline (each process holds its stage); `finetune eval {parallel.cfg.output_dir}` scores it"
+        )
 
 
 def exact_match_prompts(cfg: RecipeConfig, parallel, say: Callable[[str], None]) -> list[dict] | None:

@@ -227,7 +227,7 @@ class Trainer:
         totals = StepTotals(0.0, n_global, sum(count_tokens(b) for b in counted), targets)
         if parallel.pipeline is not None:  # the schedule runs every micro-batch through the stages at once
             with self.memory.activations.saving(), self.accelerator.autocast():  # (no prepared model to cast)
-                totals.loss_sum = parallel.pipeline.train_window(batches, self.loss_fn, scale)
+                totals.loss_sum, totals.sums = parallel.pipeline.train_window(batches, self.loss_fn, scale)
             return totals
         for i, batch in enumerate(batches):
             with parallel.gradient_sync(model, last=i == len(batches) - 1):
@@ -472,7 +472,7 @@ class Trainer:
             self.say(f"eval ({when}): {found.exact_match.summary()}")
             for s in found.exact_match.samples:
                 self.say(f"    expected {s['expected']!r:<30} got {s['got']!r}")
-        if self.loss_fn.ranks_pairs and self.data.eval:
+        if self.loss_fn.ranks_pairs and self.data.eval and self.parallel.pipeline is None:  # (build.fit_pipeline says why)
             head_only = self.loss_fn.head_on_targets_only
             found.preference_accuracy = preference_accuracy(
                 model, self.data.eval, self.cfg, self.collate, self.parallel, head_only

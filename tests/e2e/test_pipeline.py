@@ -128,6 +128,38 @@ def test_sigterm_under_pipeline_resumes_on_one_process_then_under_pipeline_again
     assert_adapters_close(adapter(ref), adapter(out))
 
 
+def test_dpo_through_the_stages_matches_one_process(base, tmp_path):
+    # Each step runs the window through the stages twice: with the adapter off on every stage (the reference,
+    # reaching the last stage's loss micro-batch by micro-batch), then the policy forward and backward.
+    # Held-out pairs (a short last batch filled with pairs that count nothing) give one process's eval loss.
+    from conftest import write_jsonl
+    from test_preference_distributed import PAIRS
+
+    _, recipe = base
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", PAIRS[:27])
+    dpo = {
+        "data": {"path": str(pairs), "format": "preference", "max_seq_len": 64, "eval_fraction": 0.2},
+        "train__objective": "dpo",
+        "train__lr": 1e-2,
+        "train__batch_size": 2,
+        "eval": {"every_steps": 2, "batch_size": 2},
+    }
+    one, one_out = write(tmp_path, recipe, "one", **dpo)
+    finetune(str(one), cwd=tmp_path)
+    staged, out = write(tmp_path, recipe, "staged", distributed={"pipeline_parallel": 2}, **dpo)
+    proc = finetune(str(staged), "--nproc", "2", cwd=tmp_path)
+    assert "preference accuracy is not scored in a pipeline" in proc.stdout
+    assert step_rows(one_out)[0][0] == pytest.approx(0.6931472, abs=1e-6)
+    assert_same_steps(one_out, out, rel=1e-5)
+    assert_adapters_close(adapter(one_out), adapter(out))
+
+    def rows(run, key):
+        return [json.loads(line)[key] for line in (run / "metrics.jsonl").read_text().splitlines() if f'"{key}"' in line]
+
+    assert rows(out, "rewards/margin") == pytest.approx(rows(one_out, "rewards/margin"), rel=1e-4, abs=1e-6)
+    assert len(rows(out, "eval_loss")) == 2 and rows(out, "eval_loss") == pytest.approx(rows(one_out, "eval_loss"), rel=1e-5)
+
+
 def test_packed_rows_pass_between_stages_as_one_process_trains_them(base, tmp_path):
     root, recipe_dict = base
     packed = {**recipe_dict, "data": {**recipe_dict["data"], "packing": True, "max_seq_len": 512}}
