@@ -99,7 +99,10 @@ def _host_tables(model, a: Applying) -> str | None:
     if a.cfg.memory.embeddings != "cpu":
         return None
     tables = HostTables.attach(model, a.device)
-    return f"memory: {human_bytes(tables.parked_bytes)} of frozen vocabulary tables live in host RAM; the LM head visits {a.device} for the loss"
+    visits = (
+        f"; the LM head visits {a.device} for the loss" if tables.head is not None else ""
+    )  # (a first pipeline stage has none)
+    return f"memory: {human_bytes(tables.parked_bytes)} of frozen vocabulary tables live in host RAM{visits}"
 
 
 STEPS = (

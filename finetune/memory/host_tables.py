@@ -85,10 +85,11 @@ class HostTables:
             )
         tables = cls(device)
         tables.embed = embed
-        embed.to(HOST)
-        tables._embed_store = embed.weight.data
-        embed.forward = tables._lookup(embed.forward)
-        if head is not None:
+        if not embed.weight.is_meta:  # a pipeline stage without the embeddings holds them on the meta device
+            embed.to(HOST)
+            tables._embed_store = embed.weight.data
+            embed.forward = tables._lookup(embed.forward)
+        if head is not None and not head.weight.is_meta:
             tables.head = head
             store = head.weight.data.to(HOST)
             if device.type == "cuda":
@@ -100,7 +101,7 @@ class HostTables:
                 head.bias.data = head.bias.data.to(device)
             head.forward = tables._visiting(head)
         # DDP must neither broadcast these nor refuse a module on two devices.
-        names = [n for n, p in model.named_parameters() if p is embed.weight or (head is not None and p is head.weight)]
+        names = [n for n, p in model.named_parameters() if p is embed.weight or (tables.head is not None and p is head.weight)]
         names += [n for n, b in model.named_buffers() if any(b is x for x in embed.buffers())]
         model._ddp_params_and_buffers_to_ignore = [*getattr(model, "_ddp_params_and_buffers_to_ignore", []), *names]
         # The model's first parameter is now the host table, so `model.device` says cpu and generate()

@@ -157,14 +157,6 @@ RULES: tuple[Rule[Any], ...] = (
         ),
     ),
     Rule(
-        lambda c: _pipelined(c) and c.memory.embeddings != "device",
-        lambda c: (
-            f"{_by(c)} with memory.embeddings={c.memory.embeddings}: the vocabulary tables stay on the stages "
-            "that use them (the embeddings on the first, the head on the last). Set memory.embeddings=device, or "
-            "distributed.pipeline_parallel=1."
-        ),
-    ),
-    Rule(
         lambda c: _pipelined(c) and c.distributed.grad_compression != "none",
         lambda c: (
             f"{_by(c)} with distributed.grad_compression={c.distributed.grad_compression}: compression is "

@@ -109,7 +109,7 @@ def _laid_out(s: Setup, base: Setup, pp: int, tp: int) -> Setup | None:
     if s.gpus % (pp * tp):
         return None
     if (pp, tp) != (1, 1):
-        kept = s.base_weights == "device" and s.embeddings == "device" and not (tp > 1 and s.optimizer_offload)
+        kept = s.base_weights == "device" and not (tp > 1 and (s.optimizer_offload or s.embeddings != "device"))
         if not (kept and s.sharding == DDP.name and not s.cpu_offload):
             return None
     per_replica = base.global_batch / (s.batch_size * s.gpus // (pp * tp))
