@@ -44,7 +44,7 @@ def test_ranks_are_numbered_pipeline_outermost():
         ),
         ({"distributed": {"pipeline_parallel": 2}, "memory": {"base_weights": "cpu"}}, "memory.base_weights=cpu: a stage keeps"),
         ({"distributed": {"pipeline_parallel": 2, "grad_compression": "bf16"}}, "a hook of DDP's all-reduce"),
-        ({"distributed": {"pipeline_parallel": 2}, "memory": {"embeddings": "cpu"}}, "the vocabulary tables stay on the stages"),
+        ({"distributed": {"pipeline_parallel": 2}, "precision": "fp16"}, "each stage's GradScaler would decide alone"),
         (
             {"distributed": {"pipeline_parallel": 2, "pipeline_schedule": "interleaved_1f1b"}},
             "needs distributed.virtual_stages >= 2",

@@ -157,6 +157,13 @@ RULES: tuple[Rule[Any], ...] = (
         ),
     ),
     Rule(
+        lambda c: _pipelined(c) and c.precision == "fp16",
+        lambda c: (
+            f"{_by(c)} with precision=fp16: each stage's GradScaler would decide alone whether a step is skipped "
+            "(from its own part of the gradients). Set precision=bf16 or fp32, or distributed.pipeline_parallel=1."
+        ),
+    ),
+    Rule(
         lambda c: _pipelined(c) and c.distributed.grad_compression != "none",
         lambda c: (
             f"{_by(c)} with distributed.grad_compression={c.distributed.grad_compression}: compression is "

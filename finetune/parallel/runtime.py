@@ -220,8 +220,20 @@ class Parallel:
     def shard(self, model, cfg: RecipeConfig, compute_dtype: torch.dtype):
         """FSDP: shard the model before the optimizer exists (its state is then sharded too). Tensor
         parallelism: this rank's share of each layer; a pipeline: this rank's stages (of its shares)."""
+        split = [
+            f"distributed.{k}={v}"
+            for k, v in (("pipeline_parallel", self.layout.pp), ("tensor_parallel", self.layout.tp))
+            if v > 1
+        ]
+        if split and compute_dtype == torch.float16:  # precision=auto chose fp16 (a GPU without bf16)
+            raise ConfigError(
+                [
+                    f"{' x '.join(split)} with fp16: each rank's GradScaler would decide alone whether a step is skipped "
+                    "(from its own part of the gradients). Set precision=fp32."
+                ]
+            )
         if self.layout.tp > 1:
-            self._split_layers(model, cfg, compute_dtype)
+            self._split_layers(model, cfg)
         if self.strategy == "pipeline":
             owner: Any = head_owner(model)
             if owner is not None:  # a model given in memory (Trainer.from_parts) is checked here
@@ -238,7 +250,7 @@ class Parallel:
         release_free_heap()  # the whole model each process loaded, now that it keeps only its shards
         return model
 
-    def _split_layers(self, model, cfg: RecipeConfig, compute_dtype: torch.dtype) -> None:
+    def _split_layers(self, model, cfg: RecipeConfig) -> None:
         """Tensor parallelism: this rank's share of each layer (loaded split), its LoRA drawn as one process's."""
         narrow = self.layout.tp
         config = model.config.get_text_config()
@@ -247,12 +259,6 @@ class Parallel:
                 [
                     f"distributed.tensor_parallel={narrow}: the model was not loaded split (a model given in memory "
                     "holds every head); let the trainer load it from model.path, or set distributed.tensor_parallel=1"
-                ]
-            )
-        if compute_dtype == torch.float16:  # precision=auto chose fp16 (a GPU without bf16)
-            raise ConfigError(
-                [
-                    f"distributed.tensor_parallel={narrow} with fp16: the GradScaler would decide each rank's skip alone. Set precision=fp32."
                 ]
             )
         self.tensor = TensorParallel(model, self.layout, self.device)
