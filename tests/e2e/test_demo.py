@@ -30,12 +30,13 @@ def test_demo_recipe_learns_the_task(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, steps", [("ddp", 40), ("fsdp", None), ("pipeline", 40)])
+@pytest.mark.parametrize("strategy, steps", [("ddp", 40), ("fsdp", None), ("pipeline", None), ("tensor", None)])
 def test_demo_recipe_on_two_processes_as_a_user_runs_it(tmp_path, strategy, steps):
     # `finetune run demo-cpu --nproc 2 distributed.strategy=...`: exact match is generated
-    # before and after training on every rank (FSDP: from the sharded model, ranks in step). FSDP runs
-    # the demo whole and must learn it; DDP and the pipeline run 40 steps for the flow (the numbers of
-    # several processes against one: tests/e2e/test_distributed.py, test_pipeline.py).
+    # before and after training on every rank (FSDP: from the sharded model, ranks in step; tensor
+    # parallelism: each rank its share of every layer). FSDP, 2 pipeline stages and 2 tensor-parallel ranks
+    # run the demo whole and must learn it; DDP runs 40 steps for the flow (the numbers of several
+    # processes against one: tests/e2e/test_distributed.py, test_pipeline.py, test_tensor_parallel.py).
     import os
     import re
     import subprocess
@@ -51,11 +52,10 @@ def test_demo_recipe_on_two_processes_as_a_user_runs_it(tmp_path, strategy, step
         "--nproc",
         "2",
         # pipeline: 2 stages; 1f1b wants a micro-batch per stage, so 8 x 2 instead of 16 x 1 (the same 16 per step)
-        *(
-            ["distributed.pipeline_parallel=2", "train.grad_accum=2", "train.batch_size=8"]
-            if strategy == "pipeline"
-            else [f"distributed.strategy={strategy}"]
-        ),
+        *{
+            "pipeline": ["distributed.pipeline_parallel=2", "train.grad_accum=2", "train.batch_size=8"],
+            "tensor": ["distributed.tensor_parallel=2"],
+        }.get(strategy, [f"distributed.strategy={strategy}"]),
         f"output_dir={out}",
         *([f"train.max_steps={steps}"] if steps else []),
         "--no-progress",
@@ -65,8 +65,11 @@ def test_demo_recipe_on_two_processes_as_a_user_runs_it(tmp_path, strategy, step
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    said = "pipeline: 2 stages of 2 layers" if strategy == "pipeline" else strategy
-    assert f"parallel: {said} over 2 processes" in proc.stdout
+    said = {
+        "pipeline": "pipeline: 2 stages of 2 layers over 2 processes",
+        "tensor": "tensor parallel, each decoder layer split over 2 processes",
+    }
+    assert f"parallel: {said.get(strategy, f'{strategy} over 2 processes')}" in proc.stdout
     if strategy == "pipeline":  # no process holds the whole model: exact match is scored after, as the run says
         assert f"`finetune eval {out}` scores it" in proc.stdout
         scored = subprocess.run(
