@@ -96,7 +96,11 @@ def test_plan_prints_every_rank_and_compares_the_pipeline_with_the_other_strateg
     out = capsys.readouterr().out
     assert "setup      4 GPUs (pipeline: 4 stages x 1 replica, 1f1b)" in out
     assert out.count("note       pipeline rank") == 4
-    assert "pipeline 4 stages (as written)" in out.split("strategies on 4 GPUs")[1]
+    table = out.split("strategies on 4 GPUs")[1]
+    assert "pipeline 4 stages (as written)" in table
+    # the other layouts of 4 GPUs beside DDP/FSDP/ZeRO (80 layers: 2 or 4 stages; 64 heads, 8 key/value heads)
+    for other in ("pipeline 2 stages x 2 replicas", "pipeline 2 stages x 2 tensor-parallel ranks", "4 tensor-parallel ranks"):
+        assert f"\n  {other} " in table, other
 
 
 def test_fit_searches_pipelines_and_tensor_parallel_layouts_and_writes_the_one_it_picks(tmp_path):

@@ -13,13 +13,12 @@ from finetune.errors import PlanError
 from finetune.gpus import GiB, GpuSpec
 from finetune.memory import techniques
 from finetune.memory.techniques import TECHNIQUES, Technique
-from finetune.parallel import layout
 from finetune.parallel.strategies import DDP, STRATEGIES
 from finetune.plan.inputs import RecipeFacts, Setup, describe_setup
 from finetune.plan.memory import Estimate, gib
 from finetune.plan.recipe import plan_recipe, planning_inputs, setup_of
 from finetune.plan.shape import ModelShape
-from finetune.plan.stages import balanced_layers, plan_setup
+from finetune.plan.stages import balanced_layers, layout_choices, plan_setup
 
 FIT_HEADROOM = 0.10  # --fit keeps 10% of the card free: the model's error on published runs reaches ~15%
 
@@ -122,40 +121,6 @@ def _laid_out(s: Setup, base: Setup, pp: int, tp: int) -> Setup | None:
     if base.pipeline_parallel == pp and base.pipeline_schedule == "interleaved_1f1b" and m % max(1, m // pp) == 0:
         return replace(s, pipeline_schedule=base.pipeline_schedule, virtual_stages=base.virtual_stages)
     return replace(s, pipeline_schedule="1f1b" if m >= pp else "gpipe", virtual_stages=1)
-
-
-def layout_choices(cfg: RecipeConfig, shape: ModelShape, max_gpus: int) -> tuple[tuple[int, int], ...]:
-    """(pipeline stages, tensor-parallel ranks) the search may try for this recipe and model on up to max_gpus:
-    the model's layers split evenly into the stages, its heads and MLP into the ranks, and nothing in the
-    recipe (objective, adapter, precision) that a pipeline or a split refuses."""
-    out = []
-    for pp in range(1, max_gpus + 1):
-        for tp in range(1, max_gpus // pp + 1):
-            if pp * tp == 1 or shape.layers % pp or shape.model_type not in layout.FAMILIES:
-                continue
-            if tp > 1 and (shape.heads % tp or shape.kv_heads % tp or shape.intermediate % tp):
-                continue
-            as_layout = cfg.model_copy(
-                update={
-                    "distributed": cfg.distributed.model_copy(
-                        update={
-                            "pipeline_parallel": pp,
-                            "tensor_parallel": tp,
-                            "strategy": "auto",
-                            "grad_compression": "none",
-                            "pipeline_schedule": "gpipe",
-                            "virtual_stages": 1,
-                            "pipeline_layers": "even",
-                        }
-                    ),
-                    "memory": cfg.memory.model_copy(
-                        update={"base_weights": "device", "embeddings": "device", "optimizer_offload": False}
-                    ),
-                }
-            )
-            if not layout.problems(as_layout):
-                out.append((pp, tp))
-    return tuple(out)
 
 
 def _node_ram(e: Estimate, gpu: GpuSpec) -> float:

@@ -15,7 +15,7 @@ from finetune.parallel.strategies import DDP, STRATEGIES, Strategy, of_recipe
 from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.memory import Estimate, estimate
 from finetune.plan.shape import ModelShape, read_model_shape
-from finetune.plan.stages import balanced_layers, plan_setup
+from finetune.plan.stages import balanced_layers, layout_choices, plan_setup
 
 
 def plan_precision(cfg: RecipeConfig, gpu: GpuSpec | None) -> str:
@@ -105,22 +105,56 @@ SHARDED_TABLES = {"embeddings": "device"}
 
 def compare_strategies(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int) -> list[tuple[str, Estimate]]:
     """(label, estimate) of the recipe under each of COMPARED on `gpus` GPUs; memory.* modes as written.
-    A pipelined recipe's own layout comes first, the others as they would run without it."""
+    A pipelined recipe's own layout comes first, the others as they would run without it, then the other
+    pipeline and tensor-parallel layouts of these GPUs."""
     base = replace(setup_of(cfg, gpus), pipeline_parallel=1, virtual_stages=1, tensor_parallel=1)
     ddp_offload = {"optimizer_offload": cfg.memory.optimizer_offload}  # the recipe's own HostAdamW, one replica each
     pp, tp = cfg.distributed.pipeline_parallel, cfg.distributed.tensor_parallel
     split = f" x {tp} tensor-parallel ranks" if tp > 1 else ""
     own = [(f"pipeline {pp} stages{split} (as written)", plan_recipe(cfg, gpu, gpus))] if pp > 1 and gpus % (pp * tp) == 0 else []
     own += [(f"tensor parallel {tp} ranks (as written)", plan_recipe(cfg, gpu, gpus))] if pp == 1 < tp and gpus % tp == 0 else []
-    return own + [
-        (
-            label,
-            plan_recipe(
-                cfg, gpu, gpus, setup=replace(base, **{**(ddp_offload if strategy.replicates else SHARDED_TABLES), **knobs})
-            ),
+    return (
+        own
+        + [
+            (
+                label,
+                plan_recipe(
+                    cfg, gpu, gpus, setup=replace(base, **{**(ddp_offload if strategy.replicates else SHARDED_TABLES), **knobs})
+                ),
+            )
+            for label, strategy, knobs in COMPARED
+        ]
+        + _layouts(cfg, gpu, gpus, base)
+    )
+
+
+def _layouts(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int, base: Setup) -> list[tuple[str, Estimate]]:
+    """(label, estimate) of every pipeline and tensor-parallel layout of `gpus` GPUs the recipe and model can run
+    (plan/stages.layout_choices) but the recipe's own: even stages, 1F1B (GPipe with fewer micro-batches than
+    stages), the layers on the GPUs (a split's tables too), the recipe's batch per replica."""
+    shape, recipe, kw = planning_inputs(cfg, gpu)
+    own = (cfg.distributed.pipeline_parallel, cfg.distributed.tensor_parallel)
+    rows = []
+    for pp, tp in layout_choices(cfg, shape, gpus):
+        if gpus % (pp * tp) or (pp, tp) == own:
+            continue
+        kept: dict[str, Any] = {"embeddings": "device", "optimizer_offload": False} if tp > 1 else {}
+        setup = replace(
+            base,
+            pipeline_parallel=pp,
+            tensor_parallel=tp,
+            pipeline_schedule="1f1b" if base.grad_accum >= pp else "gpipe",
+            pipeline_layers=(),
+            sharding=DDP.name,
+            cpu_offload=False,
+            base_weights="device",
+            **kept,
         )
-        for label, strategy, knobs in COMPARED
-    ]
+        replicas = gpus // (pp * tp)
+        parts = ([f"pipeline {pp} stages"] if pp > 1 else []) + ([f"{tp} tensor-parallel ranks"] if tp > 1 else [])
+        many = f" x {replicas} replicas" if replicas > 1 else ""
+        rows.append((" x ".join(parts) + many, plan_setup(shape, recipe, setup, gpu, **kw)))
+    return rows
 
 
 # The parts of an estimate that are weights: what loading a model for inference puts on its device.

@@ -32,7 +32,8 @@ from typing import Any
 
 from finetune.errors import PlanError
 from finetune.gpus import GpuSpec
-from finetune.parallel.layout import COLUMN, ROW, Layout
+from finetune.parallel.layout import COLUMN, FAMILIES, ROW, Layout
+from finetune.parallel.layout import problems as layout_problems
 from finetune.parallel.strategies import DDP
 from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.memory import Estimate, estimate, gib
@@ -295,3 +296,37 @@ def _send_link(setup: Setup, gpu: GpuSpec) -> float:
         for a, b in zip(layout.pipeline_ranks(r, t), layout.pipeline_ranks(r, t)[1:])
     ]
     return min((gpu.link_gbps(pair) for pair in boundaries), default=gpu.interconnect_gbps)
+
+
+def layout_choices(cfg: Any, shape: ModelShape, max_gpus: int) -> tuple[tuple[int, int], ...]:
+    """(pipeline stages, tensor-parallel ranks) the search may try for this recipe and model on up to max_gpus:
+    the model's layers split evenly into the stages, its heads and MLP into the ranks, and nothing in the
+    recipe (objective, adapter, precision) that a pipeline or a split refuses."""
+    out = []
+    for pp in range(1, max_gpus + 1):
+        for tp in range(1, max_gpus // pp + 1):
+            if pp * tp == 1 or shape.layers % pp or shape.model_type not in FAMILIES:
+                continue
+            if tp > 1 and (shape.heads % tp or shape.kv_heads % tp or shape.intermediate % tp):
+                continue
+            as_layout = cfg.model_copy(
+                update={
+                    "distributed": cfg.distributed.model_copy(
+                        update={
+                            "pipeline_parallel": pp,
+                            "tensor_parallel": tp,
+                            "strategy": "auto",
+                            "grad_compression": "none",
+                            "pipeline_schedule": "gpipe",
+                            "virtual_stages": 1,
+                            "pipeline_layers": "even",
+                        }
+                    ),
+                    "memory": cfg.memory.model_copy(
+                        update={"base_weights": "device", "embeddings": "device", "optimizer_offload": False}
+                    ),
+                }
+            )
+            if not layout_problems(as_layout):
+                out.append((pp, tp))
+    return tuple(out)
