@@ -764,6 +764,8 @@ def test_plan_on_two_gpus_shows_ddp_fsdp_and_zero_side_by_side(tmp_path, capsys)
         "deepspeed zero2 offload_optimizer=cpu",
         "deepspeed zero3",
         "deepspeed zero3 offload_optimizer+params=cpu",
+        "2 tensor-parallel ranks",  # then the layouts the model splits into (32 layers, 32 heads, 8 key/value heads)
+        "pipeline 2 stages",
     ]
     assert main(["plan", str(src), "--gpu", "rtx4090", "--gpus", "2", "--json"]) == 0
     side = json.loads(capsys.readouterr().out)["strategies"]
