@@ -126,9 +126,18 @@ def test_fit_searches_pipelines_and_tensor_parallel_layouts_and_writes_the_one_i
         s.pipeline_schedule,
     )
     assert fitted.command.endswith("--nproc 4")
-    # 2 nodes x 2 over 10 Gbit/s: a stage per node, the all-reduces inside each (README's "Why").
-    _, far = fit(cfg, replace(gpu, gpus_per_node=2, node_link_gbps=10 / 8), max_gpus=4, host_ram=64 * 2**30)
+    # 2 nodes x 2 over 10 Gbit/s: a stage per node, the all-reduces inside each (README's "Why"), launched
+    # node by node; host RAM counted on the fullest node (a 3-GPU setup would hold 2 of its 3 processes).
+    from finetune.plan.fitting import node_ram
+
+    nodes = replace(gpu, gpus_per_node=2, node_link_gbps=10 / 8)
+    _, far = fit(cfg, nodes, max_gpus=4, host_ram=64 * 2**30)
     assert (far.setup.pipeline_parallel, far.setup.tensor_parallel) == (2, 2), far.setup
+    spread = write_fitted_recipe(source, tmp_path / "far.yaml", {"model.path": str(CONFIGS / "llama-3-70b")}, current, far, "t")
+    assert "--nproc 2 --nnodes 2 --node-rank R" in spread.command
+    assert node_ram(far, nodes) == pytest.approx(far.host_ram_bytes / 2)
+    three = replace(far, setup=replace(far.setup, gpus=3))
+    assert node_ram(three, nodes) == pytest.approx(far.host_ram_bytes * 2 / 3)
 
 
 def test_across_two_nodes_only_what_crosses_them_pays_the_nodes_link():

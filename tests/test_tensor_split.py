@@ -247,3 +247,16 @@ def test_a_split_stages_planned_weights_are_what_its_loaded_share_holds(tmp_path
     ring = 2 * (1 / 2) * s.rows * s.seq_len * 256 * 4 / (gpu.interconnect_gbps * 1e9 * 0.8)
     assert e.step_time_parts["tensor_allreduce"] == pytest.approx(2 * 2 * 3 * ring * s.grad_accum, rel=1e-9)  # 2 layers each
     assert "pipeline: 2 stages x 2 tensor-parallel ranks" in e.notes[2] and s.global_batch == s.batch_size * s.grad_accum
+
+
+def test_a_layout_refuses_the_fp16_that_precision_auto_chose_at_launch():
+    # (the recipe rules refuse precision=fp16; auto picks fp16 only on a GPU without bf16, known at launch)
+    from finetune.errors import ConfigError
+    from finetune.parallel.runtime import Parallel
+
+    parallel = Parallel.__new__(Parallel)
+    parallel.layout = Layout(2, 1, 0, tp=2)
+    with pytest.raises(
+        ConfigError, match="pipeline_parallel=2 x distributed.tensor_parallel=2 with fp16: each rank's GradScaler"
+    ):
+        parallel.shard(None, None, torch.float16)

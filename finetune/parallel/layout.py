@@ -1,11 +1,12 @@
-"""distributed.pipeline_parallel: how a launch's processes form a grid of pipeline stages x data-parallel
-replicas, and what a pipeline cannot run with (config asks `problems(cfg)`, the launch `launch_problems`).
+"""distributed.pipeline_parallel and tensor_parallel: how a launch's processes form a grid of pipeline stages x
+data-parallel replicas x tensor-parallel ranks, and what a layout cannot run with (config asks `problems(cfg)`,
+the launch `launch_problems`).
 
     layout = Layout.of(cfg, rank, world)     # layout.stage, layout.replica, layout.replicas
     layout.stages_of_rank                    # the stage indices this rank runs (interleaved: virtual_stages of them)
 
-Ranks are numbered pipeline-outermost, as Megatron-LM and torchtitan number them: rank = stage x
-replicas + replica. On 2 nodes x 2 GPUs with pipeline_parallel=2, a node then holds one stage of both
+Ranks are numbered pipeline-outermost and tensor-parallel innermost, as Megatron-LM and torchtitan number
+them: rank = (stage x replicas + replica) x tp + tp_rank. On 2 nodes x 2 GPUs with pipeline_parallel=2, a node then holds one stage of both
 replicas: the gradient all-reduce stays inside the node, and only the activations of one micro-batch at
 a time cross between nodes. How the stages run: finetune/parallel/pipeline.py.
 This module imports nothing of ours but the rule type: config asks it.

@@ -26,6 +26,7 @@ class BusyClock:
         self.cuda = device.type == "cuda"
         self.spans: list[tuple[Any, Any]] = []
         self.depth = 0
+        self.open = False  # inside window(): spans are counted
         self.last = (0.0, 0.0)  # (busy seconds, window seconds) of the last window
 
     def _mark(self) -> Any:
@@ -43,7 +44,7 @@ class BusyClock:
 
         def run(*args: Any, **kwargs: Any) -> Any:
             self.depth += 1
-            start = self._mark() if self.depth == 1 else None
+            start = self._mark() if self.depth == 1 and self.open else None  # (eval passes: outside a window)
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -56,9 +57,12 @@ class BusyClock:
     @contextmanager
     def window(self) -> Iterator[None]:
         """One window's schedule: `last` = (busy, whole) seconds once it ends."""
-        self.spans = []
+        self.spans, self.open = [], True
         start = self._mark()
-        yield
+        try:
+            yield
+        finally:
+            self.open = False
         end = self._mark()
         if self.cuda:
             end.synchronize()

@@ -19,6 +19,7 @@ def plan_command(args: argparse.Namespace) -> int:
     from finetune.config.schema import build_recipe, parse_overrides
     from finetune.gpus import find_gpu, parse_bytes
     from finetune.plan import describe_setup, fit, gib, physical_ram, plan_recipe, report, write_fitted_recipe
+    from finetune.plan.fitting import node_ram
     from finetune.plan.recipe import compare_strategies
     from finetune.plan.render import strategy_table
 
@@ -37,7 +38,7 @@ def plan_command(args: argparse.Namespace) -> int:
         return _print_longest_seq(args, cfg, gpu, host_ram)
     if not args.fit:
         est = plan_recipe(cfg, gpu, gpus=args.gpus)
-        host_ok = host_ram is None or est.host_ram_bytes <= host_ram
+        host_ok = host_ram is None or node_ram(est, gpu) <= host_ram  # per node, as --host-ram says
         strategies = compare_strategies(cfg, gpu, args.gpus) if args.gpus > 1 else []
         if args.json:
             side = {label: e.to_dict() for label, e in strategies}
@@ -47,7 +48,7 @@ def plan_command(args: argparse.Namespace) -> int:
             if strategies:
                 print("\n" + strategy_table(strategies))
             if host_ram is not None:
-                print(f"host RAM   {'enough' if host_ok else 'NOT enough'}: {gib(est.host_ram_bytes)} needed of {gib(host_ram)}")
+                print(f"host RAM   {'enough' if host_ok else 'NOT enough'}: {gib(node_ram(est, gpu))} needed of {gib(host_ram)}")
             if not est.fits:
                 print(f"\nfind a setup that fits: finetune plan {args.recipe} --gpu {args.gpu or 'custom'} --fit --out my.yaml")
         return 0

@@ -16,7 +16,7 @@ from finetune.memory.techniques import TECHNIQUES, Technique
 from finetune.parallel.strategies import DDP, STRATEGIES
 from finetune.plan.inputs import RecipeFacts, Setup, describe_setup
 from finetune.plan.memory import Estimate, gib
-from finetune.plan.recipe import plan_recipe, planning_inputs, setup_of
+from finetune.plan.recipe import plan_precision, plan_recipe, planning_inputs, setup_of
 from finetune.plan.shape import ModelShape
 from finetune.plan.stages import balanced_layers, layout_choices, plan_setup
 
@@ -115,7 +115,8 @@ def _laid_out(s: Setup, base: Setup, pp: int, tp: int) -> Setup | None:
     if per_replica < 1 or per_replica != int(per_replica):
         return None
     m = int(per_replica)
-    s = replace(s, pipeline_parallel=pp, tensor_parallel=tp, grad_accum=m)
+    own = base.pipeline_layers if pp == base.pipeline_parallel else ()  # the recipe's split (auto: as balanced)
+    s = replace(s, pipeline_parallel=pp, tensor_parallel=tp, grad_accum=m, pipeline_layers=own)
     if pp == 1:
         return s
     if base.pipeline_parallel == pp and base.pipeline_schedule == "interleaved_1f1b" and m % max(1, m // pp) == 0:
@@ -123,9 +124,10 @@ def _laid_out(s: Setup, base: Setup, pp: int, tp: int) -> Setup | None:
     return replace(s, pipeline_schedule="1f1b" if m >= pp else "gpipe", virtual_stages=1)
 
 
-def _node_ram(e: Estimate, gpu: GpuSpec) -> float:
-    """Host RAM on each node the setup fills (host_ram is one machine's)."""
-    return e.host_ram_bytes / gpu.nodes_of(e.setup.gpus)
+def node_ram(e: Estimate, gpu: GpuSpec) -> float:
+    """Host RAM on the fullest node the setup fills (host_ram is one machine's): its processes' share."""
+    n = e.setup.gpus
+    return e.host_ram_bytes / n * min(n, gpu.gpus_per_node or n)
 
 
 def _fits_with_headroom(e: Estimate, gpu: GpuSpec) -> bool:
@@ -146,11 +148,13 @@ def search(
     host_ram: the machine's RAM, when known; setups that need more (offload, FSDP's load of
     the whole model per process) are left out. Ties go to less offloading, then fewer GPUs,
     then more headroom. layouts: the (pipeline stages, tensor-parallel ranks) to try besides (layout_choices)."""
-    setups = candidates(base, max_gpus, recipe, layouts)
+    per_node = gpu.gpus_per_node
+    # Several nodes: one node's GPUs or whole nodes (torchrun starts as many processes on each).
+    setups = [s for s in candidates(base, max_gpus, recipe, layouts) if not per_node or s.gpus <= per_node or s.gpus % per_node == 0]
     if shape.experts:  # MoE: finetune/model/moe.py's 4-bit experts are neither streamed nor sharded (model/load.py refuses)
         setups = [s for s in setups if not (s.streams_weights or s.partitions_weights)]
     estimates = [plan_setup(shape, recipe, s, gpu, **kw) for s in setups]
-    fitting = [e for e in estimates if _fits_with_headroom(e, gpu) and (host_ram is None or _node_ram(e, gpu) <= host_ram)]
+    fitting = [e for e in estimates if _fits_with_headroom(e, gpu) and (host_ram is None or node_ram(e, gpu) <= host_ram)]
     best = min(
         fitting,
         key=lambda e: (round(e.step_time_s, 6), e.setup.offload_rank, e.setup.gpus, -(e.headroom_bytes or 0)),
@@ -180,15 +184,15 @@ def fit(
     offload also fits that much RAM). Raises PlanError when none fits."""
     shape, recipe, kw = planning_inputs(cfg, gpu)
     current = plan_recipe(cfg, gpu, gpus or max_gpus)
-    layouts = layout_choices(cfg, shape, max_gpus)
+    layouts = layout_choices(cfg, shape, max_gpus, plan_precision(cfg, gpu))
     best, estimates = search(shape, recipe, current.setup, gpu, max_gpus, host_ram=host_ram, layouts=layouts, **kw)
     if best is None and any(_fits_with_headroom(e, gpu) for e in estimates):
         # The GPU is not the limit: every setup that fits it needs more host RAM than there is.
-        least = min((e for e in estimates if _fits_with_headroom(e, gpu)), key=lambda e: e.host_ram_bytes)
+        least = min((e for e in estimates if _fits_with_headroom(e, gpu)), key=lambda e: node_ram(e, gpu))
         raise PlanError(
             f"every setup of '{cfg.model.path}' that fits {max_gpus} x {gpu.name} needs more host RAM than "
-            f"{gib(host_ram or 0)}: the least needs {gib(least.host_ram_bytes)} ({describe_setup(least.setup)})",
-            hint=f"plan for a machine with more RAM (--host-ram {math.ceil(least.host_ram_bytes / GiB)}GB)"
+            f"{gib(host_ram or 0)}: the least needs {gib(node_ram(least, gpu))} ({describe_setup(least.setup)})",
+            hint=f"plan for a machine with more RAM (--host-ram {math.ceil(node_ram(least, gpu) / GiB)}GB)"
             + ("" if cfg.lora is None else "; memory.base_weights=disk keeps streamed weights in a file instead of RAM"),
         )
     if best is None:
@@ -234,12 +238,12 @@ def longest_trainable_seq(cfg: RecipeConfig, gpu: GpuSpec, max_gpus: int = 1, ho
     tried = replace(
         base, loss="auto" if base.loss == "full" else base.loss, tiled_mlp="auto" if base.tiled_mlp == "off" else base.tiled_mlp
     )
-    for s in candidates(tried, max_gpus, recipe, layout_choices(cfg, shape, max_gpus)):
+    for s in candidates(tried, max_gpus, recipe, layout_choices(cfg, shape, max_gpus, plan_precision(cfg, gpu))):
         if best_setup is not None and s.gpus > best_setup.gpus and best >= LONGEST_SEQ_PROBED:
             continue
         seq = longest_fitting_seq(shape, recipe, s, gpu, upper=LONGEST_SEQ_PROBED, **kw)
         fits_host = (
-            host_ram is None or _node_ram(plan_setup(shape, recipe, replace(s, seq_len=max(seq, 64)), gpu, **kw), gpu) <= host_ram
+            host_ram is None or node_ram(plan_setup(shape, recipe, replace(s, seq_len=max(seq, 64)), gpu, **kw), gpu) <= host_ram
         )
         if seq > best and fits_host:
             best, best_setup = seq, replace(s, seq_len=seq)

@@ -135,7 +135,7 @@ def _layouts(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int, base: Setup) -> 
     shape, recipe, kw = planning_inputs(cfg, gpu)
     own = (cfg.distributed.pipeline_parallel, cfg.distributed.tensor_parallel)
     rows = []
-    for pp, tp in layout_choices(cfg, shape, gpus):
+    for pp, tp in layout_choices(cfg, shape, gpus, plan_precision(cfg, gpu)):
         if gpus % (pp * tp) or (pp, tp) == own:
             continue
         kept: dict[str, Any] = {"embeddings": "device", "optimizer_offload": False} if tp > 1 else {}

@@ -47,9 +47,11 @@ def setup_changes(setup: Setup, base: Setup, cfg: RecipeConfig | None = None) ->
     for field in LAYOUT_FIELDS:  # the layout the search chose (fitting._laid_out): its stages, ranks and schedule
         if getattr(setup, field) != getattr(base, field):
             out[f"distributed.{field}"] = getattr(setup, field)
-    if setup.pipeline_layers != base.pipeline_layers or (cfg is not None and setup.pipeline_parallel != base.pipeline_parallel):
-        if cfg is not None and cfg.distributed.pipeline_layers != "even":
-            out["distributed.pipeline_layers"] = list(setup.pipeline_layers) or "even"
+    given = cfg.distributed.pipeline_layers if cfg is not None else "even"
+    # The recipe's split where the search kept its stages (fitting._laid_out); auto balances any other
+    # pipeline; counts for another number of stages, or any split without a pipeline, would be refused.
+    if given != "even" and setup.pipeline_parallel != base.pipeline_parallel and (given != "auto" or setup.pipeline_parallel == 1):
+        out["distributed.pipeline_layers"] = "even"
     if cfg is not None:
         chosen = setup.strategy
         if of_recipe(cfg).wraps_layers and not (chosen.wraps_layers and setup.gpus > 1):
@@ -59,6 +61,8 @@ def setup_changes(setup: Setup, base: Setup, cfg: RecipeConfig | None = None) ->
         if of_recipe(cfg).deepspeed and not chosen.deepspeed:
             # The search tries DDP and FSDP (not ZeRO): ZeRO's keys would be refused without strategy=deepspeed.
             out.update({f"distributed.{k}": v for k, v in zero_config.DEFAULTS.items() if getattr(cfg.distributed, k) != v})
+        if setup.pipeline_parallel * setup.tensor_parallel > 1 and cfg.distributed.grad_compression != "none":
+            out["distributed.grad_compression"] = "none"  # a hook of DDP's all-reduce, which a layout does not use
         if cfg.memory.offload_dir is not None and setup.base_weights != "disk":
             out["memory.offload_dir"] = None
     return out

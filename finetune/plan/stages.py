@@ -298,10 +298,11 @@ def _send_link(setup: Setup, gpu: GpuSpec) -> float:
     return min((gpu.link_gbps(pair) for pair in boundaries), default=gpu.interconnect_gbps)
 
 
-def layout_choices(cfg: Any, shape: ModelShape, max_gpus: int) -> tuple[tuple[int, int], ...]:
+def layout_choices(cfg: Any, shape: ModelShape, max_gpus: int, precision: str) -> tuple[tuple[int, int], ...]:
     """(pipeline stages, tensor-parallel ranks) the search may try for this recipe and model on up to max_gpus:
     the model's layers split evenly into the stages, its heads and MLP into the ranks, and nothing in the
-    recipe (objective, adapter, precision) that a pipeline or a split refuses."""
+    recipe (objective, adapter, the precision it runs in: precision=auto's fp16 too) that a pipeline or a
+    split refuses."""
     out = []
     for pp in range(1, max_gpus + 1):
         for tp in range(1, max_gpus // pp + 1):
@@ -311,6 +312,7 @@ def layout_choices(cfg: Any, shape: ModelShape, max_gpus: int) -> tuple[tuple[in
                 continue
             as_layout = cfg.model_copy(
                 update={
+                    "precision": precision,
                     "distributed": cfg.distributed.model_copy(
                         update={
                             "pipeline_parallel": pp,
