@@ -150,7 +150,9 @@ def search(
     then more headroom. layouts: the (pipeline stages, tensor-parallel ranks) to try besides (layout_choices)."""
     per_node = gpu.gpus_per_node
     # Several nodes: one node's GPUs or whole nodes (torchrun starts as many processes on each).
-    setups = [s for s in candidates(base, max_gpus, recipe, layouts) if not per_node or s.gpus <= per_node or s.gpus % per_node == 0]
+    setups = [
+        s for s in candidates(base, max_gpus, recipe, layouts) if not per_node or s.gpus <= per_node or s.gpus % per_node == 0
+    ]
     if shape.experts:  # MoE: finetune/model/moe.py's 4-bit experts are neither streamed nor sharded (model/load.py refuses)
         setups = [s for s in setups if not (s.streams_weights or s.partitions_weights)]
     estimates = [plan_setup(shape, recipe, s, gpu, **kw) for s in setups]

@@ -50,7 +50,11 @@ def setup_changes(setup: Setup, base: Setup, cfg: RecipeConfig | None = None) ->
     given = cfg.distributed.pipeline_layers if cfg is not None else "even"
     # The recipe's split where the search kept its stages (fitting._laid_out); auto balances any other
     # pipeline; counts for another number of stages, or any split without a pipeline, would be refused.
-    if given != "even" and setup.pipeline_parallel != base.pipeline_parallel and (given != "auto" or setup.pipeline_parallel == 1):
+    if (
+        given != "even"
+        and setup.pipeline_parallel != base.pipeline_parallel
+        and (given != "auto" or setup.pipeline_parallel == 1)
+    ):
         out["distributed.pipeline_layers"] = "even"
     if cfg is not None:
         chosen = setup.strategy
