@@ -24,6 +24,8 @@ _OLDER_RUNS: dict[str, dict[str, Any]] = {
         "virtual_stages": 1,
         "tensor_parallel": 1,
         "pipeline_layers": "even",
+        "context_parallel": 1,
+        "context_parallel_mode": "ring",
     },
     "profile": {"steps": None, "memory_timeline": True},
 }

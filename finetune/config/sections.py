@@ -226,6 +226,17 @@ class DistributedConfig(_Section):
         description="each decoder layer split over this many processes, Megatron style (attention heads and the "
         "MLP; --nproc = this x replicas): the 4-bit layers of a model too large for one GPU; 1: none (parallel/tensor.py)",
     )
+    context_parallel: int = Field(
+        1,
+        ge=1,
+        description="each sequence split over this many processes along its length (--nproc = this x replicas): "
+        "context longer than one GPU's memory holds; 1: none (parallel/context.py)",
+    )
+    context_parallel_mode: Literal["ring", "ulysses"] = Field(
+        "ring",
+        description="context_parallel: ring (K/V blocks passed around the ranks, overlapped with compute; any head "
+        "count) or ulysses (an all-to-all trades the sequence split for a head split: heads divisible by the ranks)",
+    )
     grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = Field(
         "none",
         description="ddp: how gradients travel in the all-reduce (slow links between nodes): none (fp32), "

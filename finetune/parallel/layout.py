@@ -1,12 +1,12 @@
-"""distributed.pipeline_parallel and tensor_parallel: how a launch's processes form a grid of pipeline stages x
-data-parallel replicas x tensor-parallel ranks, and what a layout cannot run with (config asks `problems(cfg)`,
+"""distributed.pipeline_parallel, tensor_parallel and context_parallel: how a launch's processes form a grid of
+pipeline stages x data-parallel replicas x context-parallel ranks x tensor-parallel ranks, and what a layout cannot run with (config asks `problems(cfg)`,
 the launch `launch_problems`).
 
     layout = Layout.of(cfg, rank, world)     # layout.stage, layout.replica, layout.replicas
     layout.stages_of_rank                    # the stage indices this rank runs (interleaved: virtual_stages of them)
 
 Ranks are numbered pipeline-outermost and tensor-parallel innermost, as Megatron-LM and torchtitan number
-them: rank = (stage x replicas + replica) x tp + tp_rank. On 2 nodes x 2 GPUs with pipeline_parallel=2, a node then holds one stage of both
+them: rank = ((stage x replicas + replica) x cp + cp_rank) x tp + tp_rank. On 2 nodes x 2 GPUs with pipeline_parallel=2, a node then holds one stage of both
 replicas: the gradient all-reduce stays inside the node, and only the activations of one micro-batch at
 a time cross between nodes. How the stages run: finetune/parallel/pipeline.py.
 This module imports nothing of ours but the rule type: config asks it.
@@ -30,9 +30,9 @@ ROW = ("o_proj", "down_proj")  # input features split: columns of W
 
 @dataclass(frozen=True)
 class Layout:
-    """Where one rank stands: pp stages x replicas x tp tensor-parallel ranks, virtual_stages stages per
-    rank when interleaved. rank = (stage x replicas + replica) x tp + tp_rank: tensor parallelism
-    innermost (its all-reduces every layer stay in a node), the pipeline outermost."""
+    """Where one rank stands: pp stages x replicas x cp context-parallel ranks x tp tensor-parallel ranks,
+    virtual_stages stages per rank when interleaved. rank = ((stage x replicas + replica) x cp + cp_rank) x tp +
+    tp_rank: tensor parallelism innermost (its all-reduces every layer stay in a node), the pipeline outermost."""
 
     pp: int
     replicas: int
@@ -40,14 +40,15 @@ class Layout:
     virtual_stages: int = 1
     tp: int = 1
     splits: tuple[int, ...] = ()  # decoder layers of each stage (distributed.pipeline_layers); (): an even split
+    cp: int = 1  # context-parallel ranks: each holds the whole model and a part of every sequence
 
     @classmethod
     def of(cls, cfg: Any, rank: int, world: int) -> Layout:
         """The recipe's grid (distributed.pipeline_layers=auto: an even split until runtime.Parallel balances it)."""
         d = cfg.distributed
-        pp, tp = max(1, d.pipeline_parallel), max(1, d.tensor_parallel)
+        pp, tp, cp = max(1, d.pipeline_parallel), max(1, d.tensor_parallel), max(1, d.context_parallel)
         splits = tuple(d.pipeline_layers) if isinstance(d.pipeline_layers, list) else ()
-        return cls(pp, max(1, world // (pp * tp)), rank, d.virtual_stages if pp > 1 else 1, tp, splits)
+        return cls(pp, max(1, world // (pp * tp * cp)), rank, d.virtual_stages if pp > 1 else 1, tp, splits, cp)
 
     @property
     def pipelined(self) -> bool:
@@ -56,12 +57,23 @@ class Layout:
     @property
     def stage(self) -> int:
         """This rank's place along the pipe (its first stage when interleaved)."""
-        return self.rank // (self.replicas * self.tp)
+        return self.rank // (self.replicas * self.cp * self.tp)
 
     @property
     def replica(self) -> int:
-        """Which copy of the model this rank belongs to: the copies see different examples."""
-        return (self.rank // self.tp) % self.replicas
+        """Which copy of the model this rank belongs to: the copies see different examples (a context-parallel
+        group's ranks are one copy: each holds a part of the same rows)."""
+        return (self.rank // (self.tp * self.cp)) % self.replicas
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's part of every sequence within its context-parallel group."""
+        return (self.rank // self.tp) % self.cp
+
+    def context_ranks(self) -> list[int]:
+        """The global ranks of this rank's context-parallel group, in the order of their parts of a sequence."""
+        first = self.rank - self.cp_rank * self.tp
+        return [first + c * self.tp for c in range(self.cp)]
 
     @property
     def tp_rank(self) -> int:
@@ -86,11 +98,13 @@ class Layout:
             return f"{many} of {self.pp} stages" + (f" x {self.tp} tensor-parallel ranks" if self.tp > 1 else "")
         if self.tp > 1:
             return f"{many} of {self.tp} tensor-parallel ranks"
+        if self.cp > 1:
+            return f"{many} of {self.cp} context-parallel ranks"
         return f"{self.replicas} proc"
 
     @property
     def world(self) -> int:
-        return self.pp * self.replicas * self.tp
+        return self.pp * self.replicas * self.cp * self.tp
 
     def tensor_ranks(self, block: int) -> list[int]:
         """The global ranks of one tensor-parallel group (block = stage x replicas + replica: consecutive ranks)."""
@@ -283,9 +297,60 @@ TENSOR_RULES: tuple[Rule[Any], ...] = (
 )
 
 
+def _context(cfg: Any) -> bool:
+    return cfg.distributed.context_parallel > 1
+
+
+def _cp(cfg: Any) -> str:
+    return f"distributed.context_parallel={cfg.distributed.context_parallel}"
+
+
+CONTEXT_RULES: tuple[Rule[Any], ...] = (
+    Rule(
+        lambda c: _context(c) and (_pipelined(c) or _split(c)),
+        lambda c: (
+            f"{_cp(c)} with "
+            + (_by(c) if _pipelined(c) else _tp(c))
+            + ": context parallelism does not compose with pipeline or tensor parallelism yet. Set one of them to 1."
+        ),
+    ),
+    Rule(
+        lambda c: _context(c) and c.distributed.strategy in ("fsdp", "deepspeed"),
+        lambda c: (
+            f"{_cp(c)} with distributed.strategy={c.distributed.strategy}: context-parallel ranks each hold the "
+            "whole model and all-reduce their gradients as DDP does; sharding them is not supported yet. Set "
+            "distributed.strategy=auto (or ddp)."
+        ),
+    ),
+    Rule(
+        lambda c: _context(c) and c.train.objective != "sft",
+        lambda c: (
+            f"{_cp(c)} with train.objective={c.train.objective}: a preference loss needs each sequence's whole "
+            "log-probability, which no rank of a split sequence holds; not supported yet. Set train.objective=sft, "
+            "or distributed.context_parallel=1."
+        ),
+    ),
+    Rule(
+        lambda c: _context(c) and c.model.attn_implementation != "auto",
+        lambda c: (
+            f"{_cp(c)} with model.attn_implementation={c.model.attn_implementation}: context parallelism runs its "
+            f"own attention over the split sequence ({c.distributed.context_parallel_mode}). Set "
+            "model.attn_implementation=auto."
+        ),
+    ),
+    Rule(
+        lambda c: _context(c) and c.memory.base_weights != "device",
+        lambda c: (
+            f"{_cp(c)} with memory.base_weights={c.memory.base_weights}: streaming the layers under context "
+            "parallelism is not supported yet. Set memory.base_weights=device."
+        ),
+    ),
+)
+
+
 def problems(cfg: Any) -> list[str]:
-    """What distributed.pipeline_parallel and tensor_parallel cannot run with in this recipe."""
-    return broken(RULES + TENSOR_RULES, cfg)
+    """What distributed.pipeline_parallel, tensor_parallel and context_parallel cannot run with in this recipe."""
+    return broken(RULES + TENSOR_RULES + CONTEXT_RULES, cfg)
 
 
 def launch_problems(cfg: Any, world: int, layers: int | None, model_type: str | None) -> list[str]:
@@ -307,6 +372,12 @@ def launch_problems(cfg: Any, world: int, layers: int | None, model_type: str | 
         out.append(
             f"{_by(cfg)} on {world} processes: the processes must be stages x replicas. "
             f"Launch with --nproc {pp} or a multiple of it ({pp}, {2 * pp}, ...)."
+        )
+    cp = cfg.distributed.context_parallel
+    if cp > 1 and world % cp:
+        out.append(
+            f"{_cp(cfg)} on {world} processes: the processes must be context-parallel ranks x replicas. "
+            f"Launch with --nproc {cp} or a multiple of it ({cp}, {2 * cp}, ...)."
         )
     out += _stage_problems(cfg, layers) if pp > 1 else []
     if model_type is not None and model_type not in FAMILIES and (pp > 1 or tp > 1):

@@ -207,6 +207,8 @@ HARMLESS_CHANGES = (
     "distributed.virtual_stages",
     "distributed.tensor_parallel",  # the split tensors are gathered whole into a checkpoint, sliced again on load
     "distributed.pipeline_layers",
+    "distributed.context_parallel",  # every rank of a context-parallel group holds the whole adapter, as DDP's do
+    "distributed.context_parallel_mode",
 )
 
 
