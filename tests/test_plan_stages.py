@@ -241,12 +241,12 @@ def test_a_layer_split_that_cannot_be_is_refused(layers, says):
 
 
 def test_a_split_that_does_not_add_up_to_the_models_layers_is_refused_at_launch():
-    from finetune.parallel.runtime import pipeline_problems
+    from finetune.parallel.runtime import split_problems
 
     cfg = recipe("distributed.pipeline_parallel=2", "distributed.pipeline_layers=[40,41]")
-    (said,) = pipeline_problems(cfg, 2)
+    (said,) = split_problems(cfg, 2)
     assert "adds up to 81 decoder layers, but the model has 80" in said
     assert (
-        pipeline_problems(recipe("distributed.pipeline_parallel=3", "train.grad_accum=3", "distributed.pipeline_layers=auto"), 3)
+        split_problems(recipe("distributed.pipeline_parallel=3", "train.grad_accum=3", "distributed.pipeline_layers=auto"), 3)
         == []
     )

@@ -73,11 +73,11 @@ def test_a_recipe_tensor_parallelism_cannot_run_is_refused_naming_the_fix(extra,
 
 def test_a_launch_that_cannot_split_is_refused_before_loading(tmp_path):
     from finetune.config.schema import build_recipe
-    from finetune.parallel.runtime import pipeline_problems
+    from finetune.parallel.runtime import split_problems
 
     build_tiny_llama(tmp_path, vocab_size=64, hidden=128)  # 4 heads, 2 key/value heads
     cfg = build_recipe({**MINIMAL, "model": {"path": str(tmp_path)}, "distributed": {"tensor_parallel": 4}})
-    said = pipeline_problems(cfg, 6)
+    said = split_problems(cfg, 6)
     assert any("on 6 processes: the processes must be tensor-parallel ranks x replicas" in p for p in said)
     assert any("2 key/value heads do not split into 4" in p for p in said)
     staged = build_recipe(
@@ -87,12 +87,12 @@ def test_a_launch_that_cannot_split_is_refused_before_loading(tmp_path):
             "distributed": {"tensor_parallel": 2, "pipeline_parallel": 2, "pipeline_schedule": "gpipe"},
         }
     )
-    said = pipeline_problems(staged, 6)
+    said = split_problems(staged, 6)
     assert said == [
         "distributed.pipeline_parallel=2 x distributed.tensor_parallel=2 on 6 processes: the processes must be stages x "
         "tensor-parallel ranks x replicas. Launch with --nproc 4 or a multiple of it (4, 8, ...)."
     ]
-    assert pipeline_problems(staged, 8) == []
+    assert split_problems(staged, 8) == []
 
 
 def test_a_split_stage_reads_only_its_share_of_its_own_layers(tmp_path, checkpoint_reads):

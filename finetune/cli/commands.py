@@ -104,9 +104,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if cfg is None:
         return EXIT_INPUT
     if launching:
-        from finetune.parallel.runtime import pipeline_problems
+        from finetune.parallel.runtime import split_problems
 
-        problems = pipeline_problems(cfg, args.nproc * args.nnodes)  # said once here, not by each process
+        problems = split_problems(cfg, args.nproc * args.nnodes)  # said once here, not by each process
         if problems:
             raise ConfigError(problems, str(find_recipe(args.recipe)))
         cmd = launch_command(args)

@@ -48,8 +48,9 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What the model is called with. Packed rows carry position_ids and no attention_mask: the
     model then keeps each packed example's attention to itself (finetune.data.dataset.Collator),
     but only without a KV cache (use_cache=False), which transformers would otherwise take as a
-    sign of generation and ignore the packing."""
-    return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    sign of generation and ignore the packing. A context-parallel rank's part carries context_part, which
+    the model hands to every attention call (finetune/parallel/context.py)."""
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "context_part") if k in batch}
 
 
 class Loss:

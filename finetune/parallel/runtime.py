@@ -27,6 +27,8 @@ from finetune.memory import techniques
 from finetune.model.load import head_owner, model_source
 from finetune.model.partial import Split
 from finetune.parallel import compression, ddp_hooks, layout, zero_config
+from finetune.parallel.context import ContextParallel
+from finetune.parallel.context import problems as context_problems
 from finetune.parallel.distribute import (
     check_strategy,
     full_optimizer_state,
@@ -89,6 +91,7 @@ class Parallel:
         self.layout = layout.Layout.of(cfg, accelerator.process_index, accelerator.num_processes)
         self.pipeline: Pipeline | None = None  # distributed.pipeline_parallel > 1: built by shard()
         self.tensor: TensorParallel | None = None  # distributed.tensor_parallel > 1: built by shard()
+        self.context: ContextParallel | None = None  # distributed.context_parallel > 1: built by choose()
         self.full_config: Any = None  # a tensor-parallel rank's model config, narrowed by split()
         self.model_config: Any = None  # a pipeline's model (text) config, read by choose() before loading
 
@@ -97,12 +100,15 @@ class Parallel:
         """The strategy for this launch (auto: DDP unless a replica would not fit), checked against the recipe."""
         world, config = accelerator.num_processes, None
         split = cfg.distributed.tensor_parallel > 1
-        if cfg.distributed.pipeline_parallel > 1 or split:  # before any weight loads: the model's config.json alone
+        context = cfg.distributed.context_parallel > 1
+        if cfg.distributed.pipeline_parallel > 1 or split or context:  # before any weight loads: config.json alone
             config = _text_config(cfg)
-            problems = pipeline_problems(cfg, world, config)
+            problems = split_problems(cfg, world, config)
             if problems:
                 raise ConfigError(problems)
             strategy = "pipeline" if cfg.distributed.pipeline_parallel > 1 else "tensor"  # pipeline: split stages too
+            if context:  # each rank a whole replica, the gradients all-reduced as DDP's (sequence parts differ)
+                strategy = "ddp" if world > 1 else "single"
         else:
             strategy = resolve_strategy(cfg, world, accelerator.device)
             check_strategy(cfg, strategy)
@@ -121,6 +127,8 @@ class Parallel:
             raise ConfigError(problems)
         chosen = cls(accelerator, strategy, cfg)
         chosen.model_config = config
+        if context:
+            chosen.context = ContextParallel(chosen.layout, cfg.distributed.context_parallel_mode)
         if strategy == "pipeline" and cfg.distributed.pipeline_layers == "auto":
             chosen.layout = replace(chosen.layout, splits=_balanced(cfg, world, accelerator.device))
         return chosen
@@ -181,6 +189,8 @@ class Parallel:
             return f"distributed.grad_compression={method} has no effect: one process has no gradients to all-reduce"
         if self.pipeline is not None:
             return f"parallel: {self.pipeline.describe()}"
+        if self.context is not None:
+            return f"parallel: {self.context.describe(self.layout.replicas)}"
         if self.tensor is not None:
             many = f"{self.layout.replicas} replica{'s' if self.layout.replicas > 1 else ''}"
             return f"parallel: tensor parallel, each decoder layer split over {self.layout.tp} processes x {many}"
@@ -234,6 +244,8 @@ class Parallel:
             )
         if self.layout.tp > 1:
             self._split_layers(model, cfg)
+        if self.context is not None:
+            self.context.attach(model)
         if self.strategy == "pipeline":
             owner: Any = head_owner(model)
             if owner is not None:  # a model given in memory (Trainer.from_parts) is checked here
@@ -304,6 +316,10 @@ class Parallel:
             self.accelerator.gradient_state._set_sync_gradients(last)
             return nullcontext()
         return self.accelerator.no_sync(model) if not last else nullcontext()
+
+    def local_part(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """What this rank trains of a micro-batch its replica holds: a context-parallel rank its part of each row."""
+        return self.context.part(batch) if self.context is not None else batch
 
     @property
     def counts_window(self) -> bool:
@@ -425,17 +441,20 @@ class Parallel:
         self.accelerator.state.destroy_process_group()
 
 
-def pipeline_problems(cfg: RecipeConfig, world: int, config: Any = None) -> list[str]:
-    """What a launch of `world` processes cannot split as distributed.pipeline_parallel asks (the CLI asks
-    before torchrun starts them, so the message comes once); config: the model's text config, read here
-    when not given."""
-    if cfg.distributed.pipeline_parallel <= 1 and cfg.distributed.tensor_parallel <= 1:
+def split_problems(cfg: RecipeConfig, world: int, config: Any = None) -> list[str]:
+    """What a launch of `world` processes cannot split as distributed.pipeline_parallel, tensor_parallel and
+    context_parallel ask (the CLI asks before torchrun starts them, so the message comes once); config: the
+    model's text config, read here when not given."""
+    d = cfg.distributed
+    if d.pipeline_parallel <= 1 and d.tensor_parallel <= 1 and d.context_parallel <= 1:
         return []
     config = config if config is not None else _text_config(cfg)
     known = (config.num_hidden_layers, config.model_type) if config is not None else (None, None)
     out = layout.launch_problems(cfg, world, *known)
     if cfg.distributed.tensor_parallel > 1 and config is not None:
         out += tensor_problems(config, cfg.distributed.tensor_parallel)
+    if config is not None:
+        out += context_problems(config, cfg)
     return out
 
 

@@ -211,7 +211,7 @@ class Trainer:
 
     def step_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         """The grad_accum micro-batches this process trains on at optimizer step `step`."""
-        return self.order.step_batches(step)
+        return [self.parallel.local_part(b) for b in self.order.step_batches(step)]
 
     def accumulate_gradients(self, step: int) -> StepTotals:
         """Backward over the step's window. Each micro-batch's summed loss is divided by the units

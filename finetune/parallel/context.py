@@ -1,0 +1,189 @@
+"""Context parallelism (distributed.context_parallel): each sequence split over the N ranks of a group along
+its length, so that a rank's activations are those of seq/N tokens. (TRL's and axolotl's ring attention,
+DeepSpeed-Ulysses; torch's own context_parallel dispatches only CUDA kernels, so the ring here is ours, on
+torch.distributed point-to-point, and runs on CPUs with gloo too.)
+
+    cp = ContextParallel(layout, mode)      # a process group per context-parallel group
+    cp.attach(model)                        # our attention: the ring or Ulysses for split rows, varlen otherwise
+    part = cp.part(batch)                   # this rank's tokens of every row, and how the rows are split
+
+The ranks of a group train the same rows (the data order counts the group as one replica) and each holds
+the whole model, like DDP's replicas: gradients are all-reduced over every process as DDP does, and each
+rank's loss is summed over its own targets, so the step's loss stays the token mean of the whole window.
+
+A part carries one token more than its share: labels are shifted before the split (a token's target may
+lie on another rank), and the loss shifts them once more by position; the extra last token takes the last
+target's place in that shift. It attends only to itself and predicts nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from finetune.data import IGNORE_INDEX, count_tokens
+from finetune.model import varlen
+from finetune.parallel.layout import Layout
+from finetune.parallel.ring import SplitRows, expand_heads, ring_attention, ulysses_attention
+
+NAME = "context_parallel"
+KEY = "context_part"  # the keyword a part travels under, from the model's forward to every attention call
+
+
+@dataclass(frozen=True)
+class ContextPart:
+    """What every attention call of one split forward needs: how the rows are split, the mode, and the rows'
+    position_ids in sequence order (Ulysses attends over whole rows: its packed examples are cut from them)."""
+
+    split: SplitRows
+    mode: str
+    positions: torch.Tensor
+
+    def __repr__(self) -> str:  # printed in error messages of the model's forward; the tensors are not
+        return f"ContextPart(rank {self.split.index} of {self.split.size}, {self.mode})"
+
+
+def register() -> str:
+    """Make our attention a transformers attention implementation, with the mask function varlen uses
+    (the 2D padding mask or none: the split rows never take a 4-D mask)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    return NAME
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' attention interface: a forward of split rows (the part under KEY) attends over the whole
+    sequence; any other (held-out loss, generation) is varlen's attention of the rows as given."""
+    part: ContextPart | None = kwargs.pop(KEY, None)
+    if part is None:
+        return varlen.varlen_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    window = kwargs.get("sliding_window")
+    if kwargs.get("softcap") or window or kwargs.get("s_aux") is not None or (dropout and module.training):
+        raise ValueError(
+            "distributed.context_parallel splits plain causal attention; this model's attention also needs "
+            "logit softcapping, a sliding window, sinks or dropout. Set distributed.context_parallel=1."
+        )
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q, k, v = query[:, :, :-1], key[:, :, :-1], value[:, :, :-1]
+    if part.mode == "ulysses":
+        out = ulysses_attention(q, k, v, part.split, scale, _whole_rows(module, part, scale))
+    else:
+        out = ring_attention(q.contiguous(), k.contiguous(), v.contiguous(), part.split, scale)
+    extra = expand_heads(value[:, :, -1:], query.shape[1])  # the extra token sees only itself
+    return torch.cat([out, extra.to(out.dtype)], dim=2).transpose(1, 2).contiguous(), None
+
+
+def _whole_rows(module, part: ContextPart, scale: float):
+    """Attention over whole rows in sequence order: causal for plain rows (padding lies after every real
+    token), each packed example on its own (varlen's cuts from the rows' position_ids)."""
+
+    def attend(q, k, v, segments):
+        if segments is None:
+            gqa = k.shape[1] != q.shape[1]
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        out, _ = varlen.varlen_attention(module, q, k, v, None, 0.0, scale, position_ids=part.positions)
+        return out.transpose(1, 2)
+
+    return attend
+
+
+class ContextParallel:
+    """This rank's context-parallel group and how it splits a batch."""
+
+    def __init__(self, layout: Layout, mode: str) -> None:
+        import torch.distributed as dist
+
+        self.layout, self.mode = layout, mode
+        self.ranks = tuple(layout.context_ranks())
+        self.group = None
+        for first in range(0, layout.world, layout.cp * layout.tp):  # every rank creates every group, in one order
+            for t in range(layout.tp):
+                ranks = [first + c * layout.tp + t for c in range(layout.cp)]
+                group = dist.new_group(ranks)
+                if tuple(ranks) == self.ranks:
+                    self.group = group
+
+    @property
+    def size(self) -> int:
+        return self.layout.cp
+
+    def describe(self, replicas: int) -> str:
+        many = f"{replicas} replica{'s' if replicas > 1 else ''}"
+        return f"context parallel ({self.mode}), each sequence split over {self.size} processes x {many}"
+
+    def attach(self, model) -> None:
+        """Our attention in every layer of the model (whatever it was loaded with)."""
+        from finetune.model.load import head_owner
+
+        owner = head_owner(model) or model
+        owner.set_attn_implementation(register())
+
+    def part(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """This rank's part of every row of a collated batch (see the module's docstring)."""
+        return split_batch(batch, SplitRows(self.ranks, self.layout.cp_rank, 0, None, self.group), self.mode)
+
+
+def split_batch(batch: dict[str, Any], split: SplitRows, mode: str) -> dict[str, Any]:
+    """The part of `batch` that split.index holds: rows right-padded to 2N chunks, labels shifted first.
+    (split.chunk and split.segments are filled in here from the batch.)"""
+    ids, labels = batch["input_ids"], batch["labels"]
+    rows, length = ids.shape
+    chunk = math.ceil(length / (2 * split.size))
+    pad = 2 * split.size * chunk - length
+    packed = "position_ids" in batch
+    positions = batch["position_ids"] if packed else torch.arange(length, device=ids.device).expand(rows, length)
+    positions = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(pad, device=ids.device)], dim=1)
+    ids = torch.nn.functional.pad(ids, (0, pad), value=0)  # padding: after every real token, never a target
+    targets = torch.full_like(ids, IGNORE_INDEX)
+    targets[:, : length - 1] = labels[:, 1:]
+    segments = None
+    if packed:
+        restart = torch.ones_like(positions, dtype=torch.bool)
+        restart[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+        segments = restart.long().cumsum(dim=1)
+    split = SplitRows(split.ranks, split.index, chunk, segments, split.group)
+    mine = split.positions_of(split.index, ids.device)
+    one = torch.zeros(rows, 1, dtype=torch.long, device=ids.device)
+    return {
+        "input_ids": torch.cat([ids[:, mine], one], dim=1),
+        "position_ids": torch.cat([positions[:, mine], one], dim=1),
+        "labels": torch.cat([torch.full_like(one, IGNORE_INDEX), targets[:, mine]], dim=1),
+        "num_tokens": torch.tensor(count_tokens(batch) if split.index == 0 else 0),  # the group's tokens, counted once
+        KEY: ContextPart(split, mode, positions),
+    }
+
+
+def problems(config: Any, cfg: Any) -> list[str]:
+    """What this model's attention cannot split as distributed.context_parallel asks (config: its text config)."""
+    n, mode = cfg.distributed.context_parallel, cfg.distributed.context_parallel_mode
+    if n <= 1:
+        return []
+    asked = f"distributed.context_parallel={n}"
+    out = []
+    why = varlen.unsupported(config)
+    if why:
+        out.append(f"{asked}: {why} (the split attention neither). Set distributed.context_parallel=1.")
+    window = getattr(config, "sliding_window", None)
+    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ()) or (
+        window and getattr(config, "use_sliding_window", True) and window < cfg.data.max_seq_len
+    )
+    if sliding:
+        out.append(
+            f"{asked}: {config.model_type} attends within a sliding window of {window} tokens, which the split "
+            "attention does not. Set distributed.context_parallel=1."
+        )
+    heads = config.num_attention_heads
+    if mode == "ulysses" and heads % n:
+        fits = [d for d in range(2, heads + 1) if heads % d == 0][:6]
+        out.append(
+            f"{asked} with context_parallel_mode=ulysses: the model's {heads} attention heads do not divide over "
+            f"{n} ranks (values that do: {', '.join(map(str, fits))}). Set context_parallel_mode=ring (any head "
+            "count), or one of those values."
+        )
+    return out

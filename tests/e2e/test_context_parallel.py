@@ -1,0 +1,156 @@
+"""Context parallelism (distributed.context_parallel) on CPU, gloo, a tiny Llama in 4-bit, fp32: each sequence
+split over 2 ranks (ring and Ulysses), alone and with 2 replicas, trains as one process does (losses and
+pre-clip gradient norms, adapter), plain and packed rows; a negative control; SIGTERM under cp=2 resumes on
+one process. Through the real launcher."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import assert_same_steps, build_char_tokenizer, build_tiny_llama, step_rows
+from test_distributed import adapter, assert_adapters_close, finetune, run_driver, stopped_under_sigterm, write
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> tuple[Path, dict]:
+    """The tiny Llama (4 heads, 2 key/value heads), 2 micro-batches of 4 rows per step, clipping at a norm
+    every step exceeds (so a wrong gradient shows in the updates too)."""
+    from conftest import ALPACA_ROWS, write_jsonl
+
+    root = tmp_path_factory.mktemp("context")
+    model = root / "model"
+    model.mkdir()
+    build_tiny_llama(model, vocab_size=len(build_char_tokenizer(model)), hidden=128, layers=2)
+    recipe = {
+        "model": {"path": str(model)},
+        "data": {"path": str(write_jsonl(root / "train.jsonl", ALPACA_ROWS)), "format": "alpaca", "max_seq_len": 256},
+        "seed": 0,
+        "precision": "fp32",
+        "quant": {"bits": 4},
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+        "train": {
+            "max_steps": STEPS,
+            "batch_size": 4,
+            "grad_accum": 2,
+            "lr": 1e-3,
+            "max_grad_norm": 0.5,
+            "scheduler": "constant",
+        },
+        "checkpoint": {"every_steps": 2},
+    }
+    return root, recipe
+
+
+@pytest.fixture(scope="module")
+def one_process(base) -> Path:
+    root, recipe = base
+    path, out = write(root, recipe, "one")
+    finetune(str(path), cwd=root)
+    return out
+
+
+def packed(recipe: dict) -> dict:
+    return {
+        **recipe,
+        "data": {**recipe["data"], "packing": True, "max_seq_len": 512},
+        "train": {**recipe["train"], "batch_size": 2},
+    }
+
+
+@pytest.fixture(scope="module")
+def one_packed(base) -> Path:
+    root, recipe = base
+    path, out = write(root, packed(recipe), "one-packed")
+    finetune(str(path), cwd=root)
+    return out
+
+
+@pytest.mark.parametrize(
+    "mode, nproc, rows",
+    [("ring", 2, "plain"), ("ulysses", 2, "plain"), ("ring", 4, "packed"), ("ulysses", 2, "packed")],
+    ids=["ring", "ulysses", "ring-packed-x2-replicas", "ulysses-packed"],
+)
+def test_a_sequence_split_over_two_ranks_trains_as_one_process(base, one_process, one_packed, mode, nproc, rows):
+    root, recipe = base
+    reference = one_packed if rows == "packed" else one_process
+    recipe = packed(recipe) if rows == "packed" else recipe
+    batch = recipe["train"]["batch_size"] // (nproc // 2)  # the same global batch: batch_size is per replica
+    distributed = {"context_parallel": 2, "context_parallel_mode": mode}
+    path, out = write(root, recipe, f"cp2-{mode}-{nproc}-{rows}", distributed=distributed, train__batch_size=batch)
+    proc = finetune(str(path), "--nproc", str(nproc), cwd=root)
+    replicas = "1 replica" if nproc == 2 else "2 replicas"
+    assert f"parallel: context parallel ({mode}), each sequence split over 2 processes x {replicas}" in proc.stdout
+    assert all(norm > 0.5 for _, norm in step_rows(reference))  # every update clipped
+    assert_same_steps(reference, out, rel=1e-5)
+    assert_adapters_close(adapter(reference), adapter(out))
+
+
+DRIVER = """
+import os, sys
+import torch
+from finetune.config.schema import load_recipe
+from finetune.parallel import ring
+from finetune.trainer import Trainer
+
+cap = int(os.environ.get("CAP", "0"))
+if cap:  # no forward of the model may see more tokens a row than the cap
+    embed = torch.nn.Embedding.forward
+    def capped(self, ids):
+        assert ids.shape[-1] <= cap, f"a forward of {ids.shape[-1]} tokens a row, over the cap of {cap}"
+        return embed(self, ids)
+    torch.nn.Embedding.forward = capped
+if os.environ.get("OWN_KEYS_ONLY"):  # the ring broken: each rank's queries see only its own keys
+    pairs = ring._pairs
+    ring._pairs = lambda split, mine, theirs: pairs(split, mine, theirs) if mine == theirs else iter(())
+Trainer(load_recipe(sys.argv[1]), progress=False).train()
+"""
+
+
+def test_keys_that_never_travel_fail_the_comparison(base, one_process, tmp_path):
+    root, recipe_dict = base
+    recipe, out = write(tmp_path, recipe_dict, "own-keys", distributed={"context_parallel": 2})
+    run_driver(tmp_path, DRIVER, recipe, OWN_KEYS_ONLY="1")
+    (loss_one, _), (loss_bad, _) = step_rows(one_process)[0], step_rows(out)[0]
+    assert loss_bad != pytest.approx(loss_one, rel=1e-3)
+    with pytest.raises(AssertionError, match="differ"):
+        assert_same_steps(one_process, out, rel=1e-5)
+
+
+def test_rows_longer_than_one_process_takes_train_on_two(base, tmp_path):
+    # A cap on the tokens any forward sees a row: one process cannot train rows of 100 characters under a cap
+    # of 60; two, each holding a half (+1 token), train them as the uncapped process did.
+    from conftest import write_jsonl
+
+    root, recipe_dict = base
+    rows = [{"text": "".join(str((i * 7 + j) % 10) for j in range(100))} for i in range(8)]
+    data = {"path": str(write_jsonl(tmp_path / "long.jsonl", rows)), "format": "text", "max_seq_len": 256}
+    recipe = {**recipe_dict, "data": data, "train": {**recipe_dict["train"], "max_steps": 2, "grad_accum": 1}}
+    reference, ref = write(tmp_path, recipe, "uncapped")
+    run_driver(tmp_path, DRIVER, reference, nproc=1)
+    alone, _ = write(tmp_path, recipe, "capped-alone")
+    with pytest.raises(AssertionError, match="over the cap of 60"):
+        run_driver(tmp_path, DRIVER, alone, nproc=1, CAP="60")
+    split, out = write(tmp_path, recipe, "capped-split", distributed={"context_parallel": 2})
+    run_driver(tmp_path, DRIVER, split, CAP="60")
+    assert_same_steps(ref, out, rel=1e-5)
+    assert_adapters_close(adapter(ref), adapter(out))
+
+
+def test_sigterm_under_context_parallelism_resumes_on_one_process(base, tmp_path):
+    # Every rank of the group holds the whole adapter: the checkpoint is one process's, and the run resumed
+    # on one process ends where an uninterrupted one-process run ends.
+    root, recipe_dict = base
+    total = 12
+    recipe, out = write(tmp_path, recipe_dict, "stopped", distributed={"context_parallel": 2})
+    ref_recipe, ref = write(tmp_path, recipe_dict, "straight")
+    finetune(str(ref_recipe), f"train.max_steps={total}", cwd=tmp_path)
+    stopped = stopped_under_sigterm(recipe, out, tmp_path)
+    assert stopped <= total - 2, stopped
+    proc = finetune(str(recipe), "distributed.context_parallel=1", f"train.max_steps={total}", "resume=auto", cwd=tmp_path)
+    assert "resume: allowed change distributed.context_parallel: 2 -> 1" in proc.stdout
+    assert_adapters_close(adapter(ref), adapter(out))
