@@ -121,7 +121,7 @@ class ContextParallel:
         """Our attention in every layer of the model (whatever it was loaded with)."""
         from finetune.model.load import head_owner
 
-        owner = head_owner(model) or model
+        owner: Any = head_owner(model) or model
         owner.set_attn_implementation(register())
 
     def part(self, batch: dict[str, Any]) -> dict[str, Any]:
