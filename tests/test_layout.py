@@ -54,6 +54,7 @@ PACKAGE_ORDER = {
         "terms",
         "activations",
         "memory",
+        "context",
         "stages",
         "recipe",
         "fitting",

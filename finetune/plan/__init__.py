@@ -18,6 +18,8 @@ Modules, in the order a plan is made (each imports only those above it):
     inputs     what is planned: RecipeFacts (the recipe's parts the model reads), Setup (the knobs), Implementation
     speed      step time: compute, dequantization, GPU-link and host-link transfers
     memory     estimate: every per-GPU tensor with its reason, host RAM, disk; the memory constants
+    context    distributed.context_parallel: a rank's part of every sequence, the ring's or Ulysses' buffers and traffic
+    stages     pipeline and tensor-parallel ranks, each planned as its part; plan_setup: any setup
     recipe     a RecipeConfig on a GPU: plan_recipe, setup_of; loaded_weight_bytes (inference loads)
     fitting    the search over KNOBS for the fastest setup that fits: fit
     render     report: the human-readable plan

@@ -14,9 +14,10 @@ from finetune.gpus import GiB, GpuSpec
 from finetune.memory import techniques
 from finetune.memory.techniques import TECHNIQUES, Technique
 from finetune.parallel.strategies import DDP, STRATEGIES
+from finetune.plan.context import context_choices
 from finetune.plan.inputs import RecipeFacts, Setup, describe_setup
 from finetune.plan.memory import Estimate, gib
-from finetune.plan.recipe import plan_precision, plan_recipe, planning_inputs, setup_of
+from finetune.plan.recipe import plan_precision, plan_recipe, planning_inputs, replica_ranks, setup_of
 from finetune.plan.shape import ModelShape
 from finetune.plan.stages import balanced_layers, layout_choices, plan_setup
 
@@ -80,43 +81,49 @@ def runnable(s: Setup, recipe: RecipeFacts | None = None) -> bool:
 
 
 def candidates(
-    base: Setup, max_gpus: int, recipe: RecipeFacts | None = None, layouts: tuple[tuple[int, int], ...] = ()
+    base: Setup,
+    max_gpus: int,
+    recipe: RecipeFacts | None = None,
+    layouts: tuple[tuple[int, int], ...] = (),
+    contexts: tuple[int, ...] = (),
 ) -> list[Setup]:
     """Every runnable setup the knobs allow that keeps the global batch (batch x accum x replicas): one replica
-    per GPU (DDP, FSDP, ZeRO), and each of `layouts` (pipeline stages, tensor-parallel ranks) on the GPUs
-    that hold a whole number of its replicas."""
+    per GPU (DDP, FSDP, ZeRO), each of `layouts` (pipeline stages, tensor-parallel ranks) and of `contexts`
+    (context-parallel ranks) on the GPUs that hold a whole number of its replicas."""
     out = []
     names = [k.name for k in KNOBS]
-    one = replace(base, pipeline_parallel=1, tensor_parallel=1, virtual_stages=1, pipeline_layers=())
+    one = replace(base, pipeline_parallel=1, tensor_parallel=1, virtual_stages=1, pipeline_layers=(), context_parallel=1)
+    grids = ((1, 1, 1), *((pp, tp, 1) for pp, tp in layouts), *((1, 1, cp) for cp in contexts))
     if one.pipeline_schedule == "interleaved_1f1b":
         one = replace(one, pipeline_schedule="1f1b")  # interleaving needs virtual stages: not a pipeline's setting here
     for values in product(*(k.candidates(base, max_gpus) for k in KNOBS)):
         s = replace(one, **dict(zip(names, values)))
         if not runnable(s, recipe):
             continue
-        for pp, tp in ((1, 1), *layouts):
-            laid = _laid_out(s, base, pp, tp)
+        for pp, tp, cp in grids:
+            laid = _laid_out(s, base, pp, tp, cp)
             if laid is not None:
                 out.append(laid)
     return out
 
 
-def _laid_out(s: Setup, base: Setup, pp: int, tp: int) -> Setup | None:
-    """`s` as `pp` stages x `tp` tensor-parallel ranks x replicas, with the accumulation that keeps base's
-    global batch and a schedule that runs it; None where it cannot run so (a layout keeps its layers and
-    tables on its GPUs and sums its own gradients: DDP's row only, nothing streamed or sharded)."""
-    if s.gpus % (pp * tp):
+def _laid_out(s: Setup, base: Setup, pp: int, tp: int, cp: int = 1) -> Setup | None:
+    """`s` as `pp` stages x `tp` tensor-parallel ranks x `cp` context-parallel ranks x replicas, with the
+    accumulation that keeps base's global batch and a schedule that runs it; None where it cannot run so (a
+    layout keeps its layers and tables on its GPUs and sums its own gradients: DDP's row only, nothing streamed
+    or sharded)."""
+    if s.gpus % (pp * tp * cp):
         return None
-    if (pp, tp) != (1, 1):
+    if (pp, tp, cp) != (1, 1, 1):
         kept = s.base_weights == "device" and not (tp > 1 and (s.optimizer_offload or s.embeddings != "device"))
         if not (kept and s.sharding == DDP.name and not s.cpu_offload):
             return None
-    per_replica = base.global_batch / (s.batch_size * s.gpus // (pp * tp))
+    per_replica = base.global_batch / (s.batch_size * s.gpus // (pp * tp * cp))
     if per_replica < 1 or per_replica != int(per_replica):
         return None
     m = int(per_replica)
     own = base.pipeline_layers if pp == base.pipeline_parallel else ()  # the recipe's split (auto: as balanced)
-    s = replace(s, pipeline_parallel=pp, tensor_parallel=tp, grad_accum=m, pipeline_layers=own)
+    s = replace(s, pipeline_parallel=pp, tensor_parallel=tp, context_parallel=cp, grad_accum=m, pipeline_layers=own)
     if pp == 1:
         return s
     if base.pipeline_parallel == pp and base.pipeline_schedule == "interleaved_1f1b" and m % max(1, m // pp) == 0:
@@ -142,16 +149,20 @@ def search(
     max_gpus: int,
     host_ram: int | None = None,
     layouts: tuple[tuple[int, int], ...] = (),
+    contexts: tuple[int, ...] = (),
     **kw,
 ) -> tuple[Estimate | None, list[Estimate]]:
     """(fastest setup that fits with FIT_HEADROOM to spare, or None; every estimate made).
     host_ram: the machine's RAM, when known; setups that need more (offload, FSDP's load of
     the whole model per process) are left out. Ties go to less offloading, then fewer GPUs,
-    then more headroom. layouts: the (pipeline stages, tensor-parallel ranks) to try besides (layout_choices)."""
+    then more headroom. layouts: the (pipeline stages, tensor-parallel ranks) to try besides (layout_choices);
+    contexts: the context-parallel ranks (context_choices)."""
     per_node = gpu.gpus_per_node
     # Several nodes: one node's GPUs or whole nodes (torchrun starts as many processes on each).
     setups = [
-        s for s in candidates(base, max_gpus, recipe, layouts) if not per_node or s.gpus <= per_node or s.gpus % per_node == 0
+        s
+        for s in candidates(base, max_gpus, recipe, layouts, contexts)
+        if not per_node or s.gpus <= per_node or s.gpus % per_node == 0
     ]
     if shape.experts:  # MoE: finetune/model/moe.py's 4-bit experts are neither streamed nor sharded (model/load.py refuses)
         setups = [s for s in setups if not (s.streams_weights or s.partitions_weights)]
@@ -187,7 +198,10 @@ def fit(
     shape, recipe, kw = planning_inputs(cfg, gpu)
     current = plan_recipe(cfg, gpu, gpus or max_gpus)
     layouts = layout_choices(cfg, shape, max_gpus, plan_precision(cfg, gpu))
-    best, estimates = search(shape, recipe, current.setup, gpu, max_gpus, host_ram=host_ram, layouts=layouts, **kw)
+    contexts = context_choices(cfg, shape, max_gpus)
+    best, estimates = search(
+        shape, recipe, current.setup, gpu, max_gpus, host_ram=host_ram, layouts=layouts, contexts=contexts, **kw
+    )
     if best is None and any(_fits_with_headroom(e, gpu) for e in estimates):
         # The GPU is not the limit: every setup that fits it needs more host RAM than there is.
         least = min((e for e in estimates if _fits_with_headroom(e, gpu)), key=lambda e: node_ram(e, gpu))
@@ -230,8 +244,7 @@ class LongestSeq:
 def longest_trainable_seq(cfg: RecipeConfig, gpu: GpuSpec, max_gpus: int = 1, host_ram: int | None = None) -> LongestSeq:
     """The longest sequence a recipe trains at batch 1 on `gpu` (plan --max-seq): as written, and at best."""
     shape, recipe, kw = planning_inputs(cfg, gpu)
-    ranks = cfg.distributed.pipeline_parallel * cfg.distributed.tensor_parallel  # the GPUs one replica needs
-    base = replace(setup_of(cfg, ranks), batch_size=1, grad_accum=1, pipeline_schedule="gpipe")
+    base = replace(setup_of(cfg, replica_ranks(cfg)), batch_size=1, grad_accum=1, pipeline_schedule="gpipe")
     if cfg.distributed.pipeline_layers == "auto":
         base = replace(base, pipeline_layers=balanced_layers(shape, recipe, base, gpu, **kw))
     as_written = longest_fitting_seq(shape, recipe, base, gpu, upper=LONGEST_SEQ_PROBED, **kw)
@@ -240,7 +253,8 @@ def longest_trainable_seq(cfg: RecipeConfig, gpu: GpuSpec, max_gpus: int = 1, ho
     tried = replace(
         base, loss="auto" if base.loss == "full" else base.loss, tiled_mlp="auto" if base.tiled_mlp == "off" else base.tiled_mlp
     )
-    for s in candidates(tried, max_gpus, recipe, layout_choices(cfg, shape, max_gpus, plan_precision(cfg, gpu))):
+    layouts = layout_choices(cfg, shape, max_gpus, plan_precision(cfg, gpu))
+    for s in candidates(tried, max_gpus, recipe, layouts, context_choices(cfg, shape, max_gpus)):
         if best_setup is not None and s.gpus > best_setup.gpus and best >= LONGEST_SEQ_PROBED:
             continue
         seq = longest_fitting_seq(shape, recipe, s, gpu, upper=LONGEST_SEQ_PROBED, **kw)

@@ -36,6 +36,9 @@ class Setup(Modes):
     virtual_stages: int = 1
     pipeline_layers: tuple[int, ...] = ()  # decoder layers per stage; (): even (distributed.pipeline_layers)
     tensor_parallel: int = 1  # distributed.tensor_parallel: gpus = ranks x replicas (finetune/plan/stages.py)
+    # distributed.context_parallel: gpus = ranks x replicas, each rank seq/N + 1 tokens (finetune/plan/context.py)
+    context_parallel: int = 1
+    context_parallel_mode: str = "ring"  # ring | ulysses
 
     @property
     def strategy(self) -> Strategy:
@@ -54,8 +57,14 @@ class Setup(Modes):
 
     @property
     def global_batch(self) -> int:
-        """Examples per optimizer step: a pipeline's stages share their micro-batches, its replicas do not."""
-        return self.batch_size * self.grad_accum * self.gpus // (self.pipeline_parallel * self.tensor_parallel)
+        """Examples per optimizer step: a pipeline's stages (a split layer's ranks, a split sequence's) share their
+        micro-batches, its replicas do not."""
+        return self.batch_size * self.grad_accum * self.gpus // self.ranks_per_replica
+
+    @property
+    def ranks_per_replica(self) -> int:
+        """The GPUs one copy of the model spans: its pipeline stages x tensor-parallel x context-parallel ranks."""
+        return self.pipeline_parallel * self.tensor_parallel * self.context_parallel
 
     @property
     def loss_rows(self) -> int:
@@ -126,8 +135,10 @@ class RecipeFacts:
         """Whether attention gets a (rows, 1, T, T) bool mask: padding in a batch, or packed rows
         (transformers turns restarting position_ids into a block-causal mask under sdpa and eager;
         auto plans as the loader resolves it). flash_attention_2 and varlen (cut points only) and flex_attention (a
-        block mask of 128 x 128 tiles) hold none."""
-        return (rows > 1 or self.packed) and self.attention not in ("flash_attention_2", "flex_attention", "varlen")
+        block mask of 128 x 128 tiles) hold none, nor context parallelism's split attention (parallel/context.py:
+        the 2D padding mask at most)."""
+        unmasked = ("flash_attention_2", "flex_attention", "varlen", "context_parallel")
+        return (rows > 1 or self.packed) and self.attention not in unmasked
 
     @property
     def lora(self) -> bool:
@@ -184,6 +195,10 @@ def _sharding_label(s: Setup) -> str:
     if s.tensor_parallel > 1:
         replicas = s.gpus // s.tensor_parallel
         return f" (tensor parallel: {s.tensor_parallel} ranks x {replicas} replica{'s' if replicas > 1 else ''})"
+    if s.context_parallel > 1:
+        replicas = s.gpus // s.context_parallel
+        many = f"{replicas} replica{'s' if replicas > 1 else ''}"
+        return f" (context parallel, {s.context_parallel_mode}: each sequence over {s.context_parallel} ranks x {many})"
     return s.strategy.describe(s.cpu_offload, s.optimizer_offload) if s.gpus > 1 else ""
 
 

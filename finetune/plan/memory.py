@@ -245,9 +245,13 @@ def estimate(
     model_on_disk: bool = False,
     shard_bytes: int | None = None,
     held: float = 1.0,
+    attention_buffers: int = 0,
+    attention_rebuilt: int = 0,
 ) -> Estimate:
     """Per-GPU memory, step time, host RAM and disk of one setup. gpu=None: a CPU run (no CUDA terms).
-    held: micro-batches whose saved activations wait for their backward at once (a pipeline rank: plan/stages.py)."""
+    held: micro-batches whose saved activations wait for their backward at once (a pipeline rank: plan/stages.py).
+    attention_buffers: a split attention's buffers while one layer's attention runs (context parallelism,
+    plan/context.py), with attention_rebuilt, what of that layer and its gradients is alive then: a third phase."""
     n_gpu = max(setup.gpus, 1)
     fsdp = setup.partitions_weights  # FSDP or ZeRO-3: the base weights are split over the GPUs
     unq_bytes = impl.unquantized_bytes or recipe.compute_bytes
@@ -258,16 +262,21 @@ def estimate(
     tr = _transient_terms(shape, recipe, setup, impl, st.host_head)
     phase_loss = st.on_gpu + act.saved + tr.mask + tr.final_norm + tr.loss + tr.head_visit
     phase_backward = st.on_gpu + act.saved + tr.mask + act.recompute + tr.working + tr.dequant
-    loss_peak = phase_loss >= phase_backward
-    peak_alloc = max(phase_loss, phase_backward)
+    # A layer's attention runs backward after its MLP's (whose tensors are gone by then): only with buffers of its own
+    # can that moment be the step's peak.
+    phase_attention = st.on_gpu + act.saved + tr.mask + attention_rebuilt + attention_buffers + tr.dequant
+    phases = {"loss": phase_loss, "backward": phase_backward, "attention": phase_attention if attention_buffers else 0}
+    running = max(phases, key=lambda k: phases[k])  # ties: the first (the loss phase, as before)
+    peak_alloc = phases[running]
     # ZeRO-3 builds its engine from the whole model on each GPU (our loader places it with a
     # device_map, which zero.Init refuses) and partitions it then: offload cannot lower that.
     start = st.whole_model if setup.strategy.starts_whole_on_gpu and n_gpu > 1 else 0
-    phase = "start" if start > peak_alloc else "loss" if loss_peak else "backward"
+    phase = "start" if start > peak_alloc else running
     peak_alloc = max(peak_alloc, start)
     slack = int(ALLOCATOR_SLACK * peak_alloc) if gpu is not None else 0
     context = CUDA_CONTEXT_BYTES if gpu is not None else 0
-    comps = _components(shape, recipe, setup, st, act, tr, unq_bytes, loss_peak, slack, context)
+    split = (attention_rebuilt, attention_buffers)
+    comps = _components(shape, recipe, setup, st, act, tr, unq_bytes, running, split, slack, context)
     step, parts = step_time(
         shape,
         recipe,
@@ -342,11 +351,13 @@ def _components(
     act: Activations,
     tr: _Transient,
     unq_bytes: int,
-    loss_peak: bool,
+    phase: str,
+    split: tuple[int, int],
     slack: int,
     context: int,
 ) -> list[Component]:
-    """Every term of the estimate, labelled."""
+    """Every term of the estimate, labelled (split: a split attention's rebuilt tensors and buffers)."""
+    loss_peak, backward = phase == "loss", phase == "backward"
     return [
         Component("weights_quantized", f"base weights ({_quant_label(recipe)})", st.q_weight),
         Component(
@@ -372,8 +383,12 @@ def _components(
         Component("logits_loss", "logits and loss buffers", tr.loss, in_peak=loss_peak),
         Component("final_norm", "final norm input (fp32)", tr.final_norm, in_peak=loss_peak),
         Component("head_visit", "LM head visiting from host RAM for the loss", tr.head_visit, in_peak=loss_peak),
-        Component("recompute_layer", "one layer recomputed in backward", act.recompute, in_peak=not loss_peak),
-        Component("backward_working", "backward gradients of one layer", tr.working, in_peak=not loss_peak),
+        Component("recompute_layer", "one layer recomputed in backward", act.recompute, in_peak=backward),
+        Component("backward_working", "backward gradients of one layer", tr.working, in_peak=backward),
+        Component(
+            "attention_rebuilt", "one layer's attention inputs and gradients in backward", split[0], in_peak=phase == "attention"
+        ),
+        Component("context_buffers", _split_label(setup), split[1], in_peak=phase == "attention"),
         Component("dequant_buffer", "dequantized weight of one matmul", tr.dequant, in_peak=not loss_peak),
         Component("allocator_slack", f"allocator fragmentation ({ALLOCATOR_SLACK:.0%})", slack),
         Component("cuda_context", "CUDA context and cuBLAS workspace", context),
@@ -454,6 +469,12 @@ def _notes(setup: Setup, gpu: GpuSpec | None, st: _Static, zero3_start: int = 0)
             f"{gib(st.streamed_store)} of free RAM for the page cache the file stays cached and streams like base_weights=cpu"
         )
     return notes
+
+
+def _split_label(setup: Setup) -> str:
+    if setup.context_parallel_mode == "ulysses":
+        return "Ulysses all-to-all buffers (q, k, v, out sent and received)"
+    return "ring attention buffers (K/V blocks in flight, fp32 accumulators)"
 
 
 def _quant_label(recipe: RecipeFacts) -> str:

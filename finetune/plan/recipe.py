@@ -52,6 +52,8 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
         pipeline_schedule=cfg.distributed.pipeline_schedule,
         virtual_stages=cfg.distributed.virtual_stages if cfg.distributed.pipeline_parallel > 1 else 1,
         tensor_parallel=cfg.distributed.tensor_parallel,
+        context_parallel=cfg.distributed.context_parallel,
+        context_parallel_mode=cfg.distributed.context_parallel_mode,
         pipeline_layers=tuple(cfg.distributed.pipeline_layers) if isinstance(cfg.distributed.pipeline_layers, list) else (),
         batch_size=cfg.train.batch_size,
         grad_accum=cfg.train.grad_accum,
@@ -81,15 +83,21 @@ def planning_inputs(cfg: RecipeConfig, gpu: GpuSpec | None) -> tuple[ModelShape,
 
 
 def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Setup | None = None) -> Estimate:
-    """The plan of a recipe on `gpus` GPUs (fewer than its pipeline or tensor-parallel ranks: one replica of
-    them), or of `setup` when given."""
+    """The plan of a recipe on `gpus` GPUs (fewer than its pipeline, tensor- or context-parallel ranks: one replica
+    of them), or of `setup` when given."""
     shape, recipe, kw = planning_inputs(cfg, gpu)
     if setup is None:
-        ranks = cfg.distributed.pipeline_parallel * cfg.distributed.tensor_parallel
+        ranks = replica_ranks(cfg)
         setup = setup_of(cfg, gpus if gpus >= ranks else ranks)
         if setup.pipeline_parallel > 1 and cfg.distributed.pipeline_layers == "auto":
             setup = replace(setup, pipeline_layers=balanced_layers(shape, recipe, setup, gpu, **kw))
     return plan_setup(shape, recipe, setup, gpu, **kw)
+
+
+def replica_ranks(cfg: RecipeConfig) -> int:
+    """The GPUs one replica of the recipe spans: its pipeline stages x tensor- x context-parallel ranks."""
+    d = cfg.distributed
+    return d.pipeline_parallel * d.tensor_parallel * d.context_parallel
 
 
 # `finetune plan --gpus N`: the recipe under each way of spreading it over the GPUs, side by side:
@@ -107,12 +115,16 @@ def compare_strategies(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int) -> lis
     """(label, estimate) of the recipe under each of COMPARED on `gpus` GPUs; memory.* modes as written.
     A pipelined recipe's own layout comes first, the others as they would run without it, then the other
     pipeline and tensor-parallel layouts of these GPUs."""
-    base = replace(setup_of(cfg, gpus), pipeline_parallel=1, virtual_stages=1, tensor_parallel=1)
+    base = replace(setup_of(cfg, gpus), pipeline_parallel=1, virtual_stages=1, tensor_parallel=1, context_parallel=1)
     ddp_offload = {"optimizer_offload": cfg.memory.optimizer_offload}  # the recipe's own HostAdamW, one replica each
-    pp, tp = cfg.distributed.pipeline_parallel, cfg.distributed.tensor_parallel
+    pp, tp, cp = cfg.distributed.pipeline_parallel, cfg.distributed.tensor_parallel, cfg.distributed.context_parallel
     split = f" x {tp} tensor-parallel ranks" if tp > 1 else ""
     own = [(f"pipeline {pp} stages{split} (as written)", plan_recipe(cfg, gpu, gpus))] if pp > 1 and gpus % (pp * tp) == 0 else []
     own += [(f"tensor parallel {tp} ranks (as written)", plan_recipe(cfg, gpu, gpus))] if pp == 1 < tp and gpus % tp == 0 else []
+    mode = cfg.distributed.context_parallel_mode
+    own += (
+        [(f"context parallel {cp} ranks, {mode} (as written)", plan_recipe(cfg, gpu, gpus))] if cp > 1 and gpus % cp == 0 else []
+    )
     return (
         own
         + [

@@ -25,9 +25,11 @@ def report(e: Estimate) -> str:
         f"device     {e.gpu.description or e.gpu.name} ({gib(e.gpu.memory_bytes)}){_nodes(e)}" if e.gpu else "device     CPU",
         "",
         "per-GPU memory at the peak ("
-        + {"loss": "end of forward: logits and loss", "start": "start: the whole model, before ZeRO-3 partitions it"}.get(
-            e.peak_phase, "backward of one layer"
-        )
+        + {
+            "loss": "end of forward: logits and loss",
+            "start": "start: the whole model, before ZeRO-3 partitions it",
+            "attention": "backward of one layer's split attention",
+        }.get(e.peak_phase, "backward of one layer")
         + "):",
     ]
     for c in e.components:
@@ -57,12 +59,17 @@ def report(e: Estimate) -> str:
             f"dequantize {p['dequantize']:.2f} s at {BANDWIDTH_EFFICIENCY:.0%} of {e.gpu.bandwidth_gbps:g} GB/s, "
             f"communication {p['communication']:.2f} s, optimizer {p['optimizer']:.2f} s)"
         )
-        if "pipeline_bubble" in p or "tensor_allreduce" in p:  # what splitting the model over GPUs adds to a step
+        if "pipeline_bubble" in p or "tensor_allreduce" in p or "context_traffic" in p:  # what splitting adds to a step
             said = []
             if "pipeline_bubble" in p:
                 said.append(f"the bubble {p['pipeline_bubble']:.2f} s/step, sends between stages {p['pipeline_p2p']:.2f} s/step")
             if "tensor_allreduce" in p:
                 said.append(f"all-reduces inside each layer {p['tensor_allreduce']:.2f} s/step")
+            if "context_traffic" in p:
+                how = "ring K/V passes" if e.setup.context_parallel_mode == "ring" else "Ulysses all-to-alls"
+                said.append(
+                    f"{how} {p['context_traffic']:.2f} s/step on the GPU link, {p['context_exposed']:.2f} s/step not hidden"
+                )
             split = ", ".join(said)
             lines.append(f"split      {split} (in the step time above)")
         if p.get("host_transfer"):

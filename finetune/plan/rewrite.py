@@ -15,7 +15,7 @@ from finetune.plan.inputs import Setup, describe_setup
 from finetune.plan.memory import Estimate, gib
 
 # The Setup fields of a layout, each written as distributed.<field> (a pipeline's split: pipeline_layers).
-LAYOUT_FIELDS = ("pipeline_parallel", "tensor_parallel", "pipeline_schedule", "virtual_stages")
+LAYOUT_FIELDS = ("pipeline_parallel", "tensor_parallel", "context_parallel", "pipeline_schedule", "virtual_stages")
 
 
 def recipe_value(knob: str, value: Any) -> Any:

@@ -35,6 +35,7 @@ from finetune.gpus import GpuSpec
 from finetune.parallel.layout import COLUMN, FAMILIES, ROW, Layout
 from finetune.parallel.layout import problems as layout_problems
 from finetune.parallel.strategies import DDP
+from finetune.plan.context import plan_context_parallel
 from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.memory import Estimate, estimate, gib
 from finetune.plan.shape import ModelShape
@@ -271,11 +272,14 @@ def tensor_allreduce_s(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu
 
 
 def plan_setup(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec | None, **kw: Any) -> Estimate:
-    """The plan of any setup: a pipeline (of split stages or not), tensor parallelism, or one replica per GPU."""
+    """The plan of any setup: a pipeline (of split stages or not), tensor or context parallelism, or one replica
+    per GPU."""
     if setup.pipeline_parallel > 1:
         return plan_pipeline(shape, recipe, setup, gpu, **kw)
     if setup.tensor_parallel > 1:
         return plan_tensor_parallel(shape, recipe, setup, gpu, **kw)
+    if setup.context_parallel > 1:
+        return plan_context_parallel(shape, recipe, setup, gpu, **kw)
     return estimate(shape, recipe, setup, gpu, **kw)
 
 
@@ -317,6 +321,7 @@ def layout_choices(cfg: Any, shape: ModelShape, max_gpus: int, precision: str) -
                         update={
                             "pipeline_parallel": pp,
                             "tensor_parallel": tp,
+                            "context_parallel": 1,  # a recipe's split sequences give way to the layout tried
                             "strategy": "auto",
                             "grad_compression": "none",
                             "pipeline_schedule": "gpipe",

@@ -1,0 +1,130 @@
+"""The plan of context parallelism (finetune/plan/context.py): each rank's part of every sequence, the ring's
+or Ulysses' buffers and traffic, the longest sequence over several GPUs, and the shipped recipe."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from test_plan import CONFIGS
+
+import finetune.plan.context as context
+from finetune.cli.commands import main
+from finetune.config.schema import load_recipe
+from finetune.errors import PlanError
+from finetune.gpus import find_gpu
+from finetune.plan import longest_trainable_seq, plan_recipe
+from finetune.plan.context import rank_tokens
+from finetune.plan.fitting import FIT_HEADROOM, longest_fitting_seq
+from finetune.plan.recipe import planning_inputs, setup_of
+
+RECIPE = Path(__file__).parents[1] / "recipes" / "qlora-longctx-2x24gb.yaml"
+GPU = find_gpu("rtx4090")
+# Llama-3.1-8B: 32 layers, hidden 4096, 32 heads x 128, 8 K/V heads; bf16 on an RTX 4090
+L, H, QD, KVD, HD, B = 32, 4096, 32 * 128, 8 * 128, 128, 2
+
+
+def recipe(*overrides: str):
+    return load_recipe(RECIPE, [f"model.path={CONFIGS / 'llama-3.1-8b'}", *overrides])
+
+
+def test_a_rank_runs_two_of_2n_chunks_and_one_token_more():
+    assert rank_tokens(65536, 2) == (32768, 32769)
+    assert rank_tokens(65537, 2) == (32770, 32771)  # padded to a multiple of 2N = 4: 65540 / 2
+    assert rank_tokens(100, 3) == (34, 35)  # 2 x ceil(100 / 6)
+
+
+def test_each_rank_keeps_the_activations_of_its_part_and_the_whole_model():
+    # No offload: a checkpointed layer keeps its input (local tokens x hidden, bf16), plus RoPE's cos and sin.
+    plain = ("memory.activation_offload=false", "data.max_seq_len=65536")
+    split = plan_recipe(recipe(*plain), GPU, gpus=2)
+    whole = plan_recipe(recipe(*plain, "distributed.context_parallel=1"), GPU, gpus=2)  # DDP, a sequence per GPU
+    per_token = L * H * B + 2 * HD * B
+    assert whole.component("activations") == 65536 * per_token
+    assert split.component("activations") == 32769 * per_token
+    assert whole.component("activations") - split.component("activations") == (65536 - 32769) * per_token
+    assert split.component("final_norm") == 32769 * 4 * H  # the final norm's fp32 input: the part's tokens
+    for key in ("weights_quantized", "quant_constants", "lora_weights", "optimizer_state", "ddp_buckets"):
+        assert split.component(key) == whole.component(key) > 0, key  # every rank holds the model, as DDP's
+    assert split.peak_bytes < whole.peak_bytes
+
+
+def test_offloaded_inputs_in_host_ram_are_each_process_part():
+    # activation_offload: 31 of 32 checkpointed inputs pinned per process, each a power-of-two block
+    e = plan_recipe(recipe("data.max_seq_len=65536"), GPU, gpus=2)
+    block = 1 << (32769 * H * B - 1).bit_length()  # 256 MiB + 8 KiB rounds up to 512 MiB
+    assert e.host_ram_parts["activations"] == 31 * block == 31 * 512 * 2**20
+
+
+def test_the_ring_buffers_are_in_the_peak_and_ulysses_holds_the_copies_it_sends():
+    ring = plan_recipe(recipe("data.max_seq_len=65536"), GPU, gpus=2)
+    # backward, per token of the part: fp32 dQ; the K/V in hand and arriving; both expanded to 32 heads
+    # (parallel/ring.py's expand_heads); their fp32 dK, dV (expanded); the fp32 accumulators sent and received.
+    per_token = 4 * QD + 2 * 2 * KVD * B + 2 * QD * B + 2 * 4 * QD + 2 * 2 * 4 * KVD
+    assert per_token == 90_112
+    assert ring.component("context_buffers") == 32769 * per_token
+    assert ring.peak_phase == "attention"  # a layer's attention backward: more than its MLP's
+    assert next(c for c in ring.components if c.key == "context_buffers").in_peak
+    uly = plan_recipe(recipe("data.max_seq_len=65536", "distributed.context_parallel_mode=ulysses"), GPU, gpus=2)
+    assert uly.component("context_buffers") == 32769 * 2 * B * (2 * QD + 2 * KVD)  # q, k, v, out sent + received
+    # 16 ranks: the 8 K/V heads do not divide, so Ulysses repeats them to the 32 query heads
+    many = plan_recipe(
+        recipe("data.max_seq_len=65536", "distributed.context_parallel=16", "distributed.context_parallel_mode=ulysses"),
+        GPU,
+        gpus=16,
+    )
+    assert many.component("context_buffers") == rank_tokens(65536, 16)[1] * 2 * B * 4 * QD
+
+
+def test_ulysses_needs_heads_that_divide_and_the_gpus_must_hold_whole_groups():
+    with pytest.raises(PlanError, match="32 attention heads do not divide over 3 ranks"):
+        plan_recipe(recipe("distributed.context_parallel=3", "distributed.context_parallel_mode=ulysses"), GPU, gpus=3)
+    with pytest.raises(PlanError, match="context-parallel ranks x replicas"):
+        plan_recipe(recipe(), GPU, gpus=3)
+    cfg = recipe("distributed.context_parallel_mode=ulysses")
+    assert context.context_choices(cfg, plan_recipe(cfg, GPU, gpus=2).shape, 8) == (2, 4, 8)  # not 3, 5, 6, 7
+
+
+def test_each_rank_computes_half_the_step_and_the_ring_hides_under_attention():
+    one = plan_recipe(recipe("distributed.context_parallel=1", "memory.activation_offload=false"), GPU, gpus=1)
+    two = plan_recipe(recipe("memory.activation_offload=false"), GPU, gpus=2)
+    # the same sequences, each half on each GPU: half the compute, attention over the whole span included
+    assert two.step_time_parts["compute"] == pytest.approx(one.step_time_parts["compute"] / 2, rel=1e-4)
+    # K/V of 81,920 tokens x 8 heads x 128 bf16: 0.34 GB per hop at 25 GB/s x 0.8 vs seconds of attention
+    assert two.step_time_parts["context_traffic"] > 0 and two.step_time_parts["context_exposed"] == 0
+    uly = plan_recipe(recipe("memory.activation_offload=false", "distributed.context_parallel_mode=ulysses"), GPU, gpus=2)
+    a2a = 1 / 2 * 4 * 81921 * B * (2 * QD + 2 * KVD) / (GPU.interconnect_gbps * 1e9 * 0.8) * L * (2 + 1)  # 4 micro-batches
+    assert uly.step_time_parts["context_exposed"] == pytest.approx(a2a, rel=1e-9)  # all-to-alls are not hidden
+    assert uly.step_time_s - two.step_time_s == pytest.approx(a2a, rel=1e-6)
+
+
+def test_max_seq_over_two_gpus_is_twice_one_card_less_the_buffers(monkeypatch):
+    cfg = recipe()
+    # one card of a 2-GPU DDP run (its all-reduce buckets too): the recipe without the split, batch 1
+    ddp = recipe("distributed.context_parallel=1")
+    shape, facts, kw = planning_inputs(ddp, GPU)
+    base = replace(setup_of(ddp, 2), batch_size=1, grad_accum=1)
+    one_card = longest_fitting_seq(shape, facts, base, GPU, upper=1 << 20, **kw)
+    two = longest_trainable_seq(cfg, GPU, max_gpus=2).as_written
+    monkeypatch.setattr(context, "buffer_bytes_per_token", lambda *a: 0)  # a split without buffers
+    unbuffered = longest_trainable_seq(cfg, GPU, max_gpus=2).as_written
+    assert 2 * one_card - 6 <= unbuffered <= 2 * one_card  # each rank: one card's tokens (+1, padded to 4)
+    assert one_card < two < unbuffered  # the ring's buffers take the rest
+
+
+def test_the_recipe_fits_two_cards_and_plan_max_seq_says_how_long(capsys):
+    e = plan_recipe(recipe(), GPU, gpus=2)
+    assert e.setup.context_parallel == 2 and e.setup.seq_len == 163_840
+    assert e.peak_bytes <= (1 - FIT_HEADROOM) * GPU.memory_bytes
+    args = ["plan", str(RECIPE), f"model.path={CONFIGS / 'llama-3.1-8b'}", "--gpu", "rtx4090", "--gpus", "2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "context parallel 2 ranks, ring (as written)" in out and "ring attention buffers" in out
+    assert main([*args, "--max-seq"]) == 0
+    out = capsys.readouterr().out
+    longest = longest_trainable_seq(recipe(), GPU, max_gpus=2)
+    assert f"as written      {longest.as_written:,} tokens" in out
+    assert longest.best_setup is not None and longest.best_setup.context_parallel == 2
+    four = longest_trainable_seq(recipe(), GPU, max_gpus=4)  # the search splits over the 4 GPUs
+    assert four.best_setup is not None and four.best_setup.context_parallel == 4 and four.best >= 2 * longest.as_written
