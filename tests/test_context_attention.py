@@ -88,3 +88,111 @@ def test_split_attention_equals_the_whole_rows(mode, packed):
             whole[:, :, mine] += part
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(g[:, :, :LENGTH], w, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def _logits_worker(rank: int, port: int, model_dir: str, mode: str, results) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from finetune.parallel.context import register
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model.set_attn_implementation(register())
+        ids, positions = _rows()
+        got = {}
+        for packed in (False, True):
+            batch = {"input_ids": ids, "labels": ids}
+            batch.update(position_ids=positions, num_tokens=torch.tensor(ids.numel())) if packed else batch.update(
+                attention_mask=torch.ones_like(ids)
+            )
+            part = split_batch(batch, SplitRows((0, 1), rank, 0, None, dist.group.WORLD), mode)
+            with torch.no_grad():
+                logits = model(
+                    input_ids=part["input_ids"], position_ids=part["position_ids"], context_part=part["context_part"]
+                ).logits
+            got[packed] = (part["context_part"].split.positions_of(rank), logits[:, :-1])  # the extra token dropped
+        results[rank] = got
+    finally:
+        dist.destroy_process_group()
+
+
+def _rows():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 60, (2, 30), generator=g)
+    positions = torch.tensor([list(range(11)) + list(range(19)), list(range(7)) + list(range(23))])
+    return ids, positions
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_logits_of_a_row_split_over_two_ranks_equal_the_whole_rows(tmp_path, mode):
+    # The tiny Llama (4 heads, 2 key/value heads) with its own rotary positions: plain rows, and packed rows
+    # whose examples must not see each other.
+    from conftest import build_tiny_llama
+    from transformers import AutoModelForCausalLM
+
+    build_tiny_llama(tmp_path, vocab_size=64, layers=2)
+    results = mp.Manager().dict()
+    mp.start_processes(_logits_worker, args=(free_port(), str(tmp_path), mode, results), nprocs=2, start_method="spawn")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+    ids, positions = _rows()
+    with torch.no_grad():
+        whole = {False: model(input_ids=ids).logits}
+        whole[True] = torch.cat(  # each packed example alone
+            [model(input_ids=ids[r : r + 1, a:b]).logits for r in range(2) for a, b in _examples(positions[r])], dim=1
+        ).view(2, 30, -1)
+    for packed in (False, True):
+        for rank in (0, 1):
+            mine, logits = results[rank][packed]
+            keep = mine < 30  # the padding up to 2 ranks x 2 chunks
+            torch.testing.assert_close(logits[:, keep], whole[packed][:, mine[keep]], rtol=1e-5, atol=1e-5)
+
+
+def _examples(positions: torch.Tensor) -> list[tuple[int, int]]:
+    starts = [i for i, p in enumerate(positions.tolist()) if p == 0] + [len(positions)]
+    return list(zip(starts, starts[1:]))
+
+
+def _recipe(*overrides: str):
+    from test_plan import CONFIGS
+
+    from finetune.config.schema import load_recipe
+
+    return load_recipe("qlora-ddp-nx24gb", [f"model.path={CONFIGS / 'llama-3-8b'}", "data.path=d.jsonl", *overrides])
+
+
+def test_what_a_split_sequence_cannot_run_with_is_refused_before_loading():
+    from finetune.errors import ConfigError
+
+    with pytest.raises(ConfigError) as said:
+        _recipe(
+            "distributed.context_parallel=2",
+            "train.objective=dpo",
+            "distributed.strategy=fsdp",
+            "model.attn_implementation=eager",
+        )
+    text = str(said.value)
+    assert "train.objective=dpo: a preference loss needs each sequence's whole log-probability" in text
+    assert "distributed.strategy=fsdp: context-parallel ranks each hold the whole model" in text
+    assert "model.attn_implementation=eager: context parallelism runs its own attention" in text
+
+
+def test_a_model_or_launch_the_split_cannot_serve_is_named_with_the_fix():
+    from types import SimpleNamespace
+
+    from finetune.parallel.runtime import split_problems
+
+    ulysses = _recipe("distributed.context_parallel=4", "distributed.context_parallel_mode=ulysses")
+    six_heads = SimpleNamespace(model_type="llama", num_attention_heads=6, num_hidden_layers=2)
+    (heads,) = split_problems(ulysses, 4, six_heads)
+    assert "the model's 6 attention heads do not divide over 4 ranks (values that do: 2, 3, 6)" in heads
+    assert "context_parallel_mode=ring" in heads
+    (world,) = split_problems(_recipe("distributed.context_parallel=2"), 3)  # the config read from model.path
+    assert "distributed.context_parallel=2 on 3 processes" in world and "--nproc 2" in world
+    window = SimpleNamespace(model_type="mistral", num_attention_heads=8, sliding_window=128, num_hidden_layers=2)
+    (slides,) = split_problems(_recipe("distributed.context_parallel=2"), 2, window)
+    assert "mistral attends within a sliding window of 128 tokens" in slides
+    capped = SimpleNamespace(model_type="gemma2", num_attention_heads=8, attn_logit_softcapping=50.0, num_hidden_layers=2)
+    assert "caps its attention logits" in split_problems(_recipe("distributed.context_parallel=2"), 2, capped)[0]
+    assert split_problems(_recipe("distributed.context_parallel=2"), 4) == []  # 2 replicas of 2 ranks

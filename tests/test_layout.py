@@ -73,6 +73,8 @@ PACKAGE_ORDER = {
         "stage_time",
         "pipeline",
         "tensor",
+        "ring",
+        "context",
         "rank_state",
         "ddp_hooks",
         "runtime",

@@ -8,8 +8,10 @@ torch.distributed point-to-point, and runs on CPUs with gloo too.)
     part = cp.part(batch)                   # this rank's tokens of every row, and how the rows are split
 
 The ranks of a group train the same rows (the data order counts the group as one replica) and each holds
-the whole model, like DDP's replicas: gradients are all-reduced over every process as DDP does, and each
-rank's loss is summed over its own targets, so the step's loss stays the token mean of the whole window.
+the whole model; each rank's loss is summed over its own targets and the gradients are summed over every
+process after the window's backward (runtime.Parallel.sync_gradients), so the step's loss stays the token
+mean of the whole window. No DDP wrapper: each rank may stream its own copy of the layers from host RAM
+(memory.base_weights=cpu), as one process does, which is what lets a rank's part reach one card's length.
 
 A part carries one token more than its share: labels are shifted before the split (a token's target may
 lie on another rank), and the loss shifts them once more by position; the extra last token takes the last
@@ -74,7 +76,7 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     if part.mode == "ulysses":
         out = ulysses_attention(q, k, v, part.split, scale, _whole_rows(module, part, scale))
     else:
-        out = ring_attention(q.contiguous(), k.contiguous(), v.contiguous(), part.split, scale)
+        out = ring_attention(q, k, v, part.split, scale)
     extra = expand_heads(value[:, :, -1:], query.shape[1])  # the extra token sees only itself
     return torch.cat([out, extra.to(out.dtype)], dim=2).transpose(1, 2).contiguous(), None
 

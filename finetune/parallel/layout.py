@@ -339,10 +339,16 @@ CONTEXT_RULES: tuple[Rule[Any], ...] = (
         ),
     ),
     Rule(
-        lambda c: _context(c) and c.memory.base_weights != "device",
+        lambda c: _context(c) and c.memory.base_weights == "disk",
         lambda c: (
-            f"{_cp(c)} with memory.base_weights={c.memory.base_weights}: streaming the layers under context "
-            "parallelism is not supported yet. Set memory.base_weights=device."
+            f"{_cp(c)} with memory.base_weights=disk: each rank streams its own copy of the layers, and they "
+            "would share one file. Set memory.base_weights=cpu (each rank's copy in host RAM) or device."
+        ),
+    ),
+    Rule(
+        lambda c: _context(c) and c.distributed.grad_compression != "none",
+        lambda c: (
+            f"{_cp(c)} sums gradients without DDP's all-reduce, which grad_compression hooks. Set distributed.grad_compression=none."
         ),
     ),
 )

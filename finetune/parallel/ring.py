@@ -18,6 +18,7 @@ nothing in a block.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,15 +98,25 @@ def _masked_backward(dout, q, k, v, out, lse, scale: float, mask: torch.Tensor):
 
 
 def _block_forward(q, k, v, scale: float, causal: bool, mask: torch.Tensor | None):
+    """(out, logsumexp) of my queries' chunk against one chunk of keys (at their own K/V head count)."""
     if mask is None and not (q.is_cuda and q.dtype == torch.float32):  # CUDA's flash kernel is 16-bit only
-        return _flash_forward(q, k, v, scale, causal)
-    return _masked_forward(q, k, v, scale, _whole(mask, causal, q, k))
+        if q.is_cuda:  # repeated here, one chunk at a time: the K/V that travel keep their own head count
+            k, v = expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1])
+        return _flash_forward(q, k, v, scale, causal)  # the CPU kernel pairs grouped heads itself
+    return _masked_forward(q, expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1]), scale, _whole(mask, causal, q, k))
 
 
 def _block_backward(dout, q, k, v, out, lse, scale: float, causal: bool, mask: torch.Tensor | None):
+    """dq, and dk, dv at the keys' own head count."""
+    kv_heads = k.shape[1]
     if mask is None and not (q.is_cuda and q.dtype == torch.float32):
-        return _flash_backward(dout, q, k, v, out, lse.contiguous(), scale, causal)
-    return _masked_backward(dout, q, k, v, out, lse, scale, _whole(mask, causal, q, k))
+        if q.is_cuda:
+            k, v = expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1])
+        dq, dk, dv = _flash_backward(dout, q, k, v, out, lse.contiguous(), scale, causal)
+    else:
+        k, v = expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1])
+        dq, dk, dv = _masked_backward(dout, q, k, v, out, lse, scale, _whole(mask, causal, q, k))
+    return dq, _fold(dk, kv_heads), _fold(dv, kv_heads)
 
 
 def _whole(mask: torch.Tensor | None, causal: bool, q, k) -> torch.Tensor:
@@ -155,64 +166,95 @@ def _rotate(split: SplitRows, tensors: list[torch.Tensor]):
     return dist.batch_isend_irecv(ops), received
 
 
+class WaitClock:
+    """Seconds this process spent waiting on the ring's transfers (what compute did not hide): read by
+    benchmarks/context_parallel_cpu.py."""
+
+    waited_s = 0.0
+
+
 def _wait(requests) -> None:
+    start = time.perf_counter()
     for r in requests:
         r.wait()
+    WaitClock.waited_s += time.perf_counter() - start
+
+
+def _ring_forward(q, k, v, split: SplitRows, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, logsumexp) of one head group: its K/V go around the ring, each chunk pair merged by log-sum-exp."""
+    c = split.chunk
+    out = torch.zeros(*q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    held = [k, v]
+    for step in range(split.size):
+        owner = (split.index - step) % split.size
+        pending, incoming = _rotate(split, held) if step < split.size - 1 else ([], held)
+        for a, b, causal, mask in _pairs(split, split.index, owner):
+            qa, kb, vb = q[:, :, a * c : (a + 1) * c], held[0][:, :, b * c : (b + 1) * c], held[1][:, :, b * c : (b + 1) * c]
+            o, s = _block_forward(qa, kb, vb, scale, causal, mask)
+            rows = slice(a * c, (a + 1) * c)
+            merged = torch.logaddexp(lse[:, :, rows], s.float())
+            keep, add = torch.exp(lse[:, :, rows] - merged), torch.exp(s.float() - merged).nan_to_num()
+            out[:, :, rows] = out[:, :, rows] * keep.nan_to_num()[..., None] + o.float() * add[..., None]
+            lse[:, :, rows] = merged
+        _wait(pending)
+        held = incoming
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(dout, q, k, v, out, lse, split: SplitRows, scale: float):
+    """dq, dk, dv of one head group: the K/V go around again, their fp32 dK/dV accumulators with them."""
+    c = split.chunk
+    dq = torch.zeros(*q.shape, dtype=torch.float32, device=q.device)
+    held, grads = [k, v], [torch.zeros(*k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
+    for step in range(split.size):
+        owner = (split.index - step) % split.size
+        pending, incoming = _rotate(split, held) if step < split.size - 1 else ([], held)
+        for a, b, causal, mask in _pairs(split, split.index, owner):
+            mine, theirs = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
+            args = (dout[:, :, mine], q[:, :, mine], held[0][:, :, theirs], held[1][:, :, theirs], out[:, :, mine])
+            g = _block_backward(*args, lse[:, :, mine], scale, causal, mask)
+            dq[:, :, mine] += g[0]  # promoted to fp32 inside the add: no fp32 copy of the block's gradients
+            grads[0][:, :, theirs] += g[1]
+            grads[1][:, :, theirs] += g[2]
+        moving, grads = _rotate(split, grads)  # the accumulators travel with the block they belong to
+        _wait(pending)
+        _wait(moving)
+        held = incoming
+    return dq, grads[0], grads[1]
 
 
 class _Ring(torch.autograd.Function):
+    """One ring per K/V head and the query heads it serves: the same bytes travel, in kv_heads rounds, and the
+    buffers a ring holds (the fp32 dQ and dK/dV accumulators above all) are one head group's, not the layer's:
+    at long context they would otherwise outweigh the layer's own attention tensors."""
+
     @staticmethod
     def forward(ctx, q, k, v, split: SplitRows, scale: float):
-        c, heads = split.chunk, q.shape[1]
-        out = torch.zeros(*q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        held = [k, v]
-        for step in range(split.size):
-            owner = (split.index - step) % split.size
-            pending, incoming = _rotate(split, held) if step < split.size - 1 else ([], held)
-            kx, vx = expand_heads(held[0], heads), expand_heads(held[1], heads)
-            for a, b, causal, mask in _pairs(split, split.index, owner):
-                qa, kb, vb = q[:, :, a * c : (a + 1) * c], kx[:, :, b * c : (b + 1) * c], vx[:, :, b * c : (b + 1) * c]
-                o, s = _block_forward(qa, kb, vb, scale, causal, mask)
-                rows = slice(a * c, (a + 1) * c)
-                merged = torch.logaddexp(lse[:, :, rows], s.float())
-                keep, add = torch.exp(lse[:, :, rows] - merged), torch.exp(s.float() - merged).nan_to_num()
-                out[:, :, rows] = out[:, :, rows] * keep.nan_to_num()[..., None] + o.float() * add[..., None]
-                lse[:, :, rows] = merged
-            _wait(pending)
-            held = incoming
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        for heads, kv in _groups(q, k):
+            out[:, heads], lse[:, heads] = _ring_forward(q[:, heads], k[:, kv], v[:, kv], split, scale)
         ctx.split, ctx.scale = split, scale
-        result = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse)
-        return result
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        split, scale = ctx.split, ctx.scale
-        c, heads, kv_heads = split.chunk, q.shape[1], k.shape[1]
-        dout = dout.contiguous()
-        dq = torch.zeros(*q.shape, dtype=torch.float32, device=q.device)
-        held, grads = [k, v], [torch.zeros(*k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
-        for step in range(split.size):
-            owner = (split.index - step) % split.size
-            pending, incoming = _rotate(split, held) if step < split.size - 1 else ([], held)
-            kx, vx = expand_heads(held[0], heads), expand_heads(held[1], heads)
-            dk = torch.zeros(*kx.shape, dtype=torch.float32, device=q.device)
-            dv = torch.zeros_like(dk)
-            for a, b, causal, mask in _pairs(split, split.index, owner):
-                mine, theirs = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
-                args = (dout[:, :, mine], q[:, :, mine], kx[:, :, theirs], vx[:, :, theirs], out[:, :, mine])
-                g = _block_backward(*args, lse[:, :, mine], scale, causal, mask)
-                dq[:, :, mine] += g[0].float()
-                dk[:, :, theirs] += g[1].float()
-                dv[:, :, theirs] += g[2].float()
-            grads = [grads[0] + _fold(dk, kv_heads), grads[1] + _fold(dv, kv_heads)]
-            moving, grads = _rotate(split, grads)  # the accumulators travel with the block they belong to
-            _wait(pending)
-            _wait(moving)
-            held = incoming
-        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for heads, kv in _groups(q, k):
+            grads = _ring_backward(
+                dout[:, heads], q[:, heads], k[:, kv], v[:, kv], out[:, heads], lse[:, heads], ctx.split, ctx.scale
+            )
+            dq[:, heads], dk[:, kv], dv[:, kv] = grads
+        return dq, dk, dv, None, None
+
+
+def _groups(q, k):
+    """(query heads, K/V head) slices of each head group."""
+    group = q.shape[1] // k.shape[1]
+    return [(slice(h * group, (h + 1) * group), slice(h, h + 1)) for h in range(k.shape[1])]
 
 
 def ring_attention(q, k, v, split: SplitRows, scale: float) -> torch.Tensor:

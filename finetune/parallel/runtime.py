@@ -40,6 +40,7 @@ from finetune.parallel.distribute import (
     zero_full_weights,
     zero_optimizer,
 )
+from finetune.parallel.grads import sum_over
 from finetune.parallel.pipeline import Pipeline, stage_placement
 from finetune.parallel.rank_state import RankState, rng_states
 from finetune.parallel.tensor import TensorParallel, draw_lora_as_one_process, narrowed, split_dim
@@ -83,7 +84,7 @@ def make_accelerator(precision: str, cfg: RecipeConfig | None = None):
 class Parallel:
     def __init__(self, accelerator, strategy: str, cfg: RecipeConfig):
         self.accelerator = accelerator
-        self.strategy = strategy  # single | ddp | fsdp | deepspeed
+        self.strategy = strategy  # single | ddp | fsdp | deepspeed | pipeline | tensor | context
         self.cfg = cfg
         self.powersgd: ddp_hooks.PowerSGD | None = None  # its state goes into every checkpoint, per rank
         self._gloo = None
@@ -107,13 +108,15 @@ class Parallel:
             if problems:
                 raise ConfigError(problems)
             strategy = "pipeline" if cfg.distributed.pipeline_parallel > 1 else "tensor"  # pipeline: split stages too
-            if context:  # each rank a whole replica, the gradients all-reduced as DDP's (sequence parts differ)
-                strategy = "ddp" if world > 1 else "single"
+            if context:  # each rank a whole replica of its own, its gradients summed by hand (context.py)
+                strategy = "context"
         else:
             strategy = resolve_strategy(cfg, world, accelerator.device)
             check_strategy(cfg, strategy)
+        # A context-parallel rank streams its own copy of the layers (no DDP wrapper holds them on one device).
+        processes = 1 if context else accelerator.num_processes
         problems = techniques.problems(
-            techniques.launch_settings(cfg, fsdp=strategy == "fsdp", processes=accelerator.num_processes),
+            techniques.launch_settings(cfg, fsdp=strategy == "fsdp", processes=processes),
             (techniques.LAUNCH,),
         )
         if cfg.distributed.strategy == "auto":
@@ -281,7 +284,9 @@ class Parallel:
         """accelerate's wrappers: DDP for the model (not for FSDP, which prepare() would wrap in DDP),
         with distributed.grad_compression's communication hook. (accelerate's own comm_hook option
         keeps PowerSGD's state where a checkpoint cannot reach it, and refuses bf16 on gloo.)"""
-        if self.fsdp or self.pipeline is not None or self.tensor is not None:  # these sum gradients themselves
+        if (
+            self.fsdp or self.pipeline is not None or self.tensor is not None or self.context is not None
+        ):  # these sum gradients themselves
             return model, self.accelerator.prepare(optimizer)
         if self.strategy == "deepspeed":
             # ZeRO replaces the optimizer's parameters with flat partitions: its state is read and
@@ -333,7 +338,7 @@ class Parallel:
     def gradient_scale(self) -> int:
         """What the window's mean loss is multiplied by in backward: the processes' number where the
         strategy averages gradients over them (DDP, FSDP, ZeRO), 1 where they are summed (a pipeline)."""
-        return 1 if self.pipeline is not None or self.tensor is not None else self.world
+        return 1 if self.pipeline is not None or self.tensor is not None or self.context is not None else self.world
 
     def sync_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """After the window's backward: a pipeline sums each stage's gradients over its replicas (the other
@@ -342,6 +347,8 @@ class Parallel:
             self.pipeline.sum_gradients(params)
         elif self.tensor is not None:
             self.tensor.sum_gradients(params)
+        elif self.context is not None:  # every rank's gradient is of its own part of the rows (and replicas')
+            sum_over(params, None)
 
     def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
         """The norm of the whole gradient before clipping, and clipping to max_norm. A pipeline's stages each

@@ -60,10 +60,16 @@ def buffer_bytes_per_token(shape: ModelShape, recipe: RecipeFacts, setup: Setup)
     b, qd, kvd = recipe.compute_bytes, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     if setup.context_parallel_mode == "ulysses":
         return 2 * b * (2 * qd + 2 * kvd)  # q, k, v, out: the copy sent and the one received
-    wide = qd if shape.kv_heads < shape.heads else kvd  # ring.py expands a block's K/V to every query head
-    forward = 2 * 2 * kvd * b + (2 * wide * b if wide != kvd else 0) + 4 * qd + 4 * shape.heads  # + fp32 out, lse
-    backward = 4 * qd + 2 * 2 * kvd * b + (2 * wide * b if wide != kvd else 0) + 2 * 4 * wide + 2 * 2 * 4 * kvd
-    return max(forward, backward)  # backward: dQ; 2 K/V blocks (+ expanded); its dK, dV; 2 accumulator pairs
+    # ring.py runs one ring per K/V head and its query heads: a ring's buffers are one head group's.
+    qd, kvd = qd // shape.kv_heads, kvd // shape.kv_heads
+    # The K/V in hand and the one arriving; on a GPU a chunk pair's K/V repeated to every query head of the
+    # group (one chunk: half the part) for the flash kernel; the layer's fp32 log-sum-exp.
+    pair = qd * b if shape.kv_heads < shape.heads else 0
+    forward = 2 * 2 * kvd * b + pair + qd * b // 2 + 4 * qd + 4 * shape.heads  # + a pair's output, fp32 out, lse
+    # backward: fp32 dQ; the K/V pair; the fp32 dK/dV accumulators in hand and arriving; a pair's K/V repeated,
+    # its dQ and its (repeated) dK, dV from the kernel
+    backward = 4 * qd + 2 * 2 * kvd * b + 2 * 2 * 4 * kvd + pair + qd * b // 2 + (qd * b if pair else 2 * kvd * b // 2)
+    return max(forward, backward) + 4 * shape.heads
 
 
 def attention_rebuilt_bytes_per_token(shape: ModelShape, recipe: RecipeFacts, setup: Setup) -> int:

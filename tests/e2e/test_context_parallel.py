@@ -90,6 +90,25 @@ def test_a_sequence_split_over_two_ranks_trains_as_one_process(base, one_process
     assert_adapters_close(adapter(reference), adapter(out))
 
 
+def test_the_one_card_levers_split_as_one_process_trains(base, one_process):
+    # Chunked loss over each rank's targets, tiled MLP, checkpointed inputs, the vocabulary tables and each
+    # rank's own copy of the 4-bit layers in host RAM: each moves or chunks what a rank computes on its part,
+    # never what it computes. (On a CPU the streamed layers go nowhere: a GPU run moves them.)
+    root, recipe = base
+    memory = {
+        "loss": "chunked",
+        "loss_chunk": 16,
+        "tiled_mlp": 2,
+        "activation_offload": True,
+        "embeddings": "cpu",
+        "base_weights": "cpu",
+    }
+    path, out = write(root, recipe, "cp2-levers", distributed={"context_parallel": 2}, memory=memory)
+    finetune(str(path), "--nproc", "2", cwd=root)
+    assert_same_steps(one_process, out, rel=1e-5)
+    assert_adapters_close(adapter(one_process), adapter(out))
+
+
 DRIVER = """
 import os, sys
 import torch
