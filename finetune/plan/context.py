@@ -4,16 +4,18 @@ A context-parallel group's N ranks (finetune/parallel/context.py) train the same
 to 2N chunks and split zig-zag (rank r: chunks r and 2N-1-r, the same causal work on every rank), plus one
 extra token per rank: every rank runs seq/N + 1 tokens through the whole model (embeddings, every layer, the
 chunked loss), so everything that grows with the sequence (activations, checkpointed inputs and their host-RAM
-copies, the loss's buffers) is the single-GPU term at seq/N + 1 tokens. Each rank holds the whole model, and
-gradients are all-reduced over every process as DDP does: the weights, adapter, AdamW state and DDP's term
-are those of `gpus` DDP processes. What no single-GPU plan has (finetune/parallel/ring.py):
+copies, the loss's buffers) is the single-GPU term at seq/N + 1 tokens. Each rank holds the whole model (or
+streams its own copy of the 4-bit layers from host RAM), and sums its gradients with every other process
+after the window: the weights, adapter, AdamW state and the summed buffer are those of `gpus` DDP processes.
+What no single-GPU plan has (finetune/parallel/ring.py):
 
   ring      K/V blocks travel around the group: N - 1 hops in forward (and again in a checkpointed layer's
             recompute), overlapped with the attention of the block in hand, so a layer's pass takes the larger
             of its attention and its hops; backward sends K/V N - 1 times and the fp32 dK/dV accumulators N
-            times. Memory, while a layer's attention runs backward: the block in hand and the one arriving,
-            each expanded to every query head when the model groups its K/V heads (ring.expand_heads), fp32
-            dQ, dK and dV of the block, and the fp32 accumulators travelling with it.
+            times. One ring per K/V head and its query heads, so the memory while a layer's attention runs
+            backward is one head group's: its block in hand and the one arriving, fp32 dQ, the fp32 dK/dV
+            accumulators in hand and arriving, and on a GPU one chunk pair's K/V repeated to the group's query
+            heads for the flash kernel, with that pair's gradients.
   ulysses   all-to-alls trade the sequence split for a head split (heads/N heads over the whole sequence;
             K/V heads repeated to every head when they do not divide): (N - 1)/N of q, k, v and out cross the
             link per layer and pass, not overlapped; the copies sent and received are the buffers.
@@ -117,7 +119,7 @@ def plan_context_parallel(shape: ModelShape, recipe: RecipeFacts, setup: Setup, 
     note = (
         f"context parallel ({mode}): each sequence of {setup.seq_len:,} tokens over {cp} ranks x {replicas} "
         f"replica{'s' if replicas > 1 else ''}; each rank runs {local:,} tokens (2 of {2 * cp} chunks + 1) and holds "
-        f"the whole model; gradients all-reduced over {world} processes as DDP's"
+        f"the whole model; gradients summed over {world} processes"
     )
     return replace(e, shape=shape, setup=setup, step_time_s=step, step_time_parts=parts, notes=[note, *e.notes])
 

@@ -64,8 +64,10 @@ KNOBS: list[Knob] = [
 
 def mode_settings(s: Setup, recipe: RecipeFacts | None = None) -> techniques.Settings:
     """A setup as finetune/memory/techniques.py's rules read it (recipe None: a 4-bit LoRA recipe)."""
+    # A context-parallel rank streams its own copy of the layers, as one process does (parallel/runtime.py).
+    processes = 1 if s.context_parallel > 1 else s.gpus
     settings = techniques.Settings(
-        **techniques.modes(s), fsdp=s.strategy.wraps_layers and s.gpus > 1, cpu_offload=s.cpu_offload, processes=s.gpus
+        **techniques.modes(s), fsdp=s.strategy.wraps_layers and s.gpus > 1, cpu_offload=s.cpu_offload, processes=processes
     )
     if recipe is None:
         return settings
@@ -98,9 +100,10 @@ def candidates(
         one = replace(one, pipeline_schedule="1f1b")  # interleaving needs virtual stages: not a pipeline's setting here
     for values in product(*(k.candidates(base, max_gpus) for k in KNOBS)):
         s = replace(one, **dict(zip(names, values)))
-        if not runnable(s, recipe):
-            continue
+        ok = runnable(s, recipe)
         for pp, tp, cp in grids:
+            if not (ok or (cp > 1 and runnable(replace(s, context_parallel=cp), recipe))):  # cp: each rank streams alone
+                continue
             laid = _laid_out(s, base, pp, tp, cp)
             if laid is not None:
                 out.append(laid)
@@ -115,7 +118,8 @@ def _laid_out(s: Setup, base: Setup, pp: int, tp: int, cp: int = 1) -> Setup | N
     if s.gpus % (pp * tp * cp):
         return None
     if (pp, tp, cp) != (1, 1, 1):
-        kept = s.base_weights == "device" and not (tp > 1 and (s.optimizer_offload or s.embeddings != "device"))
+        own_copy = s.base_weights == "cpu" and pp == tp == 1  # a context-parallel rank streams its own copy
+        kept = (s.base_weights == "device" or own_copy) and not (tp > 1 and (s.optimizer_offload or s.embeddings != "device"))
         if not (kept and s.sharding == DDP.name and not s.cpu_offload):
             return None
     per_replica = base.global_batch / (s.batch_size * s.gpus // (pp * tp * cp))

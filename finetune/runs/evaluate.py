@@ -328,7 +328,9 @@ def held_out_loss(
     mine = batches[layout.replica :: layout.replicas]
     for r in range(parallel.eval_rounds(len(batches), len(mine))):
         rows = mine[r] if r < len(mine) else batches[0]
-        batch = {k: v.to(parallel.device) for k, v in collate(list(rows)).items()}
+        batch = parallel.local_part(
+            {k: v.to(parallel.device) for k, v in collate(list(rows)).items()}
+        )  # a context-parallel rank's part
         loss, n = compute_loss(model, batch)
         if r < len(mine) and parallel.counts_window:
             total += float(loss)
