@@ -16,7 +16,7 @@ from conftest import free_port
 from finetune.parallel.context import split_batch
 from finetune.parallel.ring import SplitRows, ring_attention, ulysses_attention
 
-ROWS, HEADS, KV_HEADS, LENGTH, DIM = 2, 4, 2, 22, 8  # 22: padded to 24 = 2 ranks x 2 chunks of 6
+ROWS, HEADS, KV_HEADS, LENGTH, DIM = 2, 4, 2, 22, 8  # 22: padded to 24 = 2 ranks x 2 chunks of 6 (3 ranks: 6 x 4)
 
 
 def _inputs(seed: int = 0):
@@ -40,9 +40,9 @@ def _reference(q, k, v, dout, positions, packed: bool):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _worker(rank: int, port: int, mode: str, packed: bool, results) -> None:
+def _worker(rank: int, port: int, mode: str, packed: bool, ranks: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=ranks)
     try:
         q, k, v, dout, positions = _inputs()
         batch = {"input_ids": torch.zeros(ROWS, LENGTH, dtype=torch.long), "labels": torch.zeros(ROWS, LENGTH, dtype=torch.long)}
@@ -50,9 +50,9 @@ def _worker(rank: int, port: int, mode: str, packed: bool, results) -> None:
             batch.update(position_ids=positions, num_tokens=torch.tensor(ROWS * LENGTH))
         else:
             batch["attention_mask"] = torch.ones(ROWS, LENGTH, dtype=torch.long)
-        part = split_batch(batch, SplitRows((0, 1), rank, 0, None, dist.group.WORLD), mode)["context_part"]
+        part = split_batch(batch, SplitRows(tuple(range(ranks)), rank, 0, None, dist.group.WORLD), mode)["context_part"]
         split, mine = part.split, part.split.positions_of(rank)
-        pad = 2 * 2 * split.chunk - LENGTH
+        pad = 2 * ranks * split.chunk - LENGTH
         local = [F.pad(t, (0, 0, 0, pad))[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
         if mode == "ring":
             out = ring_attention(*local, split, DIM**-0.5)
@@ -72,20 +72,20 @@ def _worker(rank: int, port: int, mode: str, packed: bool, results) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+@pytest.mark.parametrize("mode, ranks", [("ring", 2), ("ulysses", 2), ("ring", 3)], ids=["ring", "ulysses", "ring-3"])
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
-def test_split_attention_equals_the_whole_rows(mode, packed):
+def test_split_attention_equals_the_whole_rows(mode, ranks, packed):
+    # 3 ranks: the next rank and the previous one differ (on 2 they are one), so a ring that turns the
+    # wrong way, or accumulators that travel apart from their K/V, fail here.
     results = mp.Manager().dict()
-    mp.start_processes(_worker, args=(free_port(), mode, packed, results), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port(), mode, packed, ranks, results), nprocs=ranks, start_method="spawn")
     q, k, v, dout, positions = _inputs()
     want = _reference(q, k, v, dout, positions, packed)
-    got = [torch.zeros(ROWS, h, LENGTH + 2, DIM) for h in (HEADS, HEADS, KV_HEADS, KV_HEADS)]
-    for rank in (0, 1):
+    got = [torch.zeros(ROWS, h, 24, DIM) for h in (HEADS, HEADS, KV_HEADS, KV_HEADS)]  # 22 padded to 2 x ranks chunks
+    for rank in range(ranks):
         mine, *parts = results[rank]
-        for whole, part in zip(got[:2], parts[:2]):
+        for whole, part in zip(got, parts):  # each rank's queries, and its keys' gradients from every rank's queries
             whole[:, :, mine] = part
-        for whole, part in zip(got[2:], parts[2:]):  # a key's gradient comes from every rank's queries
-            whole[:, :, mine] += part
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(g[:, :, :LENGTH], w, rtol=1e-5, atol=1e-5, msg=name)
 
@@ -196,3 +196,23 @@ def test_a_model_or_launch_the_split_cannot_serve_is_named_with_the_fix():
     capped = SimpleNamespace(model_type="gemma2", num_attention_heads=8, attn_logit_softcapping=50.0, num_hidden_layers=2)
     assert "caps its attention logits" in split_problems(_recipe("distributed.context_parallel=2"), 2, capped)[0]
     assert split_problems(_recipe("distributed.context_parallel=2"), 4) == []  # 2 replicas of 2 ranks
+
+
+def test_rotary_scaling_that_reads_the_longest_position_and_routers_are_refused_a_window_that_spans_every_row_is_not():
+    from types import SimpleNamespace
+
+    from finetune.parallel.runtime import split_problems
+
+    cfg = _recipe("distributed.context_parallel=2", "data.max_seq_len=2048")
+    base = {"num_attention_heads": 8, "num_hidden_layers": 2}
+    dynamic = SimpleNamespace(model_type="llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0}, **base)
+    assert "rotary scaling (dynamic) depends on the longest position" in split_problems(cfg, 2, dynamic)[0]
+    longrope = SimpleNamespace(model_type="phi3", rope_scaling={"type": "longrope"}, **base)
+    assert "rotary scaling (longrope)" in split_problems(cfg, 2, longrope)[0]
+    routed = SimpleNamespace(model_type="mixtral", num_local_experts=8, **base)
+    assert "router's load-balancing loss" in split_problems(cfg, 2, routed)[0]
+    dropout = SimpleNamespace(model_type="llama", attention_dropout=0.1, **base)
+    assert "attention dropout (0.1)" in split_problems(cfg, 2, dropout)[0]
+    wide = SimpleNamespace(model_type="mistral", sliding_window=4096, **base)  # Mistral-7B-v0.1's, over 2048 tokens
+    static = SimpleNamespace(model_type="llama", rope_parameters={"rope_type": "llama3", "factor": 8.0}, **base)
+    assert split_problems(cfg, 2, wide) == [] and split_problems(cfg, 2, static) == []

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from finetune.data import IGNORE_INDEX, count_tokens
+from finetune.errors import ConfigError
 from finetune.model import varlen
 from finetune.parallel.layout import Layout
 from finetune.parallel.ring import SplitRows, expand_heads, ring_attention, ulysses_attention
@@ -43,6 +44,7 @@ class ContextPart:
     split: SplitRows
     mode: str
     positions: torch.Tensor
+    length: int  # the rows' tokens before the split padded them
 
     def __repr__(self) -> str:  # printed in error messages of the model's forward; the tensors are not
         return f"ContextPart(rank {self.split.index} of {self.split.size}, {self.mode})"
@@ -65,8 +67,13 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     part: ContextPart | None = kwargs.pop(KEY, None)
     if part is None:
         return varlen.varlen_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    window = kwargs.get("sliding_window")
-    if kwargs.get("softcap") or window or kwargs.get("s_aux") is not None or (dropout and module.training):
+    window = kwargs.get("sliding_window")  # Mistral passes its window even where it spans every row
+    if (
+        kwargs.get("softcap")
+        or (window and window < part.length)
+        or kwargs.get("s_aux") is not None
+        or (dropout and module.training)
+    ):
         raise ValueError(
             "distributed.context_parallel splits plain causal attention; this model's attention also needs "
             "logit softcapping, a sliding window, sinks or dropout. Set distributed.context_parallel=1."
@@ -125,6 +132,14 @@ class ContextParallel:
 
         owner: Any = head_owner(model) or model
         owner.set_attn_implementation(register())
+        if owner.config._attn_implementation != NAME:  # transformers only warns for a class that cannot switch
+            raise ConfigError(
+                [
+                    f"distributed.context_parallel: {type(owner).__name__} cannot take a registered attention "
+                    "function (transformers' attention interface), so its layers would attend within each part "
+                    "only. Set distributed.context_parallel=1."
+                ]
+            )
 
     def part(self, batch: dict[str, Any]) -> dict[str, Any]:
         """This rank's part of every row of a collated batch (see the module's docstring)."""
@@ -157,7 +172,7 @@ def split_batch(batch: dict[str, Any], split: SplitRows, mode: str) -> dict[str,
         "position_ids": torch.cat([positions[:, mine], one], dim=1),
         "labels": torch.cat([torch.full_like(one, IGNORE_INDEX), targets[:, mine]], dim=1),
         "num_tokens": torch.tensor(count_tokens(batch) if split.index == 0 else 0),  # the group's tokens, counted once
-        KEY: ContextPart(split, mode, positions),
+        KEY: ContextPart(split, mode, positions, length),
     }
 
 
@@ -167,19 +182,8 @@ def problems(config: Any, cfg: Any) -> list[str]:
     if n <= 1:
         return []
     asked = f"distributed.context_parallel={n}"
-    out = []
-    why = varlen.unsupported(config)
-    if why:
-        out.append(f"{asked}: {why} (the split attention neither). Set distributed.context_parallel=1.")
-    window = getattr(config, "sliding_window", None)
-    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ()) or (
-        window and getattr(config, "use_sliding_window", True) and window < cfg.data.max_seq_len
-    )
-    if sliding:
-        out.append(
-            f"{asked}: {config.model_type} attends within a sliding window of {window} tokens, which the split "
-            "attention does not. Set distributed.context_parallel=1."
-        )
+    fix = "Set distributed.context_parallel=1."
+    out = [f"{asked}: {why}. {fix}" for why in _unsplittable(config, cfg.data.max_seq_len)]
     heads = config.num_attention_heads
     if mode == "ulysses" and heads % n:
         fits = [d for d in range(2, heads + 1) if heads % d == 0][:6]
@@ -189,3 +193,43 @@ def problems(config: Any, cfg: Any) -> list[str]:
             "count), or one of those values."
         )
     return out
+
+
+def _unsplittable(config: Any, seq_len: int) -> list[str]:
+    """What in a model's attention or positions a split sequence would compute wrongly."""
+    out = []
+    why = varlen.unsupported(config)
+    if why:
+        out.append(f"{why} (the split attention neither)")
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()) or (
+        window and getattr(config, "use_sliding_window", True) and window < seq_len
+    ):
+        out.append(f"{config.model_type} attends within a sliding window of {window} tokens, which the split attention does not")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if kind in ("dynamic", "longrope"):  # each rank would pick the frequencies of its own largest position
+        out.append(f"{config.model_type}'s rotary scaling ({kind}) depends on the longest position a forward sees")
+    if getattr(config, "attention_dropout", 0.0):
+        out.append(f"attention dropout ({config.attention_dropout}) is not split; set the model's attention_dropout to 0")
+    if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
+        out.append("a mixture-of-experts router's load-balancing loss would be each part's, not the sequence's")
+    return out
+
+
+def runtime_problems(cfg: Any, device: torch.device) -> list[str]:
+    """What this GPU cannot run of the split (asked at launch, before loading)."""
+    if cfg.distributed.context_parallel <= 1 or device.type != "cuda" or cfg.distributed.context_parallel_mode != "ring":
+        return []
+    asked = f"distributed.context_parallel={cfg.distributed.context_parallel} with context_parallel_mode=ring"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return [
+            f"{asked} runs torch's flash attention kernel, which needs an Ampere or newer GPU. Set context_parallel_mode=ulysses."
+        ]
+    if cfg.data.packing:
+        return [
+            f"{asked} and data.packing: the ring keeps packed examples apart with masked blocks of chunk x chunk "
+            "scores, too large on a GPU at long context. Set context_parallel_mode=ulysses (packed examples cut by "
+            "varlen's flash kernel) or data.packing=false."
+        ]
+    return []

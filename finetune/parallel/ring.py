@@ -266,26 +266,29 @@ def ring_attention(q, k, v, split: SplitRows, scale: float) -> torch.Tensor:
 # ---------------------------------------------------------------------- Ulysses
 
 
+def _all_to_all(t: torch.Tensor, split: SplitRows) -> torch.Tensor:
+    """Part j of dim 0 to rank j, differentiable (its backward is the all-to-all back): torch's functional collective."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    return wait_tensor(all_to_all_single_autograd(t, None, None, split.group))
+
+
 def _heads_to_sequence(t: torch.Tensor, split: SplitRows) -> torch.Tensor:
     """(rows, H, n, d) of my tokens -> (rows, H/N, N x n, d): my share of the heads over every rank's tokens."""
-    from torch.distributed.nn.functional import all_to_all_single
-
     b, h, n, d = t.shape
     size = split.size
     sent = t.reshape(b, size, h // size, n, d).transpose(0, 1).contiguous()  # part j goes to rank j
-    got = all_to_all_single(torch.empty_like(sent), sent, group=split.group)  # part j came from rank j
+    got = _all_to_all(sent, split)  # part j came from rank j
     return got.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * n, d)
 
 
 def _sequence_to_heads(t: torch.Tensor, split: SplitRows) -> torch.Tensor:
     """The inverse: (rows, H/N, N x n, d) -> (rows, H, n, d)."""
-    from torch.distributed.nn.functional import all_to_all_single
-
     b, hs, total, d = t.shape
     size = split.size
     n = total // size
     sent = t.reshape(b, hs, size, n, d).permute(2, 0, 1, 3, 4).contiguous()
-    got = all_to_all_single(torch.empty_like(sent), sent, group=split.group)
+    got = _all_to_all(sent, split)
     return got.transpose(0, 1).reshape(b, size * hs, n, d)
 
 

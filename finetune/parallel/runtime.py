@@ -29,6 +29,7 @@ from finetune.model.partial import Split
 from finetune.parallel import compression, ddp_hooks, layout, zero_config
 from finetune.parallel.context import ContextParallel
 from finetune.parallel.context import problems as context_problems
+from finetune.parallel.context import runtime_problems as context_runtime_problems
 from finetune.parallel.distribute import (
     check_strategy,
     full_optimizer_state,
@@ -104,7 +105,7 @@ class Parallel:
         context = cfg.distributed.context_parallel > 1
         if cfg.distributed.pipeline_parallel > 1 or split or context:  # before any weight loads: config.json alone
             config = _text_config(cfg)
-            problems = split_problems(cfg, world, config)
+            problems = split_problems(cfg, world, config) + context_runtime_problems(cfg, accelerator.device)
             if problems:
                 raise ConfigError(problems)
             strategy = "pipeline" if cfg.distributed.pipeline_parallel > 1 else "tensor"  # pipeline: split stages too

@@ -5,6 +5,7 @@ one process. Through the real launcher."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,13 @@ def base(tmp_path_factory) -> tuple[Path, dict]:
     build_tiny_llama(model, vocab_size=len(build_char_tokenizer(model)), hidden=128, layers=2)
     recipe = {
         "model": {"path": str(model)},
-        "data": {"path": str(write_jsonl(root / "train.jsonl", ALPACA_ROWS)), "format": "alpaca", "max_seq_len": 256},
+        "data": {
+            "path": str(write_jsonl(root / "train.jsonl", ALPACA_ROWS)),
+            "format": "alpaca",
+            "max_seq_len": 256,
+            "eval_fraction": 0.1,
+        },
+        "eval": {"every_steps": 2},
         "seed": 0,
         "precision": "fp32",
         "quant": {"bits": 4},
@@ -87,7 +94,15 @@ def test_a_sequence_split_over_two_ranks_trains_as_one_process(base, one_process
     assert f"parallel: context parallel ({mode}), each sequence split over 2 processes x {replicas}" in proc.stdout
     assert all(norm > 0.5 for _, norm in step_rows(reference))  # every update clipped
     assert_same_steps(reference, out, rel=1e-5)
-    assert_adapters_close(adapter(reference), adapter(out))
+    # Packed rows attend in fp32 matmuls (masked blocks), one process in sdpa: where a LoRA-B coordinate's
+    # gradient is near zero, AdamW's m / sqrt(v) turns that rounding into up to ~1e-4 of its 4 updates.
+    assert_adapters_close(adapter(reference), adapter(out), atol=1e-4 if rows == "packed" else 1e-5)
+    assert eval_losses(out) == pytest.approx(eval_losses(reference), rel=1e-5) and len(eval_losses(out)) == 2  # split too
+
+
+def eval_losses(out: Path) -> list[float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["eval_loss"] for r in rows if "eval_loss" in r]
 
 
 def test_the_one_card_levers_split_as_one_process_trains(base, one_process):
@@ -148,7 +163,7 @@ def test_rows_longer_than_one_process_takes_train_on_two(base, tmp_path):
     root, recipe_dict = base
     rows = [{"text": "".join(str((i * 7 + j) % 10) for j in range(100))} for i in range(8)]
     data = {"path": str(write_jsonl(tmp_path / "long.jsonl", rows)), "format": "text", "max_seq_len": 256}
-    recipe = {**recipe_dict, "data": data, "train": {**recipe_dict["train"], "max_steps": 2, "grad_accum": 1}}
+    recipe = {**recipe_dict, "data": data, "eval": {}, "train": {**recipe_dict["train"], "max_steps": 2, "grad_accum": 1}}
     reference, ref = write(tmp_path, recipe, "uncapped")
     run_driver(tmp_path, DRIVER, reference, nproc=1)
     alone, _ = write(tmp_path, recipe, "capped-alone")
