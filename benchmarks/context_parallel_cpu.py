@@ -98,7 +98,9 @@ def worker(recipe: str, report: str) -> None:
     timed = marks[1:]  # the first step warms up
     if int(os.environ.get("RANK", "0")) == 0:
         step = statistics.median(t for t, _ in timed)
-        waited = sum(w for _, w in timed) / sum(t for t, _ in timed)
+        waited = (
+            sum(w for _, w in timed) / sum(t for t, _ in timed) if os.environ.get("RING") else None
+        )  # only the ring's waits are timed
         Path(report).write_text(json.dumps({"step_s": step, "waiting": waited}))
 
 
@@ -106,7 +108,7 @@ def measure(recipe: Path, length: int, nproc: int, mode: str | None, cores: int)
     with tempfile.NamedTemporaryFile(suffix=".json") as report:
         overrides = [] if mode is None else ["--cp", "2", "--mode", mode]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), __file__, "--worker"]
-        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // nproc))}
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // nproc)), **({"RING": "1"} if mode == "ring" else {})}
         args = [*cmd, str(recipe), report.name, *overrides]
         subprocess.run(args, check=True, env=env, capture_output=True, cwd=recipe.parent)
         got = json.loads(Path(report.name).read_text())
