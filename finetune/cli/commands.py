@@ -103,12 +103,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg, report = check_all(args)
     if cfg is None:
         return EXIT_INPUT
-    if launching:
-        from finetune.parallel.runtime import split_problems
+    from finetune.parallel.runtime import split_problems
 
-        problems = split_problems(cfg, args.nproc * args.nnodes)  # said once here, not by each process
+    if launching or "WORLD_SIZE" not in os.environ:  # said once here, not by each process (torchrun's asked below)
+        problems = split_problems(cfg, args.nproc * args.nnodes)
         if problems:
             raise ConfigError(problems, str(find_recipe(args.recipe)))
+    if launching:
         cmd = launch_command(args)
         print(
             f"launching {args.nproc} process{'es' if args.nproc > 1 else ''} x {args.nnodes} node(s): {' '.join(cmd[2:])}",
