@@ -216,3 +216,34 @@ def test_rotary_scaling_that_reads_the_longest_position_and_routers_are_refused_
     wide = SimpleNamespace(model_type="mistral", sliding_window=4096, **base)  # Mistral-7B-v0.1's, over 2048 tokens
     static = SimpleNamespace(model_type="llama", rope_parameters={"rope_type": "llama3", "factor": 8.0}, **base)
     assert split_problems(cfg, 2, wide) == [] and split_problems(cfg, 2, static) == []
+
+
+def _one_rank_ring(device: str, dtype) -> None:
+    """The ring on a group of one (its two chunks: causal, whole and causal pairs merged by log-sum-exp) against
+    sdpa on the same rows: the kernels and the merge without any transfer."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, h, 64, 32, generator=g).to(device, dtype) for h in (8, 2, 2))
+    dout = torch.randn(2, 8, 64, 32, generator=g).to(device, dtype)
+    split = SplitRows((0,), 0, 32, None, None)
+    mine = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*mine, split, 32**-0.5)
+    out.backward(dout)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True)
+    want.backward(dout)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for got, exp in zip([out, *(t.grad for t in mine)], [want, *(t.grad for t in ref)]):
+        torch.testing.assert_close(got.float(), exp.float(), **tol)
+
+
+def test_a_ring_of_one_rank_equals_causal_attention():
+    _one_rank_ring("cpu", torch.float32)
+
+
+@pytest.mark.gpu
+def test_a_ring_of_one_rank_equals_causal_attention_in_cudas_flash_kernel():
+    # What only a GPU runs: torch's CUDA flash-attention ops and their backward called directly (16-bit),
+    # grouped K/V repeated one chunk pair at a time.
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("needs an Ampere or newer CUDA GPU")
+    _one_rank_ring("cuda", torch.bfloat16)

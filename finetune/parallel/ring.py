@@ -159,6 +159,8 @@ def _fold(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 def _rotate(split: SplitRows, tensors: list[torch.Tensor]):
     """Send each tensor to the next rank and receive the previous rank's: (requests, received)."""
+    if split.size == 1:  # a group of one: its own blocks come back to it
+        return [], tensors
     nxt, prev = split.ranks[(split.index + 1) % split.size], split.ranks[(split.index - 1) % split.size]
     received = [torch.empty_like(t) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, split.group) for t in tensors]
