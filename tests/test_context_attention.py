@@ -50,7 +50,7 @@ def _worker(rank: int, port: int, mode: str, packed: bool, ranks: int, results) 
             batch.update(position_ids=positions, num_tokens=torch.tensor(ROWS * LENGTH))
         else:
             batch["attention_mask"] = torch.ones(ROWS, LENGTH, dtype=torch.long)
-        part = split_batch(batch, SplitRows(tuple(range(ranks)), rank, 0, None, dist.group.WORLD), mode)["context_part"]
+        part = split_batch(batch, tuple(range(ranks)), rank, dist.group.WORLD, mode)["context_part"]
         split, mine = part.split, part.split.positions_of(rank)
         pad = 2 * ranks * split.chunk - LENGTH
         local = [F.pad(t, (0, 0, 0, pad))[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
@@ -107,7 +107,7 @@ def _logits_worker(rank: int, port: int, model_dir: str, mode: str, results) -> 
             batch.update(position_ids=positions, num_tokens=torch.tensor(ids.numel())) if packed else batch.update(
                 attention_mask=torch.ones_like(ids)
             )
-            part = split_batch(batch, SplitRows((0, 1), rank, 0, None, dist.group.WORLD), mode)
+            part = split_batch(batch, (0, 1), rank, dist.group.WORLD, mode)
             with torch.no_grad():
                 logits = model(
                     input_ids=part["input_ids"], position_ids=part["position_ids"], context_part=part["context_part"]

@@ -96,6 +96,14 @@ def unsupported(config: Any) -> str | None:
     return None
 
 
+def restarts(position_ids: torch.Tensor) -> torch.Tensor:
+    """(rows, T) booleans: where a row's next packed example starts (its first token, and wherever the
+    positions do not continue)."""
+    new = torch.ones_like(position_ids, dtype=torch.bool)
+    new[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return new
+
+
 def segment_starts(
     position_ids: torch.Tensor | None, padding: torch.Tensor | None, rows: int, length: int, device: torch.device | None = None
 ) -> torch.Tensor:
@@ -107,8 +115,7 @@ def segment_starts(
     new = torch.zeros(rows, length, dtype=torch.bool, device=device)
     new[:, 0] = True
     if position_ids is not None:
-        pos = position_ids.to(new.device).expand(rows, length)
-        new[:, 1:] |= pos[:, 1:] != pos[:, :-1] + 1  # a restart: the next packed example
+        new |= restarts(position_ids.to(new.device).expand(rows, length))
     if padding is not None:
         pad = padding[:, -length:].to(new.device).bool()
         new[:, 1:] |= pad[:, 1:] != pad[:, :-1]  # into or out of padding

@@ -143,28 +143,23 @@ class ContextParallel:
 
     def part(self, batch: dict[str, Any]) -> dict[str, Any]:
         """This rank's part of every row of a collated batch (see the module's docstring)."""
-        return split_batch(batch, SplitRows(self.ranks, self.layout.cp_rank, 0, None, self.group), self.mode)
+        return split_batch(batch, self.ranks, self.layout.cp_rank, self.group, self.mode)
 
 
-def split_batch(batch: dict[str, Any], split: SplitRows, mode: str) -> dict[str, Any]:
-    """The part of `batch` that split.index holds: rows right-padded to 2N chunks, labels shifted first.
-    (split.chunk and split.segments are filled in here from the batch.)"""
+def split_batch(batch: dict[str, Any], ranks: tuple[int, ...], index: int, group: Any, mode: str) -> dict[str, Any]:
+    """The part of `batch` that ranks[index] holds: rows right-padded to 2N chunks, labels shifted first."""
     ids, labels = batch["input_ids"], batch["labels"]
     rows, length = ids.shape
-    chunk = math.ceil(length / (2 * split.size))
-    pad = 2 * split.size * chunk - length
+    chunk = math.ceil(length / (2 * len(ranks)))
+    pad = 2 * len(ranks) * chunk - length
     packed = "position_ids" in batch
     positions = batch["position_ids"] if packed else torch.arange(length, device=ids.device).expand(rows, length)
     positions = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(pad, device=ids.device)], dim=1)
     ids = torch.nn.functional.pad(ids, (0, pad), value=0)  # padding: after every real token, never a target
     targets = torch.full_like(ids, IGNORE_INDEX)
     targets[:, : length - 1] = labels[:, 1:]
-    segments = None
-    if packed:
-        restart = torch.ones_like(positions, dtype=torch.bool)
-        restart[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
-        segments = restart.long().cumsum(dim=1)
-    split = SplitRows(split.ranks, split.index, chunk, segments, split.group)
+    segments = varlen.restarts(positions).long().cumsum(dim=1) if packed else None  # the example of each token
+    split = SplitRows(ranks, index, chunk, segments, group)
     mine = split.positions_of(split.index, ids.device)
     one = torch.zeros(rows, 1, dtype=torch.long, device=ids.device)
     return {

@@ -97,26 +97,35 @@ def _masked_backward(dout, q, k, v, out, lse, scale: float, mask: torch.Tensor):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _flash_runs(q, mask: torch.Tensor | None) -> bool:
+    """Whether a block runs in torch's flash kernel: a whole or causal pair, and not fp32 on CUDA (16-bit only)."""
+    return mask is None and not (q.is_cuda and q.dtype == torch.float32)
+
+
+def _kernel_kv(q, k, v, mask: torch.Tensor | None):
+    """K/V as the block's kernel takes them: the CPU flash kernel pairs grouped heads itself; CUDA's and the
+    masked matmuls get them repeated here, one chunk at a time (the K/V that travel keep their own head count)."""
+    if _flash_runs(q, mask) and not q.is_cuda:
+        return k, v
+    return expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1])
+
+
 def _block_forward(q, k, v, scale: float, causal: bool, mask: torch.Tensor | None):
     """(out, logsumexp) of my queries' chunk against one chunk of keys (at their own K/V head count)."""
-    if mask is None and not (q.is_cuda and q.dtype == torch.float32):  # CUDA's flash kernel is 16-bit only
-        if q.is_cuda:  # repeated here, one chunk at a time: the K/V that travel keep their own head count
-            k, v = expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1])
-        return _flash_forward(q, k, v, scale, causal)  # the CPU kernel pairs grouped heads itself
-    return _masked_forward(q, expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1]), scale, _whole(mask, causal, q, k))
+    kk, vv = _kernel_kv(q, k, v, mask)
+    if _flash_runs(q, mask):
+        return _flash_forward(q, kk, vv, scale, causal)
+    return _masked_forward(q, kk, vv, scale, _whole(mask, causal, q, k))
 
 
 def _block_backward(dout, q, k, v, out, lse, scale: float, causal: bool, mask: torch.Tensor | None):
     """dq, and dk, dv at the keys' own head count."""
-    kv_heads = k.shape[1]
-    if mask is None and not (q.is_cuda and q.dtype == torch.float32):
-        if q.is_cuda:
-            k, v = expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1])
-        dq, dk, dv = _flash_backward(dout, q, k, v, out, lse.contiguous(), scale, causal)
+    kk, vv = _kernel_kv(q, k, v, mask)
+    if _flash_runs(q, mask):
+        dq, dk, dv = _flash_backward(dout, q, kk, vv, out, lse.contiguous(), scale, causal)
     else:
-        k, v = expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1])
-        dq, dk, dv = _masked_backward(dout, q, k, v, out, lse, scale, _whole(mask, causal, q, k))
-    return dq, _fold(dk, kv_heads), _fold(dv, kv_heads)
+        dq, dk, dv = _masked_backward(dout, q, kk, vv, out, lse, scale, _whole(mask, causal, q, k))
+    return dq, _fold(dk, k.shape[1]), _fold(dv, k.shape[1])
 
 
 def _whole(mask: torch.Tensor | None, causal: bool, q, k) -> torch.Tensor:

@@ -108,9 +108,8 @@ class Parallel:
             problems = split_problems(cfg, world, config) + context_runtime_problems(cfg, accelerator.device)
             if problems:
                 raise ConfigError(problems)
-            strategy = "pipeline" if cfg.distributed.pipeline_parallel > 1 else "tensor"  # pipeline: split stages too
-            if context:  # each rank a whole replica of its own, its gradients summed by hand (context.py)
-                strategy = "context"
+            # pipeline: split stages too; context: each rank a whole replica of its own, its gradients summed by hand
+            strategy = "pipeline" if cfg.distributed.pipeline_parallel > 1 else "context" if context else "tensor"
         else:
             strategy = resolve_strategy(cfg, world, accelerator.device)
             check_strategy(cfg, strategy)
@@ -285,9 +284,7 @@ class Parallel:
         """accelerate's wrappers: DDP for the model (not for FSDP, which prepare() would wrap in DDP),
         with distributed.grad_compression's communication hook. (accelerate's own comm_hook option
         keeps PowerSGD's state where a checkpoint cannot reach it, and refuses bf16 on gloo.)"""
-        if (
-            self.fsdp or self.pipeline is not None or self.tensor is not None or self.context is not None
-        ):  # these sum gradients themselves
+        if self.fsdp or self.sums_own_gradients:
             return model, self.accelerator.prepare(optimizer)
         if self.strategy == "deepspeed":
             # ZeRO replaces the optimizer's parameters with flat partitions: its state is read and
@@ -323,6 +320,11 @@ class Parallel:
             return nullcontext()
         return self.accelerator.no_sync(model) if not last else nullcontext()
 
+    @property
+    def sums_own_gradients(self) -> bool:
+        """A pipeline, tensor or context parallelism: no DDP wrapper, the gradients summed by sync_gradients."""
+        return self.pipeline is not None or self.tensor is not None or self.context is not None
+
     def local_part(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         """What this rank trains of a micro-batch its replica holds: a context-parallel rank its part of each row."""
         return self.context.part(batch) if self.context is not None else batch
@@ -339,7 +341,7 @@ class Parallel:
     def gradient_scale(self) -> int:
         """What the window's mean loss is multiplied by in backward: the processes' number where the
         strategy averages gradients over them (DDP, FSDP, ZeRO), 1 where they are summed (a pipeline)."""
-        return 1 if self.pipeline is not None or self.tensor is not None or self.context is not None else self.world
+        return 1 if self.sums_own_gradients else self.world
 
     def sync_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """After the window's backward: a pipeline sums each stage's gradients over its replicas (the other

@@ -100,9 +100,10 @@ def candidates(
         one = replace(one, pipeline_schedule="1f1b")  # interleaving needs virtual stages: not a pipeline's setting here
     for values in product(*(k.candidates(base, max_gpus) for k in KNOBS)):
         s = replace(one, **dict(zip(names, values)))
-        ok = runnable(s, recipe)
+        # checked as each layout runs it: a context-parallel rank may stream its own layers (mode_settings)
+        ok = {cp: runnable(replace(s, context_parallel=cp), recipe) for cp in {g[2] for g in grids}}
         for pp, tp, cp in grids:
-            if not (ok or (cp > 1 and runnable(replace(s, context_parallel=cp), recipe))):  # cp: each rank streams alone
+            if not ok[cp]:
                 continue
             laid = _laid_out(s, base, pp, tp, cp)
             if laid is not None:
