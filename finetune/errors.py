@@ -124,3 +124,7 @@ class PlanError(FinetuneError):
 
 class GpuError(PlanError):
     """An unknown GPU name or an unreadable memory size."""
+
+
+class RankMismatch(FinetuneError):
+    """The processes of a multi-process run differ: package versions or the recipe (parallel/health.py)."""

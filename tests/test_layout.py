@@ -77,12 +77,13 @@ PACKAGE_ORDER = {
         "context",
         "rank_state",
         "ddp_hooks",
+        "health",
         "runtime",
         "launch",
     ],
     "runs": ["report", "checkpoint", "resume", "evaluate", "preflight", "open", "merge", "export"],
     "objectives": ["table", "loss", "preference"],
-    "trainer": ["state", "callbacks", "schedule", "order", "profiling", "build", "loop"],
+    "trainer": ["state", "callbacks", "schedule", "order", "profiling", "watch", "build", "loop"],
     "cli": ["commands"],
 }
 PKG = Path(finetune.__file__).parent

@@ -32,6 +32,7 @@ from finetune.runs.evaluate import exact_match_records
 from finetune.trainer.callbacks import Callback
 from finetune.trainer.profiling import ModelFlops, StageTimes, StepProfiler
 from finetune.trainer.schedule import build_scheduler
+from finetune.trainer.watch import StragglerWatch, ThroughputAlert
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None
 SchedulerArg = torch.optim.lr_scheduler.LRScheduler | Callable[[torch.optim.Optimizer], Any] | None
@@ -199,12 +200,12 @@ def build_lr_schedule(cfg: RecipeConfig, optimizer: torch.optim.Optimizer, total
 
 def recipe_callbacks(trainer: Any) -> list[Callback]:
     """The callbacks a recipe asks for, run before the user's: MFU (and a pipeline's stage times) on every step,
-    torch.profiler on profile.steps.
+    torch.profiler on profile.steps, then the stragglers' and the throughput's watch (they read mfu).
     They read the trainer's parts (model, device, precision) when training begins."""
     found: list[Callback] = [ModelFlops(trainer), StageTimes(trainer)]
     if trainer.cfg.profile.steps:
         found.append(StepProfiler(trainer, trainer.cfg.profile.steps))
-    return found
+    return [*found, StragglerWatch(trainer), ThroughputAlert(trainer)]
 
 
 def fit_pipeline(trainer_class: Any, parallel, base_compute_loss, objective) -> None:
