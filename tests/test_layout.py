@@ -81,9 +81,9 @@ PACKAGE_ORDER = {
         "runtime",
         "launch",
     ],
-    "runs": ["report", "checkpoint", "resume", "evaluate", "preflight", "open", "merge", "export"],
+    "runs": ["report", "checkpoint", "resume", "choices", "evaluate", "preflight", "open", "merge", "export"],
     "objectives": ["table", "loss", "preference"],
-    "trainer": ["state", "callbacks", "schedule", "order", "profiling", "watch", "build", "loop"],
+    "trainer": ["state", "callbacks", "schedule", "order", "profiling", "watch", "faults", "held_out", "build", "loop"],
     "cli": ["commands"],
 }
 PKG = Path(finetune.__file__).parent

@@ -146,6 +146,7 @@ def test_qlora_run_writes_exact_layout_and_peft_reloads_it(recipe_dict, tiny_mod
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
     assert set(train_rows[0]) == {
+        "step_s",
         "step",
         "loss",
         "lr",
@@ -368,10 +369,11 @@ def test_the_training_line_says_what_an_epoch_leaves_out(recipe_dict):
     # An epoch trains whole optimizer steps (len // window of them): the tail of its order waits.
     import torch
 
-    from finetune.trainer.order import DataOrder
+    from finetune.trainer.order import DataOrder, Window
 
     cfg = make_cfg(recipe_dict, train={"batch_size": 2, "grad_accum": 2, "max_steps": None})
-    order = DataOrder([{}] * 10, cfg, None, 0, 1, torch.device("cpu"))
+    window = Window.of_recipe(cfg, 1)
+    order = DataOrder([{}] * 10, cfg, None, 0, window, torch.device("cpu"))
     assert order.steps_per_epoch == 2
     assert order.untrained_per_epoch == "; the last 2 examples of each epoch's order do not fill a step and are not trained"
-    assert DataOrder([{}] * 8, cfg, None, 0, 1, torch.device("cpu")).untrained_per_epoch == ""
+    assert DataOrder([{}] * 8, cfg, None, 0, window, torch.device("cpu")).untrained_per_epoch == ""

@@ -149,6 +149,12 @@ class TrainConfig(_Section):
         "stop", description="non-finite loss/grad: stop (checkpoint of the last good state + error) or skip the update"
     )
     loss_spike_factor: float = Field(3.0, gt=1.0, description="log a warning when loss > factor x its recent mean")
+    oom_backoff: bool = Field(
+        True,
+        description="out of memory inside a step (CUDA): the step is discarded and retried with half the micro-batch "
+        "and twice grad_accum (the same examples per step, the same token-mean loss), down to batch_size 1; a "
+        "resumed run keeps the smaller micro-batch (trainer/faults.py)",
+    )
     objective: Literal["sft", "dpo", "orpo", "simpo"] = Field(
         "sft",
         description="sft: next-token loss on the responses; dpo, orpo, simpo: preference tuning on "
@@ -237,6 +243,20 @@ class DistributedConfig(_Section):
         description="context_parallel: ring (K/V blocks passed around the ranks, overlapped with compute; any head "
         "count) or ulysses (an all-to-all trades the sequence split for a head split: heads divisible by the ranks)",
     )
+    timeout_s: int = Field(
+        600,
+        ge=10,
+        description="seconds any collective (and a training step, watched on the host) may wait for the other ranks "
+        "before the job exits 75 (restartable: resume=auto continues from the last complete checkpoint); raise it "
+        "when a checkpoint save or an eval takes longer",
+    )
+    straggler_ratio: float = Field(
+        1.5,
+        gt=1.0,
+        description="warn, naming the rank and host, when one rank's compute time per step exceeds this x the median "
+        "rank's for straggler_steps steps running",
+    )
+    straggler_steps: int = Field(5, ge=1, description="straggler_ratio: how many steps running before the warning")
     grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = Field(
         "none",
         description="ddp: how gradients travel in the all-reduce (slow links between nodes): none (fp32), "
@@ -313,6 +333,14 @@ class ReportConfig(_Section):
         "online", description="offline writes output_dir/wandb only (upload later with `wandb sync`)"
     )
     plot: bool = Field(True, description="output_dir/loss.png at the end of the run (pip install 'finetune[plot]')")
+    alert_below: float | None = Field(
+        0.5,
+        gt=0,
+        lt=1,
+        description="warn (and log throughput_alert) when tokens/s, or MFU where known, falls below this x its "
+        "running median for alert_steps steps running; null: no alert",
+    )
+    alert_steps: int = Field(5, ge=1, description="alert_below: how many steps running before the warning")
 
 
 class ProfileConfig(_Section):

@@ -35,6 +35,8 @@ class Applied:
 
     stream: WeightStream | None = None  # memory.base_weights=cpu|disk
     activations: ActivationOffload | NoActivationOffload = field(default_factory=NoActivationOffload)
+    kernels: str = "none"  # what model.kernels chose (a run records what auto chose: runs/choices.py)
+    tiled_mlps: int = 0  # decoder-layer MLPs memory.tiled_mlp tiles
 
 
 @dataclass
@@ -57,7 +59,8 @@ class Step:
 
 def _kernels(model, a: Applying) -> str | None:
     setting = "none" if a.given and a.cfg.model.kernels == "auto" else a.cfg.model.kernels
-    if apply_kernels(model, setting, a.device.type) == "liger":
+    a.applied.kernels = apply_kernels(model, setting, a.device.type)
+    if a.applied.kernels == "liger":
         return "kernels: liger-kernel's fused RMSNorm, RoPE and SwiGLU in the decoder layers (model.kernels)"
     return None
 
@@ -71,7 +74,7 @@ def _activation_offload(model, a: Applying) -> str | None:
 
 
 def _tiled_mlp(model, a: Applying) -> str | None:
-    tiled = tile_mlps(model, a.cfg.memory.tiled_mlp)
+    tiled = a.applied.tiled_mlps = tile_mlps(model, a.cfg.memory.tiled_mlp)
     if tiled and a.cfg.memory.tiled_mlp != "auto":
         return f"memory: {tiled} decoder-layer MLPs run in {a.cfg.memory.tiled_mlp} tiles of the sequence"
     return None

@@ -15,8 +15,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 from finetune.errors import Preempted
+
+EXIT_DIR = "FINETUNE_EXIT_DIR"  # a folder where each worker that leaves with exit 75 writes rankN (trainer/faults.py)
 
 
 def launch_command(args: argparse.Namespace) -> list[str]:
@@ -69,7 +73,8 @@ def run_launcher(cmd: list[str], env: dict[str, str] | None = None) -> int:
     import signal
     import subprocess
 
-    child = subprocess.Popen(cmd, env=env)
+    exits = tempfile.TemporaryDirectory(prefix="finetune-exits-")  # where a worker says it left restartable
+    child = subprocess.Popen(cmd, env={**(env if env is not None else os.environ), EXIT_DIR: exits.name})
     forwarded: list[int] = []
 
     def forward(signum, frame):
@@ -83,8 +88,18 @@ def run_launcher(cmd: list[str], env: dict[str, str] | None = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    restartable = sorted(p.name for p in Path(exits.name).iterdir())
+    exits.cleanup()
     if forwarded and rc != 0:
         # The workers checkpointed and stopped (exit 75); torchrun reports that as a failure.
         print("preempted: the workers saved a checkpoint; rerun the same command with resume=auto", file=sys.stderr)
+        return Preempted.exit_code
+    if restartable and rc != 0:
+        # A rank found another gone or hung (trainer/faults.py) and left restartable; torchrun says only "failed".
+        print(
+            f"{', '.join(restartable)} left restartable (a rank stopped answering): rerun the same command with "
+            "resume=auto (or give --max-restarts) to continue from the last complete checkpoint",
+            file=sys.stderr,
+        )
         return Preempted.exit_code
     return rc

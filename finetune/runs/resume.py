@@ -40,6 +40,20 @@ def data_fingerprint(train: Sequence[dict]) -> str:
     return h.hexdigest()[:16]
 
 
+def saved_state(cfg: RecipeConfig, out: Path) -> dict[str, Any]:
+    """The trainer_state.json of the checkpoint a resume would continue from ({}: a fresh start), read
+    before anything is built: what a run keeps for good (its window, what auto chose) shapes the build."""
+    if cfg.resume is None:
+        return {}
+    paths = reversed(list_checkpoints(Path(out))) if cfg.resume == "auto" else [Path(str(cfg.resume))]
+    for path in paths:
+        try:
+            return json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # unreadable: Resume.restore says so and falls back the same way
+            continue
+    return {}
+
+
 class Resume:
     def __init__(self, cfg: RecipeConfig, out: Path, train: Sequence[dict], say: Callable[[str], None], is_main: bool):
         self.cfg, self.out, self.train, self.say, self.is_main = cfg, Path(out), train, say, is_main

@@ -29,23 +29,27 @@ import torch
 
 from finetune.config.schema import RecipeConfig
 from finetune.data import Collator, DataBundle, count_tokens, use_template
-from finetune.errors import OutputDirError, Preempted, TrainingError
-from finetune.hardware import resolve_precision, torch_dtype
+from finetune.errors import OutputDirError, Preempted
+from finetune.hardware import detect_device, torch_dtype
 from finetune.memory.apply import Applied
 from finetune.metrics import MetricsWriter, Progress, Throughput, peak_memory_bytes
 from finetune.model.load import load_tokenizer
 from finetune.objectives.loss import Loss, as_loss, count_targets
-from finetune.objectives.preference import attach_reference, preference_accuracy
+from finetune.objectives.preference import attach_reference
+from finetune.parallel import health
 from finetune.parallel.layout import Layout
 from finetune.parallel.runtime import Parallel, make_accelerator
+from finetune.runs import choices
 from finetune.runs.checkpoint import checkpoint_dir, output_dir_problem, prepare_output_dir, save_adapter
-from finetune.runs.evaluate import exact_match, held_out_loss
+from finetune.runs.evaluate import held_out_loss
 from finetune.runs.report import PLOT_NAME, open_sinks, plot_curves, require_extras
-from finetune.runs.resume import Resume
-from finetune.trainer import build
+from finetune.runs.resume import Resume, saved_state
+from finetune.trainer import build, faults, held_out
 from finetune.trainer.callbacks import Callback, CallbackList
-from finetune.trainer.order import DataOrder
-from finetune.trainer.state import HeldOutScores, StepTotals, TrainResult, TrainState, stop_signals
+from finetune.trainer.held_out import HeldOutScores
+from finetune.trainer.order import DataOrder, Window
+from finetune.trainer.profiling import StepClock
+from finetune.trainer.state import StepTotals, TrainResult, TrainState, stop_signals
 
 LossFn = Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
 
@@ -151,8 +155,12 @@ class Trainer:
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.precision = resolve_precision(cfg.precision)
+        saved = saved_state(cfg, self.out)  # what the run being resumed keeps for good: its window, auto's choices
+        ran = saved.get("choices", {})
+        self.precision, kept = choices.keep_precision(cfg, ran, detect_device())
         acc = self.accelerator = make_accelerator(self.precision, cfg)
+        self.clock = StepClock(acc.device)
+        self.say(kept)
         problem = output_dir_problem(cfg)  # refuse early; delete an old run (overwrite) only once loading worked
         if problem:
             raise OutputDirError(problem)
@@ -166,10 +174,12 @@ class Trainer:
         if not hasattr(self, "data"):
             self.data = build.load_data(cfg, self.tokenizer, acc, self.say)
         build.describe_data(self.data, self.say)
-        self._plan_steps()
+        self._plan_steps(saved)
 
-        parallel = self.parallel = Parallel.choose(cfg, acc)
-        self.model, self.memory = build.load_model_and_store(cfg, self.precision, parallel, self.say, given=self.model)
+        run_cfg = choices.keep(cfg, ran, acc.num_processes)  # the recipe, auto's earlier choices kept
+        parallel = self.parallel = Parallel.choose(run_cfg, acc)
+        self.ranks = health.check(parallel, cfg, self.say)  # versions and recipe agree; a collective completes
+        self.model, self.memory = build.load_model_and_store(run_cfg, self.precision, parallel, self.say, given=self.model)
         self.loss_fn.fit(self.model)
         self.loss_fn.use_memory(cfg.memory.loss, cfg.memory.loss_chunk, parallel.device, parallel.sharded)
         if self.memory.stream is not None:
@@ -180,6 +190,9 @@ class Trainer:
         self.model = parallel.shard(self.model, cfg, torch_dtype(self.precision))
         build.fit_pipeline(type(self), parallel, Trainer.compute_loss, self.loss_fn)
         self.say(parallel.describe())
+        chunked = getattr(self.loss_fn, "chunk_rows", None) is not None
+        self.state.choices = choices.resolved(cfg, self.precision, parallel.strategy, self.model, self.memory, chunked)
+        self.say(choices.changes(ran, self.state.choices))
 
         self.params = [p for p in self.model.parameters() if p.requires_grad and not p.is_meta]  # meta: other stages'
         optimizer = build.build_optimizer(cfg, self.params, self._given_optimizer, parallel)
@@ -192,13 +205,15 @@ class Trainer:
         sinks = open_sinks(cfg, self.out) if parallel.is_main else []
         self.metrics = MetricsWriter(self.out / "metrics.jsonl", enabled=parallel.is_main, sinks=sinks)
 
-    def _plan_steps(self) -> None:
-        """The data order of this launch, and the run's length in optimizer steps."""
+    def _plan_steps(self, saved: dict[str, Any]) -> None:
+        """The data order of this launch (the run's window, cut for this launch), and the run's length in steps."""
         cfg, acc, state = self.cfg, self.accelerator, self.state
         self.collate = Collator(pad_token_id=self.tokenizer.pad_token_id)
         layout = Layout.of(cfg, acc.process_index, acc.num_processes)  # a pipeline's stages share their replica's data
-        self.order = DataOrder(self.data.train, cfg, self.collate, layout.replica, layout.replicas, acc.device)
-        state.window, state.steps_per_epoch = self.order.window, self.order.steps_per_epoch
+        window = Window.resumed(saved, cfg, layout.replicas)
+        self.say(window.resume_note(saved, cfg))
+        self.order = DataOrder(self.data.train, cfg, self.collate, layout.replica, window, acc.device)
+        state.window, state.steps_per_epoch, state.cut = self.order.window, self.order.steps_per_epoch, window.counters()
         state.is_main = acc.is_main_process
         state.total_steps = self.order.total_steps()
 
@@ -221,7 +236,8 @@ class Trainer:
         batches = self.step_batches(step)
         counted = batches if parallel.counts_window else []  # a pipeline's stages share a window: the last counts it
         targets = sum(count_targets(b) for b in counted)
-        n_global = parallel.global_sum(sum(self.loss_fn.count(b) for b in counted))  # target tokens, or pairs
+        with self.clock.waiting():  # where the others wait for a rank slow to collate
+            n_global = parallel.global_sum(sum(self.loss_fn.count(b) for b in counted))  # target tokens, or pairs
         # DDP averages gradients over processes: multiply back by their number (a pipeline sums them: 1).
         scale = parallel.gradient_scale / max(n_global, 1)
         totals = StepTotals(0.0, n_global, sum(count_tokens(b) for b in counted), targets)
@@ -233,6 +249,7 @@ class Trainer:
             with parallel.gradient_sync(model, last=i == len(batches) - 1):
                 with self.memory.activations.saving():
                     loss_sum, _ = self.compute_loss(model, batch)
+                self.clock.mark_backward(loss_sum)
                 self.accelerator.backward(loss_sum * scale)
             counts = parallel.counts_window  # a tensor-parallel group's ranks computed one loss: one reports it
             totals.loss_sum += float(loss_sum.detach()) * counts
@@ -244,7 +261,8 @@ class Trainer:
         """One optimizer step: gradients, clipping, the update (never a non-finite one). (row, finite)."""
         cfg, state, acc = self.cfg, self.state, self.accelerator
         speed.start()
-        totals = self.accumulate_gradients(state.step)
+        self.clock.start()
+        totals, retried = faults.window_gradients(self)  # retried after an out-of-memory
         self.parallel.sync_gradients(self.params)
         units = max(totals.units, 1)
         grad_norm = self.parallel.clip_grad_norm(self.params, cfg.train.max_grad_norm or float("inf"))
@@ -281,6 +299,9 @@ class Trainer:
             "elapsed_s": state.elapsed_s,
             **extra,
         }
+        row["compute_s"], row["step_s"] = self.clock.stop()  # this rank's (trainer/watch.py gathers them)
+        if retried:
+            row.update(oom_retries=retried, micro_batch=self.order.split.micro_batch)
         return row, finite
 
     def _log_step(self, row: dict[str, Any], finite: bool, progress: Progress) -> None:
@@ -301,18 +322,8 @@ class Trainer:
         state.should_stop = self.parallel.global_sum(float(state.should_stop)) > 0
         if done % cfg.train.log_every_steps == 0 or self._last_step() or not finite or spike:
             self.metrics.write(row)
-        if finite:
-            return
-        where = f"step {done}: loss {row['loss']}, grad_norm {row['grad_norm']}"
-        if cfg.train.on_nonfinite == "stop":
-            if not self.parallel.updates_in_backward:  # the weights are still the last good step's: keep them
-                self.save_checkpoint(done - 1)
-            raise TrainingError(
-                f"non-finite {where}; {self.parallel.after_nonfinite(checkpoint_dir(self.out, done - 1))}",
-                hint="lower train.lr, keep train.max_grad_norm set, check this step's data, "
-                "or set train.on_nonfinite=skip; resume=auto continues from the checkpoint",
-            )
-        progress.write(f"{where}: non-finite, {self.parallel.after_nonfinite(None)} ({state.skipped_steps} so far)")
+        if not finite:
+            faults.after_nonfinite(self, row, progress)
 
     def _last_step(self) -> bool:
         return self.state.step == self.state.total_steps or self.state.should_stop
@@ -354,11 +365,11 @@ class Trainer:
             self.setup()
         state = self.state
         if self.parallel.is_main:
-            (self.out / "recipe.yaml").write_text(self.cfg.to_yaml(), encoding="utf-8")
+            (self.out / "recipe.yaml").write_text(self.cfg.to_yaml() + choices.comment(state.choices), encoding="utf-8")
         model = self.parallel.unwrap(self.model)
         state.restore(self.resume.restore(model, self.optimizer, self.scheduler, self.parallel.rank, self.metrics))
         em_records = build.exact_match_prompts(self.cfg, self.parallel, self.say)
-        before = self.score_held_out(em_records, "before training") if state.step == 0 else HeldOutScores()
+        before = held_out.score(self, em_records, "before training") if state.step == 0 else HeldOutScores()
         self.say(
             f"training {state.total_steps} steps ({state.steps_per_epoch} per epoch; {self.cfg.train.batch_size} x "
             f"{self.cfg.train.grad_accum} accum x {self.parallel.layout.copies} = {state.window} {self.unit}/step"
@@ -372,12 +383,16 @@ class Trainer:
             state.loss = self.resume.reopen_finished(state.step, state.total_steps, state.loss)
         self.callbacks("on_train_begin", state, {"start_step": state.step, "total_steps": state.total_steps})
         try:
-            with stop_signals(state):
+            with stop_signals(state), faults.Watchdog(self.cfg.distributed.timeout_s, self.ranks, self.parallel.world) as dog:
                 while state.step < state.total_steps and not state.should_stop:
                     self.callbacks("on_step_begin", state, {"step": state.step + 1})
                     row, finite = self._optimizer_step(speed)
                     self._log_step(row, finite, progress)
-                    self._after_step(progress)
+                    with dog.paused():  # an eval or a save: bounded by their own collectives
+                        self._after_step(progress)
+        except RuntimeError as err:
+            faults.leave_if_peer_lost(err, self.ranks, self.parallel)  # exit 75: restartable
+            raise
         finally:
             progress.close()
             self.metrics.close()
@@ -392,7 +407,7 @@ class Trainer:
             self.metrics.close()
         parallel.wait()
         adapter_dir = self._save_final_weights()
-        after = self.score_held_out(em_records, "after training")
+        after = held_out.score(self, em_records, "after training")
         plot = None
         if cfg.report.plot and parallel.is_main:
             plot = plot_curves(self.out / "metrics.jsonl", self.out / PLOT_NAME, title=f"{self.out.name}: {cfg.model.path}")
@@ -460,27 +475,6 @@ class Trainer:
         """Mean loss per target token over the eval set (all processes); None without one."""
         model = self.parallel.unwrap(self.model)
         return held_out_loss(model, self.data.eval, self.cfg, self.collate, self.parallel, self.compute_loss)
-
-    def score_held_out(self, em_records: list[dict] | None, when: str) -> HeldOutScores:
-        """Exact match on eval.exact_match_path's records, and for preference objectives the held-out
-        preference accuracy: scored before and after training, printed, given to on_eval."""
-        model, found = self.parallel.unwrap(self.model), HeldOutScores()
-        if em_records:
-            found.exact_match = exact_match(
-                model, self.tokenizer, em_records, self.cfg.data.format, max_new_tokens=self.cfg.eval.max_new_tokens
-            )
-            self.say(f"eval ({when}): {found.exact_match.summary()}")
-            for s in found.exact_match.samples:
-                self.say(f"    expected {s['expected']!r:<30} got {s['got']!r}")
-        if self.loss_fn.ranks_pairs and self.data.eval and self.parallel.pipeline is None:  # (build.fit_pipeline says why)
-            head_only = self.loss_fn.head_on_targets_only
-            found.preference_accuracy = preference_accuracy(
-                model, self.data.eval, self.cfg, self.collate, self.parallel, head_only
-            )
-            self.say(f"eval ({when}): preference accuracy {found.pref_text} on {len(self.data.eval)} held-out pairs")
-        if found.scores:
-            self.callbacks("on_eval", self.state, {"step": self.state.step, "when": when, **found.scores})
-        return found
 
     # ------------------------------------------------------------------ preemption and cleanup
 

@@ -1,27 +1,126 @@
 """Data order: which examples each process trains on at each optimizer step.
 
-A pure function of (seed, epoch, step): a resumed run recomputes its position
-instead of replaying the data, and every process agrees without talking.
+A pure function of (seed, epoch, step) and the run's window: a resumed run recomputes its
+position instead of replaying the data, and every process agrees without talking. The window
+(examples per step, over every replica) is the run's for good: a resume on another number of
+processes, or after an out-of-memory backoff, cuts the same window into other micro-batches,
+so no example is trained twice or skipped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from finetune.config.schema import RecipeConfig
 from finetune.data import Collator, length_grouped
-from finetune.errors import DataError
+from finetune.errors import ConfigError, DataError
+from finetune.parallel import strategies
+
+
+@dataclass(frozen=True)
+class Window:
+    """How one optimizer step's examples are cut: micro_batch x accum x replicas = size."""
+
+    micro_batch: int  # examples per forward on one process
+    accum: int  # micro-batches per step
+    replicas: int  # processes (or groups of them) that train different examples
+    length_group: int  # data.group_by_length's width in examples: fixed for a run, so its order never changes
+
+    @property
+    def size(self) -> int:
+        return self.micro_batch * self.accum * self.replicas
+
+    @classmethod
+    def of_recipe(cls, cfg: RecipeConfig, replicas: int) -> Window:
+        b = cfg.train.batch_size
+        return cls(b, cfg.train.grad_accum, replicas, 64 * b)  # 64 micro-batches: similar lengths, still random
+
+    def counters(self) -> dict[str, int]:
+        """What a checkpoint keeps of the window (trainer_state.json)."""
+        return {
+            "window": self.size,
+            "micro_batch": self.micro_batch,
+            "length_group": self.length_group,
+            "replicas": self.replicas,
+        }
+
+    @classmethod
+    def resumed(cls, saved: dict[str, Any], cfg: RecipeConfig, replicas: int) -> Window:
+        """The window of the run a checkpoint's trainer_state continues, on `replicas` replicas now: the
+        recipe's micro-batch (or the smaller one an out-of-memory backoff left), grad_accum recomputed."""
+        if "window" not in saved:  # a checkpoint from before windows were kept: the recipe's
+            return cls.of_recipe(cfg, replicas)
+        size, micro = int(saved["window"]), min(cfg.train.batch_size, int(saved["micro_batch"]))
+        accum, rest = divmod(size, micro * replicas)
+        if rest or not accum:
+            fits = [n for n in range(1, size + 1) if size % (micro * n) == 0]
+            batches = [b for b in range(1, size // replicas + 1) if (size // replicas) % b == 0] if size % replicas == 0 else []
+            raise ConfigError(
+                [
+                    f"resume: the run trains {size} examples per step; {replicas} replicas x train.batch_size {micro} "
+                    f"cannot cut it into whole micro-batches (no integer train.grad_accum). It can go on with "
+                    f"{' or '.join(map(str, fits))} replicas at batch_size {micro}"
+                    + (f", or here with train.batch_size one of {', '.join(map(str, batches))}" if batches else "")
+                    + " (resume_ignore_changes=true for a changed batch_size)."
+                ]
+            )
+        window = cls(micro, accum, replicas, int(saved.get("length_group", 64 * cfg.train.batch_size)))
+        problem = window.resume_problem(cfg)
+        if problem:
+            raise ConfigError([problem])
+        return window
+
+    def resume_problem(self, cfg: RecipeConfig) -> str | None:
+        """An engine that fixes its micro-batches from the recipe cannot take another cut of the window."""
+        fixed = cfg.distributed.pipeline_parallel > 1 or strategies.of_recipe(cfg).deepspeed
+        if not fixed or (self.micro_batch, self.accum) == (cfg.train.batch_size, cfg.train.grad_accum):
+            return None
+        return (
+            f"resume: this run's {self.size} examples per step on {self.replicas} replicas need train.batch_size="
+            f"{self.micro_batch} train.grad_accum={self.accum}; a pipeline or DeepSpeed takes its micro-batches from "
+            "the recipe: set those two keys (with resume_ignore_changes=true)"
+        )
+
+    def resume_note(self, saved: dict[str, Any], cfg: RecipeConfig) -> str | None:
+        """The one line a resume says when it cuts the run's window otherwise than the recipe does."""
+        if not saved or (self.micro_batch, self.accum) == (cfg.train.batch_size, cfg.train.grad_accum):
+            return None
+        before = f" (it had {saved['replicas']})" if saved.get("replicas") not in (None, self.replicas) else ""
+        return (
+            f"resume: the run's {self.size} examples per step as {self.describe()} replicas{before}: "
+            f"grad_accum {self.accum}, micro-batch {self.micro_batch} (the recipe says {cfg.train.batch_size} x "
+            f"{cfg.train.grad_accum}); the epoch continues where it stopped"
+        )
+
+    def halved(self) -> Window | None:
+        """The same window in micro-batches of at most half as many examples; None at one example."""
+        per_replica = self.micro_batch * self.accum
+        smaller = next((b for b in range(self.micro_batch // 2, 0, -1) if per_replica % b == 0), None)
+        if smaller is None:
+            return None
+        return Window(smaller, per_replica // smaller, self.replicas, self.length_group)
+
+    def describe(self) -> str:
+        return f"{self.micro_batch} x {self.accum} accum x {self.replicas}"
 
 
 class DataOrder:
-    def __init__(self, train: Sequence[dict], cfg: RecipeConfig, collate: Collator, rank: int, world: int, device: torch.device):
+    def __init__(
+        self, train: Sequence[dict], cfg: RecipeConfig, collate: Collator, rank: int, window: Window, device: torch.device
+    ):
         self.train, self.cfg, self.collate = train, cfg, collate
-        self.rank, self.world, self.device = rank, world, device
-        self.window = cfg.train.batch_size * cfg.train.grad_accum * world
+        self.rank, self.device = rank, device
+        self.use(window)
         self.steps_per_epoch = len(train) // self.window
         self._cached: tuple[int, list[int]] | None = None
+
+    def use(self, split: Window) -> None:
+        """Cut each step's window this way from now on (a resume on other processes, an out-of-memory backoff)."""
+        self.split, self.world, self.window = split, split.replicas, split.size
 
     @property
     def unit(self) -> str:
@@ -42,7 +141,7 @@ class DataOrder:
         if self.steps_per_epoch == 0:
             raise DataError(
                 f"data.path: the train set has {len(self.train)} {self.unit}, fewer than one optimizer step needs "
-                f"(train.batch_size {cfg.train.batch_size} x train.grad_accum {cfg.train.grad_accum} x "
+                f"(train.batch_size {self.split.micro_batch} x train.grad_accum {self.split.accum} x "
                 f"{self.world} processes = {self.window})",
                 hint="lower train.batch_size or train.grad_accum, or add data",
             )
@@ -60,10 +159,9 @@ class DataOrder:
             g = torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch)
             order = torch.randperm(n, generator=g).tolist()
         if self.cfg.data.group_by_length:
-            # Groups of 64 micro-batches: wide enough to find similar lengths, narrow enough to stay random.
             train = self.train
             lengths = train.lengths() if hasattr(train, "lengths") else [len(ex["input_ids"]) for ex in train]
-            order = length_grouped(order, lengths, 64 * self.cfg.train.batch_size)
+            order = length_grouped(order, lengths, self.split.length_group)
         self._cached = (epoch, order)
         return order
 
@@ -71,10 +169,10 @@ class DataOrder:
         """The grad_accum micro-batches this process trains on at optimizer step `step`."""
         epoch, index = divmod(step, self.steps_per_epoch)
         order = self.epoch_order(epoch)
-        bs = self.cfg.train.batch_size
+        bs = self.split.micro_batch
         start = index * self.window
         batches = []
-        for micro in range(self.cfg.train.grad_accum):
+        for micro in range(self.split.accum):
             base = start + micro * bs * self.world + self.rank * bs
             ids = order[base : base + bs]
             batch = self.collate([self.train[i] for i in ids])

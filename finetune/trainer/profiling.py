@@ -287,3 +287,52 @@ def comm_and_compute_us(averages, cuda: bool) -> tuple[float, float]:
         else:
             compute += spent
     return comm, compute
+
+
+class StepClock:
+    """This rank's own work in a step, apart from its waits for the others (what a straggler is found by:
+    trainer/watch.py). Waits it knows of: the collectives the loop times (waiting()), and a DDP reducer's
+    wait for the other ranks' gradients at the end of backward, which starts after autograd has finished
+    this rank's graph (a callback queued from the loss's hook runs before the reducer's). A pipeline's or
+    FSDP's waits inside forward and backward count as work: there every rank shows the slowest one's time."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.t0 = self.waited = 0.0
+        self.local_done: float | None = None
+
+    def start(self) -> None:
+        self.t0, self.waited, self.local_done = time.perf_counter(), 0.0, None
+
+    def waiting(self) -> _Waiting:
+        return _Waiting(self)
+
+    def mark_backward(self, loss: torch.Tensor) -> None:
+        """Note when backward of `loss` has run this rank's part (call before backward)."""
+        if loss.requires_grad:
+            loss.register_hook(self._queue)
+
+    def _queue(self, grad: torch.Tensor) -> torch.Tensor:
+        torch.autograd.Variable._execution_engine.queue_callback(self._done)
+        return grad
+
+    def _done(self) -> None:
+        if self.cuda:  # the compute stream only: the reducer's communication runs on its own
+            torch.cuda.current_stream().synchronize()
+        self.local_done = time.perf_counter()
+
+    def stop(self) -> tuple[float, float]:
+        """(compute_s, step_s) of the step since start()."""
+        end = time.perf_counter()
+        return max(0.0, (self.local_done or end) - self.t0 - self.waited), end - self.t0
+
+
+class _Waiting:
+    def __init__(self, clock: StepClock):
+        self.clock = clock
+
+    def __enter__(self) -> None:
+        self.t = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.clock.waited += time.perf_counter() - self.t

@@ -28,6 +28,8 @@ class TrainState:
     total_steps: int = 0  # optimizer steps the run will take
     steps_per_epoch: int = 0
     window: int = 0  # examples (or packed rows) per optimizer step, over every process
+    cut: dict[str, int] = field(default_factory=dict)  # how this launch cuts the window (order.Window.counters())
+    choices: dict[str, str] = field(default_factory=dict)  # what the recipe's auto keys chose (runs/choices.py)
     is_main: bool = True  # rank 0: the process that writes files and prints
     step: int = 0  # optimizer steps completed
     tokens: int = 0  # non-padding tokens trained on, all processes
@@ -62,6 +64,8 @@ class TrainState:
             "elapsed_s": self.elapsed_s,
             "total_steps": self.total_steps,
             "skipped_steps": self.skipped_steps,
+            **self.cut,
+            "choices": self.choices,
         }
 
     def result(self, **parts: Any) -> TrainResult:
@@ -87,27 +91,6 @@ class TrainState:
 
 
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")  # what Slurm (--signal) and Kubernetes send before killing
-
-
-@dataclass
-class HeldOutScores:
-    """What a before/after evaluation found (None: not scored)."""
-
-    exact_match: ExactMatch | None = None
-    preference_accuracy: float | None = None
-
-    @property
-    def pref_text(self) -> str:
-        return "-" if self.preference_accuracy is None else f"{100 * self.preference_accuracy:.1f}%"
-
-    @property
-    def scores(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        if self.exact_match is not None:
-            out.update(exact_match=self.exact_match.accuracy, contains_match=self.exact_match.contains_accuracy)
-        if self.preference_accuracy is not None:
-            out["preference_accuracy"] = self.preference_accuracy
-        return out
 
 
 @dataclass

@@ -4,7 +4,7 @@ StragglerWatch (world > 1) replaces each rank's compute_s and step_s in a step's
 the step, and its wall time) with every rank's spread, gathered in a collective:
     compute_s_min, compute_s_median, compute_s_max, compute_s_max_rank
     wait_s_min, wait_s_median, wait_s_max, wait_s_max_rank      (wait: step_s - compute_s, time in collectives)
-A rank whose compute exceeds distributed.straggler_ratio x the median rank's for distributed.straggler_steps
+A rank whose compute exceeds distributed.straggler_ratio x the other ranks' median for distributed.straggler_steps
 steps running is named once (with its host, from the health check) and its rank logged as straggler_rank
 while it stays so: every step waits for the slowest rank.
 
@@ -40,7 +40,10 @@ class StragglerWatch(Callback):
 
     def on_step_end(self, state: TrainState, metrics: dict[str, Any]) -> None:
         parallel = self.trainer.parallel
-        if parallel.world == 1 or "compute_s" not in metrics or "step_s" not in metrics:
+        if parallel.world == 1:  # nobody to wait for: the step's time alone
+            metrics.pop("compute_s", None)
+            return
+        if "compute_s" not in metrics or "step_s" not in metrics:
             return
         every = parallel.every_rank(metrics.pop("compute_s"), metrics.pop("step_s"))  # a collective: every rank gets here
         computes = [c for c, _ in every]
@@ -57,16 +60,17 @@ class StragglerWatch(Callback):
     def stragglers(self, computes: list[float], step: int) -> list[int]:
         """The ranks above the ratio for straggler_steps steps running, this step included; warns as each gets there."""
         dist = self.trainer.cfg.distributed
-        median = statistics.median(computes)
         if len(self.streaks) != len(computes):  # on_train_begin was not called (a callback list built by hand)
             self.streaks = [0] * len(computes)
         for rank, compute in enumerate(computes):
+            # Against the others' median: with two ranks a median of all would include the straggler itself.
+            median = statistics.median(computes[:rank] + computes[rank + 1 :])
             self.streaks[rank] = self.streaks[rank] + 1 if compute > dist.straggler_ratio * median else 0
             if self.streaks[rank] == dist.straggler_steps:  # once per streak: it must break before it warns again
                 _say(
                     self.trainer,
                     f"warning: step {step}: {self.where(rank)} is a straggler: {compute:.2f} s of compute per step vs "
-                    f"the median {median:.2f} s for {dist.straggler_steps} steps running "
+                    f"the others' median {median:.2f} s for {dist.straggler_steps} steps running "
                     f"(distributed.straggler_ratio {dist.straggler_ratio}); every step waits for it",
                 )
         return [r for r, n in enumerate(self.streaks) if n >= dist.straggler_steps]

@@ -1,0 +1,301 @@
+"""Surviving faults without losing a step (trainer/faults.py, trainer/order.py's Window, runs/choices.py):
+the run's window cut for another number of processes or a smaller micro-batch, out of memory retried in
+place, what auto chose kept on resume, and the host watchdog."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+
+import pytest
+import torch
+from test_trainer import make_cfg, train_losses
+
+from finetune.config.schema import RecipeConfig
+from finetune.errors import ConfigError, ResumeMismatch, TrainingError
+from finetune.hardware import Device
+from finetune.metrics import read_metrics
+from finetune.runs import choices
+from finetune.trainer import Trainer, faults
+from finetune.trainer.order import DataOrder, Window
+
+CPU_NO_BF16 = Device("cpu", "cpu", supports_bf16=False, supports_fp16=False)
+CPU_BF16 = Device("cpu", "cpu", supports_bf16=True, supports_fp16=False)
+
+
+def cfg_of(recipe_dict, **train) -> RecipeConfig:
+    return make_cfg(recipe_dict, train={"max_steps": None, **train})
+
+
+# ---------------------------------------------------------------- the window
+
+
+def test_a_resume_on_other_processes_recomputes_grad_accum(recipe_dict):
+    cfg = cfg_of(recipe_dict, batch_size=2, grad_accum=1)
+    saved = {"window": 8, "micro_batch": 2, "length_group": 128, "replicas": 4}
+    assert Window.resumed(saved, cfg, 4) == Window(2, 1, 4, 128)
+    assert Window.resumed(saved, cfg, 2) == Window(2, 2, 2, 128)
+    assert Window.resumed(saved, cfg, 1) == Window(2, 4, 1, 128)
+    # The line a resume says names the new cut and the recipe's.
+    note = Window.resumed(saved, cfg, 1).resume_note(saved, cfg)
+    assert note == (
+        "resume: the run's 8 examples per step as 2 x 4 accum x 1 replicas (it had 4): grad_accum 4, micro-batch 2 "
+        "(the recipe says 2 x 1); the epoch continues where it stopped"
+    )
+    assert Window.resumed(saved, cfg, 4).resume_note(saved, cfg) is None
+    # A checkpoint from before windows were kept: the recipe's cut.
+    assert Window.resumed({"step": 3}, cfg, 2) == Window(2, 1, 2, 128)
+
+
+def test_a_window_no_integer_grad_accum_cuts_is_refused_naming_the_choices(recipe_dict):
+    cfg = cfg_of(recipe_dict, batch_size=2)
+    saved = {"window": 8, "micro_batch": 2, "length_group": 128}
+    with pytest.raises(ConfigError) as err:
+        Window.resumed(saved, cfg, 3)
+    assert "8 examples per step; 3 replicas x train.batch_size 2 cannot cut it" in str(err.value)
+    assert "1 or 2 or 4 replicas at batch_size 2" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        Window.resumed({"window": 12, "micro_batch": 4, "length_group": 256}, cfg_of(recipe_dict, batch_size=4), 2)
+    assert "or here with train.batch_size one of 1, 2, 3, 6" in str(err.value)
+
+
+def test_engines_that_fix_micro_batches_are_told_the_keys_to_set(recipe_dict):
+    cfg = make_cfg(recipe_dict, train={"batch_size": 2, "grad_accum": 2}, distributed={"pipeline_parallel": 2})
+    with pytest.raises(ConfigError) as err:
+        Window.resumed({"window": 4, "micro_batch": 2, "length_group": 128}, cfg, 2)
+    assert "need train.batch_size=2 train.grad_accum=1" in str(err.value)
+
+
+def test_an_out_of_memory_backoff_halves_the_micro_batch_and_keeps_the_window():
+    assert Window(8, 1, 1, 512).halved() == Window(4, 2, 1, 512)
+    assert Window(6, 2, 2, 384).halved() == Window(3, 4, 2, 384)
+    assert Window(3, 1, 1, 192).halved() == Window(1, 3, 1, 192)  # 3 examples: micro-batches of 1
+    assert Window(1, 4, 1, 64).halved() is None
+    # A resume after a backoff keeps the smaller micro-batch, not the recipe's.
+    cfg_saved = {"window": 8, "micro_batch": 4, "length_group": 512}
+    assert Window.resumed(cfg_saved, _Recipe(8, 1), 1) == Window(4, 2, 1, 512)
+
+
+class _Recipe:
+    """What Window.resumed reads of a recipe."""
+
+    def __init__(self, batch: int, accum: int):
+        self.train = type("T", (), {"batch_size": batch, "grad_accum": accum})()
+        self.distributed = type("D", (), {"pipeline_parallel": 1, "strategy": "auto", "zero_stage": 2})()
+
+
+class _Ids:
+    """A collator that hands back which examples it got."""
+
+    def __call__(self, examples):
+        return {"ids": torch.tensor([e["id"] for e in examples])}
+
+
+def _trained(cfg, window: Window, steps: range, n: int = 40) -> list[Counter]:
+    """Per step, the multiset of example ids every replica trains."""
+    train = [{"id": i, "input_ids": [0] * (1 + i % 7)} for i in range(n)]
+    orders = [DataOrder(train, cfg, _Ids(), r, window, torch.device("cpu")) for r in range(window.replicas)]
+    return [Counter(i for o in orders for b in o.step_batches(s) for i in b["ids"].tolist()) for s in steps]
+
+
+@pytest.mark.parametrize("group_by_length", [False, True])
+def test_every_cut_of_a_window_trains_the_same_examples_at_every_step(recipe_dict, group_by_length):
+    cfg = make_cfg(recipe_dict, data={"group_by_length": group_by_length})
+    two = _trained(cfg, Window(2, 1, 2, 128), range(0, 20))
+    one = _trained(cfg, Window(2, 2, 1, 128), range(0, 20))
+    halved = _trained(cfg, Window(1, 4, 1, 128), range(0, 20))
+    both = _trained(cfg, Window(1, 2, 2, 128), range(0, 20))
+    assert one == two == halved == both
+    assert all(sum(c.values()) == 4 for c in one)
+    # Each epoch (10 steps of 4) trains every example once.
+    assert sum(one[:10], Counter()) == Counter(range(40))
+    # Negative control: another window size trains other examples at the same steps.
+    assert _trained(cfg, Window(2, 2, 2, 128), range(0, 5)) != one[:5]
+
+
+# ---------------------------------------------------------------- out of memory
+
+
+def test_out_of_memory_is_retried_only_where_the_step_can_be_redone(recipe_dict):
+    err = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    cfg = cfg_of(recipe_dict, batch_size=8)
+    assert faults.back_off(err, Window(8, 1, 1, 512), cfg, 1, 5) == Window(4, 2, 1, 512)
+    with pytest.raises(TrainingError) as two:
+        faults.back_off(err, Window(8, 1, 2, 512), cfg, 2, 5)
+    assert "out of memory in step 5 at micro-batch 8 (a step of 2 processes is not retried in place)" in str(two.value)
+    assert "train.batch_size=4 train.grad_accum=2" in two.value.hint
+    with pytest.raises(TrainingError, match="the micro-batch is one example already"):
+        faults.back_off(err, Window(1, 8, 1, 64), cfg, 1, 5)
+    off = cfg_of(recipe_dict, batch_size=8, oom_backoff=False)
+    with pytest.raises(TrainingError, match="train.oom_backoff is off"):
+        faults.back_off(err, Window(8, 1, 1, 512), off, 1, 5)
+
+
+# ---------------------------------------------------------------- what auto chose
+
+
+def test_precision_auto_keeps_the_runs_choice_or_refuses_naming_both(recipe_dict):
+    cfg = make_cfg(recipe_dict, precision="auto")
+    assert choices.keep_precision(cfg, {}, CPU_BF16) == ("bf16", None)
+    # Started on a machine without native bf16 (fp32), resumed on one with it: fp32 kept, and said.
+    assert choices.keep_precision(cfg, {"precision": "fp32"}, CPU_BF16) == (
+        "fp32",
+        "resume: precision fp32 kept (precision=auto chose it for this run; on this machine it would choose bf16)",
+    )
+    # Started in bf16, resumed where bf16 cannot run: stopped, naming both.
+    with pytest.raises(ResumeMismatch) as err:
+        choices.keep_precision(cfg, {"precision": "bf16"}, CPU_NO_BF16)
+    assert "this run trains in bf16 (precision=auto chose it on its first machine); auto chooses fp32" in str(err.value)
+    assert "precision=fp32 resume_ignore_changes=true" in err.value.hint
+    # An explicit precision is the user's: nothing is kept.
+    assert choices.keep_precision(make_cfg(recipe_dict, precision="fp32"), {"precision": "bf16"}, CPU_BF16)[0] == "fp32"
+
+
+def test_the_loaders_are_told_the_runs_earlier_choices(recipe_dict):
+    cfg = make_cfg(recipe_dict, model={"attn_implementation": "auto"}, distributed={"strategy": "auto"})
+    kept = choices.keep(cfg, {"model.attn_implementation": "eager", "distributed.strategy": "fsdp"}, 2)
+    assert kept.model.attn_implementation == "eager" and kept.distributed.strategy == "fsdp"
+    assert cfg.model.attn_implementation == "auto"  # the user's recipe (what checkpoints compare) is untouched
+    # One process now: no strategy to keep; a value auto cannot be told (a registered function) is not kept.
+    one = choices.keep(cfg, {"distributed.strategy": "ddp", "model.attn_implementation": "context_parallel"}, 1)
+    assert one is cfg
+    assert choices.changes({"memory.loss": "chunked"}, {"memory.loss": "full"}) == (
+        "resume: auto chose otherwise on this launch: memory.loss chunked -> full"
+    )
+    assert choices.comment({"precision": "fp32"}) == "# auto chose, on this run's latest launch:\n#   precision: fp32\n"
+
+
+# ---------------------------------------------------------------- the watchdog
+
+
+def test_the_watchdog_leaves_restartable_when_no_step_ends(monkeypatch, tmp_path):
+    exited = threading.Event()
+    codes: list[int] = []
+    dogs: list[faults.Watchdog] = []
+
+    def fake_exit(code):
+        codes.append(code)
+        exited.set()
+        dogs[0]._stop.set()  # ends the watchdog's thread, as os._exit would the process
+
+    monkeypatch.setattr(faults.os, "_exit", fake_exit)
+    monkeypatch.setattr(faults, "GRACE_S", 0)
+    monkeypatch.setenv("FINETUNE_EXIT_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    with faults.Watchdog(0.4, world=2) as dog:
+        dogs.append(dog)
+        with dog.paused():  # an eval or a save: not a step
+            assert not exited.wait(1.0)
+        assert exited.wait(10), "the watchdog did not fire"
+    assert codes == [75]
+    assert (tmp_path / "rank3").read_text() == "75"
+    # One process waits for nobody: no watch.
+    with faults.Watchdog(0.1, world=1) as dog:
+        assert not dog._thread.is_alive()
+
+
+def test_a_failed_collective_is_told_from_other_errors():
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv")
+    assert faults.lost_peer(gloo, 2)
+    assert not faults.lost_peer(gloo, 1)
+    assert not faults.lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), 2)
+
+
+# ---------------------------------------------------------------- whole runs, in this process
+
+OOM_TEXT = "CUDA out of memory. Tried to allocate 20.00 GiB (the test's own allocation failure)"
+
+
+class OutOfMemoryInStep5(Trainer):
+    """Runs out of memory in step 5's backward while a micro-batch holds 8 examples: after the last layer's
+    LoRA gradients were accumulated, so a retry that kept them would train them twice."""
+
+    def setup(self):
+        super().setup()
+        layers = self.parallel.unwrap(self.model).base_model.model.model.layers
+        layers[0].register_forward_hook(self._fail_in_backward)
+
+    def _fail_in_backward(self, module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        if self.state.step == 4 and hidden.shape[0] == 8 and hidden.requires_grad:
+            hidden.register_hook(self._out_of_memory)
+
+    @staticmethod
+    def _out_of_memory(grad):
+        raise torch.OutOfMemoryError(OOM_TEXT)
+
+
+def test_out_of_memory_in_a_step_retries_it_in_half_the_micro_batch(recipe_dict, tmp_path, capsys):
+    common = {"train": {"max_steps": 8, "scheduler": "constant", "max_grad_norm": None}, "checkpoint": {"every_steps": 4}}
+    ref = Trainer(make_cfg(recipe_dict, output_dir=str(tmp_path / "ref"), **_with(common, batch_size=4, grad_accum=2)))
+    ref_losses = train_losses(ref.train().metrics_path)
+    run = OutOfMemoryInStep5(make_cfg(recipe_dict, output_dir=str(tmp_path / "oom"), **_with(common, batch_size=8)))
+    rows = [r for r in read_metrics(run.train().metrics_path) if "loss" in r]
+    assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-6)
+    assert [(r["step"], r.get("oom_retries"), r.get("micro_batch")) for r in rows if "oom_retries" in r] == [(5, 1, 4)]
+    out = capsys.readouterr().out
+    assert "step 5: out of memory at micro-batch 8; retrying it as 4 x 2 accum x 1 (the same 8 examples per step" in out
+    # A resume keeps the smaller micro-batch (the recipe still says 8), and so stays out of memory's way.
+    more = make_cfg(recipe_dict, output_dir=str(tmp_path / "oom"), resume="auto", **_with(common, batch_size=8, max_steps=10))
+    resumed = OutOfMemoryInStep5(more)
+    resumed.train()
+    assert resumed.order.split == Window(4, 2, 1, 512)
+    assert "grad_accum 2, micro-batch 4 (the recipe says 8 x 1)" in capsys.readouterr().out
+
+
+def test_negative_control_a_retry_that_keeps_the_failed_gradients_differs(recipe_dict, tmp_path, monkeypatch):
+    common = {"train": {"max_steps": 6, "scheduler": "constant", "max_grad_norm": None}}
+    ref = Trainer(make_cfg(recipe_dict, output_dir=str(tmp_path / "ref"), **_with(common, batch_size=4, grad_accum=2)))
+    ref_losses = train_losses(ref.train().metrics_path)
+    monkeypatch.setattr(faults, "free_memory", lambda: None)
+    keeping = OutOfMemoryInStep5(make_cfg(recipe_dict, output_dir=str(tmp_path / "keep"), **_with(common, batch_size=8)))
+    monkeypatch.setattr(OutOfMemoryInStep5, "setup", _setup_without_zero_grad)
+    losses = train_losses(keeping.train().metrics_path)
+    assert losses[:5] == pytest.approx(ref_losses[:5], rel=1e-6)
+    assert losses[5] != pytest.approx(ref_losses[5], rel=1e-6)
+
+
+def _setup_without_zero_grad(self):
+    OutOfMemoryInStep5.__mro__[1].setup(self)
+    layers = self.parallel.unwrap(self.model).base_model.model.model.layers
+    layers[0].register_forward_hook(self._fail_in_backward)
+    real = self.optimizer.zero_grad
+    self.optimizer.zero_grad = lambda set_to_none=True: real(set_to_none) if self.state.step != 4 else None
+
+
+def _with(common: dict, **train) -> dict:
+    return {**common, "train": {**common["train"], **train}}
+
+
+def test_precision_auto_is_kept_by_a_resume_on_another_machine(recipe_dict, tmp_path, monkeypatch):
+    import finetune.trainer.loop as loop
+
+    common = {"precision": "auto", "train": {"max_steps": 4, "scheduler": "constant"}, "checkpoint": {"every_steps": 2}}
+    monkeypatch.setattr(loop, "detect_device", lambda: CPU_NO_BF16)
+    straight = Trainer(make_cfg(recipe_dict, output_dir=str(tmp_path / "straight"), **common), progress=False)
+    expected = train_losses(straight.train().metrics_path)
+    first = make_cfg(recipe_dict, output_dir=str(tmp_path / "moved"), **_with(common, max_steps=2))
+    Trainer(first, progress=False).train()
+    assert "#   precision: fp32\n" in (tmp_path / "moved" / "recipe.yaml").read_text()
+    state = json.loads((tmp_path / "moved" / "checkpoints" / "step-2" / "trainer_state.json").read_text())
+    assert state["choices"]["precision"] == "fp32" and state["window"] == 4 and state["micro_batch"] == 4
+    # Requeued on a machine where auto would choose bf16: the run goes on in fp32, the same numbers.
+    monkeypatch.setattr(loop, "detect_device", lambda: CPU_BF16)
+    resumed = Trainer(make_cfg(recipe_dict, output_dir=str(tmp_path / "moved"), resume="auto", **common), progress=False)
+    resumed.train()
+    assert resumed.precision == "fp32"
+    assert train_losses(tmp_path / "moved" / "metrics.jsonl") == expected
+
+
+def test_a_bf16_run_is_not_continued_where_bf16_cannot_run(recipe_dict, tmp_path, monkeypatch):
+    import finetune.trainer.loop as loop
+
+    common = {"precision": "auto", "train": {"max_steps": 2}, "checkpoint": {"every_steps": 2}}
+    monkeypatch.setattr(loop, "detect_device", lambda: CPU_BF16)
+    Trainer(make_cfg(recipe_dict, output_dir=str(tmp_path / "run"), **common), progress=False).train()
+    monkeypatch.setattr(loop, "detect_device", lambda: CPU_NO_BF16)
+    more = make_cfg(recipe_dict, output_dir=str(tmp_path / "run"), resume="auto", **_with(common, max_steps=4))
+    with pytest.raises(ResumeMismatch, match="this run trains in bf16"):
+        Trainer(more, progress=False).train()
+    assert (tmp_path / "run" / "checkpoints" / "step-2" / "manifest.json").is_file()  # nothing lost
