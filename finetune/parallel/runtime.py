@@ -15,6 +15,7 @@ import math
 import os
 from contextlib import nullcontext
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ def make_accelerator(precision: str, cfg: RecipeConfig | None = None):
     distributed.strategy=deepspeed and torchrun started several processes (one process: no ZeRO)."""
     from accelerate import Accelerator, PartialState
     from accelerate.state import AcceleratorState
+    from accelerate.utils import InitProcessGroupKwargs
 
     # accelerate keeps one mixed-precision setting per process and refuses a second
     # Trainer with another; the setting is ours to choose per run (the process group,
@@ -60,9 +62,11 @@ def make_accelerator(precision: str, cfg: RecipeConfig | None = None):
     AcceleratorState._reset_state()
     mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[precision]
     cpu = not torch.cuda.is_available()
+    # Collectives wait distributed.timeout_s for the others, then fail: a rank leaves restartable (trainer/faults.py).
+    timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.distributed.timeout_s if cfg else 600))
     if cfg is None or cfg.distributed.strategy != "deepspeed" or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # set for good by an earlier DeepSpeed Accelerator
-        return Accelerator(mixed_precision=mixed, cpu=cpu)
+        return Accelerator(mixed_precision=mixed, cpu=cpu, kwargs_handlers=[timeout])
     zero_config.require()
     from accelerate.utils import DeepSpeedPlugin
 
@@ -70,9 +74,9 @@ def make_accelerator(precision: str, cfg: RecipeConfig | None = None):
         # accelerate turns DeepSpeed off for cpu=True, and without it finds no backend on a machine
         # with no GPU: the process group is made for CPUs first (gloo, torchrun's ranks), and
         # DeepSpeed (its CPU accelerator) runs on it.
-        PartialState(cpu=True)
+        PartialState(cpu=True, **timeout.to_kwargs())
     plugin = DeepSpeedPlugin(hf_ds_config=zero_config.ds_config(cfg, precision, on_gpu=not cpu), zero3_init_flag=False)
-    accelerator = Accelerator(mixed_precision=mixed, deepspeed_plugin=plugin)
+    accelerator = Accelerator(mixed_precision=mixed, deepspeed_plugin=plugin, kwargs_handlers=[timeout])
     # accelerate tells transformers about ZeRO-3 at once, and from_pretrained then refuses the
     # device_map our loader places the model with: the weights load whole, and ZeRO-3 partitions
     # them when the engine is built (Parallel.prepare tells transformers again).

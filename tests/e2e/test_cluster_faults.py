@@ -1,0 +1,136 @@
+"""Faults at cluster scale, on CPU with gloo (trainer/faults.py, trainer/order.py's Window, trainer/watch.py):
+a rank frozen mid-run ends the job with exit 75 within distributed.timeout_s and the resumed run is the
+uninterrupted one; a run resumed on another number of processes trains the same examples at every step;
+a slowed rank is named. Waits follow the run's own progress (metrics rows, checkpoints), never fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import logged_steps
+from test_distributed import _worker_pids, adapter, finetune, losses, run_driver, write
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 10  # distributed.timeout_s: its lowest value
+
+# Trains a recipe (argv[1], with the key=value overrides in $OVERRIDES) and writes, per rank, every example each
+# optimizer step trains (its tokens, padding left out) to $IDS.rankR; with $SLOW_RANK, that rank sleeps
+# $SLOW_S before collating each step (a straggler the others must wait for).
+DRIVER = """
+import json, os, sys, time
+from finetune.config.schema import load_recipe
+from finetune.trainer import Trainer
+
+class Recording(Trainer):
+    def step_batches(self, step):
+        if str(self.parallel.rank) == os.environ.get("SLOW_RANK"):
+            time.sleep(float(os.environ["SLOW_S"]))
+        batches = super().step_batches(step)
+        if os.environ.get("IDS"):
+            with open(f"{os.environ['IDS']}.rank{self.parallel.rank}", "a") as f:
+                for b in batches:
+                    for ids, mask in zip(b["input_ids"].tolist(), b["attention_mask"].tolist()):
+                        f.write(json.dumps([step, [t for t, m in zip(ids, mask) if m]]) + "\\n")
+        return batches
+
+with Recording(load_recipe(sys.argv[1], os.environ.get("OVERRIDES", "").split()), progress=False) as trainer:
+    trainer.train()
+"""
+
+
+def trained_per_step(ids: Path) -> dict[int, Counter]:
+    """{step: multiset of the examples trained at it, every rank together}."""
+    found: dict[int, Counter] = {}
+    for path in ids.parent.glob(f"{ids.name}.rank*"):
+        for step, tokens in map(json.loads, path.read_text().splitlines()):
+            found.setdefault(step, Counter())[tuple(tokens)] += 1
+    return found
+
+
+def test_a_frozen_rank_ends_the_job_with_75_and_resume_finishes_the_same_run(recipe_dict, tmp_path):
+    # 60 steps of ~40 ms: the freeze after step 5 lands long before the run could end.
+    common = {
+        "train__batch_size": 2,
+        "train__max_steps": 60,
+        "train__scheduler": "constant",
+        "checkpoint": {"every_steps": 5},
+        "distributed": {"timeout_s": TIMEOUT_S},
+    }
+    ref_recipe, ref = write(tmp_path, recipe_dict, "ref", **common)
+    finetune(str(ref_recipe), "--nproc", "2", cwd=tmp_path)
+    recipe, out = write(tmp_path, recipe_dict, "frozen", **common)
+    job = finetune(str(recipe), "--nproc", "2", cwd=tmp_path, log=tmp_path / "frozen.log")
+    pid = job.wait_until(lambda: logged_steps(out) and _worker_pids(recipe).get(1), "rank 1 training")
+    job.wait_until(lambda: len(logged_steps(out)) >= 5 and any(out.glob("checkpoints/step-*/manifest.json")), "step 5")
+    os.kill(pid, signal.SIGSTOP)  # rank 1 hangs: alive, silent, deaf to SIGTERM
+    frozen_at = time.monotonic()
+    try:
+        code = job.finish(TIMEOUT_S + 120)
+    finally:
+        if Path(f"/proc/{pid}").exists():
+            os.kill(pid, signal.SIGKILL)
+    took = time.monotonic() - frozen_at
+    assert code == 75, job.tail()
+    assert took < TIMEOUT_S + 30, f"the job took {took:.0f} s to end after the freeze"
+    assert "exiting 75 (restartable)" in job.output() and "left restartable" in job.output(), job.tail()
+    stopped_at = max(logged_steps(out))
+    assert stopped_at < 60
+    # The same command with resume=auto finishes it: the uninterrupted run's losses and adapter, bitwise.
+    proc = finetune(str(recipe), "--nproc", "2", "resume=auto", cwd=tmp_path)
+    assert "resumed from" in proc.stdout
+    assert losses(out) == losses(ref)
+    a, b = adapter(ref), adapter(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_a_run_resumed_on_another_number_of_processes_trains_the_same_examples(recipe_dict, tmp_path, before, after):
+    # 64 examples, 4 per step (2 x 1 accum x 2 processes, or 2 x 2 accum x 1): 16 steps an epoch.
+    common = {"train__max_steps": None, "train__epochs": 1, "train__scheduler": "constant", "train__batch_size": 2}
+    ref_recipe, _ = write(tmp_path, recipe_dict, "ref", train__grad_accum=1, **common)
+    run_driver(tmp_path, DRIVER, ref_recipe, nproc=2, IDS=str(tmp_path / "ref-ids"))
+    reference = trained_per_step(tmp_path / "ref-ids")
+    assert sorted(reference) == list(range(16)) and all(sum(c.values()) == 4 for c in reference.values())
+
+    recipe, out = write(tmp_path, recipe_dict, "moved", train__grad_accum=2 // before, checkpoint={"every_steps": 100}, **common)
+    ids = str(tmp_path / "moved-ids")
+    run_driver(tmp_path, DRIVER, recipe, before, IDS=ids, OVERRIDES="train.max_steps=7")  # stops (checkpoint) at 7
+    proc = run_driver(tmp_path, DRIVER, recipe, after, IDS=ids, OVERRIDES="resume=auto")
+    output = proc.stdout + proc.stderr
+    # The run's 4 examples per step, cut for the new number of processes, said in one line.
+    accum = 2 // after
+    assert f"resume: the run's 4 examples per step as 2 x {accum} accum x {after} replicas (it had {before})" in output
+    got = trained_per_step(tmp_path / "moved-ids")
+    assert got == reference  # every step the same examples: none trained twice, none skipped
+    ref_losses = losses(tmp_path / "ref")
+    assert losses(out) == pytest.approx(ref_losses, rel=1e-5)
+
+
+def test_a_slowed_rank_is_named_as_a_straggler(recipe_dict, tmp_path):
+    recipe, out = write(
+        tmp_path,
+        recipe_dict,
+        "slow",
+        train__batch_size=2,
+        train__max_steps=6,
+        distributed={"straggler_ratio": 1.5, "straggler_steps": 3},
+    )
+    proc = run_driver(tmp_path, DRIVER, recipe, nproc=2, SLOW_RANK="1", SLOW_S="0.3")
+    import socket
+
+    warning = f"warning: step 3: rank 1 ({socket.gethostname()}) is a straggler:"
+    assert warning in proc.stdout, proc.stdout[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r.get("straggler_rank") for r in steps] == [None, None, 1, 1, 1, 1]
+    assert all(r["compute_s_max_rank"] == 1 and r["compute_s_max"] > 0.3 for r in steps)
+    assert all(r["wait_s_max_rank"] == 0 and r["wait_s_max"] > 0.25 for r in steps)  # rank 0 waits for it
