@@ -116,6 +116,7 @@ class Preempted(FinetuneError):
     """
 
     exit_code = 75  # EX_TEMPFAIL: temporary failure, try again
+    label = "preempted"  # what the CLI's last line starts with
 
 
 class PlanError(FinetuneError):

@@ -299,3 +299,25 @@ def test_a_bf16_run_is_not_continued_where_bf16_cannot_run(recipe_dict, tmp_path
     with pytest.raises(ResumeMismatch, match="this run trains in bf16"):
         Trainer(more, progress=False).train()
     assert (tmp_path / "run" / "checkpoints" / "step-2" / "manifest.json").is_file()  # nothing lost
+
+
+def test_the_plan_says_when_a_step_would_outlast_the_watchdog():
+    from pathlib import Path
+
+    from finetune.config.schema import load_recipe
+    from finetune.gpus import find_gpu
+    from finetune.plan import plan_recipe
+
+    model = str(Path(__file__).parent / "fixtures" / "configs" / "llama-3.1-8b")
+    rtx4090 = find_gpu("rtx4090")
+
+    def notes(*overrides: str) -> list[str]:
+        recipe = Path(__file__).parent.parent / "recipes" / "qlora-longctx-2x24gb.yaml"
+        cfg = load_recipe(recipe, [f"model.path={model}", *overrides])
+        return [n for n in plan_recipe(cfg, rtx4090, gpus=2).notes if "timeout_s" in n]
+
+    assert notes() == []  # the recipe's 3600 s is above its ~2352 s step
+    assert notes("distributed.timeout_s=600") == [
+        "a step (~2352 s) outlasts distributed.timeout_s (600): the host watchdog ends the job after timeout_s + 20 s; "
+        "set distributed.timeout_s=3530"
+    ]

@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except Preempted as exc:
-        print(f"preempted: {exc}", file=sys.stderr)
+        print(f"{exc.label}: {exc}", file=sys.stderr)
         return EXIT_PREEMPTED
     except FinetuneError as exc:
         if args.debug:

@@ -8,5 +8,6 @@ strategy     which strategy a run uses, FSDP2 sharding, whole (gathered) states 
 rank_state   what each process holds alone (generators, PowerSGD state) for a checkpoint
 ddp_hooks    the DDP communication hooks of grad_compression
 runtime      Parallel: the one object the loop asks (gradient sync, global sums, whole states); the accelerator
-launch       torchrun for `finetune run --nproc N`, signals passed on
+launch       torchrun for `finetune run --nproc N`, signals passed on, exit 75 of a rank that left restartable
+health       the start-up check: every rank's versions and recipe agree, its memory said
 """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -91,7 +92,19 @@ def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Se
         setup = setup_of(cfg, gpus if gpus >= ranks else ranks)
         if setup.pipeline_parallel > 1 and cfg.distributed.pipeline_layers == "auto":
             setup = replace(setup, pipeline_layers=balanced_layers(shape, recipe, setup, gpu, **kw))
-    return plan_setup(shape, recipe, setup, gpu, **kw)
+    return _watchdog_note(plan_setup(shape, recipe, setup, gpu, **kw), cfg, max(gpus, replica_ranks(cfg)))
+
+
+def _watchdog_note(e: Estimate, cfg: RecipeConfig, processes: int) -> Estimate:
+    """Say when a step would outlast distributed.timeout_s: several processes' watchdog would end a healthy job."""
+    limit = cfg.distributed.timeout_s
+    if processes <= 1 or not e.step_time_s or e.step_time_s <= limit:
+        return e
+    note = (
+        f"a step (~{e.step_time_s:.0f} s) outlasts distributed.timeout_s ({limit}): the host watchdog ends the job "
+        f"after timeout_s + 20 s; set distributed.timeout_s={10 * math.ceil(1.5 * e.step_time_s / 10)}"
+    )
+    return replace(e, notes=[*e.notes, note])
 
 
 def replica_ranks(cfg: RecipeConfig) -> int:

@@ -4,8 +4,9 @@
     with Trainer(load_recipe("demo-cpu"), callbacks=[...]) as trainer:
         result = trainer.train()
 
-state (TrainState, TrainResult) -> callbacks -> schedule -> order -> profiling -> build -> loop
-(Trainer). The objectives are in finetune/objectives/, the Parallel object in finetune/parallel/,
+state (TrainState, TrainResult) -> callbacks -> schedule -> order (the window, cut per launch) ->
+profiling (MFU, the step clock) -> watch (stragglers, throughput) -> faults (out of memory, hangs, lost
+peers) -> held_out (scores before and after) -> build -> loop (Trainer). The objectives are in finetune/objectives/, the Parallel object in finetune/parallel/,
 resume beside the checkpoint files in finetune/runs/.
 """
 

@@ -44,6 +44,8 @@ class PeerLost(Preempted):
     """Another rank stopped answering inside a collective (a hang, a lost node or network): this rank left
     with the restartable exit code; resume=auto continues from the last complete checkpoint."""
 
+    label = "restartable"
+
 
 def back_off(err: BaseException, split: Window, cfg: RecipeConfig, world: int, step: int) -> Window:
     """The window in half as large micro-batches after an out-of-memory in step `step` (train.oom_backoff),
