@@ -117,19 +117,33 @@ def test_every_cut_of_a_window_trains_the_same_examples_at_every_step(recipe_dic
 # ---------------------------------------------------------------- out of memory
 
 
-def test_out_of_memory_is_retried_only_where_the_step_can_be_redone(recipe_dict):
+def test_out_of_memory_backs_off_until_one_example(recipe_dict):
     err = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     cfg = cfg_of(recipe_dict, batch_size=8)
-    assert faults.back_off(err, Window(8, 1, 1, 512), cfg, 1, 5) == Window(4, 2, 1, 512)
-    with pytest.raises(TrainingError) as two:
-        faults.back_off(err, Window(8, 1, 2, 512), cfg, 2, 5)
-    assert "out of memory in step 5 at micro-batch 8 (a step of 2 processes is not retried in place)" in str(two.value)
-    assert "train.batch_size=4 train.grad_accum=2" in two.value.hint
-    with pytest.raises(TrainingError, match="the micro-batch is one example already"):
-        faults.back_off(err, Window(1, 8, 1, 64), cfg, 1, 5)
+    assert faults.back_off(err, Window(8, 1, 1, 512), cfg, 5) == Window(4, 2, 1, 512)
+    with pytest.raises(TrainingError) as one:
+        faults.back_off(err, Window(1, 8, 1, 64), cfg, 5)
+    assert "out of memory in step 5 at micro-batch 1 (the micro-batch is one example already)" in str(one.value)
     off = cfg_of(recipe_dict, batch_size=8, oom_backoff=False)
-    with pytest.raises(TrainingError, match="train.oom_backoff is off"):
-        faults.back_off(err, Window(8, 1, 1, 512), off, 1, 5)
+    with pytest.raises(TrainingError) as err_off:
+        faults.back_off(err, Window(8, 1, 1, 512), off, 5)
+    assert "(train.oom_backoff is off)" in str(err_off.value)
+    assert "train.batch_size=4 train.grad_accum=2" in err_off.value.hint
+
+
+def test_a_restart_after_out_of_memory_takes_the_noted_micro_batch(recipe_dict, tmp_path):
+    from finetune.runs.resume import OOM_BACKOFF, saved_state
+
+    cfg = make_cfg(recipe_dict, output_dir=str(tmp_path), resume="auto", train={"batch_size": 4})
+    (tmp_path / OOM_BACKOFF).write_text(json.dumps({"micro_batch": 2, "step": 5, "rank": 1}))
+    saved = saved_state(cfg, tmp_path)  # no checkpoint yet: the recipe's window, the smaller micro-batch
+    assert saved == {"oom_micro_batch": 2}
+    assert Window.resumed(saved, cfg, 2) == Window(2, 2, 2, 256)
+    # With a checkpoint: its window, the smallest micro-batch of the two.
+    saved = {"window": 8, "micro_batch": 4, "length_group": 256, "oom_micro_batch": 2}
+    assert Window.resumed(saved, cfg, 1) == Window(2, 4, 1, 256)
+    # Without resume (a new run): nothing is read.
+    assert saved_state(make_cfg(recipe_dict, output_dir=str(tmp_path)), tmp_path) == {}
 
 
 # ---------------------------------------------------------------- what auto chose

@@ -40,18 +40,26 @@ def data_fingerprint(train: Sequence[dict]) -> str:
     return h.hexdigest()[:16]
 
 
+OOM_BACKOFF = "oom_backoff.json"  # the micro-batch a multi-process run restarts with after out of memory (trainer/faults.py)
+
+
 def saved_state(cfg: RecipeConfig, out: Path) -> dict[str, Any]:
     """The trainer_state.json of the checkpoint a resume would continue from ({}: a fresh start), read
-    before anything is built: what a run keeps for good (its window, what auto chose) shapes the build."""
+    before anything is built: what a run keeps for good (its window, what auto chose) shapes the build;
+    with `oom_micro_batch` when a multi-process launch left restartable after running out of memory."""
     if cfg.resume is None:
         return {}
+    found: dict[str, Any] = {}
+    backoff = Path(out) / OOM_BACKOFF
+    if backoff.is_file():
+        found["oom_micro_batch"] = int(json.loads(backoff.read_text(encoding="utf-8"))["micro_batch"])
     paths = reversed(list_checkpoints(Path(out))) if cfg.resume == "auto" else [Path(str(cfg.resume))]
     for path in paths:
         try:
-            return json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+            return {**json.loads((path / "trainer_state.json").read_text(encoding="utf-8")), **found}
         except (OSError, ValueError):  # unreadable: Resume.restore says so and falls back the same way
             continue
-    return {}
+    return found
 
 
 class Resume:

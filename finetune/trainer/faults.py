@@ -14,6 +14,7 @@ whole or not at all, runs/checkpoint.py), with the run's window (trainer/order.p
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import socket
@@ -31,6 +32,7 @@ from finetune.config.schema import RecipeConfig
 from finetune.errors import Preempted, TrainingError
 from finetune.parallel.launch import EXIT_DIR
 from finetune.runs.checkpoint import checkpoint_dir
+from finetune.runs.resume import OOM_BACKOFF
 from finetune.trainer.order import Window
 
 GRACE_S = 20  # the watchdog's margin over distributed.timeout_s: a collective's own timeout should speak first
@@ -47,25 +49,38 @@ class PeerLost(Preempted):
     label = "restartable"
 
 
-def back_off(err: BaseException, split: Window, cfg: RecipeConfig, world: int, step: int) -> Window:
+class OutOfMemoryRestart(Preempted):
+    """Out of memory inside a step of several processes: the others are inside the step's collectives, so
+    it cannot be redone in place; the job leaves restartable and resumes with half the micro-batch."""
+
+    label = "restartable"
+
+
+def back_off(err: BaseException, split: Window, cfg: RecipeConfig, step: int) -> Window:
     """The window in half as large micro-batches after an out-of-memory in step `step` (train.oom_backoff),
-    or a TrainingError saying why the step cannot be retried."""
+    or a TrainingError saying why there is none."""
     smaller = split.halved()
-    why = None
-    if not cfg.train.oom_backoff:
-        why = "train.oom_backoff is off"
-    elif world > 1:
-        # The other ranks are inside the step's collectives: the step cannot be redone on one rank alone.
-        why = f"a step of {world} processes is not retried in place"
-    elif smaller is None:
-        why = "the micro-batch is one example already"
-    if why is None and smaller is not None:
+    if cfg.train.oom_backoff and smaller is not None:
         return smaller
+    why = "train.oom_backoff is off" if smaller else "the micro-batch is one example already"
     fix = f"train.batch_size={smaller.micro_batch} train.grad_accum={smaller.accum}" if smaller else "a memory mode"
     raise TrainingError(
         f"out of memory in step {step} at micro-batch {split.micro_batch} ({why}): {str(err).splitlines()[0][:200]}",
         hint=f"rerun with resume=auto and {fix} (the same examples per step), or see `finetune plan RECIPE --fit`",
     ) from err
+
+
+def restart_smaller(trainer: Any, split: Window, step: int) -> None:
+    """Several processes: note the smaller micro-batch in output_dir (resume=auto reads it: runs/resume.py),
+    and leave restartable. The step is retried after the restart, from the last complete checkpoint."""
+    rank, was = trainer.parallel.rank, trainer.order.split.micro_batch
+    note = {"micro_batch": split.micro_batch, "step": step, "rank": rank}
+    tmp = trainer.out / f".{OOM_BACKOFF}.rank{rank}"
+    tmp.write_text(json.dumps(note), encoding="utf-8")
+    tmp.replace(trainer.out / OOM_BACKOFF)  # whole or absent, as checkpoints
+    reason = f"rank {rank}: out of memory in step {step} at micro-batch {was}; the restart uses micro-batch {split.micro_batch}"
+    leave(trainer.ranks, reason)
+    raise OutOfMemoryRestart(reason, hint="resume=auto (torchrun --max-restarts, Slurm, Kubernetes) continues with it")
 
 
 def window_gradients(trainer: Any) -> tuple[Any, int]:
@@ -76,7 +91,9 @@ def window_gradients(trainer: Any) -> tuple[Any, int]:
         try:
             return trainer.accumulate_gradients(state.step), retry
         except torch.OutOfMemoryError as err:
-            split = back_off(err, order.split, trainer.cfg, trainer.parallel.world, state.step + 1)
+            split = back_off(err, order.split, trainer.cfg, state.step + 1)
+            if trainer.parallel.world > 1:
+                restart_smaller(trainer, split, state.step + 1)
         # Out of the except clause: the failed forward's frames (and tensors) went with its traceback.
         retry += 1
         trainer.optimizer.zero_grad(set_to_none=True)

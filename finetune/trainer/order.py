@@ -52,9 +52,11 @@ class Window:
     def resumed(cls, saved: dict[str, Any], cfg: RecipeConfig, replicas: int) -> Window:
         """The window of the run a checkpoint's trainer_state continues, on `replicas` replicas now: the
         recipe's micro-batch (or the smaller one an out-of-memory backoff left), grad_accum recomputed."""
-        if "window" not in saved:  # a checkpoint from before windows were kept: the recipe's
-            return cls.of_recipe(cfg, replicas)
-        size, micro = int(saved["window"]), min(cfg.train.batch_size, int(saved["micro_batch"]))
+        recipe = cls.of_recipe(cfg, replicas)
+        if "window" not in saved and "oom_micro_batch" not in saved:  # a fresh start, or a checkpoint from before
+            return recipe  # windows were kept: the recipe's
+        size = int(saved.get("window", recipe.size))
+        micro = min(recipe.micro_batch, *(int(saved[k]) for k in ("micro_batch", "oom_micro_batch") if k in saved))
         accum, rest = divmod(size, micro * replicas)
         if rest or not accum:
             fits = [n for n in range(1, size + 1) if size % (micro * n) == 0]
@@ -68,7 +70,7 @@ class Window:
                     + " (resume_ignore_changes=true for a changed batch_size)."
                 ]
             )
-        window = cls(micro, accum, replicas, int(saved.get("length_group", 64 * cfg.train.batch_size)))
+        window = cls(micro, accum, replicas, int(saved.get("length_group", recipe.length_group)))
         problem = window.resume_problem(cfg)
         if problem:
             raise ConfigError([problem])

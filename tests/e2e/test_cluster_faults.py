@@ -9,14 +9,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import logged_steps
-from test_distributed import _worker_pids, adapter, finetune, losses, run_driver, write
+from conftest import free_port, logged_steps
+from test_distributed import ENV, _worker_pids, adapter, finetune, losses, run_driver, write
 
 pytestmark = pytest.mark.slow
 
@@ -105,12 +107,12 @@ def test_a_run_resumed_on_another_number_of_processes_trains_the_same_examples(r
     ids = str(tmp_path / "moved-ids")
     run_driver(tmp_path, DRIVER, recipe, before, IDS=ids, OVERRIDES="train.max_steps=7")  # stops (checkpoint) at 7
     proc = run_driver(tmp_path, DRIVER, recipe, after, IDS=ids, OVERRIDES="resume=auto")
-    output = proc.stdout + proc.stderr
-    # The run's 4 examples per step, cut for the new number of processes, said in one line.
-    accum = 2 // after
-    assert f"resume: the run's 4 examples per step as 2 x {accum} accum x {after} replicas (it had {before})" in output
     got = trained_per_step(tmp_path / "moved-ids")
     assert got == reference  # every step the same examples: none trained twice, none skipped
+    # The run's 4 examples per step, cut for the new number of processes, said in one line.
+    accum = 2 // after
+    output = proc.stdout + proc.stderr
+    assert f"resume: the run's 4 examples per step as 2 x {accum} accum x {after} replicas (it had {before})" in output
     ref_losses = losses(tmp_path / "ref")
     assert losses(out) == pytest.approx(ref_losses, rel=1e-5)
 
@@ -134,3 +136,50 @@ def test_a_slowed_rank_is_named_as_a_straggler(recipe_dict, tmp_path):
     assert [r.get("straggler_rank") for r in steps] == [None, None, 1, 1, 1, 1]
     assert all(r["compute_s_max_rank"] == 1 and r["compute_s_max"] > 0.3 for r in steps)
     assert all(r["wait_s_max_rank"] == 0 and r["wait_s_max"] > 0.25 for r in steps)  # rank 0 waits for it
+
+
+# The test's own allocation failure, in the workers `finetune run --nproc` starts (sitecustomize runs in every
+# Python process on PYTHONPATH; LOCAL_RANK marks torchrun's workers): rank 1's forward in step $OOM_AT_STEP + 1
+# fails while its micro-batch holds more than 2 examples.
+INJECT = """
+import os
+if os.environ.get("LOCAL_RANK") is not None and os.environ.get("OOM_AT_STEP"):
+    import torch
+    import finetune.trainer.loop as loop
+
+    real = loop.Trainer.compute_loss
+
+    def compute_loss(self, model, batch):
+        step, rows = self.state.step, batch["input_ids"].shape[0]
+        if self.parallel.rank == 1 and step == int(os.environ["OOM_AT_STEP"]) and rows > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (the test's own failure)")
+        return real(self, model, batch)
+
+    loop.Trainer.compute_loss = compute_loss
+"""
+
+
+def test_out_of_memory_on_one_of_two_ranks_restarts_with_half_the_micro_batch(recipe_dict, tmp_path):
+    common = {
+        "train__max_steps": 8,
+        "train__scheduler": "constant",
+        "train__max_grad_norm": None,
+        "checkpoint": {"every_steps": 2},
+    }
+    ref_recipe, ref = write(tmp_path, recipe_dict, "ref", train__batch_size=2, train__grad_accum=2, **common)
+    finetune(str(ref_recipe), "--nproc", "2", cwd=tmp_path)
+    recipe, out = write(tmp_path, recipe_dict, "oom", train__batch_size=4, **common)
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(INJECT)
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(inject), ENV.get("PYTHONPATH", "")]), "OOM_AT_STEP": "4"}
+    cmd = [sys.executable, "-m", "finetune", "run", str(recipe), "--nproc", "2", "--max-restarts", "1", "--no-progress"]
+    proc = subprocess.run(
+        [*cmd, "--master-port", str(free_port())], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "rank 1: out of memory in step 5 at micro-batch 4; the restart uses micro-batch 2" in output
+    assert "resumed from" in output and "grad_accum 2, micro-batch 2 (the recipe says 4 x 1)" in output, output[-4000:]
+    # The same 8 examples per step throughout: the losses of 2 x 2 accum from the start.
+    assert losses(out) == pytest.approx(losses(ref), rel=1e-5)
