@@ -152,8 +152,9 @@ class TrainConfig(_Section):
     oom_backoff: bool = Field(
         True,
         description="out of memory inside a step (CUDA): the step is discarded and retried with half the micro-batch "
-        "and twice grad_accum (the same examples per step, the same token-mean loss), down to batch_size 1; a "
-        "resumed run keeps the smaller micro-batch (trainer/faults.py)",
+        "and twice grad_accum (the same examples per step, the same token-mean loss), down to batch_size 1; on "
+        "several processes the job exits 75 and resumes with it; a resumed run keeps the smaller micro-batch "
+        "(trainer/faults.py)",
     )
     objective: Literal["sft", "dpo", "orpo", "simpo"] = Field(
         "sft",
