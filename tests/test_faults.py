@@ -40,7 +40,7 @@ def test_a_resume_on_other_processes_recomputes_grad_accum(recipe_dict):
     # The line a resume says names the new cut and the recipe's.
     note = Window.resumed(saved, cfg, 1).resume_note(saved, cfg)
     assert note == (
-        "resume: the run's 8 examples per step as 2 x 4 accum x 1 replicas (it had 4): grad_accum 4, micro-batch 2 "
+        "resume: the run's 8 examples per step as 2 x 4 accum x 1 replica (it had 4): grad_accum 4, micro-batch 2 "
         "(the recipe says 2 x 1); the epoch continues where it stopped"
     )
     assert Window.resumed(saved, cfg, 4).resume_note(saved, cfg) is None
@@ -249,7 +249,7 @@ def test_out_of_memory_in_a_step_retries_it_in_half_the_micro_batch(recipe_dict,
     assert [r["loss"] for r in rows] == pytest.approx(ref_losses, rel=1e-6)
     assert [(r["step"], r.get("oom_retries"), r.get("micro_batch")) for r in rows if "oom_retries" in r] == [(5, 1, 4)]
     out = capsys.readouterr().out
-    assert "step 5: out of memory at micro-batch 8; retrying it as 4 x 2 accum x 1 (the same 8 examples per step" in out
+    assert "step 5: out of memory at micro-batch 8; retrying it as 4 x 2 accum x 1 replica (the same 8 examples per step" in out
     # A resume keeps the smaller micro-batch (the recipe still says 8), and so stays out of memory's way.
     more = make_cfg(recipe_dict, output_dir=str(tmp_path / "oom"), resume="auto", **_with(common, batch_size=8, max_steps=10))
     resumed = OutOfMemoryInStep5(more)

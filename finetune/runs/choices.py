@@ -16,6 +16,7 @@ from typing import Any
 from finetune.config.schema import RecipeConfig
 from finetune.errors import HardwareError, ResumeMismatch
 from finetune.hardware import Device, resolve_precision
+from finetune.memory.tiled_mlp import AUTO_TILE_TOKENS
 
 # The recipe keys `auto` resolves on the machine, in the order they are said.
 AUTO_KEYS = ("precision", "distributed.strategy", "model.attn_implementation", "model.kernels", "memory.loss", "memory.tiled_mlp")
@@ -41,7 +42,9 @@ def resolved(cfg: RecipeConfig, precision: str, strategy: str, model: Any, appli
         "model.attn_implementation": str(getattr(config, "_attn_implementation", "unknown")),
         "model.kernels": applied.kernels,
         "memory.loss": "chunked" if chunked_loss else "full",
-        "memory.tiled_mlp": f"{applied.tiled_mlps} MLPs tiled" if applied.tiled_mlps else "off",
+        "memory.tiled_mlp": f"{applied.tiled_mlps} MLPs tiled beyond {AUTO_TILE_TOKENS} positions"
+        if applied.tiled_mlps
+        else "off",
     }
     return {k: found[k] for k in AUTO_KEYS if recipe_value(cfg, k) == "auto"}
 

@@ -371,8 +371,8 @@ class Trainer:
         em_records = build.exact_match_prompts(self.cfg, self.parallel, self.say)
         before = held_out.score(self, em_records, "before training") if state.step == 0 else HeldOutScores()
         self.say(
-            f"training {state.total_steps} steps ({state.steps_per_epoch} per epoch; {self.cfg.train.batch_size} x "
-            f"{self.cfg.train.grad_accum} accum x {self.parallel.layout.copies} = {state.window} {self.unit}/step"
+            f"training {state.total_steps} steps ({state.steps_per_epoch} per epoch; {self.order.split.micro_batch} x "
+            f"{self.order.split.accum} accum x {self.parallel.layout.copies} = {state.window} {self.unit}/step"
             f"{self.order.untrained_per_epoch}), precision {self.precision}"
         )
         self.model.train()

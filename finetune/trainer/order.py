@@ -93,7 +93,7 @@ class Window:
             return None
         before = f" (it had {saved['replicas']})" if saved.get("replicas") not in (None, self.replicas) else ""
         return (
-            f"resume: the run's {self.size} examples per step as {self.describe()} replicas{before}: "
+            f"resume: the run's {self.size} examples per step as {self.describe()}{before}: "
             f"grad_accum {self.accum}, micro-batch {self.micro_batch} (the recipe says {cfg.train.batch_size} x "
             f"{cfg.train.grad_accum}); the epoch continues where it stopped"
         )
@@ -107,7 +107,7 @@ class Window:
         return Window(smaller, per_replica // smaller, self.replicas, self.length_group)
 
     def describe(self) -> str:
-        return f"{self.micro_batch} x {self.accum} accum x {self.replicas}"
+        return f"{self.micro_batch} x {self.accum} accum x {self.replicas} replica{'s' if self.replicas != 1 else ''}"
 
 
 class DataOrder:
