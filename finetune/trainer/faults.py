@@ -1,10 +1,10 @@
 """What a run survives without losing a step: out of memory inside a step, a rank that stops
 answering (a hang, a lost node), and the host-side hang no collective would notice.
 
-    window = back_off(err, order.split, cfg, world, step)   # the same window in smaller micro-batches
-    with Watchdog(cfg.distributed.timeout_s, peers) as dog:  # exit 75 if no step ends in time
-        ... dog.beat() after every step ...
-    if lost_peer(err, world): leave(peers)                   # a collective failed: exit 75, restartable
+    totals, retried = window_gradients(trainer)      # out of memory: the same step in half the micro-batch
+    with Watchdog(cfg.distributed.timeout_s, peers, world) as dog:   # exit 75 when no step ends in time
+        ...                                          # each step's end beats; dog.paused() around evals and saves
+    leave_if_peer_lost(err, peers, parallel)         # a collective failed: exit 75, restartable
 
 Exit 75 (errors.Preempted's code) tells torchrun --max-restarts, Slurm and Kubernetes to start the
 job again; resume=auto then continues from the last complete checkpoint (checkpoints are written
@@ -37,9 +37,8 @@ from finetune.trainer.order import Window
 
 GRACE_S = 20  # the watchdog's margin over distributed.timeout_s: a collective's own timeout should speak first
 
-# How a collective says its peer is gone: gloo's timeouts and closed sockets (plain RuntimeErrors), NCCL's
-# watchdog, and c10d's own errors.
-_PEER_GONE = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer", "NCCL", "Broken pipe")
+# How gloo says a peer is gone (plain RuntimeErrors); NCCL's watchdog and c10d raise torch.distributed.DistError.
+_PEER_GONE = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 class PeerLost(Preempted):
