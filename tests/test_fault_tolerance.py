@@ -203,7 +203,7 @@ def test_the_watchdog_leaves_restartable_when_no_step_ends(monkeypatch, tmp_path
             assert not exited.wait(1.0)
         assert exited.wait(10), "the watchdog did not fire"
     assert codes == [75]
-    assert (tmp_path / "rank3").read_text() == "75"
+    assert (tmp_path / "round0.rank3").read_text() == "75"
     # One process waits for nobody: no watch.
     with faults.Watchdog(0.1, world=1) as dog:
         assert not dog._thread.is_alive()
@@ -335,3 +335,52 @@ def test_the_plan_says_when_a_step_would_outlast_the_watchdog():
         "a step (~2352 s) outlasts distributed.timeout_s (600): the host watchdog ends the job after timeout_s + 20 s; "
         "set distributed.timeout_s=3530"
     ]
+
+
+def test_the_launcher_says_75_only_when_every_worker_of_the_last_round_left_restartable(tmp_path):
+    from finetune.parallel.launch import job_exit
+
+    def said(**codes: int) -> int | None:
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        for name, code in codes.items():
+            (folder / name.replace("_", ".")).write_text(str(code))
+        return job_exit(folder)
+
+    assert said(round0_rank0=75) == 75  # a frozen rank 1 said nothing: it was stopped
+    assert said(round0_rank0=75, round0_rank1=1) is None  # rank 1 failed on an error: no restart fixes it
+    assert said(round0_rank0=75, round0_rank1=2) is None
+    assert said(round0_rank1=1, round1_rank0=75, round1_rank1=75) == 75  # the last round is what ended the job
+    assert said(round0_rank0=75, round1_rank1=1) is None
+    assert said() is None
+
+
+def test_a_leaving_rank_stops_only_its_own_launchers_workers(monkeypatch):
+    import subprocess
+    import sys
+
+    from finetune.parallel.health import RankInfo
+
+    monkeypatch.setattr(faults, "PEERS_GRACE_S", 0.5)
+    monkeypatch.setattr(faults, "mark_exit", lambda code: None)
+    # A process of this host that is not a sibling (its parent is this test, not this test's parent).
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        here = faults.socket.gethostname()
+        faults.leave([RankInfo(rank=1, host=here, pid=child.pid)], "a test")
+        with pytest.raises(subprocess.TimeoutExpired):  # still running a second later: not ours to stop
+            child.wait(timeout=1)
+        # Negative control: seen as a sibling (the same parent), it is stopped after the grace.
+        monkeypatch.setattr(faults.os, "getppid", lambda: faults.os.getpid())
+        faults.leave([RankInfo(rank=1, host=here, pid=child.pid)], "a test")
+        assert child.wait(10) == -9
+    finally:
+        child.kill()
+
+
+def test_an_explicit_batch_size_change_is_the_users(recipe_dict):
+    cfg = cfg_of(recipe_dict, batch_size=4)
+    saved = {"window": 8, "micro_batch": 2, "length_group": 128, "recipe": {"train": {"batch_size": 2}}}
+    assert Window.resumed(saved, cfg, 1) == Window(4, 2, 1, 128)  # asked for 4 (it was 2): 4 x 2
+    kept = {**saved, "recipe": {"train": {"batch_size": 4}}}  # the recipe says 4 as before, 2 after a backoff: 2
+    assert Window.resumed(kept, cfg, 1) == Window(2, 4, 1, 128)

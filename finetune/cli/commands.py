@@ -32,7 +32,7 @@ from pathlib import Path
 from finetune.config.schema import check_recipe_dict, find_recipe, read_recipe, recipe_description, shipped_recipes
 from finetune.data import FORMATS, get_format
 from finetune.errors import ConfigError, FinetuneError, Preempted
-from finetune.parallel.launch import launch_command, launch_env, run_launcher
+from finetune.parallel.launch import launch_command, launch_env, mark_exit, run_launcher
 from finetune.runs.preflight import preflight
 
 EXIT_OK, EXIT_BUG, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -480,19 +480,23 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = list(args.overrides) + extra
     _quiet_libraries()
+    code = 1  # an exception of another kind: Python's own exit code, with its traceback
     try:
-        return args.func(args)
+        code = args.func(args)
     except Preempted as exc:
         print(f"{exc.label}: {exc}", file=sys.stderr)
-        return EXIT_PREEMPTED
+        code = EXIT_PREEMPTED
     except FinetuneError as exc:
         if args.debug:
             traceback.print_exc()
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_INPUT
+        code = EXIT_INPUT
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        code = EXIT_INTERRUPTED
+    finally:
+        mark_exit(code)  # a worker of `finetune run --nproc`: how it ended, for the launcher
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover

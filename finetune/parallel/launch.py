@@ -20,7 +20,24 @@ from pathlib import Path
 
 from finetune.errors import Preempted
 
-EXIT_DIR = "FINETUNE_EXIT_DIR"  # a folder where each worker that leaves with exit 75 writes rankN (trainer/faults.py)
+EXIT_DIR = "FINETUNE_EXIT_DIR"  # a folder where each worker writes its exit code as roundR.rankN (mark_exit)
+
+
+def mark_exit(code: int) -> None:
+    """Tell the launcher of `finetune run --nproc` how this worker ends (torchrun says only 'failed'): a crash
+    on one rank makes its peers see a closed connection and leave restartable, but the job is not."""
+    folder = os.environ.get(EXIT_DIR)
+    if folder and os.path.isdir(folder):
+        name = f"round{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}.rank{os.environ.get('RANK', '0')}"
+        Path(folder, name).write_text(str(code))
+
+
+def job_exit(folder: Path) -> int | None:
+    """75 when every worker that said how it ended in the last restart round left restartable; None otherwise."""
+    said = [(int(p.name[5:].split(".")[0]), p.read_text()) for p in folder.glob("round*.rank*")]
+    last = max((r for r, _ in said), default=None)
+    codes = {code for r, code in said if r == last}
+    return Preempted.exit_code if codes == {str(Preempted.exit_code)} else None
 
 
 def launch_command(args: argparse.Namespace) -> list[str]:
@@ -58,6 +75,9 @@ def launch_env(args: argparse.Namespace) -> dict[str, str]:
     store sharing makes rank 0 of every round host a new store.
     """
     env = dict(os.environ)
+    # NCCL's watchdog raises in the training thread at distributed.timeout_s (2) instead of killing the process
+    # (torchrun's 1): the rank then leaves restartable (trainer/faults.py). Unverified on a GPU here.
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     if args.max_restarts > 0:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
@@ -88,17 +108,17 @@ def run_launcher(cmd: list[str], env: dict[str, str] | None = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    restartable = sorted(p.name for p in Path(exits.name).iterdir())
+    restartable = job_exit(Path(exits.name))
     exits.cleanup()
     if forwarded and rc != 0:
         # The workers checkpointed and stopped (exit 75); torchrun reports that as a failure.
         print("preempted: the workers saved a checkpoint; rerun the same command with resume=auto", file=sys.stderr)
         return Preempted.exit_code
     if restartable and rc != 0:
-        # A rank found another gone or hung (trainer/faults.py) and left restartable; torchrun says only "failed".
+        # Ranks found another gone or hung (trainer/faults.py), and none failed otherwise: a restart fixes it.
         print(
-            f"{', '.join(restartable)} left restartable (a rank stopped answering): rerun the same command with "
-            "resume=auto (or give --max-restarts) to continue from the last complete checkpoint",
+            "the workers left restartable (a rank stopped answering or ran out of memory): rerun the same command "
+            "with resume=auto (or give --max-restarts) to continue from the last complete checkpoint",
             file=sys.stderr,
         )
         return Preempted.exit_code

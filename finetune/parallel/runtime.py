@@ -48,6 +48,8 @@ from finetune.parallel.rank_state import RankState, rng_states
 from finetune.parallel.tensor import TensorParallel, draw_lora_as_one_process, narrowed, split_dim
 from finetune.parallel.tensor import problems as tensor_problems
 
+SETUP_TIMEOUT_S = 1800  # collectives' timeout before training starts and after it ends (gloo's default)
+
 
 def make_accelerator(precision: str, cfg: RecipeConfig | None = None):
     """accelerate's Accelerator for this launch; with DeepSpeed's plugin when the recipe asks for
@@ -56,14 +58,12 @@ def make_accelerator(precision: str, cfg: RecipeConfig | None = None):
     from accelerate.state import AcceleratorState
     from accelerate.utils import InitProcessGroupKwargs
 
-    # accelerate keeps one mixed-precision setting per process and refuses a second
-    # Trainer with another; the setting is ours to choose per run (the process group,
-    # in PartialState, is kept).
+    # accelerate keeps one mixed-precision setting per process and refuses a second Trainer with
+    # another; the setting is ours to choose per run (the process group, in PartialState, is kept).
     AcceleratorState._reset_state()
-    mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[precision]
-    cpu = not torch.cuda.is_available()
-    # Collectives wait distributed.timeout_s for the others, then fail: a rank leaves restartable (trainer/faults.py).
-    timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.distributed.timeout_s if cfg else 600))
+    mixed, cpu = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[precision], not torch.cuda.is_available()
+    # Setup (rank 0 tokenizing, models loading) may wait long; from the first step, distributed.timeout_s (faults.py).
+    timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=max(SETUP_TIMEOUT_S, cfg.distributed.timeout_s if cfg else 0)))
     if cfg is None or cfg.distributed.strategy != "deepspeed" or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # set for good by an earlier DeepSpeed Accelerator
         return Accelerator(mixed_precision=mixed, cpu=cpu, kwargs_handlers=[timeout])

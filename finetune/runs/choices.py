@@ -42,9 +42,7 @@ def resolved(cfg: RecipeConfig, precision: str, strategy: str, model: Any, appli
         "model.attn_implementation": str(getattr(config, "_attn_implementation", "unknown")),
         "model.kernels": applied.kernels,
         "memory.loss": "chunked" if chunked_loss else "full",
-        "memory.tiled_mlp": f"{applied.tiled_mlps} MLPs tiled beyond {AUTO_TILE_TOKENS} positions"
-        if applied.tiled_mlps
-        else "off",
+        "memory.tiled_mlp": f"MLPs tiled beyond {AUTO_TILE_TOKENS} positions" if applied.tiled_mlps else "off",
     }
     return {k: found[k] for k in AUTO_KEYS if recipe_value(cfg, k) == "auto"}
 

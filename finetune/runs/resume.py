@@ -180,7 +180,9 @@ class Resume:
         optimizer_state: dict[str, Any] | None = None,
         rank_states: list[RankState] | None = None,
     ) -> Path:
-        """Write checkpoints/step-N (rank 0 only calls this; the states are gathered already)."""
+        """Write checkpoints/step-N (rank 0 only calls this; the states are gathered already). A note of an
+        out-of-memory restart goes once a checkpoint holds the smaller micro-batch it asked for."""
+        (self.out / OOM_BACKOFF).unlink(missing_ok=True)
         return save_checkpoint(
             self.out,
             step,

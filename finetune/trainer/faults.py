@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +31,24 @@ import torch
 
 from finetune.config.schema import RecipeConfig
 from finetune.errors import Preempted, TrainingError
-from finetune.parallel.launch import EXIT_DIR
+from finetune.parallel.launch import mark_exit
+from finetune.parallel.runtime import SETUP_TIMEOUT_S
 from finetune.runs.checkpoint import checkpoint_dir
 from finetune.runs.resume import OOM_BACKOFF
 from finetune.trainer.order import Window
 
 GRACE_S = 20  # the watchdog's margin over distributed.timeout_s: a collective's own timeout should speak first
+PEERS_GRACE_S = 5  # how long a rank that leaves lets this host's other ranks end on their own before it stops them
 
-# How gloo says a peer is gone (plain RuntimeErrors); NCCL's watchdog and c10d raise torch.distributed.DistError.
-_PEER_GONE = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
+# How a collective says its peer is gone: gloo (plain RuntimeErrors), NCCL's watchdog (DistBackendError).
+_PEER_GONE = (
+    "Timed out waiting",  # gloo
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Watchdog caught collective operation timeout",  # NCCL
+    "NCCL communicator was aborted",
+)
 
 
 class PeerLost(Preempted):
@@ -59,9 +69,11 @@ def back_off(err: BaseException, split: Window, cfg: RecipeConfig, step: int) ->
     """The window in half as large micro-batches after an out-of-memory in step `step` (train.oom_backoff),
     or a TrainingError saying why there is none."""
     smaller = split.halved()
-    if cfg.train.oom_backoff and smaller is not None:
+    fixed = smaller.resume_problem(cfg) if smaller else None  # a pipeline or DeepSpeed: from the recipe only
+    if cfg.train.oom_backoff and smaller is not None and not fixed:
         return smaller
     why = "train.oom_backoff is off" if smaller else "the micro-batch is one example already"
+    why = "the pipeline's or DeepSpeed's micro-batches come from the recipe" if fixed and cfg.train.oom_backoff else why
     fix = f"train.batch_size={smaller.micro_batch} train.grad_accum={smaller.accum}" if smaller else "a memory mode"
     raise TrainingError(
         f"out of memory in step {step} at micro-batch {split.micro_batch} ({why}): {str(err).splitlines()[0][:200]}",
@@ -121,6 +133,17 @@ def after_nonfinite(trainer: Any, row: dict[str, Any], progress: Any) -> None:
     progress.write(f"{where}: non-finite, {parallel.after_nonfinite(None)} ({trainer.state.skipped_steps} so far)")
 
 
+def set_timeouts(seconds: float) -> None:
+    """Every process group's collectives (the default one, and those a layout made) wait at most `seconds`."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in list(c10d._world.pg_map):
+        try:
+            c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+        except (ValueError, RuntimeError, AssertionError):  # a group of ranks this one is not in
+            continue
+
+
 def free_memory() -> None:
     """What a failed step held goes back to the allocator (and CUDA's cache to the driver)."""
     gc.collect()
@@ -132,8 +155,11 @@ def lost_peer(err: BaseException, world: int) -> bool:
     """Whether `err` is a collective that failed because another rank is gone or silent."""
     if world <= 1:
         return False
-    dist_error = getattr(torch.distributed, "DistError", ())
-    return isinstance(err, dist_error) or (isinstance(err, RuntimeError) and any(s in str(err) for s in _PEER_GONE))
+    gone = tuple(getattr(torch.distributed, n) for n in ("DistNetworkError", "DistStoreError") if hasattr(torch.distributed, n))
+    if isinstance(err, gone):
+        return True
+    # A backend error is a lost peer only when it says so (a timeout, an abort): not NCCL's invalid usage (a bug).
+    return isinstance(err, RuntimeError) and any(s in str(err) for s in _PEER_GONE)
 
 
 def leave_if_peer_lost(err: BaseException, peers: Sequence[Any], parallel: Any) -> None:
@@ -146,37 +172,47 @@ def leave_if_peer_lost(err: BaseException, peers: Sequence[Any], parallel: Any) 
 
 
 def leave(peers: Sequence[Any], reason: str) -> None:
-    """Leave the job restartable: say why, stop this host's other ranks (a frozen one would hold its
-    launcher for the whole shutdown grace), and mark the exit for `finetune run --nproc`'s launcher."""
+    """Leave the job restartable: say why, mark the exit for `finetune run --nproc`'s launcher, and stop this
+    host's other ranks that have not ended within PEERS_GRACE_S (a frozen one would hold its launcher for
+    the whole shutdown grace); a rank ending on an error of its own has the time to say so first."""
     print(
         f"error: {reason}; exiting 75 (restartable): resume=auto continues from the last complete checkpoint",
         file=sys.stderr,
         flush=True,
     )
-    mark_restartable()
-    here, me = socket.gethostname(), os.getpid()
-    for peer in peers:
-        if getattr(peer, "host", None) == here and getattr(peer, "pid", me) != me:
-            try:
-                os.kill(peer.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+    mark_exit(Preempted.exit_code)
+    here, launcher = socket.gethostname(), os.getppid()
+    mine = [p.pid for p in peers if getattr(p, "host", None) == here and p.pid != os.getpid() and _parent(p.pid) == launcher]
+    deadline = time.monotonic() + PEERS_GRACE_S
+    while mine and time.monotonic() < deadline:
+        time.sleep(0.2)
+        mine = [pid for pid in mine if _parent(pid) == launcher]
+    for pid in mine:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
-def mark_restartable() -> None:
-    """Tell the launcher of `finetune run --nproc` this worker left with exit 75 (torchrun says only 'failed')."""
-    folder = os.environ.get(EXIT_DIR)
-    if folder:
-        Path(folder, f"rank{os.environ.get('RANK', '0')}").write_text(str(Preempted.exit_code))
+def _parent(pid: int) -> int | None:
+    """The parent of a live process (None once it ended): a peer shares this rank's launcher (torchrun's
+    agent), never a process of another container that happens to have the same pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] == "Z" else int(fields[1])  # a zombie has ended: nothing to stop
 
 
 class Watchdog:
-    """A host thread that ends this process with exit 75 when no step ends for timeout_s + GRACE_S:
-    the hang no collective timeout sees (a host-side loop, a stuck read, a driver call)."""
+    """A host thread that ends this process with exit 75 when no step ends for timeout_s + GRACE_S (or 3 x
+    the longest step so far, + GRACE_S): the hang no collective timeout sees (a host-side loop, a stuck
+    read, a driver call)."""
 
     def __init__(self, timeout_s: float, peers: Sequence[Any] = (), world: int = 2):
         """peers: the ranks (health.RankInfo: host, pid) to stop on the way out; world 1: no watch."""
-        self.limit, self.peers, self.world = timeout_s + GRACE_S, peers, world
+        self.limit, self.peers, self.world, self.timeout_s = timeout_s + GRACE_S, peers, world, timeout_s
         self._last = time.monotonic()
         self._paused = 0
         self._stop = threading.Event()
@@ -184,28 +220,39 @@ class Watchdog:
 
     def __enter__(self) -> Watchdog:
         if self.world > 1:  # one process waits for nobody: its long steps (long context) are not hangs
+            set_timeouts(self.timeout_s)
             self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
+        if self.world > 1 and not exc[0]:  # the final eval, save and exact match: setup's patience again
+            set_timeouts(max(SETUP_TIMEOUT_S, self.timeout_s))
 
     def beat(self) -> None:
-        self._last = time.monotonic()
+        """A step ended: the limit grows with the longest step seen."""
+        now = time.monotonic()
+        self.limit = max(self.limit, 3 * (now - self._last) + GRACE_S)
+        self._last = now
 
     @contextmanager
     def paused(self) -> Iterator[None]:
-        """Work bounded by collectives of its own (an eval, a checkpoint) is not a step."""
+        """After a step (which it counts): work bounded by collectives of its own (an eval, a checkpoint)."""
+        self.beat()
         self._paused += 1
         try:
             yield
         finally:
             self._paused -= 1
-            self.beat()
+            self._last = time.monotonic()  # the next step starts now
 
     def _watch(self) -> None:
         while not self._stop.wait(min(5.0, self.limit / 4)):
             idle = time.monotonic() - self._last
             if not self._paused and idle > self.limit:
-                leave(self.peers, f"no training step ended for {idle:.0f} s (distributed.timeout_s + {GRACE_S} s)")
+                leave(
+                    self.peers,
+                    f"no training step ended for {idle:.0f} s (distributed.timeout_s + {GRACE_S} s, or 3 x the "
+                    "longest step so far); if steps are this long, raise distributed.timeout_s",
+                )
                 os._exit(Preempted.exit_code)

@@ -57,6 +57,8 @@ class Window:
             return recipe  # windows were kept: the recipe's
         size = int(saved.get("window", recipe.size))
         micro = min(recipe.micro_batch, *(int(saved[k]) for k in ("micro_batch", "oom_micro_batch") if k in saved))
+        if saved.get("recipe", {}).get("train", {}).get("batch_size", recipe.micro_batch) != recipe.micro_batch:
+            micro = recipe.micro_batch  # the user changed train.batch_size for this launch: theirs
         accum, rest = divmod(size, micro * replicas)
         if rest or not accum:
             fits = [n for n in range(1, size + 1) if size % (micro * n) == 0]
