@@ -92,6 +92,10 @@ class TrainingError(FinetuneError):
     """Training cannot continue meaningfully (e.g. the loss became NaN/inf)."""
 
 
+class RewardError(TrainingError):
+    """A reward of train.objective=grpo failed: it raised, returned no finite number, or a record lacks its column."""
+
+
 class RunDirError(FinetuneError):
     """A directory given as a finished run (or an export of one) lacks what that needs."""
 
