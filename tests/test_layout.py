@@ -82,7 +82,7 @@ PACKAGE_ORDER = {
         "launch",
     ],
     "runs": ["report", "checkpoint", "resume", "choices", "evaluate", "preflight", "open", "merge", "export"],
-    "objectives": ["table", "loss", "preference"],
+    "objectives": ["table", "loss", "preference", "rewards", "sampling", "grpo"],
     "trainer": ["state", "callbacks", "schedule", "order", "profiling", "watch", "faults", "held_out", "build", "loop"],
     "cli": ["commands"],
 }

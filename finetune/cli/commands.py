@@ -32,7 +32,7 @@ from pathlib import Path
 from finetune.config.schema import check_recipe_dict, find_recipe, read_recipe, recipe_description, shipped_recipes
 from finetune.data import FORMATS, get_format
 from finetune.errors import ConfigError, FinetuneError, Preempted
-from finetune.parallel.launch import launch_command, launch_env, mark_exit, run_launcher
+from finetune.parallel.launch import add_launch_arguments, launch_command, launch_env, mark_exit, run_launcher
 from finetune.runs.preflight import preflight
 
 EXIT_OK, EXIT_BUG, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -117,7 +117,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         return run_launcher(cmd, launch_env(args))
     print(f"recipe {find_recipe(args.recipe)} -> {cfg.output_dir}")
-    trainer = Trainer(cfg, tokenizer=report.tokenizer, progress=not args.no_progress)
+    from finetune.objectives.rewards import load_reward_file
+
+    reward_fns = load_reward_file(args.rewards) if args.rewards else ()
+    trainer = Trainer(cfg, tokenizer=report.tokenizer, progress=not args.no_progress, reward_fns=reward_fns)
     try:
         trainer.train()
     finally:
@@ -351,18 +354,10 @@ def _add_recipe_commands(sub) -> None:
     run.add_argument(
         "--profile", metavar="STEPS", help="record optimizer steps with torch.profiler, e.g. 5-7 (= profile.steps=5-7)"
     )
-    dist = run.add_argument_group("multi-process (through torchrun)")
-    dist.add_argument("--nproc", type=int, default=1, help="processes on this node, one per GPU (default 1)")
-    dist.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
-    dist.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1")
-    dist.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (rendezvous host)")
-    dist.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0")
-    dist.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        help="restart all workers this often when one fails; they resume from the last checkpoint",
+    run.add_argument(
+        "--rewards", metavar="FILE.py", help="grpo: your rewards (REWARDS = [...] or reward_* functions); recipes never name code"
     )
+    add_launch_arguments(run)
     run.set_defaults(func=cmd_run)
 
     val = sub.add_parser("validate", help="check a recipe without loading weights; lists every problem")

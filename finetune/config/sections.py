@@ -14,7 +14,7 @@ from finetune.parallel import zero_config
 
 # data.format: the formats of finetune/data/formats/, one module each (that package checks this
 # list against its registry on import; config cannot import it: imports flow one way).
-DataFormat = Literal["alpaca", "completion", "input_output", "messages", "preference", "sharegpt", "text"]
+DataFormat = Literal["alpaca", "completion", "input_output", "messages", "preference", "prompt", "sharegpt", "text"]
 
 
 class _Section(BaseModel):
@@ -134,6 +134,20 @@ class LoraConfig(_Section):
         return "lora.dora=true" if self.dora else f"lora.method={self.method}"
 
 
+class RewardSpec(_Section):
+    """One built-in reward of train.objective=grpo (finetune/objectives/rewards.py), with its weight and options."""
+
+    name: Literal["exact_match", "contains", "format", "numeric", "length", "json"] = Field(
+        description="exact_match | contains (the record's `column` in the completion) | format (`pattern` found) | "
+        "numeric (the last number equals `column`'s, fractions normalised) | length (penalty past `target` "
+        "characters) | json (the completion parses as JSON)"
+    )
+    weight: float = Field(1.0, description="its share of the total reward (negative: a penalty)")
+    column: str | None = Field(None, description="exact_match, contains, numeric: the record's column with the answer")
+    pattern: str | None = Field(None, description="format: a regular expression the completion must contain")
+    target: int | None = Field(None, ge=1, description="length: characters before the penalty starts")
+
+
 class TrainConfig(_Section):
     max_steps: int | None = Field(None, ge=1, description="optimizer steps; overrides epochs")
     epochs: int = Field(1, ge=1)
@@ -156,15 +170,55 @@ class TrainConfig(_Section):
         "several processes the job exits 75 and resumes with it; a resumed run keeps the smaller micro-batch "
         "(trainer/faults.py)",
     )
-    objective: Literal["sft", "dpo", "orpo", "simpo"] = Field(
+    objective: Literal["sft", "dpo", "orpo", "simpo", "grpo"] = Field(
         "sft",
         description="sft: next-token loss on the responses; dpo, orpo, simpo: preference tuning on "
-        "data.format=preference pairs (finetune/objectives/table.py)",
+        "data.format=preference pairs; grpo: online RL from train.rewards on data.format=prompt "
+        "(finetune/objectives/table.py)",
     )
     beta: float | None = Field(
-        None, gt=0, description="preference strength; null: dpo 0.1 (KL to the reference), orpo 0.1, simpo 2.0"
+        None,
+        ge=0,
+        description="preference strength; null: dpo 0.1 (KL to the reference), orpo 0.1, simpo 2.0; grpo: the KL "
+        "penalty to the base (the adapter off), null: 0 (no reference pass)",
     )
     simpo_gamma: float | None = Field(None, ge=0, description="simpo: target reward margin; null: beta / 2")
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
+        "grpo",
+        description="grpo: each completion's token mean, averaged; dr_grpo: tokens summed over max_new_tokens "
+        "(Dr. GRPO: no length bias); dapo: the mean over every completion token of the step, clip-higher",
+    )
+    num_generations: int = Field(4, ge=2, description="grpo: completions sampled per prompt (the group)")
+    epsilon: float = Field(0.2, gt=0, lt=1, description="grpo: the ratio clip, 1 - epsilon .. 1 + epsilon_high")
+    epsilon_high: float | None = Field(None, gt=0, description="grpo: the upper clip; null: epsilon (dapo: 0.28)")
+    max_new_tokens: int = Field(32, ge=1, description="grpo: the longest completion sampled")
+    temperature: float = Field(1.0, gt=0, description="grpo: sampling temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="grpo: nucleus sampling")
+    stop: list[str] = Field(
+        default_factory=list,
+        description="grpo: a completion also ends where one of these strings appears (it is trained up to there; "
+        "the rewards read the text before it), as at an end token",
+    )
+    rewards: list[RewardSpec] = Field(
+        default_factory=list,
+        description="grpo: built-in rewards, weighted; your own Python rewards only through "
+        "Trainer(reward_fns=...) or `finetune run --rewards FILE.py`, never named by a recipe",
+    )
+
+    @field_validator("rewards", mode="before")
+    @classmethod
+    def _built_in(cls, value: Any) -> Any:
+        # A recipe names built-in rewards only: a file or a function is code, which only the user passes.
+        known = ("exact_match", "contains", "format", "numeric", "length", "json")
+        for j, spec in enumerate(value if isinstance(value, list) else []):
+            name = spec.get("name") if isinstance(spec, dict) else spec
+            if name not in known:
+                raise ValueError(
+                    f"[{j}] names {name!r}, not a built-in reward ({' | '.join(known)}); your own Python rewards go "
+                    "through `finetune run --rewards FILE.py` or Trainer(reward_fns=[...]), never a recipe"
+                )
+        return value
+
     precompute_reference: bool = Field(
         False,
         description="dpo: the reference log-probabilities computed in one pass before training and cached, "

@@ -175,6 +175,10 @@ class Collator:
 
         if not examples:
             raise ValueError("Collator got an empty batch")
+        if "record" in examples[0]:  # prompts of an online objective (data/prompts.py): left-padded
+            from finetune.data.prompts import collate_prompts
+
+            return collate_prompts(examples, self.pad_token_id)
         if "chosen" in examples[0]:  # preference pairs: B chosen rows, then their B rejected rows
             batch = self([ex["chosen"] for ex in examples] + [ex["rejected"] for ex in examples])
             if "reference_logps" in examples[0]:  # precomputed: (chosen, rejected) of each pair

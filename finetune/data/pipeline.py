@@ -259,8 +259,16 @@ def build_datasets(cfg: RecipeConfig, tokenizer: Any, *, use_cache: bool | None 
     the tokenizer saved with the adapter renders prompts as training did).
     use_cache defaults to data.cache.
     """
-    d = cfg.data
     _chat_template_needed(cfg, tokenizer)
+    if cfg.data.format == "prompt":  # an online objective's prompts: rendered and tokenized, nothing masked or cached
+        from finetune.data.prompts import build_prompts
+
+        return build_prompts(cfg, tokenizer)
+    return _tokenized(cfg, tokenizer, use_cache)
+
+
+def _tokenized(cfg: RecipeConfig, tokenizer: Any, use_cache: bool | None) -> DataBundle:
+    d = cfg.data
     use_cache = d.cache if use_cache is None else use_cache
     entry = cache_root(cfg) / cache_key(cfg, tokenizer, _content_ids(cfg)) if use_cache else None
     cached = _cached_bundle(entry, d.mask_check) if entry is not None else None

@@ -1,8 +1,11 @@
 """Training objectives: what a step minimises.
 
-table       train.objective (sft | dpo | orpo | simpo): what each needs, one table (config, planner);
+table       train.objective (sft | dpo | orpo | simpo | grpo): what each needs, one table (config, planner);
             stands before config/
-loss        the Loss protocol every objective implements (summed loss and units, metric sums);
+loss        the Loss protocol every objective implements (summed loss and units, metric sums, prepare);
             CausalLMLoss, the user's function as FunctionLoss
 preference  dpo / orpo / simpo losses, the adapter-off reference and its precomputed table
+rewards     grpo's reward functions: the built-ins a recipe names, the user's own (API, --rewards FILE.py)
+sampling    completions sampled from the training model itself, cut at end tokens and stop strings
+grpo        GRPO / Dr. GRPO / DAPO: completions sampled and scored in prepare(), the clipped objective
 """

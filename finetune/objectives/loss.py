@@ -62,9 +62,12 @@ class Loss:
     ranks_pairs        held-out pairs are scored by how the model ranks them (preference objectives)
     fit(model)         adapt to the loaded model: the LM head on target positions only where it can
     use_memory(...)    memory.loss (chunked, liger) where the objective runs the head itself
+    prepare(model, batches)   the step's micro-batches made trainable (an online objective samples them)
+    metric_means(sums, units) the step's metrics from their sums over every micro-batch and process
     """
 
     ranks_pairs = False
+    scores_held_out_loss = True  # an online objective's prompts have no targets to score a loss on
     head_on_targets_only = False
     metric_keys: tuple[str, ...] = ()  # what metric_sums() returns, known before a call (a pipeline's stages all sum them)
     needs_reference = False  # dpo: the loss compares with the same rows' forward with the adapter off
@@ -78,8 +81,17 @@ class Loss:
     def metric_sums(self) -> dict[str, float]:
         return {}
 
+    def metric_means(self, sums: dict[str, float], units: float) -> dict[str, float]:
+        return {k: v / units for k, v in sums.items()}
+
+    def prepare(self, model, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return batches
+
     def fit(self, model) -> None:
         self.head_on_targets_only = takes_boolean_logits_to_keep(model)
+
+    def use_tokenizer(self, tokenizer) -> None:
+        """The run's tokenizer, for an objective that writes text (grpo's completions)."""
 
     def use_memory(self, mode: str, chunk: int, device: torch.device, sharded: bool) -> None:
         """Only the causal-LM loss runs its head in chunks; other objectives train on their full logits."""

@@ -8,6 +8,9 @@
             plus beta x an odds-ratio term; no reference model
     simpo   Simple Preference Optimization (Meng et al. 2024): the length-normalised margin
             with a target gap simpo_gamma; no reference model
+    grpo    Group Relative Policy Optimization (Shao et al. 2024), online: completions sampled from
+            the model itself, scored by train.rewards, each group's rewards normalised into
+            advantages (objectives/grpo.py); a KL term to the base when train.beta > 0
 
 config asks `problems(cfg)` for the recipe's cross-field rules; the trainer builds the loss
 from finetune/objectives/preference.py; the planner reads `sequences_per_example`,
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.errors import Rule, broken
+from finetune.parallel import strategies
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,7 @@ class Objective:
     default_beta: float | None  # train.beta when the recipe leaves it null
     beta_means: str  # what beta is, for messages and the recipe comment
     per_token: bool = False  # its rewards use the mean log-probability of a response, not the sum
+    online: bool = False  # trains on completions it samples itself from data.format=prompt (grpo)
 
     @property
     def sequences_per_example(self) -> int:
@@ -57,9 +62,12 @@ OBJECTIVES: dict[str, Objective] = {
             "orpo", pairs=True, reference=False, default_beta=0.1, beta_means="the weight of the odds-ratio term", per_token=True
         ),
         Objective("simpo", pairs=True, reference=False, default_beta=2.0, beta_means="the reward scale", per_token=True),
+        # Its reference pass (the adapter off) runs only when train.beta > 0: reference stays False.
+        Objective("grpo", pairs=False, reference=False, default_beta=0.0, beta_means="the KL penalty to the base", online=True),
     )
 }
 PREFERENCE_FORMAT = "preference"  # the data.format of preference pairs
+PROMPT_FORMAT = "prompt"  # the data.format of online objectives: prompts only, completions sampled
 
 
 def get(name: str) -> Objective:
@@ -96,6 +104,40 @@ RULES: tuple[Rule[Any], ...] = (
         ),
     ),
     Rule(
+        lambda cfg: _objective(cfg).online and _formats(cfg) != {PROMPT_FORMAT},
+        lambda cfg: (
+            f"train.objective={_objective(cfg).name} samples its own completions of prompts, but data.format is "
+            f"{'/'.join(sorted(_formats(cfg)))}. Set data.format=prompt (records with a prompt, and the columns your "
+            "rewards read) or train.objective=sft."
+        ),
+    ),
+    Rule(
+        lambda cfg: not _objective(cfg).online and PROMPT_FORMAT in _formats(cfg),
+        "data.format=prompt holds prompts without answers to train on; set train.objective=grpo (online RL from "
+        "train.rewards), or give SFT data (e.g. data.format=completion).",
+    ),
+    Rule(
+        lambda cfg: _objective(cfg).online and cfg.data.packing,
+        "data.packing with train.objective=grpo: each prompt's completions are sampled and scored as rows of their "
+        "own. Set data.packing=false.",
+    ),
+    Rule(
+        lambda cfg: _objective(cfg).online and cfg.train.beta and (cfg.lora is None or cfg.lora.method == "pissa"),
+        "train.beta > 0 with train.objective=grpo compares with the base model (the adapter switched off); full "
+        "fine-tuning (lora: null) and lora.method=pissa (which rewrites the base) have none. Set train.beta=0 or lora.",
+    ),
+    Rule(
+        lambda cfg: (
+            _objective(cfg).online
+            and (
+                not strategies.of_recipe(cfg).replicates
+                or cfg.distributed.pipeline_parallel * cfg.distributed.tensor_parallel * cfg.distributed.context_parallel > 1
+            )
+        ),
+        "train.objective=grpo runs on one process or DDP (distributed.strategy=ddp or auto): sharded weights would "
+        "need every rank to sample as many tokens as the others. Use DDP, or one process.",
+    ),
+    Rule(
         lambda cfg: not _objective(cfg).pairs and PREFERENCE_FORMAT in _formats(cfg),
         "data.format=preference holds preference pairs, which train.objective=sft cannot train on. "
         "Set train.objective=dpo (or orpo, simpo), or use SFT data.",
@@ -130,14 +172,14 @@ RULES: tuple[Rule[Any], ...] = (
         ),
     ),
     Rule(
-        lambda cfg: _objective(cfg).pairs and cfg.memory.loss in ("chunked", "liger"),
+        lambda cfg: (_objective(cfg).pairs or _objective(cfg).online) and cfg.memory.loss in ("chunked", "liger"),
         lambda cfg: (
             f"memory.loss={cfg.memory.loss} is the SFT loss's; train.objective={_objective(cfg).name} runs the "
             "LM head on the response tokens only. Set memory.loss=auto."
         ),
     ),
     Rule(
-        lambda cfg: cfg.train.beta is not None and not _objective(cfg).pairs,
+        lambda cfg: cfg.train.beta is not None and not (_objective(cfg).pairs or _objective(cfg).online),
         "train.beta is a preference-tuning setting; train.objective=sft does not read it. Remove it.",
     ),
     Rule(

@@ -5,7 +5,7 @@ that passes a scheduler's signals on to it.
     rc = run_launcher(cmd, launch_env(args))   # 75 when the workers checkpointed on SIGTERM/SIGUSR1
 
 `args` carries the `run` command's options (nproc, nnodes, node_rank, master_addr,
-master_port, max_restarts, recipe, overrides, no_progress, skip_memory_check). Another
+master_port, max_restarts, recipe, overrides, no_progress, skip_memory_check, rewards). Another
 launcher (Slurm's srun, a Kubernetes PyTorchJob, accelerate launch) replaces this module:
 each worker then runs `finetune run RECIPE` with the rendezvous in its environment.
 """
@@ -40,6 +40,22 @@ def job_exit(folder: Path) -> int | None:
     return Preempted.exit_code if codes == {str(Preempted.exit_code)} else None
 
 
+def add_launch_arguments(run: argparse.ArgumentParser) -> None:
+    """`finetune run`'s options for several processes: what launch_command reads."""
+    dist = run.add_argument_group("multi-process (through torchrun)")
+    dist.add_argument("--nproc", type=int, default=1, help="processes on this node, one per GPU (default 1)")
+    dist.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
+    dist.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1")
+    dist.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (rendezvous host)")
+    dist.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0")
+    dist.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart all workers this often when one fails; they resume from the last checkpoint",
+    )
+
+
 def launch_command(args: argparse.Namespace) -> list[str]:
     """The torchrun command that runs this recipe on args.nproc processes (per node).
 
@@ -62,6 +78,7 @@ def launch_command(args: argparse.Namespace) -> list[str]:
     cmd += ["-m", "finetune", "run", args.recipe, *args.overrides]
     cmd += ["--no-progress"] if args.no_progress else []
     cmd += ["--skip-memory-check"] if args.skip_memory_check else []
+    cmd += ["--rewards", args.rewards] if getattr(args, "rewards", None) else []
     return cmd
 
 

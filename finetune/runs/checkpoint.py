@@ -210,10 +210,7 @@ HARMLESS_CHANGES = (
     "distributed.context_parallel",  # every rank of a context-parallel group holds the whole adapter, as DDP's do
     "distributed.context_parallel_mode",
     # How long a rank waits, what it warns about, whether a step is retried: not what a step computes.
-    "distributed.timeout_s",
-    "distributed.straggler_ratio",
-    "distributed.straggler_steps",
-    "train.oom_backoff",
+    *("distributed.timeout_s", "distributed.straggler_ratio", "distributed.straggler_steps", "train.oom_backoff"),
 )
 
 

@@ -25,8 +25,10 @@ from finetune.model.load import (
     wrap_lora,
 )
 from finetune.objectives import table as objectives
+from finetune.objectives.grpo import GRPOLoss
 from finetune.objectives.loss import CausalLMLoss, Loss
 from finetune.objectives.preference import PreferenceLoss
+from finetune.objectives.rewards import build_rewards
 from finetune.parallel.runtime import Parallel
 from finetune.runs.evaluate import exact_match_records
 from finetune.trainer.callbacks import Callback
@@ -153,9 +155,15 @@ def describe_store(stream: WeightStream, device, say: Callable[[str], None]) -> 
     )
 
 
-def default_loss(cfg: RecipeConfig) -> Loss:
-    """The loss of train.objective (finetune/objectives/table.py)."""
+def default_loss(cfg: RecipeConfig, reward_fns: Sequence[Callable] = ()) -> Loss:
+    """The loss of train.objective (finetune/objectives/table.py); grpo's with the recipe's rewards, then yours."""
     objective = objectives.get(cfg.train.objective)
+    if objective.online:
+        return GRPOLoss(cfg.train, build_rewards(cfg.train.rewards, reward_fns))
+    if reward_fns:
+        raise ConfigError(
+            [f"reward functions were given, but train.objective={objective.name} reads none; set train.objective=grpo"]
+        )
     if not objective.pairs:
         return CausalLMLoss()
     gamma = objectives.simpo_gamma(cfg.train) if objective.name == "simpo" else 0.0

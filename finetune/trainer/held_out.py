@@ -18,6 +18,11 @@ class HeldOutScores:
 
     exact_match: ExactMatch | None = None
     preference_accuracy: float | None = None
+    rewards: dict[str, float] | None = None  # grpo: the rewards' means over held-out prompts, greedy
+
+    @property
+    def reward(self) -> float | None:
+        return None if self.rewards is None else self.rewards["reward"]
 
     @property
     def pref_text(self) -> str:
@@ -30,6 +35,8 @@ class HeldOutScores:
             out.update(exact_match=self.exact_match.accuracy, contains_match=self.exact_match.contains_accuracy)
         if self.preference_accuracy is not None:
             out["preference_accuracy"] = self.preference_accuracy
+        if self.rewards is not None:
+            out.update({f"held_out_{k}" if k == "reward" else f"held_out_rewards/{k}": v for k, v in self.rewards.items()})
         return out
 
 
@@ -48,6 +55,11 @@ def score(trainer: Any, em_records: list[dict] | None, when: str) -> HeldOutScor
         head_only = trainer.loss_fn.head_on_targets_only
         found.preference_accuracy = preference_accuracy(model, eval_data, cfg, trainer.collate, trainer.parallel, head_only)
         trainer.say(f"eval ({when}): preference accuracy {found.pref_text} on {len(eval_data)} held-out pairs")
+    if hasattr(trainer.loss_fn, "held_out") and eval_data:  # grpo: the rewards of greedy completions
+        bs = cfg.eval.batch_size or cfg.train.batch_size
+        found.rewards = trainer.loss_fn.held_out(model, eval_data, trainer.collate, bs, trainer.parallel.device)
+        each = ", ".join(f"{k} {v:.3f}" for k, v in found.rewards.items() if k != "reward")
+        trainer.say(f"eval ({when}): reward {found.reward:.3f} ({each}) on {len(eval_data)} held-out prompts, greedy")
     if found.scores:
         trainer.callbacks("on_eval", trainer.state, {"step": trainer.state.step, "when": when, **found.scores})
     return found

@@ -52,6 +52,7 @@ from finetune.trainer.profiling import StepClock
 from finetune.trainer.state import StepTotals, TrainResult, TrainState, stop_signals
 
 LossFn = Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
+TRAINER_ARGS = ("progress", "callbacks", "optimizer", "scheduler", "loss_fn", "reward_fns")  # from_parts passes them on
 
 
 class Trainer:
@@ -63,6 +64,7 @@ class Trainer:
       scheduler                   an LR scheduler, or a function of the optimizer that builds one
       loss_fn                     a finetune.Loss, or a function (model, batch) -> (summed loss, units: target tokens)
       callbacks                   finetune.Callback objects (on_train_begin, on_step_begin/_end, on_eval, on_save, on_train_end)
+      reward_fns                  train.objective=grpo: your rewards, (completion text, record) -> float, after the recipe's
     Use it as a context manager (or call close()) to free what outlives a run: a streamed
     weights file, the process group of a multi-process launch.
     """
@@ -79,6 +81,7 @@ class Trainer:
         optimizer: build.OptimizerArg = None,
         scheduler: build.SchedulerArg = None,
         loss_fn: Loss | LossFn | None = None,
+        reward_fns: Sequence[Callable[[str, dict], float]] = (),
     ):
         self.cfg = cfg
         self.model = model
@@ -87,7 +90,7 @@ class Trainer:
             self.data = data
         self.progress_enabled = progress
         self.callbacks = CallbackList(build.recipe_callbacks(self) + list(callbacks or []))  # the recipe's first
-        self.loss_fn: Loss = as_loss(loss_fn) if loss_fn is not None else build.default_loss(cfg)
+        self.loss_fn: Loss = as_loss(loss_fn) if loss_fn is not None else build.default_loss(cfg, reward_fns)
         self._given_optimizer, self._given_scheduler = optimizer, scheduler
         self.out = Path(cfg.output_dir)
         self.state = TrainState()
@@ -128,9 +131,7 @@ class Trainer:
         The model's own name (config._name_or_path) stands for model.path in recipe.yaml.
         Keyword arguments of Trainer (callbacks, optimizer, ...) pass through.
         """
-        trainer_args = {
-            k: settings.pop(k) for k in ("progress", "callbacks", "optimizer", "scheduler", "loss_fn") if k in settings
-        }
+        trainer_args = {k: settings.pop(k) for k in TRAINER_ARGS if k in settings}
         cfg = build.recipe_for_parts(model, output_dir, settings)
         data = build.bundle_from_parts(cfg, tokenizer, train_data, eval_data)
         return cls(cfg, model=build.ready_given_model(cfg, model), tokenizer=tokenizer, data=data, **trainer_args)
@@ -181,6 +182,7 @@ class Trainer:
         self.ranks = health.check(parallel, cfg, self.say)  # versions and recipe agree; a collective completes
         self.model, self.memory = build.load_model_and_store(run_cfg, self.precision, parallel, self.say, given=self.model)
         self.loss_fn.fit(self.model)
+        self.loss_fn.use_tokenizer(self.tokenizer)
         self.loss_fn.use_memory(cfg.memory.loss, cfg.memory.loss_chunk, parallel.device, parallel.sharded)
         if self.memory.stream is not None:
             build.describe_store(self.memory.stream, acc.device, self.say)
@@ -233,7 +235,7 @@ class Trainer:
         (target tokens, or pairs) of the whole window on all processes, so the accumulated gradient
         is the gradient of the window's mean loss however the window is split."""
         parallel, model = self.parallel, self.model
-        batches = self.step_batches(step)
+        batches = self.loss_fn.prepare(parallel.unwrap(model), self.step_batches(step))  # grpo: sampled here
         counted = batches if parallel.counts_window else []  # a pipeline's stages share a window: the last counts it
         targets = sum(count_targets(b) for b in counted)
         with self.clock.waiting():  # where the others wait for a rank slow to collate
@@ -271,7 +273,7 @@ class Trainer:
             totals.loss_sum, totals.tokens, totals.trained_tokens, *totals.sums.values()
         )
         loss = loss_sum / units
-        extra = {k: v / units for k, v in zip(totals.sums, sums)}
+        extra = self.loss_fn.metric_means(dict(zip(totals.sums, sums)), units)
         # A non-finite loss or gradient must never reach the weights or the optimizer state.
         # (fp16: an inf gradient is the GradScaler's business; it skips that step itself and lowers the scale.)
         finite = math.isfinite(loss) and (math.isfinite(grad_norm) or self.precision == "fp16")
@@ -418,6 +420,8 @@ class Trainer:
             metrics_path=self.out / "metrics.jsonl",
             exact_match_before=before.exact_match,
             exact_match_after=after.exact_match,
+            reward_before=before.reward,
+            reward_after=after.reward,
             preference_accuracy_before=before.preference_accuracy,
             preference_accuracy_after=after.preference_accuracy,
             extra={"plot": plot} if plot else {},
@@ -473,6 +477,8 @@ class Trainer:
 
     def evaluate_loss(self) -> float | None:
         """Mean loss per target token over the eval set (all processes); None without one."""
+        if not self.loss_fn.scores_held_out_loss:
+            return None
         model = self.parallel.unwrap(self.model)
         return held_out_loss(model, self.data.eval, self.cfg, self.collate, self.parallel, self.compute_loss)
 

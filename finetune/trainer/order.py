@@ -180,5 +180,5 @@ class DataOrder:
             base = start + micro * bs * self.world + self.rank * bs
             ids = order[base : base + bs]
             batch = self.collate([self.train[i] for i in ids])
-            batches.append({k: v.to(self.device) for k, v in batch.items()})
+            batches.append({k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
         return batches

@@ -52,7 +52,8 @@ class TrainState:
         """Fold a step's loss into the recent mean (finite steps only); whether it was a spike above it."""
         if not finite:
             return False
-        spike = self.loss_ema is not None and loss > spike_factor * self.loss_ema
+        # A spike is relative to a positive mean (an online objective's loss sits around 0 and changes sign).
+        spike = self.loss_ema is not None and self.loss_ema > 0 and loss > spike_factor * self.loss_ema
         self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
         return spike
 
@@ -141,6 +142,8 @@ class TrainResult:
     exact_match_after: ExactMatch | None = None
     preference_accuracy_before: float | None = None  # preference objectives: held-out pairs the model ranks right
     preference_accuracy_after: float | None = None
+    reward_before: float | None = None  # grpo: the mean reward of greedy completions of held-out prompts
+    reward_after: float | None = None
     eval_loss: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -170,6 +173,9 @@ class TrainResult:
                 for a in (self.preference_accuracy_before, self.preference_accuracy_after)
             )
             lines.append(f"  preference   {before} -> {after} (held-out pairs ranked right)")
+        if self.reward_before is not None or self.reward_after is not None:
+            before, after = (f"{r:.3f}" if r is not None else "-" for r in (self.reward_before, self.reward_after))
+            lines.append(f"  reward       {before} -> {after} (held-out prompts, greedy)")
         lines.append(f"  adapter      {self.adapter_dir}")
         lines.append(f"  metrics      {self.metrics_path}")
         if self.extra.get("plot"):

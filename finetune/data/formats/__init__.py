@@ -15,11 +15,11 @@ import difflib
 from typing import get_args
 
 from finetune.config.schema import DataFormat
-from finetune.data.formats import alpaca, completion, input_output, messages, preference, sharegpt, text
+from finetune.data.formats import alpaca, completion, input_output, messages, preference, prompt, sharegpt, text
 from finetune.data.formats.base import Format, Problem
 from finetune.errors import DataError
 
-_MODULES = (alpaca, completion, input_output, messages, preference, sharegpt, text)
+_MODULES = (alpaca, completion, input_output, messages, preference, prompt, sharegpt, text)
 FORMATS: dict[str, Format] = {m.FORMAT.name: m.FORMAT for m in _MODULES}
 
 # config/schema.py cannot import this package (imports flow one way), so it spells the names out; they must agree.

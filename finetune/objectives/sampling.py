@@ -1,0 +1,95 @@
+"""Completions sampled from the training model itself (grpo's rollouts, its held-out rewards): prompts
+left-padded, a KV cache, the adapter's dropout off, each completion cut after its first end token.
+
+    done = complete(model, prompts, n, tokenizer, ends, train, greedy=False)   # n completions per prompt
+    batch = trainable_rows(prompts, done, n, pad_id)       # prompt + completion rows, the completion labelled
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from finetune.data import IGNORE_INDEX
+
+
+@dataclass
+class Completions:
+    tokens: list[list[int]]  # each completion up to and including its first end token (what is trained)
+    texts: list[str]  # each decoded without its end token (what the rewards read)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return torch.tensor([len(t) for t in self.tokens], dtype=torch.float32)
+
+
+def end_ids(tokenizer, model) -> list[int]:
+    """The tokens that end a completion: the tokenizer's EOS and the model's generation config's."""
+    found = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    found |= set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+    return sorted(found)
+
+
+@torch.no_grad()
+def complete(model, prompts: dict[str, Any], n: int, tokenizer, ends: list[int], train: Any, greedy: bool) -> Completions:
+    """n completions of every prompt of a prompt batch (Collator: left-padded), in prompt order."""
+    from transformers import GenerationConfig
+
+    ids = prompts["input_ids"].repeat_interleave(n, dim=0)
+    mask = prompts["attention_mask"].repeat_interleave(n, dim=0)
+    sampling = {} if greedy else {"do_sample": True, "temperature": train.temperature, "top_p": train.top_p, "top_k": 0}
+    stops = list(train.stop)
+    config = GenerationConfig(
+        max_new_tokens=train.max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=ends,
+        **sampling,
+    )
+    was_training = model.training
+    model.eval()  # LoRA dropout off while sampling: the completions are the policy's own
+    try:
+        # Stop strings are cut afterwards (cut()): one that leads a completion (a newline) does not end it.
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    finally:
+        model.train(was_training)
+    done = [cut(row, ends, stops, tokenizer) for row in out[:, ids.shape[1] :].tolist()]
+    return Completions([t for t, _ in done], [text for _, text in done])
+
+
+def cut(row: list[int], ends: list[int], stops: list[str], tokenizer) -> tuple[list[int], str]:
+    """(the tokens trained: up to and including the first end token, or the token that reaches the first stop
+    string after the completion's leading whitespace; the text the rewards read: before either)."""
+    end = next((i + 1 for i, t in enumerate(row) if t in ends), len(row))
+    body = row[: end - 1] if row[end - 1] in ends else row[:end]
+    text = tokenizer.decode(body, skip_special_tokens=True)
+    begun = len(text) - len(text.lstrip())  # a stop string ends a completion once it has begun (not a leading newline)
+    hit = min((i for i in (text.find(s, begun) for s in stops) if i >= 0), default=-1)
+    if hit < 0:
+        return row[:end], text
+    # The first token whose text reaches past the stop string's start ends the completion.
+    n = next(i for i in range(1, len(body) + 1) if len(tokenizer.decode(body[:i], skip_special_tokens=True)) > hit)
+    return row[:n], text[:hit]
+
+
+def trainable_rows(prompts: dict[str, Any], done: Completions, n: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Each prompt (its padding removed) followed by each of its n completions, right-padded; only the
+    completion tokens labelled (the prompt and the padding never trained)."""
+    rows = []
+    for i, completion in enumerate(done.tokens):
+        p = i // n
+        prompt = prompts["input_ids"][p][prompts["attention_mask"][p].bool()].tolist()
+        rows.append((prompt, completion))
+    width = max(len(p) + len(c) for p, c in rows)
+    device = prompts["input_ids"].device
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    mask = torch.zeros_like(ids)
+    for r, (prompt, completion) in enumerate(rows):
+        whole = prompt + completion
+        ids[r, : len(whole)] = torch.tensor(whole)
+        labels[r, len(prompt) : len(whole)] = torch.tensor(completion)
+        mask[r, : len(whole)] = 1
+    return {"input_ids": ids.to(device), "labels": labels.to(device), "attention_mask": mask.to(device)}
