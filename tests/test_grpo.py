@@ -257,3 +257,13 @@ def test_the_grpo_demo_raises_held_out_accuracy_by_rewards_alone(tmp_path):
         result = trainer.train()
     assert 0.05 <= result.reward_before <= 0.60, result.reward_before  # RL needs some reward to start from
     assert result.reward_after >= result.reward_before + 0.25, (result.reward_before, result.reward_after)
+
+
+def test_the_planner_counts_every_completion_and_says_what_it_leaves_out(recipe_dict, tmp_path):
+    from finetune.plan.recipe import ONLINE_NOTE, plan_recipe, setup_of
+
+    cfg = build_recipe(grpo_recipe(recipe_dict, tmp_path, num_generations=8, beta=0.1))
+    setup = setup_of(cfg)
+    assert (setup.sequences_per_example, setup.reference_passes) == (8, 1)  # 8 completions a prompt; the KL's pass
+    assert setup_of(build_recipe(grpo_recipe(recipe_dict, tmp_path))).reference_passes == 0  # beta 0: none
+    assert ONLINE_NOTE in plan_recipe(cfg, None).notes

@@ -46,8 +46,13 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
     strategy = of_recipe(cfg)
     zero = strategy.deepspeed  # nvme offloads plan as cpu's on the GPU (host RAM: not counted)
     return Setup(
-        sequences_per_example=objective.sequences_per_example,
-        reference_passes=0 if cfg.train.precompute_reference else objective.reference_passes,
+        # grpo trains num_generations sampled completions of each prompt; its reference pass only with beta > 0
+        sequences_per_example=cfg.train.num_generations if objective.online else objective.sequences_per_example,
+        reference_passes=0
+        if cfg.train.precompute_reference
+        else int(bool(cfg.train.beta))
+        if objective.online
+        else objective.reference_passes,
         head_in_chunks=objective.head_in_chunks,
         pipeline_parallel=cfg.distributed.pipeline_parallel,
         pipeline_schedule=cfg.distributed.pipeline_schedule,
@@ -92,7 +97,16 @@ def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Se
         setup = setup_of(cfg, gpus if gpus >= ranks else ranks)
         if setup.pipeline_parallel > 1 and cfg.distributed.pipeline_layers == "auto":
             setup = replace(setup, pipeline_layers=balanced_layers(shape, recipe, setup, gpu, **kw))
-    return _watchdog_note(plan_setup(shape, recipe, setup, gpu, **kw), cfg, max(gpus, replica_ranks(cfg)))
+    e = _watchdog_note(plan_setup(shape, recipe, setup, gpu, **kw), cfg, max(gpus, replica_ranks(cfg)))
+    if objectives.get(cfg.train.objective).online:
+        e = replace(e, notes=[*e.notes, ONLINE_NOTE])
+    return e
+
+
+ONLINE_NOTE = (
+    "grpo: planned as the training forward of batch_size x num_generations completions at data.max_seq_len; "
+    "sampling them (its KV cache, the generation time) is not in this plan yet"
+)
 
 
 def _watchdog_note(e: Estimate, cfg: RecipeConfig, processes: int) -> Estimate:
