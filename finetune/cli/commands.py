@@ -307,6 +307,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     device = _device(args)
     run = open_run(args.run_dir, trust_remote_code=args.trust_remote_code)
+    if run.cfg.data.format == "prompt":  # a grpo run: its held-out rewards, base against tuned, are issue 30's
+        raise FinetuneError(f"{run.path}: finetune eval does not score a grpo run yet", hint="see its log's rewards")
     records, source = eval_records(run, args.data)
     _say_remote_code_notice(run)
     result = evaluate_run(run, records, source, limit=args.limit, max_new_tokens=args.max_new_tokens, device=device)

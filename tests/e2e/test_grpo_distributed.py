@@ -1,0 +1,71 @@
+"""GRPO on two processes (DDP, gloo): given the same completions, the losses and the pre-clip gradient norms
+equal one process over the same global batch of prompts (groups never span ranks; the loss is normalised
+over the whole step), with a negative control that normalises per rank."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import write_jsonl
+from test_distributed import losses, run_driver, write
+from test_grpo import ROWS
+
+pytestmark = pytest.mark.slow
+
+# Completions as a function of the prompt alone (the same on any number of processes): generation k of a
+# prompt is its answer when k is even, else "no", each with the end token. $BUG normalises each rank's
+# loss by its own units instead of the whole step's (the bug the equality must catch).
+DRIVER = """
+import os, sys
+import finetune.objectives.grpo as grpo
+from finetune.config.schema import load_recipe
+from finetune.objectives.sampling import Completions
+from finetune.parallel.runtime import Parallel
+from finetune.trainer import Trainer
+
+def fixed(model, prompts, n, tokenizer, ends, train, greedy):
+    tokens, texts = [], []
+    for record in prompts["records"]:
+        for k in range(n):
+            text = record["answer"] if k % 2 == 0 else "no"
+            tokens.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [ends[0]])
+            texts.append(text)
+    return Completions(tokens, texts)
+
+grpo.complete = fixed
+if os.environ.get("BUG"):
+    Parallel.global_sum = lambda self, value: value
+with Trainer(load_recipe(sys.argv[1]), progress=False) as trainer:
+    trainer.train()
+"""
+
+
+def grad_norms(out) -> list[float]:
+    return [r["grad_norm"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_grpo_on_two_processes_equals_one_given_the_same_completions(recipe_dict, tmp_path, loss_type):
+    data = {"path": str(write_jsonl(tmp_path / "prompts.jsonl", ROWS)), "format": "prompt", "max_seq_len": 64}
+    train = {
+        "objective": "grpo",
+        "loss_type": loss_type,
+        "max_steps": 3,
+        "lr": 1e-2,
+        "num_generations": 4,
+        "max_new_tokens": 6,
+        "max_grad_norm": None,
+        "rewards": [{"name": "exact_match", "column": "answer"}],
+    }
+    one_recipe, one = write(tmp_path, recipe_dict, "one", data=data, train={**train, "batch_size": 4})
+    two_recipe, two = write(tmp_path, recipe_dict, "two", data=data, train={**train, "batch_size": 2})
+    bug_recipe, bug = write(tmp_path, recipe_dict, "bug", data=data, train={**train, "batch_size": 2})
+    run_driver(tmp_path, DRIVER, one_recipe, nproc=1)
+    run_driver(tmp_path, DRIVER, two_recipe, nproc=2)
+    run_driver(tmp_path, DRIVER, bug_recipe, nproc=2, BUG="1")
+    assert len(losses(one)) == 3
+    assert losses(two) == pytest.approx(losses(one), rel=1e-5, abs=1e-7)
+    assert grad_norms(two) == pytest.approx(grad_norms(one), rel=1e-5)
+    # Negative control: each rank normalised by its own units trains another step.
+    assert grad_norms(bug)[0] != pytest.approx(grad_norms(one)[0], rel=1e-3)
