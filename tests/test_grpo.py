@@ -267,3 +267,55 @@ def test_the_planner_counts_every_completion_and_says_what_it_leaves_out(recipe_
     assert (setup.sequences_per_example, setup.reference_passes) == (8, 1)  # 8 completions a prompt; the KL's pass
     assert setup_of(build_recipe(grpo_recipe(recipe_dict, tmp_path))).reference_passes == 0  # beta 0: none
     assert ONLINE_NOTE in plan_recipe(cfg, None).notes
+
+
+class _CharTokenizer:
+    """Decodes each id as one character: 1.. as a.., 27 as a newline (id 0 is the end token)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("\n" if i == 27 else chr(96 + i) if i else "" for i in ids)
+
+
+@pytest.mark.parametrize(
+    "row, stops, trained, text",
+    [
+        ([1, 2, 0, 3], [], [1, 2, 0], "ab"),  # the end token: trained, not read
+        ([1, 2, 3], [], [1, 2, 3], "abc"),  # max_new_tokens reached
+        ([3, 1, 2, 3], ["a"], [3, 1], "c"),  # the stop string ends it; trained up to its token
+        ([27, 1, 2, 27, 3], ["\n"], [27, 1, 2, 27], "\nab"),  # a leading newline does not end it (it has not begun)
+        ([1, 2, 1, 0], ["a"], [1], ""),  # a stop string that is not whitespace ends it even first
+        ([2, 1, 0], ["x"], [2, 1, 0], "ba"),  # no stop string: the end token
+    ],
+)
+def test_a_completion_ends_at_its_end_token_or_its_first_stop_string_once_begun(row, stops, trained, text):
+    from finetune.objectives.sampling import cut
+
+    assert cut(row, [0], stops, _CharTokenizer()) == (trained, text)
+
+
+def test_sampling_takes_no_setting_from_the_models_generation_config(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.data.prompts import collate_prompts
+    from finetune.objectives.sampling import complete, end_ids
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model.generation_config.do_sample, model.generation_config.temperature = True, 5.0  # a chat model's defaults
+    model.generation_config.repetition_penalty = 3.0
+    train = SimpleNamespace(max_new_tokens=6, temperature=1.0, top_p=1.0, stop=[])
+    prompts = collate_prompts([{"input_ids": tok("Add 1 and 2:")["input_ids"], "prompt": "", "record": {}}] * 2, 0)
+    ends = end_ids(tok, model)
+    greedy = [complete(model, prompts, 1, tok, ends, train, greedy=True).tokens for _ in range(3)]
+    assert greedy[0] == greedy[1] == greedy[2]  # greedy, whatever the model's config says
+    logits = model(input_ids=prompts["input_ids"][:1]).logits[0, -1]
+    assert greedy[0][0][0] == int(logits.argmax())  # the first token is the plain argmax (no penalty applied)
+
+
+def test_a_preference_objective_refuses_beta_0(recipe_dict, tmp_path):
+    data = json.loads(json.dumps(recipe_dict))
+    data["data"] = {"path": str(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}] * 4))}
+    data["data"]["format"] = "preference"
+    data["train"] |= {"objective": "dpo", "beta": 0}
+    with pytest.raises(ConfigError, match="train.beta=0 gives train.objective=dpo no gradient"):
+        build_recipe(data)

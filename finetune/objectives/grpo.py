@@ -123,8 +123,13 @@ class GRPOLoss(Loss):
         batch: dict[str, Any] = dict(trainable_rows(prompts, completions, self.group, tok.pad_token_id))
         batch["advantages"] = advantages(total, self.group, scale=train.loss_type != "dr_grpo").to(batch["input_ids"].device)
         if self.beta:
-            with adapter_off(model):
-                batch["ref_logps"] = completion_logps(model, batch, train.temperature)[0]
+            was_training = model.training
+            model.eval()  # the base's own dropout off too: the reference is the base model, deterministic
+            try:
+                with adapter_off(model):
+                    batch["ref_logps"] = completion_logps(model, batch, train.temperature)[0]
+            finally:
+                model.train(was_training)
         grouped = total.view(-1, self.group)
         n = total.numel()
         sums = {

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from finetune.data import IGNORE_INDEX
+from finetune.data.templates import end_of_turn_ids
 
 
 @dataclass
@@ -26,8 +27,9 @@ class Completions:
 
 
 def end_ids(tokenizer, model) -> list[int]:
-    """The tokens that end a completion: the tokenizer's EOS and the model's generation config's."""
-    found = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    """The tokens that end a completion: EOS and the template's end-of-turn tokens (<|im_end|>, <|eot_id|>, ...),
+    and the model's generation config's."""
+    found = set(end_of_turn_ids(tokenizer))
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     found |= set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
     return sorted(found)
@@ -40,12 +42,17 @@ def complete(model, prompts: dict[str, Any], n: int, tokenizer, ends: list[int],
 
     ids = prompts["input_ids"].repeat_interleave(n, dim=0)
     mask = prompts["attention_mask"].repeat_interleave(n, dim=0)
-    sampling = {} if greedy else {"do_sample": True, "temperature": train.temperature, "top_p": train.top_p, "top_k": 0}
+    # Every setting given: transformers fills unset ones from the model's generation_config (a chat model's
+    # do_sample, repetition_penalty...), and the completions must come from the policy the loss scores.
+    sampling = {"do_sample": not greedy, "temperature": 1.0 if greedy else train.temperature}
+    sampling |= {"top_p": 1.0 if greedy else train.top_p, "top_k": 0, "typical_p": 1.0, "repetition_penalty": 1.0}
     stops = list(train.stop)
     config = GenerationConfig(
         max_new_tokens=train.max_new_tokens,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=ends,
+        use_cache=True,
+        no_repeat_ngram_size=0,
         **sampling,
     )
     was_training = model.training

@@ -45,7 +45,7 @@ class Objective:
     def head_in_chunks(self) -> bool:
         """Its loss can run the LM head over one chunk of target positions at a time (memory.loss:
         objectives/loss.CausalLMLoss); the preference losses score every response token in one head call."""
-        return not self.pairs
+        return not self.pairs and not self.online
 
     @property
     def reference_passes(self) -> int:
@@ -175,12 +175,16 @@ RULES: tuple[Rule[Any], ...] = (
         lambda cfg: (_objective(cfg).pairs or _objective(cfg).online) and cfg.memory.loss in ("chunked", "liger"),
         lambda cfg: (
             f"memory.loss={cfg.memory.loss} is the SFT loss's; train.objective={_objective(cfg).name} runs the "
-            "LM head on the response tokens only. Set memory.loss=auto."
+            "LM head itself, over whole rows. Set memory.loss=auto."
         ),
     ),
     Rule(
         lambda cfg: cfg.train.beta is not None and not (_objective(cfg).pairs or _objective(cfg).online),
         "train.beta is a preference-tuning setting; train.objective=sft does not read it. Remove it.",
+    ),
+    Rule(
+        lambda cfg: _objective(cfg).pairs and cfg.train.beta == 0,
+        lambda cfg: f"train.beta=0 gives train.objective={_objective(cfg).name} no gradient; set it above 0 or null.",
     ),
     Rule(
         lambda cfg: cfg.train.simpo_gamma is not None and _objective(cfg).name != "simpo",
