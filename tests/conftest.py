@@ -434,3 +434,34 @@ class Job:
 
     def tail(self) -> str:
         return f"({self.log}):\n{self.output()[-4000:]}"
+
+
+CLOCK_KEYS = ("elapsed_s", "tokens_per_s", "tflops", "mfu", "step_s")  # clock readings in a step's row: never compared
+
+
+def straight_and_resumed(cfg, a: Path, b: Path, stop_at: int = 3) -> tuple[list[dict], list[dict]]:
+    """Train cfg(a) straight, and cfg(b) stopped by SIGUSR1 as step `stop_at` begins, then resumed with
+    resume=auto; each run's logged step rows, clock readings left out."""
+    import os
+    import signal
+
+    from finetune.errors import Preempted
+    from finetune.metrics import read_metrics
+    from finetune.trainer import Trainer
+
+    class StopAt(Trainer):
+        def step_batches(self, step):
+            if step == stop_at:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return super().step_batches(step)
+
+    with Trainer(cfg(a), progress=False) as straight:
+        straight.train()
+    with StopAt(cfg(b), progress=False) as first, pytest.raises(Preempted):
+        first.train()
+    with Trainer(cfg(b, resume="auto"), progress=False) as resumed:
+        resumed.train()
+    return tuple(  # type: ignore[return-value]
+        [{k: v for k, v in r.items() if k not in CLOCK_KEYS} for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+        for out in (a, b)
+    )

@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import straight_and_resumed, write_jsonl
 from test_trainer import train_losses
 
 from finetune.config.schema import build_recipe
 from finetune.data import IGNORE_INDEX
-from finetune.errors import ConfigError, Preempted
+from finetune.errors import ConfigError
 from finetune.metrics import read_metrics
 from finetune.objectives.grpo import GRPOLoss, advantages, token_losses
 from finetune.objectives.rewards import Reward
@@ -198,24 +196,7 @@ def test_grpo_resumes_bitwise_after_sigterm(recipe_dict, tmp_path):
         data["lora"]["dropout"] = 0.1
         return build_recipe(data)
 
-    with Trainer(cfg(tmp_path / "a"), progress=False) as straight:
-        straight.train()
-
-    class StopAt(Trainer):
-        def step_batches(self, step):
-            if step == 3:
-                os.kill(os.getpid(), signal.SIGUSR1)
-            return super().step_batches(step)
-
-    with StopAt(cfg(tmp_path / "b"), progress=False) as first, pytest.raises(Preempted):
-        first.train()
-    with Trainer(cfg(tmp_path / "b", resume="auto"), progress=False) as resumed:
-        resumed.train()
-    timing = ("elapsed_s", "tokens_per_s", "tflops", "mfu", "step_s")
-    a, b = (
-        [{k: v for k, v in r.items() if k not in timing} for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
-        for out in (tmp_path / "a", tmp_path / "b")
-    )
+    a, b = straight_and_resumed(cfg, tmp_path / "a", tmp_path / "b")
     assert a == b  # the same completions sampled, the same rewards and losses
     assert train_losses(tmp_path / "a" / "metrics.jsonl") == train_losses(tmp_path / "b" / "metrics.jsonl")
 

@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import signal
 
 import pytest
 import torch
-from conftest import assert_same_steps, step_rows, write_jsonl
+from conftest import assert_same_steps, step_rows, straight_and_resumed, write_jsonl
 from safetensors.torch import load_file
 
 from finetune.config.schema import build_recipe
 from finetune.data import IGNORE_INDEX, Collator, PreferencePairs, build_datasets
-from finetune.errors import ConfigError, DataError, Preempted
+from finetune.errors import ConfigError, DataError
 from finetune.metrics import read_metrics
 from finetune.objectives.preference import log1mexp, pair_losses
 from finetune.trainer import Trainer
@@ -232,27 +230,8 @@ def test_dpo_resumes_exactly(recipe_dict, tmp_path):
             )
         )
 
-    with Trainer(cfg(tmp_path / "a"), progress=False) as straight:
-        straight.train()
-
-    class StopAt(Trainer):
-        def step_batches(self, step):
-            if step == 3:
-                os.kill(os.getpid(), signal.SIGUSR1)
-            return super().step_batches(step)
-
-    with StopAt(cfg(tmp_path / "b"), progress=False) as first, pytest.raises(Preempted):
-        first.train()
-    with Trainer(cfg(tmp_path / "b", resume="auto"), progress=False) as resumed:
-        resumed.train()
-
-    def logged(out):
-        return [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
-
-    timing = ("elapsed_s", "tokens_per_s", "tflops", "mfu", "step_s")  # clock readings; everything else bitwise
-    assert logged(tmp_path / "b") == [
-        {**r, **{k: b[k] for k in timing}} for r, b in zip(logged(tmp_path / "a"), logged(tmp_path / "b"))
-    ]
+    straight, resumed = straight_and_resumed(cfg, tmp_path / "a", tmp_path / "b")
+    assert resumed == straight  # everything but the clock readings, bitwise
     wa = load_file(str(tmp_path / "a" / "adapter" / "adapter_model.safetensors"))
     wb = load_file(str(tmp_path / "b" / "adapter" / "adapter_model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
