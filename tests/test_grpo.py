@@ -18,7 +18,7 @@ from finetune.errors import ConfigError
 from finetune.metrics import read_metrics
 from finetune.objectives.grpo import GRPOLoss, advantages, token_losses
 from finetune.objectives.rewards import Reward
-from finetune.objectives.sampling import Completions, trainable_rows
+from finetune.objectives.sampling import Completions, sampling_seed, trainable_rows
 from finetune.trainer import Trainer
 
 ROWS = [{"prompt": f"Add {a} and {b}:", "answer": str(a + b)} for a in range(1, 9) for b in range(1, 9)]
@@ -189,16 +189,93 @@ def test_a_grpo_run_trains_completions_by_their_rewards(recipe_dict, tmp_path):
     assert result.reward_before is not None and result.reward_after is not None
 
 
-def test_grpo_resumes_bitwise_after_sigterm(recipe_dict, tmp_path):
+@pytest.mark.parametrize("steps_per_generation", [1, 2])
+def test_grpo_resumes_bitwise_after_sigterm(recipe_dict, tmp_path, steps_per_generation):
+    # With 2, the stop falls inside a cycle: step 4 trains on completions sampled before step 3, kept by the checkpoint.
     def cfg(out, **extra):
-        data = grpo_recipe(recipe_dict, tmp_path, max_steps=6, scheduler="constant") | {"output_dir": str(out), **extra}
+        train = {"max_steps": 6, "scheduler": "constant", "steps_per_generation": steps_per_generation}
+        data = grpo_recipe(recipe_dict, tmp_path, **train) | {"output_dir": str(out), **extra}
         data["checkpoint"] = {"every_steps": 100}
         data["lora"]["dropout"] = 0.1
         return build_recipe(data)
 
     a, b = straight_and_resumed(cfg, tmp_path / "a", tmp_path / "b")
+    if steps_per_generation == 2:
+        assert (tmp_path / "b" / "checkpoints" / "step-3" / "objective" / "rank0.safetensors").is_file()
     assert a == b  # the same completions sampled, the same rewards and losses
+    assert not [r for r in a if "spike" in r]  # a policy-gradient loss near 0 of either sign: no "spikes"
     assert train_losses(tmp_path / "a" / "metrics.jsonl") == train_losses(tmp_path / "b" / "metrics.jsonl")
+
+
+def _tiny_grpo_trainer(recipe_dict, tmp_path, **train) -> Trainer:
+    cfg = build_recipe(grpo_recipe(recipe_dict, tmp_path, **train) | {"output_dir": str(tmp_path / "run")})
+    trainer = Trainer(cfg, progress=False)
+    trainer.setup()
+    return trainer
+
+
+def test_one_sampling_serves_steps_per_generation_steps_against_the_policy_that_sampled(recipe_dict, tmp_path):
+    trainer = _tiny_grpo_trainer(recipe_dict, tmp_path, max_steps=5, steps_per_generation=2, epsilon=0.05)
+    model, loss = trainer.parallel.unwrap(trainer.model), trainer.loss_fn
+    asked: list[int] = []
+
+    def batches_of(step):
+        asked.append(step)
+        return trainer.step_batches(step)
+
+    first = loss.prepare(model, 0, batches_of, 5)
+    assert asked == [0, 1]  # the cycle's prompts, sampled together by this policy
+    # The first step's ratio is exactly 1: the same loss and gradient as a step that sampled its own (no old_logps).
+    model.train()
+    summed, _ = loss(model, first[0])
+    own, _ = loss(model, {k: v for k, v in first[0].items() if k != "old_logps"})
+    assert torch.equal(summed, own) and loss.last_sums["clip_ratio"] == 0.0
+    # An update later, step 2 trains on what the old policy sampled: its ratios against that policy, clipped.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    second = loss.prepare(model, 1, batches_of, 5)
+    assert asked == [0, 1]  # not sampled again
+    loss(model, second[0])
+    assert loss.last_sums["clip_ratio"] > 0
+    # What a checkpoint keeps: the completions of step 3, sampled at step 2, given back to a fresh loss.
+    loss.prepare(model, 2, batches_of, 5)
+    assert asked == [0, 1, 2, 3]
+    saved = loss.state_dict()
+    assert {k.split(".")[0] for k in saved} == {"world", "3"}
+    again = GRPOLoss(trainer.cfg.train, loss.rewards, trainer.cfg.seed)
+    assert again.load_state_dict(dict(saved)) is None
+    kept = again.prepare(model, 3, batches_of, 5)
+    assert asked == [0, 1, 2, 3]
+    expected = loss.prepare(model, 3, batches_of, 5)
+    assert all(torch.equal(kept[0][k], expected[0][k]) for k in ("input_ids", "labels", "advantages", "old_logps"))
+    assert kept[0]["sample_sums"] == expected[0]["sample_sums"]
+    # From another number of processes (another split of the prompts): said, and sampled afresh.
+    other = GRPOLoss(trainer.cfg.train, loss.rewards, trainer.cfg.seed)
+    other.use_tokenizer(trainer.tokenizer)
+    assert "another number of processes" in other.load_state_dict({**saved, "world": torch.tensor(2)})
+    other.prepare(model, 3, batches_of, 5)
+    assert asked == [0, 1, 2, 3, 3]
+    # The last cycle ends with the run; an out-of-memory retry asks for its step again: sampled afresh.
+    loss.prepare(model, 4, batches_of, 5)
+    loss.prepare(model, 4, batches_of, 5)
+    assert asked == [0, 1, 2, 3, 3, 4, 4]
+    trainer.close()
+
+
+def test_sampling_draws_from_its_own_seeded_generator_per_step_and_rank(recipe_dict, tmp_path):
+    trainer = _tiny_grpo_trainer(recipe_dict, tmp_path, max_steps=2)
+    model, loss, prompts = trainer.parallel.unwrap(trainer.model), trainer.loss_fn, trainer.step_batches(0)[0]
+    torch.manual_seed(1)
+    a = loss.sample(model, prompts, step=0)
+    torch.manual_seed(2)  # whatever else drew from the global generator (an eval, your callback)
+    b = loss.sample(model, prompts, step=0)
+    c = loss.sample(model, prompts, step=1)
+    assert torch.equal(a["input_ids"], b["input_ids"]) and not torch.equal(a["input_ids"], c["input_ids"])
+    assert sampling_seed(0, 3, 0, 0) != sampling_seed(0, 3, 0, 1)  # each process draws its own
+    assert sampling_seed(0, 3, 0, 1) == sampling_seed(0, 3, 0, 1)
+    trainer.close()
 
 
 def test_your_rewards_come_from_the_python_api_or_a_file_you_name(recipe_dict, tmp_path):

@@ -192,6 +192,12 @@ class TrainConfig(_Section):
     epsilon: float = Field(0.2, gt=0, lt=1, description="grpo: the ratio clip, 1 - epsilon .. 1 + epsilon_high")
     epsilon_high: float | None = Field(None, gt=0, description="grpo: the upper clip; null: epsilon (dapo: 0.28)")
     max_new_tokens: int = Field(32, ge=1, description="grpo: the longest completion sampled")
+    steps_per_generation: int = Field(
+        1,
+        ge=1,
+        description="grpo: one sampling serves this many optimizer steps (each trains on its own prompts' "
+        "completions, sampled together by the policy of the first; its ratios against that policy, clipped)",
+    )
     temperature: float = Field(1.0, gt=0, description="grpo: sampling temperature")
     top_p: float = Field(1.0, gt=0, le=1, description="grpo: nucleus sampling")
     stop: list[str] = Field(

@@ -11,22 +11,30 @@ completions of each prompt with a KV cache, each cut after its first end token; 
 and the loss of a completion token t is the clipped policy-gradient term, plus beta x KL to the base
 (the adapter switched off, as DPO's reference; k3 estimator, Schulman 2020):
 
-    ratio = exp(logp_t - logp_t_sampling)     1: one update per sampling (its gradient: the policy gradient)
+    ratio = exp(logp_t - logp_t_sampling)     against the policy that sampled the completion
     l_t = -min(ratio A, clip(ratio, 1 - epsilon, 1 + epsilon_high) A) + beta (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)
 
     grpo     each completion's token mean, averaged over completions      (units: completions)
     dr_grpo  each completion's token sum / max_new_tokens, averaged        (units: completions)
     dapo     the mean over every completion token of the step             (units: completion tokens)
 
+A sampling serves train.steps_per_generation (k) optimizer steps: at the first step of each cycle the
+prompts of every step up to the cycle's end are sampled by the policy of that moment, and each step
+trains on its own prompts' completions. With k = 1 the sampling policy is the one being trained (ratio
+1, its gradient the policy gradient; no extra pass); with k > 1 the sampling policy's log-probabilities
+are computed once, right after sampling, and later steps' ratios move away from 1 and are clipped.
+
 Only completion tokens up to and including the first end token are trained (labels), never the
 prompt or the padding. Groups never span processes: each rank samples every completion of its own
-prompts, so the group statistics are the same on any number of processes. Sampling draws from the
-global generator, which every checkpoint saves: a resumed run samples what the uninterrupted one did.
+prompts, so the group statistics are the same on any number of processes. Each micro-batch samples
+from a generator seeded by (seed, step, micro-batch, rank), and the completions sampled ahead for
+later steps go into every checkpoint (state_dict): a resumed run trains on what the uninterrupted one did.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,7 +43,7 @@ from finetune.data import IGNORE_INDEX
 from finetune.objectives.loss import Loss
 from finetune.objectives.preference import adapter_off
 from finetune.objectives.rewards import Reward, score
-from finetune.objectives.sampling import complete, end_ids, trainable_rows
+from finetune.objectives.sampling import complete, end_ids, sampling_seed, trainable_rows
 
 EPS_STD = 1e-4  # TRL's, so that a group whose rewards barely differ does not blow its advantages up
 DAPO_EPSILON_HIGH = 0.28  # DAPO's clip-higher (Yu et al. 2025)
@@ -87,15 +95,18 @@ class GRPOLoss(Loss):
     """(model, batch of sampled completions) -> (summed loss, units); prepare() samples them."""
 
     scores_held_out_loss = False
+    flags_spikes = False
 
-    def __init__(self, train: Any, rewards: list[Reward]):
-        self.train, self.rewards = train, rewards
+    def __init__(self, train: Any, rewards: list[Reward], seed: int = 0):
+        self.train, self.rewards, self.seed = train, rewards, seed
         self.group = train.num_generations
         self.epsilon = train.epsilon
         high = train.epsilon_high
         self.epsilon_high = high if high is not None else (DAPO_EPSILON_HIGH if train.loss_type == "dapo" else train.epsilon)
         self.beta = float(train.beta or 0.0)
         self.tokenizer: Any = None  # use_tokenizer()
+        self.ready: dict[int, list[dict[str, Any]]] = {}  # step -> its completions, sampled at its cycle's start
+        self.served: set[int] = set()  # the steps of `ready` handed out already
         self.last_sums: dict[str, float] = {}
         self.metric_keys = ("_sequences", "reward", "reward_std", "frac_reward_zero_std", "completion_length")
         self.metric_keys += ("clip_ratio", "kl") + tuple(f"rewards/{r.name}" for r in rewards)
@@ -108,28 +119,43 @@ class GRPOLoss(Loss):
 
     # ------------------------------------------------------------------ sampling
 
-    def prepare(self, model, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [self.sample(model, b) for b in batches]
+    def prepare(self, model, step: int, batches_of: Callable[[int], list[dict[str, Any]]], steps: int) -> list[dict[str, Any]]:
+        """The completions step `step` trains on: at a cycle's first step (or when none are ready: a resume on
+        another number of processes) the prompts of every step to the cycle's end are sampled. A step asked for
+        again (an out-of-memory retry, in smaller micro-batches) samples its prompts afresh."""
+        again = step in self.served
+        if again or step not in self.ready:
+            k = self.train.steps_per_generation
+            end = step + 1 if again else min(steps, (step // k + 1) * k)
+            self.ready = {s: [self.sample(model, b, s, i) for i, b in enumerate(batches_of(s))] for s in range(step, end)}
+            self.served = set()
+        self.served.add(step)
+        device = model.get_input_embeddings().weight.device  # a resumed run's were read to the CPU
+        return [{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()} for b in self.ready[step]]
 
     @torch.no_grad()
-    def sample(self, model, prompts: dict[str, Any]) -> dict[str, Any]:
-        """A micro-batch of prompts -> its completions as a trainable batch, with their advantages."""
+    def sample(self, model, prompts: dict[str, Any], step: int = 0, micro: int = 0) -> dict[str, Any]:
+        """A micro-batch of prompts -> its completions as a trainable batch, with their advantages (and, when
+        later steps train on them, the sampling policy's log-probabilities)."""
         train, tok = self.train, self.tokenizer
         ends = end_ids(tok, model)
-        completions = complete(model, prompts, self.group, tok, ends, train, greedy=False)
+        seed = sampling_seed(self.seed, step, micro, _rank())
+        completions = complete(model, prompts, self.group, tok, ends, train, greedy=False, seed=seed)
         records = [r for r in prompts["records"] for _ in range(self.group)]
         texts = [p for p in prompts["prompts"] for _ in range(self.group)]
         per_reward, total = score(self.rewards, completions.texts, records, texts)
         batch: dict[str, Any] = dict(trainable_rows(prompts, completions, self.group, tok.pad_token_id))
         batch["advantages"] = advantages(total, self.group, scale=train.loss_type != "dr_grpo").to(batch["input_ids"].device)
-        if self.beta:
-            was_training = model.training
-            model.eval()  # the base's own dropout off too: the reference is the base model, deterministic
-            try:
+        was_training = model.training
+        model.eval()  # dropout off: the sampling policy's own log-probabilities; the reference deterministic
+        try:
+            if train.steps_per_generation > 1:
+                batch["old_logps"] = completion_logps(model, batch, train.temperature)[0]
+            if self.beta:
                 with adapter_off(model):
                     batch["ref_logps"] = completion_logps(model, batch, train.temperature)[0]
-            finally:
-                model.train(was_training)
+        finally:
+            model.train(was_training)
         grouped = total.view(-1, self.group)
         n = total.numel()
         sums = {
@@ -152,8 +178,8 @@ class GRPOLoss(Loss):
 
     def __call__(self, model, batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
         logps, mask = completion_logps(model, batch, self.train.temperature)
-        # One update per sampling: the sampling policy is this one (ratio 1, its gradient the policy gradient).
-        sampled = logps.detach()
+        # Sampled by this very policy (steps_per_generation 1): ratio 1, its gradient the policy gradient.
+        sampled = batch["old_logps"] if "old_logps" in batch else logps.detach()
         loss, clipped, kl = token_losses(
             logps, sampled, batch["advantages"], self.epsilon, self.epsilon_high, self.beta, batch.get("ref_logps")
         )
@@ -180,6 +206,39 @@ class GRPOLoss(Loss):
         n = max(sums.pop("_sequences", 0.0), 1.0)
         return {k: v / n for k, v in sums.items() if math.isfinite(v)}
 
+    # ------------------------------------------------------------------ what a checkpoint keeps
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The completions sampled ahead for steps not trained yet (`step.micro.key`), and the number of processes
+        that sampled them (another number splits the prompts otherwise)."""
+        out: dict[str, torch.Tensor] = {}
+        for s, batches in self.ready.items():
+            if s in self.served:
+                continue
+            for i, b in enumerate(batches):
+                out |= {f"{s}.{i}.{k}": v.detach().cpu().contiguous() for k, v in b.items() if torch.is_tensor(v)}
+                out |= {f"{s}.{i}.sums.{k}": torch.tensor(v, dtype=torch.float64) for k, v in b["sample_sums"].items()}
+        return {"world": torch.tensor(_world()), **out} if out else {}
+
+    def load_state_dict(self, saved: dict[str, torch.Tensor]) -> str | None:
+        """Take back the completions a checkpoint sampled ahead; a note when they cannot be used (sampled by
+        another number of processes: those steps sample afresh)."""
+        self.ready, self.served = {}, set()
+        if not saved:
+            return None
+        if int(saved.pop("world")) != _world():
+            return "resume: the completions sampled ahead came from another number of processes; sampling afresh"
+        for key, value in saved.items():
+            s, i, name = key.split(".", 2)
+            batches = self.ready.setdefault(int(s), [])
+            while len(batches) <= int(i):
+                batches.append({"sample_sums": {}})
+            if name.startswith("sums."):
+                batches[int(i)]["sample_sums"][name[5:]] = float(value)
+            else:
+                batches[int(i)][name] = value
+        return None
+
     # ------------------------------------------------------------------ held out
 
     @torch.no_grad()
@@ -197,3 +256,11 @@ class GRPOLoss(Loss):
             per.append(each)
         total, each = torch.cat(totals), torch.cat(per)
         return {"reward": float(total.mean()), **{r.name: float(each[:, j].mean()) for j, r in enumerate(self.rewards)}}
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+
+
+def _world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_available() and torch.distributed.is_initialized() else 1

@@ -14,6 +14,7 @@ what its share of the window's targets weighs (one micro-batch: exactly transfor
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,12 +63,14 @@ class Loss:
     ranks_pairs        held-out pairs are scored by how the model ranks them (preference objectives)
     fit(model)         adapt to the loaded model: the LM head on target positions only where it can
     use_memory(...)    memory.loss (chunked, liger) where the objective runs the head itself
-    prepare(model, batches)   the step's micro-batches made trainable (an online objective samples them)
+    prepare(model, step, batches_of, steps)   the step's micro-batches made trainable (grpo samples them)
     metric_means(sums, units) the step's metrics from their sums over every micro-batch and process
+    state_dict() / load_state_dict(saved)     what a checkpoint keeps of the objective on each process
     """
 
     ranks_pairs = False
     scores_held_out_loss = True  # an online objective's prompts have no targets to score a loss on
+    flags_spikes = True  # a loss far above its recent mean is news (not a policy gradient's, ~0 of either sign)
     head_on_targets_only = False
     metric_keys: tuple[str, ...] = ()  # what metric_sums() returns, known before a call (a pipeline's stages all sum them)
     needs_reference = False  # dpo: the loss compares with the same rows' forward with the adapter off
@@ -84,8 +87,17 @@ class Loss:
     def metric_means(self, sums: dict[str, float], units: float) -> dict[str, float]:
         return {k: v / units for k, v in sums.items()}
 
-    def prepare(self, model, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return batches
+    def prepare(self, model, step: int, batches_of: Callable[[int], list[dict[str, Any]]], steps: int) -> list[dict[str, Any]]:
+        """The micro-batches optimizer step `step` (of `steps`) trains on; batches_of(s): step s's data."""
+        return batches_of(step)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of this objective on each process (grpo: completions sampled ahead)."""
+        return {}
+
+    def load_state_dict(self, saved: dict[str, torch.Tensor]) -> str | None:
+        """Take back state_dict()'s tensors; a note to print when they cannot be used."""
+        return None
 
     def fit(self, model) -> None:
         self.head_on_targets_only = takes_boolean_logits_to_keep(model)

@@ -7,6 +7,7 @@ left-padded, a KV cache, the adapter's dropout off, each completion cut after it
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,9 +36,19 @@ def end_ids(tokenizer, model) -> list[int]:
     return sorted(found)
 
 
+def sampling_seed(seed: int, step: int, micro: int, rank: int) -> int:
+    """The seed of one micro-batch's sampling: its own for every step, micro-batch and process (ranks draw
+    independently; a resumed run draws what the uninterrupted one did, whatever else used the generator)."""
+    digest = hashlib.sha256(f"{seed}/{step}/{micro}/{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
 @torch.no_grad()
-def complete(model, prompts: dict[str, Any], n: int, tokenizer, ends: list[int], train: Any, greedy: bool) -> Completions:
-    """n completions of every prompt of a prompt batch (Collator: left-padded), in prompt order."""
+def complete(
+    model, prompts: dict[str, Any], n: int, tokenizer, ends: list[int], train: Any, greedy: bool, seed: int | None = None
+) -> Completions:
+    """n completions of every prompt of a prompt batch (Collator: left-padded), in prompt order; seed: drawn from
+    a generator of its own seeded so (else the global one)."""
     from transformers import GenerationConfig
 
     ids = prompts["input_ids"].repeat_interleave(n, dim=0)
@@ -57,9 +68,13 @@ def complete(model, prompts: dict[str, Any], n: int, tokenizer, ends: list[int],
     )
     was_training = model.training
     model.eval()  # LoRA dropout off while sampling: the completions are the policy's own
+    devices = [ids.device.index or 0] if ids.device.type == "cuda" else []
     try:
-        # Stop strings are cut afterwards (cut()): one that leads a completion (a newline) does not end it.
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            # Stop strings are cut afterwards (cut()): one that leads a completion (a newline) does not end it.
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     finally:
         model.train(was_training)
     done = [cut(row, ends, stops, tokenizer) for row in out[:, ids.shape[1] :].tolist()]

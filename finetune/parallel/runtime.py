@@ -415,15 +415,14 @@ class Parallel:
             return split.whole_trainable_state(model)
         return full_trainable_state(model) if self.fsdp else None
 
-    def every_rank_state(self) -> list[RankState] | None:
-        """What each rank holds alone, for a resume that continues each: its generator states (its own
-        dropout streams) and PowerSGD's state (its own error feedback). A collective; rank 0 gets
-        the list, the others None."""
-        if self.world == 1:
-            return None
+    def every_rank_state(self, objective: dict[str, Any] | None = None) -> list[RankState] | None:
+        """What each rank holds alone, for a resume that continues each: its generator states (its own dropout
+        streams), PowerSGD's state (its own error feedback), its objective's. A collective; rank 0 gets the list."""
         import torch.distributed as dist
 
-        mine = RankState(rng_states(), self.powersgd.state_dict() if self.powersgd else None)
+        mine = RankState(rng_states(), self.powersgd.state_dict() if self.powersgd else None, objective or None)
+        if self.world == 1:
+            return [mine] if objective else None
         states: list[Any] | None = [None] * self.world if self.is_main else None
         dist.gather_object(mine, states, dst=0, group=self._cpu_group())
         return states

@@ -5,7 +5,8 @@ Layout under output_dir:
     metrics.jsonl                one JSON object per logged step
     checkpoints/step-N/          periodic: adapter/, optimizer.safetensors, optimizer.json,
                                  rng.safetensors, trainer_state.json, manifest.json (written last);
-                                 grad_compression/rankR.{safetensors,json}: each rank's PowerSGD state
+                                 grad_compression/rankR.{safetensors,json}: each rank's PowerSGD state,
+                                 objective/rankR.safetensors: each rank's grpo completions sampled ahead
     adapter/                     final adapter in PEFT format (+ tokenizer)
 
 Every directory is written to a hidden temporary sibling and renamed into place
@@ -41,7 +42,7 @@ from finetune.parallel.distribute import (
     zero_load,
     zero_optimizer,
 )
-from finetune.parallel.rank_state import RankState, restore_rng_states, rng_states
+from finetune.parallel.rank_state import RankState, read_powersgd, restore_rng_states, save_rank_states
 
 RUN_MARKERS = ("recipe.yaml", "metrics.jsonl", "adapter", "checkpoints")
 MANIFEST = "manifest.json"
@@ -278,35 +279,6 @@ def _optimizer_from_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, An
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
-COMPRESSION_DIR = "grad_compression"
-
-
-def _save_rank_states(directory: Path, states: list[RankState]) -> None:
-    """rng.safetensors (`name.rankN`, and rank 0's plain) and each rank's PowerSGD state in files of its own."""
-    rng = rng_states()
-    for r, state in enumerate(states):
-        rng.update({f"{name}.rank{r}": t.clone() for name, t in state.rng.items()})  # own storage each
-        if state.powersgd is not None:
-            tensors, scalars = state.powersgd
-            (directory / COMPRESSION_DIR).mkdir(exist_ok=True)
-            save_file({k: t.contiguous() for k, t in tensors.items()}, str(directory / COMPRESSION_DIR / f"rank{r}.safetensors"))
-            write_json(directory / COMPRESSION_DIR / f"rank{r}.json", {"method": "powersgd", **scalars})
-    save_file(rng, str(directory / "rng.safetensors"))
-
-
-def _read_powersgd(directory: Path, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any], bool] | None:
-    """(tensors, scalars, own rank) of this rank's PowerSGD state, rank 0's when the checkpoint came from
-    fewer processes; None when the run that wrote it did not use PowerSGD."""
-    for r in (rank, 0):
-        path = directory / COMPRESSION_DIR / f"rank{r}.safetensors"
-        if path.is_file():
-            scalars = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
-            if scalars.get("method") != "powersgd" or "iter" not in scalars:
-                raise ValueError(f"{path.with_suffix('.json').name} is not a PowerSGD state this version reads")
-            return load_file(str(path)), scalars, r == rank
-    return None
-
-
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
     return Path(output_dir) / "checkpoints" / f"step-{step}"
 
@@ -340,7 +312,7 @@ def save_checkpoint(
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         write_json(tmp / "optimizer.json", meta)
         write_json(tmp / "scheduler.json", scheduler.state_dict())
-        _save_rank_states(tmp, rank_states or [])
+        save_rank_states(tmp, rank_states or [])
         write_json(tmp / "trainer_state.json", {"step": step, **trainer_state})
         write_manifest(tmp, {"step": step})
     prune_checkpoints(output_dir, keep_last)
@@ -450,7 +422,7 @@ def load_checkpoint(
         opt_meta = json.loads((path / "optimizer.json").read_text(encoding="utf-8"))
         sched = json.loads((path / "scheduler.json").read_text(encoding="utf-8"))
         state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
-        compression = _read_powersgd(path, rank) if powersgd is not None else None
+        compression = read_powersgd(path, rank) if powersgd is not None else None
     except Exception as exc:  # safetensors raises its own error types
         raise CheckpointError(f"checkpoint '{path}' cannot be read: {exc}") from None
     if check is not None:

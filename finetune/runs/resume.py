@@ -25,7 +25,7 @@ from finetune.config.schema import RecipeConfig
 from finetune.errors import CheckpointError, ResumeMismatch
 from finetune.metrics import MetricsWriter, read_metrics
 from finetune.parallel import ddp_hooks
-from finetune.parallel.rank_state import RankState
+from finetune.parallel.rank_state import RankState, read_objective_state
 from finetune.runs.checkpoint import list_checkpoints, load_checkpoint, recipe_changes, save_checkpoint
 
 
@@ -106,9 +106,10 @@ class Resume:
         for change in breaking:
             self.say(f"resume: continuing despite {change} (resume_ignore_changes=true)")
 
-    def restore(self, model, optimizer, scheduler, rank: int, metrics: MetricsWriter) -> dict[str, Any]:
+    def restore(self, model, optimizer, scheduler, rank: int, metrics: MetricsWriter, objective=None) -> dict[str, Any]:
         """Load the checkpoint to continue from (resume=auto: the newest readable one); its
-        trainer_state, or {} for a fresh start. `model` is the unwrapped model."""
+        trainer_state, or {} for a fresh start. `model` is the unwrapped model; objective: the run's
+        Loss, given back its state (grpo's completions sampled ahead)."""
         if self.cfg.resume is None:
             return {}
         for path in self.candidates():
@@ -124,6 +125,7 @@ class Resume:
                     rank=rank,
                     powersgd=ddp_hooks.attached(model),  # registered on this model by Parallel.prepare
                 )
+                ahead = read_objective_state(path, rank)
             except CheckpointError as exc:
                 if self.cfg.resume != "auto" or isinstance(exc, ResumeMismatch):
                     raise  # an older checkpoint of a different run is no fallback
@@ -139,6 +141,8 @@ class Resume:
             self._keep_metrics(metrics, up_to=None)  # from step 0: rows of an earlier attempt are not this run's
             return {}
         self.say(f"resumed from {path} at step {state['step']}")
+        if objective is not None:
+            self.say(objective.load_state_dict(ahead))
         self._keep_metrics(metrics, up_to=state["step"])  # rows logged after the checkpoint will be logged again
         return state
 

@@ -159,7 +159,7 @@ def default_loss(cfg: RecipeConfig, reward_fns: Sequence[Callable] = ()) -> Loss
     """The loss of train.objective (finetune/objectives/table.py); grpo's with the recipe's rewards, then yours."""
     objective = objectives.get(cfg.train.objective)
     if objective.online:
-        return GRPOLoss(cfg.train, build_rewards(cfg.train.rewards, reward_fns))
+        return GRPOLoss(cfg.train, build_rewards(cfg.train.rewards, reward_fns), cfg.seed)
     if reward_fns:
         raise ConfigError(
             [f"reward functions were given, but train.objective={objective.name} reads none; set train.objective=grpo"]

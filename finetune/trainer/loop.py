@@ -235,7 +235,7 @@ class Trainer:
         (target tokens, or pairs) of the whole window on all processes, so the accumulated gradient
         is the gradient of the window's mean loss however the window is split."""
         parallel, model = self.parallel, self.model
-        batches = self.loss_fn.prepare(parallel.unwrap(model), self.step_batches(step))  # grpo: sampled here
+        batches = self.loss_fn.prepare(parallel.unwrap(model), step, self.step_batches, self.state.total_steps)  # grpo: sampled
         counted = batches if parallel.counts_window else []  # a pipeline's stages share a window: the last counts it
         targets = sum(count_targets(b) for b in counted)
         with self.clock.waiting():  # where the others wait for a rank slow to collate
@@ -310,7 +310,7 @@ class Trainer:
         """Spike and non-finite notes, metrics.jsonl, callbacks; stop on a non-finite step unless told to skip."""
         cfg, state, done = self.cfg, self.state, self.state.step
         recent = state.loss_ema
-        spike = state.record_loss(row["loss"], finite, cfg.train.loss_spike_factor)
+        spike = state.record_loss(row["loss"], finite, cfg.train.loss_spike_factor) and self.loss_fn.flags_spikes
         if spike:
             row["spike"] = True
             progress.write(
@@ -369,7 +369,7 @@ class Trainer:
         if self.parallel.is_main:
             (self.out / "recipe.yaml").write_text(self.cfg.to_yaml() + choices.comment(state.choices), encoding="utf-8")
         model = self.parallel.unwrap(self.model)
-        state.restore(self.resume.restore(model, self.optimizer, self.scheduler, self.parallel.rank, self.metrics))
+        state.restore(self.resume.restore(model, self.optimizer, self.scheduler, self.parallel.rank, self.metrics, self.loss_fn))
         em_records = build.exact_match_prompts(self.cfg, self.parallel, self.say)
         before = held_out.score(self, em_records, "before training") if state.step == 0 else HeldOutScores()
         self.say(
@@ -447,7 +447,7 @@ class Trainer:
         parallel.wait()
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         model_state, optimizer_state = parallel.full_states(self.model, optimizer)  # collectives: every rank
-        rank_states = parallel.every_rank_state()
+        rank_states = parallel.every_rank_state(self.loss_fn.state_dict())  # grpo: completions sampled ahead
         if parallel.is_main:
             self.resume.save(
                 step,

@@ -65,6 +65,7 @@ class TrainState:
             "elapsed_s": self.elapsed_s,
             "total_steps": self.total_steps,
             "skipped_steps": self.skipped_steps,
+            "loss_ema": self.loss_ema,  # a resumed run flags the spikes the uninterrupted one did
             **self.cut,
             "choices": self.choices,
         }
@@ -88,6 +89,7 @@ class TrainState:
         self.trained_tokens = int(saved.get("trained_tokens", 0))
         self.skipped_steps = int(saved.get("skipped_steps", 0))
         self.earlier_s = float(saved.get("elapsed_s", 0.0))
+        self.loss_ema = saved.get("loss_ema", self.loss_ema)
         self.started_at = time.perf_counter()
 
 
