@@ -303,9 +303,45 @@ def test_your_rewards_come_from_the_python_api_or_a_file_you_name(recipe_dict, t
     assert rows[0]["rewards/reward_short"] <= 0.0
 
 
+def test_finetune_eval_scores_a_grpo_run_as_it_printed_after_training(recipe_dict, tmp_path, capsys):
+    from finetune.cli.commands import main
+
+    cfg = build_recipe(grpo_recipe(recipe_dict, tmp_path, max_steps=3, lr=5e-2) | {"output_dir": str(tmp_path / "run")})
+    result = Trainer(cfg, progress=False, reward_fns=[lambda c, r: float("4" in c)]).train()
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "run"), "--json", str(tmp_path / "eval.json")]) == 0
+    out, err = capsys.readouterr()
+    found = json.loads((tmp_path / "eval.json").read_text())
+    # The same held-out prompts, greedy, the same weights: the numbers training printed before and after.
+    assert found["records"] == 8 and result.reward_after != pytest.approx(result.reward_before, abs=1e-3)  # it moved
+    assert found["base"]["reward"] == pytest.approx(result.reward_before, abs=1e-7)
+    assert found["fine-tuned"]["reward"] == pytest.approx(result.reward_after, abs=1e-7)
+    assert set(found["base"]) == {"reward", "contains", "length"}
+    assert "total" in out and "contains" in out
+    # Trained with a reward of your own, which the recipe cannot name: eval says so and scores it once given.
+    assert "also trained on lambda" in err and "--rewards FILE.py" in err
+    (tmp_path / "mine.py").write_text("def reward_four(completion, record):\n    return float('4' in completion)\n")
+    assert (
+        main(
+            [
+                "eval",
+                str(tmp_path / "run"),
+                "--rewards",
+                str(tmp_path / "mine.py"),
+                "--limit",
+                "4",
+                "--json",
+                str(tmp_path / "e.json"),
+            ]
+        )
+        == 0
+    )
+    assert set(json.loads((tmp_path / "e.json").read_text())["base"]) == {"reward", "contains", "length", "reward_four"}
+
+
 @pytest.mark.slow
 def test_the_grpo_demo_raises_held_out_accuracy_by_rewards_alone(tmp_path):
-    # The README's promise for `finetune run grpo-demo-cpu`: held-out exact match 16% -> 96% (bf16; fp32 17% -> 83%),
+    # The README's promise for `finetune run grpo-demo-cpu`: held-out exact match 16% -> 92% (bf16; fp32 see README),
     # QLoRA, rewards only (the loss never sees an answer). About 40 s on 2 cores.
     from finetune.config.schema import load_recipe
 

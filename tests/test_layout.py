@@ -84,7 +84,7 @@ PACKAGE_ORDER = {
     "runs": ["report", "checkpoint", "resume", "choices", "evaluate", "preflight", "open", "merge", "export"],
     "objectives": ["table", "loss", "preference", "rewards", "sampling", "grpo"],
     "trainer": ["state", "callbacks", "schedule", "order", "profiling", "watch", "faults", "held_out", "build", "loop"],
-    "cli": ["commands"],
+    "cli": ["finished", "commands"],
 }
 PKG = Path(finetune.__file__).parent
 HELPERS = {"errors", "hardware", "gpus", "metrics"}  # design: errors and at most three shared helpers

@@ -11,7 +11,7 @@
     finetune cp qlora-1x24gb my.yaml                   # copy one to edit
     finetune export RUN_DIR --out DIR [--merge] [--dtype bf16|fp16|fp32] [--overwrite]
     finetune generate RUN_DIR|MODEL_DIR [--prompt TEXT [--input TEXT]] [--temperature T --top-p P --seed S]
-    finetune eval RUN_DIR [--data FILE] [--limit N] [--json FILE]   # base vs fine-tuned, side by side
+    finetune eval RUN_DIR [--data FILE] [--limit N] [--json FILE]   # base vs fine-tuned, side by side (grpo: rewards)
     (export, generate, eval: --device cpu|cuda[:N]; --trust-remote-code runs code from the model's folder)
 
 Exit codes: 0 success, 2 a problem with the input (message says what and how
@@ -29,8 +29,9 @@ import traceback
 import warnings
 from pathlib import Path
 
+from finetune.cli.finished import cmd_eval, cmd_export, cmd_generate
 from finetune.config.schema import check_recipe_dict, find_recipe, read_recipe, recipe_description, shipped_recipes
-from finetune.data import FORMATS, get_format
+from finetune.data import FORMATS
 from finetune.errors import ConfigError, FinetuneError, Preempted
 from finetune.parallel.launch import add_launch_arguments, launch_command, launch_env, mark_exit, run_launcher
 from finetune.runs.preflight import preflight
@@ -199,136 +200,6 @@ def cmd_cp(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _device(args: argparse.Namespace):
-    """--device as a torch.device (None: the default, the first GPU else the CPU); HardwareError when it cannot be used."""
-    if args.device is None:
-        return None
-    import torch
-
-    from finetune.errors import HardwareError
-
-    try:
-        device = torch.device(args.device)
-    except (RuntimeError, ValueError):
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise HardwareError(f"--device {args.device}: not a device these commands run on", hint="use cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise HardwareError(
-            f"--device {args.device}: this machine has no CUDA GPU", hint="use --device cpu, or leave --device out"
-        )
-    return device
-
-
-def _say_remote_code_notice(run) -> None:
-    from finetune.runs.open import remote_code_notice
-
-    notice = remote_code_notice(run)
-    if notice:
-        print(notice, file=sys.stderr)
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    from finetune.runs.export import export_run
-
-    budget = None if args.verify_memory_gib is None else int(args.verify_memory_gib * 2**30)
-    export_run(
-        args.run_dir,
-        args.out,
-        merge=args.merge,
-        dtype=args.dtype,
-        overwrite=args.overwrite,
-        verify_max_memory=budget,
-        device=_device(args),
-        trust_remote_code=args.trust_remote_code,
-    )
-    return EXIT_OK
-
-
-def _prompts_from_stdin():
-    """One prompt per line; with a terminal, an interactive '> ' prompt until EOF (Ctrl-D)."""
-    if not sys.stdin.isatty():
-        yield from (line.rstrip("\n") for line in sys.stdin if line.strip())
-        return
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            print()
-            return
-        if line.strip():
-            yield line
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    from finetune.runs.evaluate import generate, prompt_ids
-    from finetune.runs.open import load_trained, open_run
-
-    bad = [
-        f"{flag} {value}: {rule}"
-        for flag, value, ok, rule in (
-            ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, "must be at least 1"),
-            ("--temperature", args.temperature, args.temperature >= 0, "must be 0 (greedy) or more"),
-            ("--top-p", args.top_p, 0 < args.top_p <= 1, "must be in (0, 1]"),
-        )
-        if not ok
-    ]
-    if bad:
-        raise FinetuneError("; ".join(bad), hint="finetune generate --help lists the options")
-    device = _device(args)
-    run = open_run(args.target, allow_model_dir=True, trust_remote_code=args.trust_remote_code)
-    fmt = args.format or (run.cfg.data.format if run.has_recipe else "completion")
-    if args.input and get_format(fmt).context is None:
-        has = [f"{f.name} ({f.context})" for f in FORMATS.values() if f.context]
-        raise FinetuneError(
-            f"--input fills a prompt field that data.format={fmt} has none of",
-            hint=f"drop --input (formats with one: {', '.join(has)})",
-        )
-    _say_remote_code_notice(run)
-    model, tokenizer = load_trained(run, device=device)
-    mode = (
-        f"sampling (temperature {args.temperature}, top-p {args.top_p}, seed {args.seed})" if args.temperature > 0 else "greedy"
-    )
-    print(f"{run.weights_dir}: prompts formatted as data.format={fmt}, {mode}", file=sys.stderr)
-    for text in args.prompt if args.prompt else _prompts_from_stdin():
-        ids = prompt_ids(text, fmt, tokenizer, context=args.input or "")
-        out = generate(
-            model, tokenizer, [ids], args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
-        )[0]
-        print(tokenizer.decode(out, skip_special_tokens=True), flush=True)
-    return EXIT_OK
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    import json
-
-    from finetune.runs.evaluate import comparison_table
-    from finetune.runs.open import eval_records, evaluate_run, open_run
-
-    device = _device(args)
-    run = open_run(args.run_dir, trust_remote_code=args.trust_remote_code)
-    if run.cfg.data.format == "prompt":  # a grpo run: its held-out rewards, base against tuned, are issue 30's
-        raise FinetuneError(f"{run.path}: finetune eval does not score a grpo run yet", hint="see its log's rewards")
-    records, source = eval_records(run, args.data)
-    _say_remote_code_notice(run)
-    result = evaluate_run(run, records, source, limit=args.limit, max_new_tokens=args.max_new_tokens, device=device)
-    print(f"{run.path}: {result.records} records from {result.source} (data.format={run.cfg.data.format})")
-    print(comparison_table(result.columns))
-    if args.json:
-        rows = {
-            name: {
-                "loss": s.loss,
-                "perplexity": s.perplexity,
-                "tokens": s.tokens,
-                "exact_match": s.match.accuracy if s.match else None,
-                "contains_match": s.match.contains_accuracy if s.match else None,
-            }
-            for name, s in result.columns.items()
-        }
-        Path(args.json).write_text(json.dumps({"source": result.source, "records": result.records, **rows}, indent=2) + "\n")
-    return EXIT_OK
-
-
 def _loads_a_run(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--trust-remote-code",
@@ -445,11 +316,16 @@ def _add_finished_run_commands(sub) -> None:
     gen.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     gen.set_defaults(func=cmd_generate)
 
-    ev = sub.add_parser("eval", help="loss, perplexity, exact/contains match: base vs fine-tuned")
+    ev = sub.add_parser("eval", help="loss, perplexity, exact/contains match (grpo: rewards): base vs fine-tuned")
     ev.add_argument("run_dir", metavar="RUN_DIR", help="output_dir of a finished run")
     ev.add_argument("--data", metavar="FILE", help="records in the run's data.format (default: the run's eval data)")
     ev.add_argument("--limit", type=int, help="score only the first N records")
-    ev.add_argument("--max-new-tokens", type=int, help="answer length limit (default: the recipe's eval.max_new_tokens)")
+    ev.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help="answer length limit (default: the recipe's eval.max_new_tokens; grpo: train.max_new_tokens)",
+    )
+    ev.add_argument("--rewards", metavar="FILE.py", help="a grpo run: your own rewards too (as `finetune run --rewards`)")
     ev.add_argument("--json", metavar="FILE", help="also write the numbers as JSON")
     _loads_a_run(ev)
     ev.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")

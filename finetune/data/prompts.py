@@ -51,7 +51,8 @@ def render(prompt: str | list[dict], tokenizer: Any) -> str:
     return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
 
 
-def _encode(records: list[dict], cfg: RecipeConfig, tokenizer: Any) -> tuple[PromptSet, DataStats]:
+def encode_prompts(records: list[dict], cfg: RecipeConfig, tokenizer: Any) -> tuple[PromptSet, DataStats]:
+    """Records' prompts rendered and tokenized as training does them (`finetune eval` of a grpo run too)."""
     room = cfg.data.max_seq_len - cfg.train.max_new_tokens
     items, too_long = [], 0
     for rec in records:
@@ -81,14 +82,14 @@ def build_prompts(cfg: RecipeConfig, tokenizer: Any) -> DataBundle:
         train_records, eval_records = [pool[i] for _, i in train_items], [pool[i] for _, i in eval_items]
     else:
         train_records, eval_records = pool, []
-    train, train_stats = _encode(train_records, cfg, tokenizer)
+    train, train_stats = encode_prompts(train_records, cfg, tokenizer)
     if not len(train):
         raise DataError(
             f"data.path: no prompt leaves room for train.max_new_tokens={cfg.train.max_new_tokens} within "
             f"data.max_seq_len={d.max_seq_len} ({train_stats.too_long} too long)",
             hint="raise data.max_seq_len or lower train.max_new_tokens",
         )
-    evals, eval_stats = _encode(eval_records, cfg, tokenizer) if eval_records else (None, None)
+    evals, eval_stats = encode_prompts(eval_records, cfg, tokenizer) if eval_records else (None, None)
     return DataBundle(train, evals, train_stats, eval_stats)
 
 
