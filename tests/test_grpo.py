@@ -16,7 +16,7 @@ from finetune.config.schema import build_recipe
 from finetune.data import IGNORE_INDEX
 from finetune.errors import ConfigError
 from finetune.metrics import read_metrics
-from finetune.objectives.grpo import GRPOLoss, advantages, token_losses
+from finetune.objectives.grpo import GRPOLoss, advantages, completion_logps, token_losses
 from finetune.objectives.rewards import Reward
 from finetune.objectives.sampling import Completions, sampling_seed, trainable_rows
 from finetune.trainer import Trainer
@@ -264,6 +264,22 @@ def test_one_sampling_serves_steps_per_generation_steps_against_the_policy_that_
     trainer.close()
 
 
+def test_the_head_runs_on_completion_tokens_only_with_the_same_log_probabilities(recipe_dict, tmp_path):
+    trainer = _tiny_grpo_trainer(recipe_dict, tmp_path, max_steps=2)
+    model, loss = trainer.parallel.unwrap(trainer.model), trainer.loss_fn
+    assert loss.head_on_targets_only  # this model takes a boolean logits_to_keep
+    batch = loss.sample(model, trainer.step_batches(0)[0])
+    seen: list[tuple[int, ...]] = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
+    lean, mask = completion_logps(model, batch, 0.7, head_on_targets_only=True)
+    full, _ = completion_logps(model, batch, 0.7, head_on_targets_only=False)
+    hook.remove()
+    assert seen[0][0] == int(mask.sum()) < batch["input_ids"].numel()  # completion tokens, not every position
+    torch.testing.assert_close(lean, full, rtol=1e-5, atol=1e-6)
+    assert bool((lean[~mask] == 0).all()) and bool((lean[mask] < 0).all())
+    trainer.close()
+
+
 def test_sampling_draws_from_its_own_seeded_generator_per_step_and_rank(recipe_dict, tmp_path):
     trainer = _tiny_grpo_trainer(recipe_dict, tmp_path, max_steps=2)
     model, loss, prompts = trainer.parallel.unwrap(trainer.model), trainer.loss_fn, trainer.step_batches(0)[0]
@@ -413,3 +429,13 @@ def test_a_preference_objective_refuses_beta_0(recipe_dict, tmp_path):
     data["train"] |= {"objective": "dpo", "beta": 0}
     with pytest.raises(ConfigError, match="train.beta=0 gives train.objective=dpo no gradient"):
         build_recipe(data)
+
+
+def test_grpo_keys_under_another_objective_are_refused_not_ignored(recipe_dict):
+    # A recipe that tunes sampling but forgot train.objective=grpo would train SFT and never sample.
+    data = json.loads(json.dumps(recipe_dict))
+    data["train"] |= {"num_generations": 8, "stop": ["\n"]}
+    with pytest.raises(ConfigError, match=r"train.num_generations, train.stop: grpo's, but train.objective=sft"):
+        build_recipe(data)
+    data["train"] |= {"num_generations": 4, "stop": []}  # the defaults: a recipe written out whole is fine
+    assert build_recipe(data).train.objective == "sft"

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from finetune.data import IGNORE_INDEX
 from finetune.objectives.loss import Loss
@@ -81,14 +82,23 @@ def token_losses(
     return loss, clipped, kl.detach()
 
 
-def completion_logps(model, batch: dict[str, torch.Tensor], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probability of each next token at the sampling temperature, whether it is a completion token),
-    both (rows, seq - 1)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+def completion_logps(
+    model, batch: dict[str, torch.Tensor], temperature: float, head_on_targets_only: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probability of each next token at the sampling temperature, 0 off the completions; whether it is a
+    completion token), both (rows, seq - 1). head_on_targets_only: the LM head (and the fp32 softmax over the
+    vocabulary) runs on completion positions only, through a boolean logits_to_keep, not on every prompt token."""
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     targets = batch["labels"][:, 1:]
     mask = targets != IGNORE_INDEX
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1), mask
+    if head_on_targets_only:
+        keep = torch.zeros_like(batch["labels"], dtype=torch.bool)
+        keep[:, :-1] = mask
+        logits = model(**inputs, logits_to_keep=keep).logits  # (completion tokens, vocab), row-major
+    else:
+        logits = model(**inputs).logits[:, :-1][mask]
+    picked = -F.cross_entropy(logits.float() / temperature, targets[mask], reduction="none")
+    return torch.zeros(mask.shape, dtype=picked.dtype, device=picked.device).masked_scatter(mask, picked), mask
 
 
 class GRPOLoss(Loss):
@@ -113,9 +123,6 @@ class GRPOLoss(Loss):
 
     def use_tokenizer(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-
-    def fit(self, model) -> None:
-        pass  # the loss reads every completion token's log-probability itself
 
     # ------------------------------------------------------------------ sampling
 
@@ -150,10 +157,10 @@ class GRPOLoss(Loss):
         model.eval()  # dropout off: the sampling policy's own log-probabilities; the reference deterministic
         try:
             if train.steps_per_generation > 1:
-                batch["old_logps"] = completion_logps(model, batch, train.temperature)[0]
+                batch["old_logps"] = completion_logps(model, batch, train.temperature, self.head_on_targets_only)[0]
             if self.beta:
                 with adapter_off(model):
-                    batch["ref_logps"] = completion_logps(model, batch, train.temperature)[0]
+                    batch["ref_logps"] = completion_logps(model, batch, train.temperature, self.head_on_targets_only)[0]
         finally:
             model.train(was_training)
         grouped = total.view(-1, self.group)
@@ -177,7 +184,7 @@ class GRPOLoss(Loss):
         return int(batch["input_ids"].shape[0])
 
     def __call__(self, model, batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
-        logps, mask = completion_logps(model, batch, self.train.temperature)
+        logps, mask = completion_logps(model, batch, self.train.temperature, self.head_on_targets_only)
         # Sampled by this very policy (steps_per_generation 1): ratio 1, its gradient the policy gradient.
         sampled = batch["old_logps"] if "old_logps" in batch else logps.detach()
         loss, clipped, kl = token_losses(

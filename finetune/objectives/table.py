@@ -193,6 +193,27 @@ RULES: tuple[Rule[Any], ...] = (
 )
 
 
+ONLINE_KEYS: tuple[str, ...] = ("loss_type", "num_generations", "epsilon", "epsilon_high", "max_new_tokens")
+ONLINE_KEYS += ("steps_per_generation", "temperature", "top_p", "stop", "rewards")
+
+
+def online_keys_set(train: Any) -> list[str]:
+    """The grpo-only train.* keys a recipe moved off their defaults (what a forgotten train.objective=grpo leaves)."""
+    fields = type(train).model_fields
+    return [k for k in ONLINE_KEYS if getattr(train, k) != fields[k].get_default(call_default_factory=True)]
+
+
+RULES += (
+    Rule(
+        lambda cfg: not _objective(cfg).online and bool(online_keys_set(cfg.train)),
+        lambda cfg: (
+            f"train.{', train.'.join(online_keys_set(cfg.train))}: grpo's, but train.objective={_objective(cfg).name} "
+            "does not read them. Set train.objective=grpo, or remove them."
+        ),
+    ),
+)
+
+
 def problems(cfg: Any) -> list[str]:
     """What train.objective cannot run with. Each message names the keys and the fix."""
     return broken(RULES, cfg)
