@@ -166,10 +166,12 @@ def test_a_recipe_names_built_in_rewards_never_code(recipe_dict, tmp_path):
     sft["data"]["format"] = "prompt"
     with pytest.raises(ConfigError, match="data.format=prompt holds prompts without answers"):
         build_recipe(sft)
-    fsdp = grpo_recipe(recipe_dict, tmp_path)
-    fsdp["distributed"] = {"strategy": "fsdp"}
-    with pytest.raises(ConfigError, match="runs on one process or DDP"):
-        build_recipe(fsdp)
+    zero = grpo_recipe(recipe_dict, tmp_path)
+    zero["distributed"] = {"strategy": "deepspeed", "zero_stage": 3}
+    with pytest.raises(ConfigError, match="runs on one process, DDP or FSDP"):
+        build_recipe(zero)
+    zero["distributed"] = {"strategy": "fsdp"}
+    assert build_recipe(zero).distributed.strategy == "fsdp"
 
 
 # ---------------------------------------------------------------- whole runs
@@ -277,6 +279,22 @@ def test_the_head_runs_on_completion_tokens_only_with_the_same_log_probabilities
     assert seen[0][0] == int(mask.sum()) < batch["input_ids"].numel()  # completion tokens, not every position
     torch.testing.assert_close(lean, full, rtol=1e-5, atol=1e-6)
     assert bool((lean[~mask] == 0).all()) and bool((lean[mask] < 0).all())
+    trainer.close()
+
+
+def test_sharded_weights_sample_with_every_ranks_decoder_in_step(recipe_dict, tmp_path):
+    # Under FSDP each decode step gathers the weights: a rank whose completions all ended must go on stepping
+    # with the others (generate's synced_gpus), or they wait for it forever. (tests/e2e: FSDP samples as DDP.)
+    trainer = _tiny_grpo_trainer(recipe_dict, tmp_path, max_steps=2)
+    model, loss, prompts = trainer.parallel.unwrap(trainer.model), trainer.loss_fn, trainer.step_batches(0)[0]
+    synced: list[bool] = []
+    generate = model.generate
+    model.generate = lambda *a, **k: synced.append(k["synced_gpus"]) or generate(*a, **{**k, "synced_gpus": False})
+    loss.sample(model, prompts)
+    loss.use_memory("auto", 0, torch.device("cpu"), sharded=True)
+    loss.sample(model, prompts)
+    loss.held_out(model, [trainer.data.eval[0]], trainer.collate, 1, torch.device("cpu"))
+    assert synced == [False, True, True]
     trainer.close()
 
 

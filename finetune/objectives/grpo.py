@@ -117,12 +117,16 @@ class GRPOLoss(Loss):
         self.tokenizer: Any = None  # use_tokenizer()
         self.ready: dict[int, list[dict[str, Any]]] = {}  # step -> its completions, sampled at its cycle's start
         self.served: set[int] = set()  # the steps of `ready` handed out already
+        self.synced = False  # use_memory(): the weights are sharded
         self.last_sums: dict[str, float] = {}
         self.metric_keys = ("_sequences", "reward", "reward_std", "frac_reward_zero_std", "completion_length")
         self.metric_keys += ("clip_ratio", "kl") + tuple(f"rewards/{r.name}" for r in rewards)
 
     def use_tokenizer(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+
+    def use_memory(self, mode: str, chunk: int, device: torch.device, sharded: bool) -> None:
+        self.synced = sharded  # FSDP: generate steps every rank's decoder alike (each step gathers the weights)
 
     # ------------------------------------------------------------------ sampling
 
@@ -147,7 +151,7 @@ class GRPOLoss(Loss):
         train, tok = self.train, self.tokenizer
         ends = end_ids(tok, model)
         seed = sampling_seed(self.seed, step, micro, _rank())
-        completions = complete(model, prompts, self.group, tok, ends, train, greedy=False, seed=seed)
+        completions = complete(model, prompts, self.group, tok, ends, train, greedy=False, seed=seed, synced=self.synced)
         records = [r for r in prompts["records"] for _ in range(self.group)]
         texts = [p for p in prompts["prompts"] for _ in range(self.group)]
         per_reward, total = score(self.rewards, completions.texts, records, texts)
@@ -257,7 +261,7 @@ class GRPOLoss(Loss):
         for start in range(0, len(prompts), batch_size):
             batch = collate([prompts[i] for i in range(start, min(start + batch_size, len(prompts)))])
             batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            done = complete(model, batch, 1, tok, ends, self.train, greedy=True)
+            done = complete(model, batch, 1, tok, ends, self.train, greedy=True, synced=self.synced)
             each, total = score(self.rewards, done.texts, batch["records"], batch["prompts"])
             totals.append(total)
             per.append(each)

@@ -45,10 +45,19 @@ def sampling_seed(seed: int, step: int, micro: int, rank: int) -> int:
 
 @torch.no_grad()
 def complete(
-    model, prompts: dict[str, Any], n: int, tokenizer, ends: list[int], train: Any, greedy: bool, seed: int | None = None
+    model,
+    prompts: dict[str, Any],
+    n: int,
+    tokenizer,
+    ends: list[int],
+    train: Any,
+    greedy: bool,
+    seed: int | None = None,
+    synced: bool = False,
 ) -> Completions:
     """n completions of every prompt of a prompt batch (Collator: left-padded), in prompt order; seed: drawn from
-    a generator of its own seeded so (else the global one)."""
+    a generator of its own seeded so (else the global one); synced: the weights are sharded (FSDP), so every
+    process steps the decoder until all are done (a rank that stopped early still gathers with the others)."""
     from transformers import GenerationConfig
 
     ids = prompts["input_ids"].repeat_interleave(n, dim=0)
@@ -74,7 +83,7 @@ def complete(
             if seed is not None:
                 torch.manual_seed(seed)
             # Stop strings are cut afterwards (cut()): one that leads a completion (a newline) does not end it.
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, synced_gpus=synced)
     finally:
         model.train(was_training)
     done = [cut(row, ends, stops, tokenizer) for row in out[:, ids.shape[1] :].tolist()]

@@ -130,12 +130,13 @@ RULES: tuple[Rule[Any], ...] = (
         lambda cfg: (
             _objective(cfg).online
             and (
-                not strategies.of_recipe(cfg).replicates
+                strategies.of_recipe(cfg).deepspeed
                 or cfg.distributed.pipeline_parallel * cfg.distributed.tensor_parallel * cfg.distributed.context_parallel > 1
             )
         ),
-        "train.objective=grpo runs on one process or DDP (distributed.strategy=ddp or auto): sharded weights would "
-        "need every rank to sample as many tokens as the others. Use DDP, or one process.",
+        "train.objective=grpo runs on one process, DDP or FSDP (each rank samples whole completions of its own "
+        "prompts with model.generate); DeepSpeed's engine and pipeline, tensor or context parallelism split what "
+        "generate runs whole. Use distributed.strategy=ddp, fsdp or auto.",
     ),
     Rule(
         lambda cfg: not _objective(cfg).pairs and PREFERENCE_FORMAT in _formats(cfg),

@@ -69,3 +69,43 @@ def test_grpo_on_two_processes_equals_one_given_the_same_completions(recipe_dict
     assert grad_norms(two) == pytest.approx(grad_norms(one), rel=1e-5)
     # Negative control: each rank normalised by its own units trains another step.
     assert grad_norms(bug)[0] != pytest.approx(grad_norms(one)[0], rel=1e-3)
+
+
+SAMPLING = """
+import sys
+from finetune.config.schema import load_recipe
+from finetune.trainer import Trainer
+
+with Trainer(load_recipe(sys.argv[1]), progress=False) as trainer:
+    result = trainer.train()
+print("held-out", result.reward_before, result.reward_after)
+"""
+
+
+def test_grpo_under_fsdp_samples_and_trains_as_ddp(recipe_dict, tmp_path):
+    # Each rank draws from a generator seeded by its rank: FSDP's gathered weights sample what DDP's replicas do,
+    # generate stepping both ranks' decoders together (synced), and the sharded update follows DDP's.
+    data = {"path": str(write_jsonl(tmp_path / "prompts.jsonl", ROWS)), "format": "prompt", "max_seq_len": 64}
+    data["eval_fraction"] = 0.125
+    train = {
+        "objective": "grpo",
+        "max_steps": 2,
+        "batch_size": 2,
+        "lr": 1e-2,
+        "num_generations": 4,
+        "max_new_tokens": 6,
+        "rewards": [{"name": "contains", "column": "answer"}, {"name": "length", "target": 3, "weight": 0.5}],
+    }
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        recipe, out = write(tmp_path, recipe_dict, strategy, data=data, train=train, distributed={"strategy": strategy})
+        said = run_driver(tmp_path, SAMPLING, recipe, nproc=2).stdout
+        rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+        runs[strategy] = rows, [line for line in said.splitlines() if line.startswith("held-out")]
+        assert f"parallel: {strategy}" in said or strategy == "ddp"
+    (ddp, ddp_held), (fsdp, fsdp_held) = runs["ddp"], runs["fsdp"]
+    assert len(fsdp) == 2
+    for a, b in zip(ddp, fsdp):
+        assert (a["reward"], a["completion_length"], a["tokens"]) == (b["reward"], b["completion_length"], b["tokens"])
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    assert ddp_held == fsdp_held and len(fsdp_held) == 2  # the same greedy completions before and after
