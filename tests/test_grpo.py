@@ -457,3 +457,16 @@ def test_grpo_keys_under_another_objective_are_refused_not_ignored(recipe_dict):
         build_recipe(data)
     data["train"] |= {"num_generations": 4, "stop": []}  # the defaults: a recipe written out whole is fine
     assert build_recipe(data).train.objective == "sft"
+
+
+def test_finetune_data_shows_prompts_and_the_columns_the_rewards_read(recipe_dict, tmp_path, capsys):
+    import yaml
+
+    from finetune.cli.commands import main
+
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text(yaml.safe_dump(grpo_recipe(recipe_dict, tmp_path)))
+    assert main(["data", str(recipe), "--examples", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "train: 56 prompts, " in out and "(completions sampled from them are trained)" in out
+    assert "--- 0: " in out and "other columns {'answer': '" in out and "% trained" not in out

@@ -38,6 +38,7 @@ class DataStats:
     rows: int = 0  # packed rows (0 when not packing)
     row_capacity: int = 0  # tokens a packed row holds (data.max_seq_len)
     warnings: list[str] = field(default_factory=list)
+    unit: str = "examples"  # "prompts": an online objective's, nothing of them trained
 
     @property
     def packing_waste(self) -> float:
@@ -45,6 +46,9 @@ class DataStats:
         return 1.0 - self.tokens / (self.rows * self.row_capacity) if self.rows else 0.0
 
     def summary(self) -> str:
+        if self.unit == "prompts":  # the trained tokens are the completions sampled from them, later
+            text = f"{self.examples} prompts, {self.tokens:,} tokens (completions sampled from them are trained)"
+            return text + (f", {self.too_long} too long for train.max_new_tokens (dropped)" if self.too_long else "")
         pct = 100.0 * self.trained_tokens / self.tokens if self.tokens else 0.0
         text = (
             f"{self.examples} example{'s' if self.examples != 1 else ''}, {self.tokens:,} tokens "

@@ -63,7 +63,7 @@ def encode_prompts(records: list[dict], cfg: RecipeConfig, tokenizer: Any) -> tu
             continue
         items.append({"input_ids": ids, "prompt": text, "record": rec})
     tokens = sum(len(x["input_ids"]) for x in items)
-    return PromptSet(items), DataStats(len(items), 0, 0, tokens, 0, too_long=too_long)
+    return PromptSet(items), DataStats(len(items), 0, 0, tokens, 0, too_long=too_long, unit="prompts")
 
 
 def build_prompts(cfg: RecipeConfig, tokenizer: Any) -> DataBundle:

@@ -70,6 +70,11 @@ def report(bundle: DataBundle, tokenizer: Any, max_len: int, examples: int = 3, 
     for i in range(min(examples, len(bundle.train))):
         ex = bundle.train[i]
         n = len(ex["input_ids"])
+        if "record" in ex:  # a prompt (data.format=prompt): nothing of it is trained; its columns reach the rewards
+            columns = {k: v for k, v in ex["record"].items() if k != "prompt"}
+            lines.append(f"--- {i}: {n} tokens (a prompt: its sampled completions are trained); other columns {columns}")
+            lines.append(tokenizer.decode(ex["input_ids"], skip_special_tokens=False))
+            continue
         trained = sum(1 for t in ex["labels"] if t != IGNORE_INDEX)
         lines.append(f"--- {i}: {n} tokens, {trained} trained")
         lines.append(marked_text(tokenizer, ex["input_ids"], ex["labels"], color))
