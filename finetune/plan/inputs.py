@@ -30,6 +30,7 @@ class Setup(Modes):
     sequences_per_example: int = 1  # preference pairs: chosen and rejected in one forward (finetune/objectives/table.py)
     reference_passes: int = 0  # dpo: forwards without gradients (adapter off) per micro-batch, for the reference
     head_in_chunks: bool = True  # the objective's loss can chunk its head (objectives/table.py): not the preference ones
+    sampled_tokens: int = 0  # grpo: train.max_new_tokens sampled for each row before its forward (0: nothing sampled)
     # distributed.pipeline_parallel: gpus = stages x replicas, each rank planned apart (finetune/plan/stages.py)
     pipeline_parallel: int = 1
     pipeline_schedule: str = "1f1b"
@@ -54,6 +55,12 @@ class Setup(Modes):
     def rows(self) -> int:
         """Sequences in one forward: the micro-batch's examples times the sequences of each."""
         return self.batch_size * self.sequences_per_example
+
+    @property
+    def prompt_len(self) -> int:
+        """The longest prompt an online objective samples from: data/prompts.py drops a prompt that leaves no room
+        for sampled_tokens within seq_len."""
+        return max(self.seq_len - self.sampled_tokens, 1)
 
     @property
     def global_batch(self) -> int:
@@ -202,17 +209,21 @@ def _sharding_label(s: Setup) -> str:
     return s.strategy.describe(s.cpu_offload, s.optimizer_offload) if s.gpus > 1 else ""
 
 
+def _sequences_label(s: Setup) -> str:
+    if s.sampled_tokens:
+        n, new, passes = s.sequences_per_example, s.sampled_tokens, s.reference_passes
+        more = f", + {passes} forward{'s' if passes > 1 else ''} without gradients" if passes else ""
+        return f"{n} completions of each sampled, up to {new} new tokens ({s.rows} rows per forward{more}), "
+    return f"pairs ({s.rows} sequences per forward{', + a reference forward' if s.reference_passes else ''}), "
+
+
 def describe_setup(s: Setup) -> str:
     ckpt = {1: "all layers", 0: "off"}.get(s.checkpoint_every, f"every {s.checkpoint_every} layers")
     offload = [label for t in TECHNIQUES if (label := t.offload_label(s))]
     return (
         f"{s.gpus} GPU{'s' if s.gpus > 1 else ''}{_sharding_label(s)}, "
         f"batch {s.batch_size} x accum {s.grad_accum} (global {s.global_batch}), seq {s.seq_len}, "
-        + (
-            f"pairs ({s.rows} sequences per forward{', + a reference forward' if s.reference_passes else ''}), "
-            if s.sequences_per_example > 1
-            else ""
-        )
+        + (_sequences_label(s) if s.sequences_per_example > 1 else "")
         + f"checkpointing {ckpt}"
         + (f", offload: {', '.join(offload)}" if offload else "")
         + (f", loss in chunks of {s.loss_chunk}" if s.loss_rows else "")

@@ -15,6 +15,8 @@ from finetune.plan.speed import NVME_READ_GBPS, step_time
 from finetune.plan.terms import (  # noqa: F401 - NF4_BLOCK*, quantized_bytes: re-exported with the rest of the model
     NF4_BLOCK,
     NF4_BLOCK2,
+    Sampling,
+    Transient,
     adapts_experts,
     backward_working_bytes_per_token,
     expert_stack_saved_bytes,
@@ -24,7 +26,9 @@ from finetune.plan.terms import (  # noqa: F401 - NF4_BLOCK*, quantized_bytes: r
     mlp_saved_bytes_per_token,
     pinned_block_bytes,
     quantized_bytes,
+    sampling_terms,
     trainable_params,
+    transient_terms,
 )
 
 # One set of constants for every prediction (CLI, preflight, validation); each says where it comes from.
@@ -259,13 +263,9 @@ def estimate(
     act = activation_terms(shape, recipe, setup, gpu, st.trainable)
     if held != 1:
         act = replace(act, saved=int(act.saved * held), host=int(act.host * held), host_ram=int(act.host_ram * held))
-    tr = _transient_terms(shape, recipe, setup, impl, st.host_head)
-    phase_loss = st.on_gpu + act.saved + tr.mask + tr.final_norm + tr.loss + tr.head_visit
-    phase_backward = st.on_gpu + act.saved + tr.mask + act.recompute + tr.working + tr.dequant
-    # A layer's attention runs backward after its MLP's (whose tensors are gone by then): only with buffers of its own
-    # can that moment be the step's peak.
-    phase_attention = st.on_gpu + act.saved + tr.mask + attention_rebuilt + attention_buffers + tr.dequant
-    phases = {"loss": phase_loss, "backward": phase_backward, "attention": phase_attention if attention_buffers else 0}
+    tr = transient_terms(shape, recipe, setup, impl, st.host_head)
+    gen = sampling_terms(shape, recipe, setup, impl.adapter_bytes)
+    phases = _phases(st, act, tr, gen, attention_rebuilt, attention_buffers)
     running = max(phases, key=lambda k: phases[k])  # ties: the first (the loss phase, as before)
     peak_alloc = phases[running]
     # ZeRO-3 builds its engine from the whole model on each GPU (our loader places it with a
@@ -276,7 +276,7 @@ def estimate(
     slack = int(ALLOCATOR_SLACK * peak_alloc) if gpu is not None else 0
     context = CUDA_CONTEXT_BYTES if gpu is not None else 0
     split = (attention_rebuilt, attention_buffers)
-    comps = _components(shape, recipe, setup, st, act, tr, unq_bytes, running, split, slack, context)
+    comps = _components(shape, recipe, setup, st, act, tr, gen, unq_bytes, running, split, slack, context)
     step, parts = step_time(
         shape,
         recipe,
@@ -314,33 +314,22 @@ def estimate(
     )
 
 
-@dataclass
-class _Transient:
-    """Buffers that exist in one phase of the step only: the loss phase's, or one layer's backward."""
-
-    mask: int  # bool 4D attention mask transformers builds when the batch is padded
-    final_norm: int  # the final norm's fp32 input
-    loss: int  # logits and loss buffers (memory.loss chunked or auto: one chunk of target positions)
-    working: int  # gradients while one layer runs backward
-    dequant: int  # the weight dequantized for one matmul (LoRA on MoE experts: the gradient of a layer's stack)
-    head_visit: int  # memory.embeddings=cpu: the LM head's copy on the GPU while the loss runs
-
-
-def _transient_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, impl: Implementation, head_visit: int) -> _Transient:
-    b, T, B = recipe.compute_bytes, setup.seq_len, setup.rows  # sequences per forward
-    tokens = B * T
-    logits_bytes = (impl.unquantized_bytes or b) if impl.loss != "chunked" else b
-    head = shape.head_matmul_params > 0  # a pipeline rank without the last stage computes no loss
-    return _Transient(
-        mask=B * T * T if recipe.attention_mask(B) else 0,
-        final_norm=tokens * 4 * shape.hidden if head else 0,
-        loss=loss_peak_bytes(min(tokens, setup.loss_rows) if setup.loss_rows else tokens, shape.vocab, logits_bytes, impl)
-        if head
-        else 0,
-        working=tokens * backward_working_bytes_per_token(shape, recipe, 1 if shape.experts else setup.mlp_tiles(shape.hidden)),
-        dequant=max(shape.largest_linear * b if recipe.quant_bits else 0, shape.expert_layer_params * b * adapts_experts(recipe)),
-        head_visit=head_visit,
-    )
+def _phases(st: _Static, act: Activations, tr: Transient, gen: Sampling, rebuilt: int, buffers: int) -> dict[str, int]:
+    """Bytes allocated at each moment of a step that can be its peak, over what every moment holds (st.on_gpu)."""
+    phase_loss = st.on_gpu + act.saved + tr.mask + tr.final_norm + tr.loss + tr.head_visit
+    phase_backward = st.on_gpu + act.saved + tr.mask + act.recompute + tr.working + tr.dequant
+    # A layer's attention runs backward after its MLP's (whose tensors are gone by then): only with buffers of its own
+    # can that moment be the step's peak.
+    phase_attention = st.on_gpu + act.saved + tr.mask + rebuilt + buffers + tr.dequant
+    # An online objective samples the step's completions before its first forward, when the last step's
+    # zero_grad(set_to_none=True) has freed the gradients and nothing is saved for backward; its matmuls dequantize.
+    phase_sampling = st.on_gpu - st.grads + gen.peak + tr.dequant + tr.head_visit
+    return {
+        "loss": phase_loss,
+        "backward": phase_backward,
+        "attention": phase_attention if buffers else 0,
+        "sampling": phase_sampling if gen.peak else 0,
+    }
 
 
 def _components(
@@ -349,7 +338,8 @@ def _components(
     setup: Setup,
     st: _Static,
     act: Activations,
-    tr: _Transient,
+    tr: Transient,
+    gen: Sampling,
     unq_bytes: int,
     phase: str,
     split: tuple[int, int],
@@ -357,7 +347,7 @@ def _components(
     context: int,
 ) -> list[Component]:
     """Every term of the estimate, labelled (split: a split attention's rebuilt tensors and buffers)."""
-    loss_peak, backward = phase == "loss", phase == "backward"
+    loss_peak, backward, sampling = phase == "loss", phase == "backward", phase == "sampling"
     return [
         Component("weights_quantized", f"base weights ({_quant_label(recipe)})", st.q_weight),
         Component(
@@ -374,15 +364,16 @@ def _components(
         Component(
             "lora_weights", f"LoRA weights ({_dtype_label(st.adapter_bytes)})" if recipe.lora else "trained weights", st.lora
         ),
-        Component("gradients", "gradients of trained weights", st.grads),
+        Component("gradients", "gradients of trained weights", st.grads, in_peak=not sampling),
         Component("optimizer_state", "AdamW state (2 moments)", st.optim),
         Component("ddp_buckets", "DDP all-reduce buckets", st.ddp_buckets),
         Component("fsdp_gathered", "FSDP gathered layers (2)", st.gathered),
-        Component("activations", act.label, act.saved),
-        Component("attention_mask", "attention mask (padded or packed rows)", tr.mask),
+        *_sampling_components(setup, gen, sampling),
+        Component("activations", act.label, act.saved, in_peak=not sampling),
+        Component("attention_mask", "attention mask (padded or packed rows)", tr.mask, in_peak=not sampling),
         Component("logits_loss", "logits and loss buffers", tr.loss, in_peak=loss_peak),
         Component("final_norm", "final norm input (fp32)", tr.final_norm, in_peak=loss_peak),
-        Component("head_visit", "LM head visiting from host RAM for the loss", tr.head_visit, in_peak=loss_peak),
+        Component("head_visit", "LM head visiting from host RAM for the loss", tr.head_visit, in_peak=loss_peak or sampling),
         Component("recompute_layer", "one layer recomputed in backward", act.recompute, in_peak=backward),
         Component("backward_working", "backward gradients of one layer", tr.working, in_peak=backward),
         Component(
@@ -392,6 +383,21 @@ def _components(
         Component("dequant_buffer", "dequantized weight of one matmul", tr.dequant, in_peak=not loss_peak),
         Component("allocator_slack", f"allocator fragmentation ({ALLOCATOR_SLACK:.0%})", slack),
         Component("cuda_context", "CUDA context and cuBLAS workspace", context),
+    ]
+
+
+def _sampling_components(setup: Setup, gen: Sampling, in_peak: bool) -> list[Component]:
+    """An online objective's KV cache and generate's buffers, at the larger of its two peaks (terms.Sampling)."""
+    rows, prompt = setup.rows, setup.prompt_len
+    if gen.prefills_at_peak:
+        return [
+            Component("kv_cache", f"KV cache, sampling ({rows} x {prompt} prompt tokens)", gen.prompt_cache, in_peak=in_peak),
+            Component("sampling_buffers", "sampling: one layer's prefill of the prompts", gen.prefill, in_peak=in_peak),
+        ]
+    tokens = prompt + setup.sampled_tokens - 1
+    return [
+        Component("kv_cache", f"KV cache, sampling ({rows} x {tokens} tokens)", gen.cache, in_peak=in_peak),
+        Component("sampling_buffers", "sampling: logits, probabilities, cache growth", gen.decode, in_peak=in_peak),
     ]
 
 

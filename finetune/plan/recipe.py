@@ -45,15 +45,18 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
     objective = objectives.get(cfg.train.objective)
     strategy = of_recipe(cfg)
     zero = strategy.deepspeed  # nvme offloads plan as cpu's on the GPU (host RAM: not counted)
+    # grpo's forwards without gradients: the reference with beta > 0, the sampling policy's when a sampling serves k > 1 steps
+    online_passes = int(bool(cfg.train.beta)) + int(cfg.train.steps_per_generation > 1)
     return Setup(
-        # grpo trains num_generations sampled completions of each prompt; its reference pass only with beta > 0
+        # grpo trains num_generations sampled completions of each prompt
         sequences_per_example=cfg.train.num_generations if objective.online else objective.sequences_per_example,
         reference_passes=0
         if cfg.train.precompute_reference
-        else int(bool(cfg.train.beta))
+        else online_passes
         if objective.online
         else objective.reference_passes,
         head_in_chunks=objective.head_in_chunks,
+        sampled_tokens=cfg.train.max_new_tokens if objective.online else 0,
         pipeline_parallel=cfg.distributed.pipeline_parallel,
         pipeline_schedule=cfg.distributed.pipeline_schedule,
         virtual_stages=cfg.distributed.virtual_stages if cfg.distributed.pipeline_parallel > 1 else 1,
@@ -104,8 +107,10 @@ def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Se
 
 
 ONLINE_NOTE = (
-    "grpo: planned as the training forward of batch_size x num_generations completions at data.max_seq_len; "
-    "sampling them (its KV cache, the generation time) is not in this plan yet"
+    "grpo: every completion planned at train.max_new_tokens after the longest prompt data.max_seq_len leaves room "
+    "for (sampling's KV cache and decoding, the training forward's logits): upper bounds, completions that end early "
+    "are shorter. Not planned: the logits' copies a temperature or top_p other than 1 adds, and the kernel launches "
+    "of each decoded token (on a small model they, not memory bandwidth, set the sampling's pace)"
 )
 
 

@@ -29,6 +29,7 @@ def report(e: Estimate) -> str:
             "loss": "end of forward: logits and loss",
             "start": "start: the whole model, before ZeRO-3 partitions it",
             "attention": "backward of one layer's split attention",
+            "sampling": "sampling the completions, before the forward",
         }.get(e.peak_phase, "backward of one layer")
         + "):",
     ]
@@ -59,6 +60,12 @@ def report(e: Estimate) -> str:
             f"dequantize {p['dequantize']:.2f} s at {BANDWIDTH_EFFICIENCY:.0%} of {e.gpu.bandwidth_gbps:g} GB/s, "
             f"communication {p['communication']:.2f} s, optimizer {p['optimizer']:.2f} s)"
         )
+        if p.get("sampling"):
+            s = e.setup
+            lines.append(
+                f"sampling   {p['sampling']:.2f} s/step of it: {s.grad_accum} x {s.rows} completions of up to {s.sampled_tokens} "
+                "tokens, a token per forward (each reads the weights and the KV cache; the prompts' prefill computes)"
+            )
         if "pipeline_bubble" in p or "tensor_allreduce" in p or "context_traffic" in p:  # what splitting adds to a step
             said = []
             if "pipeline_bubble" in p:

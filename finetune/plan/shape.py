@@ -100,6 +100,10 @@ class ModelShape:
     def largest_linear(self) -> int:
         return max((g.in_features * g.out_features for g in self.linears), default=0)
 
+    def kv_bytes(self, compute_bytes: int) -> int:
+        """K and V of one token in every layer, as transformers' DynamicCache keeps them (kv_heads: not repeated)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * compute_bytes
+
     def group(self, name: str) -> LinearGroup | None:
         return next((g for g in self.linears if g.name == name), None)
 

@@ -1,4 +1,5 @@
-"""Step time: compute, NF4 dequantization, GPU-link communication and host-link copies of one optimizer step."""
+"""Step time: compute, NF4 dequantization, GPU-link communication, host-link copies and an online objective's sampling
+of one optimizer step."""
 
 from __future__ import annotations
 
@@ -74,6 +75,40 @@ def _micro_batch_seconds(shape, recipe, setup, gpu, trainable) -> tuple[float, f
     return compute, dequant, forward, tokens * flops.recompute / rate
 
 
+def sampling_seconds(
+    shape, recipe, setup, gpu, trainable, adapter_bytes: int, streamed_bytes: int = 0, gathered_s: float = 0.0
+) -> float:
+    """Seconds to sample one micro-batch's completions (objectives/sampling.py: HF generate with a KV cache), every
+    row to setup.sampled_tokens (an upper bound). The prefill is one forward over the prompts, compute-bound like
+    training's (the head at the last position only: logits_to_keep=1). Then a forward per further token, of one token
+    a row: its matmuls are small, so a step takes the longer of its FLOPs and its memory traffic, the weights read
+    once (4-bit ones dequantized first: the rows are more than one, bitsandbytes' gemv is for a single token) and the
+    KV cache three times (DynamicCache's torch.cat reads it and writes it anew, attention reads it). Every forward
+    copies the weights it does not hold, overlapped with its compute: streamed base weights over the host link,
+    FSDP's gathers (gathered_s: one pass's; every rank steps until the last is done)."""
+    new = setup.sampled_tokens
+    if not new or gpu is None:
+        return 0.0
+    rows, prompt, steps = setup.rows, setup.prompt_len, new - 1
+    rate = gpu.bf16_tflops * 1e12 * MATMUL_EFFICIENCY
+    bandwidth = gpu.bandwidth_gbps * 1e9 * BANDWIDTH_EFFICIENCY
+    per_token = token_flops(shape, recipe, setup, trainable, seq_len=prompt).forward  # its attention: the causal half
+    head = 2 * shape.head_matmul_params
+    quantized = (shape.linear_params + (shape.expert_params if recipe.quant_bits == 4 else 0)) if recipe.quant_bits else 0
+    dense = shape.linear_params + shape.expert_params - quantized + shape.head_matmul_params
+    adapter = trainable * adapter_bytes if recipe.lora else 0
+    weights = quantized * 4.5 + dense * recipe.compute_bytes + adapter  # what every forward reads
+    prefill = (rows * prompt * (per_token - head) + rows * head) / rate + quantized * 4.5 / bandwidth
+    spans = steps * prompt + steps * (steps + 1) / 2  # the positions each decode step's token attends to, summed
+    attention = 4 * shape.heads * shape.head_dim * shape.layers  # QK^T and AV per position attended
+    matmuls = per_token - 2 * prompt * shape.heads * shape.head_dim * shape.layers
+    flops = rows * (steps * matmuls + spans * attention)
+    traffic = steps * weights + 3 * rows * shape.kv_bytes(recipe.compute_bytes) * spans
+    on_gpu = prefill + max(flops / rate, traffic / bandwidth)
+    link = min(NVME_READ_GBPS, gpu.pcie_gbps) if setup.base_weights == "disk" else gpu.pcie_gbps
+    return max(on_gpu, new * max(streamed_bytes / (link * 1e9), gathered_s))
+
+
 def forward_seconds(shape, recipe, setup, gpu, trainable) -> float:
     return _micro_batch_seconds(shape, recipe, setup, gpu, trainable)[2]
 
@@ -106,7 +141,8 @@ def step_time(
     streamed_bytes: base weights streamed per pass over the layer stack (base_weights=cpu|disk);
     activation_bytes: saved activations sent to host RAM per micro-batch (activation offload);
     exposed_bytes: copies per micro-batch that wait for nothing to overlap them (memory.embeddings=cpu:
-    the head's visit, made when the loss needs it, and the looked-up embedding rows)."""
+    the head's visit, made when the loss needs it, and the looked-up embedding rows).
+    An online objective's sampling (sampling_seconds) comes before each micro-batch's forward."""
     if gpu is None:
         return 0.0, {}
     compute, dequant, forward, recompute = _micro_batch_seconds(shape, recipe, setup, gpu, trainable)
@@ -116,10 +152,11 @@ def step_time(
     micro, transfer, exposed = (x + exposed_bytes / host_link for x in (micro, transfer, exposed))
     n = setup.gpus
     link = gpu.link_gbps(range(n)) * 1e9 * LINK_EFFICIENCY  # the nodes' link when the GPUs span nodes
-    comm = 0.0
+    comm = gathered = 0.0  # gathered: seconds one pass's gathers (or host copies of the shards) take
     ckpt = setup.checkpointed_layers(shape.layers) / shape.layers
     if n > 1 and fsdp:
-        gather = (2 + ckpt) * quantized_weight_bytes * n * (n - 1) / n / link  # each pass gathers the whole layer stack
+        gathered = quantized_weight_bytes * (n - 1) / link  # each pass gathers the whole layer stack
+        gather = (2 + ckpt) * gathered
         micro = max(micro, gather)  # FSDP prefetch overlaps the gathers with compute
         comm = 2 * (n - 1) / n * trainable * adapter_bytes / link
     elif n > 1:
@@ -129,6 +166,7 @@ def step_time(
         # Each pass copies this GPU's weight shards host->GPU; gradients go back once a step;
         # AdamW runs on the CPU.
         n_share = max(n, 1)
+        gathered = max(gathered, quantized_weight_bytes / n_share / host_link)
         h2d = (2 + ckpt) * quantized_weight_bytes / n_share / host_link
         micro = max(micro, h2d)
         comm += trainable * adapter_bytes / n_share / host_link
@@ -144,8 +182,11 @@ def step_time(
         "optimizer": optimizer,
         "host_transfer": transfer * setup.grad_accum,
         "host_transfer_exposed": exposed * setup.grad_accum,
+        # an online objective samples every micro-batch's completions first (the loop's Loss.prepare)
+        "sampling": sampling_seconds(shape, recipe, setup, gpu, trainable, adapter_bytes, streamed_bytes, gathered)
+        * setup.grad_accum,
     }
-    return micro * setup.grad_accum + comm + optimizer, parts
+    return micro * setup.grad_accum + comm + optimizer + parts["sampling"], parts
 
 
 def _with_host_copies(shape, setup, gpu, micro: float, forward: float, streamed_bytes: int, activation_bytes: int):

@@ -1,12 +1,13 @@
-"""What one tensor, token or layer costs in bytes, from what each op saves for backward and how
-bitsandbytes stores weights; memory.py adds them up into a setup's estimate."""
+"""What one tensor, token or layer costs in bytes, from what each op saves for backward, what sampling holds
+(an online objective's KV cache) and how bitsandbytes stores weights; memory.py adds them up into a setup's estimate."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from finetune.adapters.base import EXPERTS
-from finetune.plan.inputs import Implementation, RecipeFacts, lora_targets
+from finetune.plan.inputs import Implementation, RecipeFacts, Setup, lora_targets
 from finetune.plan.shape import ModelShape
 
 NF4_BLOCK, NF4_BLOCK2 = 64, 256  # bitsandbytes 4-bit block size, and double-quant block size of the absmax
@@ -158,3 +159,88 @@ def expert_stack_saved_bytes(shape: ModelShape, recipe: RecipeFacts) -> int:
     parameters themselves. With LoRA on the experts, backward adds the stack's gradient (transient)."""
     own = recipe.quant_bits == 4 or adapts_experts(recipe)
     return shape.expert_layer_params * recipe.compute_bytes if own else 0
+
+
+@dataclass
+class Transient:
+    """Buffers that exist in one phase of the step only: the loss phase's, or one layer's backward."""
+
+    mask: int  # bool 4D attention mask transformers builds when the batch is padded
+    final_norm: int  # the final norm's fp32 input
+    loss: int  # logits and loss buffers (memory.loss chunked or auto: one chunk of target positions)
+    working: int  # gradients while one layer runs backward
+    dequant: int  # the weight dequantized for one matmul (LoRA on MoE experts: the gradient of a layer's stack)
+    head_visit: int  # memory.embeddings=cpu: the LM head's copy on the GPU while the loss runs
+
+
+def transient_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, impl: Implementation, head_visit: int) -> Transient:
+    """The training forward's and backward's one-phase buffers of a micro-batch (setup.rows x setup.seq_len tokens)."""
+    b, T, B = recipe.compute_bytes, setup.seq_len, setup.rows  # sequences per forward
+    tokens = B * T
+    # every position a target (the worst case); an online objective's head runs on the completions only (grpo's
+    # boolean logits_to_keep), at most sampled_tokens a row
+    targets = B * min(T, setup.sampled_tokens) if setup.sampled_tokens else tokens
+    logits_bytes = (impl.unquantized_bytes or b) if impl.loss != "chunked" else b
+    head = shape.head_matmul_params > 0  # a pipeline rank without the last stage computes no loss
+    return Transient(
+        mask=B * T * T if recipe.attention_mask(B) else 0,
+        final_norm=tokens * 4 * shape.hidden if head else 0,
+        loss=loss_peak_bytes(min(targets, setup.loss_rows) if setup.loss_rows else targets, shape.vocab, logits_bytes, impl)
+        if head
+        else 0,
+        working=tokens * backward_working_bytes_per_token(shape, recipe, 1 if shape.experts else setup.mlp_tiles(shape.hidden)),
+        dequant=max(shape.largest_linear * b if recipe.quant_bits else 0, shape.expert_layer_params * b * adapts_experts(recipe)),
+        head_visit=head_visit,
+    )
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What generate holds while it samples a micro-batch's completions (objectives/sampling.py: a KV cache, no
+    autograd), at its two peaks: the prefill's last layer, and the last decode step."""
+
+    prompt_cache: int  # every layer's K and V of the prompts, after the prefill
+    cache: int  # at the last decode step: the prompt and every sampled token but the last
+    prefill: int  # one layer's forward over the prompts (prefill_bytes_per_token) and the attention mask
+    decode: int  # a step's logits and probabilities, or one layer's K or V copied as the cache grows, at their larger
+
+    @property
+    def prefills_at_peak(self) -> bool:
+        return self.prompt_cache + self.prefill > self.cache + self.decode
+
+    @property
+    def peak(self) -> int:
+        return max(self.prompt_cache + self.prefill, self.cache + self.decode)
+
+
+def sampling_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, adapter_bytes: int) -> Sampling:
+    """generate's buffers for setup.rows rows of setup.prompt_len prompt tokens (the longest kept) and
+    setup.sampled_tokens new ones each: every row runs to the last (an upper bound; HF pads the rows that end).
+    A decode step peaks at the larger of two moments. transformers' DynamicCache grows by torch.cat, so one tensor's
+    old and new copies meet while the last step's fp32 logits and probabilities are still alive; then the head makes
+    the last position's logits (generate passes logits_to_keep=1), copied to fp32 and turned into probabilities
+    before the last step's are let go (temperature 1, top_p 1: no warper's copies). Measured on the CPU
+    (tests/test_plan_generation.py)."""
+    if not setup.sampled_tokens:
+        return Sampling(0, 0, 0, 0)
+    b, rows, prompt = recipe.compute_bytes, setup.rows, setup.prompt_len
+    positions = prompt + setup.sampled_tokens - 1  # the last token sampled is never fed back
+    per_token = rows * shape.kv_bytes(b)
+    mask = rows * prompt * prompt if recipe.attention_mask(rows) else 0  # bool (rows, 1, P, P): the prompts are left-padded
+    prefill = rows * prompt * prefill_bytes_per_token(shape, recipe, adapter_bytes) + mask
+    grown = rows * (positions - 1) * shape.kv_heads * shape.head_dim * b  # the old copy, one position shorter
+    decode = max(grown + rows * shape.vocab * 2 * 4, rows * shape.vocab * (b + 3 * 4))
+    return Sampling(per_token * prompt, per_token * positions, prefill, decode)
+
+
+def prefill_bytes_per_token(shape: ModelShape, recipe: RecipeFacts, adapter_bytes: int) -> int:
+    """Bytes per token alive at the peak of one layer's forward without autograd (generate's prefill), at its MLP's
+    up_proj: the SiLU output and up_proj's result; where LoRA wraps it, peft's copy of that result and lora_B's output
+    and its scaled copy in the adapter's dtype, and its input cast to that dtype; the embeddings' output, the
+    layer's input, the attention's residual sum and the normed MLP input; RoPE's cos and sin.
+    Measured on the CPU (tests/test_plan_generation.py)."""
+    b, f, h = recipe.compute_bytes, shape.intermediate, shape.hidden
+    targets = lora_targets(shape, recipe.lora_target) if recipe.lora else []
+    mlp = f * (2 * b + 2 * adapter_bytes) if any(g.out_features >= f for g in targets) else 3 * b * f
+    cast = adapter_bytes * h if targets and adapter_bytes != b else 0
+    return mlp + cast + 4 * b * h + 2 * b * shape.head_dim
