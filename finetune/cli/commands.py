@@ -10,6 +10,7 @@
     finetune ls                                        # shipped recipes
     finetune cp qlora-1x24gb my.yaml                   # copy one to edit
     finetune export RUN_DIR --out DIR [--merge] [--dtype bf16|fp16|fp32] [--overwrite]
+    finetune export RUN_DIR --out DIR --gguf [--gguf-type f16|bf16|q8_0|f32]
     finetune generate RUN_DIR|MODEL_DIR [--prompt TEXT [--input TEXT]] [--temperature T --top-p P --seed S]
     finetune eval RUN_DIR [--data FILE] [--limit N] [--json FILE]   # base vs fine-tuned, side by side (grpo: rewards)
     (export, generate, eval: --device cpu|cuda[:N]; --trust-remote-code runs code from the model's folder)
@@ -292,6 +293,10 @@ def _add_finished_run_commands(sub) -> None:
     export.add_argument("--merge", action="store_true", help="merge the adapter into the base: a standalone model, verified")
     export.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="merged weights' dtype (default: the base's)")
     export.add_argument("--overwrite", action="store_true", help="replace a previous export at --out")
+    export.add_argument("--gguf", action="store_true", help="one GGUF file (llama.cpp, Ollama) of the merged model, verified")
+    export.add_argument(
+        "--gguf-type", choices=["f16", "bf16", "q8_0", "f32"], default="f16", help="GGUF weights' type (default f16)"
+    )
     export.add_argument(
         "--verify-memory-gib",
         type=float,

@@ -49,6 +49,8 @@ def _say_remote_code_notice(run) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     from finetune.runs.export import export_run
 
+    if args.gguf:
+        return _export_gguf(args)
     budget = None if args.verify_memory_gib is None else int(args.verify_memory_gib * 2**30)
     export_run(
         args.run_dir,
@@ -57,6 +59,26 @@ def cmd_export(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         overwrite=args.overwrite,
         verify_max_memory=budget,
+        device=_device(args),
+        trust_remote_code=args.trust_remote_code,
+    )
+    return EXIT_OK
+
+
+def _export_gguf(args: argparse.Namespace) -> int:
+    from finetune.runs.gguf_export import export_gguf
+
+    given = [flag for flag, on in (("--merge", args.merge), ("--dtype", args.dtype is not None)) if on]
+    if given:
+        raise FinetuneError(
+            f"--gguf with {' and '.join(given)}: a GGUF export always merges, in the type --gguf-type names",
+            hint=f"drop {' and '.join(given)}",
+        )
+    export_gguf(
+        args.run_dir,
+        args.out,
+        gguf_type=args.gguf_type,
+        overwrite=args.overwrite,
         device=_device(args),
         trust_remote_code=args.trust_remote_code,
     )

@@ -1,0 +1,186 @@
+"""A merged model as one GGUF file, written by llama.cpp's own `gguf` package (GGUFWriter).
+
+    family = gguf_family(config)                  # ExportError for a family not written here, before any work
+    stats = write_gguf(merged_dir, path, config, "q8_0", vocab=lambda w: add_vocab(w, tok_dir, ...))
+
+What llama.cpp's convert_hf_to_gguf.py does for these families, and no more: tensor names from
+gguf's own name map (gguf.get_tensor_name_map), the architecture's hyperparameters as metadata,
+Llama's q_proj/k_proj rows permuted from HF's rotary layout (halves) to GGML's (interleaved
+pairs), 1-D tensors kept F32, and the rest converted by gguf.quants. Tensors are streamed from
+the merged safetensors one at a time (header, metadata and tensor index first, then each tensor).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from finetune.errors import ExportError
+from finetune.model.shards import read_header, read_tensor, weight_files
+
+INSTALL_HINT = "pip install 'finetune[gguf]' (llama.cpp's gguf package, which writes and reads the file)"
+
+# --gguf-type: (gguf.GGMLQuantizationType of 2-D weights, gguf.LlamaFileType of the file)
+GGUF_TYPES = {
+    "f16": ("F16", "MOSTLY_F16"),
+    "bf16": ("BF16", "MOSTLY_BF16"),
+    "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
+    "f32": ("F32", "ALL_F32"),
+}
+K_QUANT_HINT = "llama-quantize {src} {dst} Q4_K_M"  # k-quants need llama.cpp's importance-aware C++ quantizer
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: str  # gguf.MODEL_ARCH member
+    permute_qk: bool  # llama.cpp's LlamaModel.permute: GGML's rope rotates adjacent pairs, HF's rotates halves
+
+
+# model_type -> how llama.cpp converts it (Mistral is converted as LLAMA by llama.cpp too)
+FAMILIES = {
+    "llama": Family("LLAMA", permute_qk=True),
+    "mistral": Family("LLAMA", permute_qk=True),
+    "qwen2": Family("QWEN2", permute_qk=False),
+}
+
+
+def import_gguf():
+    """The gguf package, or ExportError with the install line (an optional extra)."""
+    try:
+        import gguf
+    except ImportError:
+        raise ExportError("--gguf needs the 'gguf' package, which is not installed", hint=INSTALL_HINT) from None
+    return gguf
+
+
+def gguf_family(config: dict[str, Any], where: str) -> Family:
+    """The family of the base model's config.json, or ExportError naming those this export writes."""
+    model_type = str(config.get("model_type", ""))
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise ExportError(
+            f"{where}: model_type '{model_type}' is not a family --gguf writes (supported: {', '.join(FAMILIES)})",
+            hint="export with --merge and convert the merged model with llama.cpp's convert_hf_to_gguf.py",
+        )
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ExportError(
+            f"{where}: rope type '{rope.get('rope_type', rope.get('type'))}' (scaled rotary embeddings) is not written by --gguf yet",
+            hint="export with --merge and convert the merged model with llama.cpp's convert_hf_to_gguf.py",
+        )
+    return family
+
+
+def _head_dim(config: dict[str, Any]) -> int:
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+def add_hyperparameters(writer, config: dict[str, Any], family: Family, gguf_type: str, name: str) -> None:
+    """The architecture's metadata, as llama.cpp's converter writes it for this family."""
+    gguf = import_gguf()
+    rope = config.get("rope_parameters") or {}
+    writer.add_name(name)
+    writer.add_context_length(int(config["max_position_embeddings"]))
+    writer.add_embedding_length(int(config["hidden_size"]))
+    writer.add_block_count(int(config["num_hidden_layers"]))
+    writer.add_feed_forward_length(int(config["intermediate_size"]))
+    writer.add_head_count(int(config["num_attention_heads"]))
+    writer.add_head_count_kv(int(config.get("num_key_value_heads") or config["num_attention_heads"]))
+    writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
+    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    writer.add_vocab_size(int(config["vocab_size"]))
+    head_dim = _head_dim(config)
+    if family.permute_qk:
+        writer.add_rope_dimension_count(head_dim)
+    if head_dim != config["hidden_size"] // config["num_attention_heads"]:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_file_type(getattr(gguf.LlamaFileType, GGUF_TYPES[gguf_type][1]))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def permute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """HF's rotary layout (each head's rows: first halves, then second halves) to GGML's (pairs side by side)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _prepare(name: str, tensor: torch.Tensor, config: dict[str, Any], family: Family) -> torch.Tensor:
+    if family.permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+        return permute_rotary(tensor, int(config["num_attention_heads"]))
+    if family.permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+        return permute_rotary(tensor, int(config.get("num_key_value_heads") or config["num_attention_heads"]))
+    return tensor
+
+
+def tensor_type(gguf, shape: list[int], gguf_type: str):
+    """The GGML type of one tensor: norms and biases stay F32 (as llama.cpp's converter keeps them);
+    a row length a Q8_0 block does not divide falls back to F16 (as llama.cpp's converter does)."""
+    qtype = getattr(gguf.GGMLQuantizationType, GGUF_TYPES[gguf_type][0])
+    if len(shape) < 2:
+        return gguf.GGMLQuantizationType.F32
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if shape[-1] % block:
+        return gguf.GGMLQuantizationType.F16
+    return qtype
+
+
+def _plan(merged_dir: Path, config: dict[str, Any], family: Family, gguf_type: str) -> list[tuple[str, str, Any, Any]]:
+    """[(safetensors name, gguf name, GGML type, header)] in file order; ExportError for a tensor gguf has no name for."""
+    gguf = import_gguf()
+    arch = getattr(gguf.MODEL_ARCH, family.arch)
+    names = gguf.get_tensor_name_map(arch, int(config["num_hidden_layers"]))
+    tied = bool(config.get("tie_word_embeddings"))
+    plan = []
+    for f in weight_files(merged_dir):
+        header = read_header(f)
+        for name, entry in header.tensors.items():
+            if tied and name == "lm_head.weight":
+                continue  # llama.cpp writes no output.weight for tied embeddings (the reader ties it back)
+            target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            if target is None:
+                raise ExportError(
+                    f"the merged model's tensor '{name}' has no name in gguf's {family.arch} tensor map",
+                    hint="export with --merge and convert the merged model with llama.cpp's convert_hf_to_gguf.py",
+                )
+            plan.append((name, target, tensor_type(gguf, list(entry["shape"]), gguf_type), header))
+    return plan
+
+
+def write_gguf(
+    merged_dir: Path,
+    path: Path,
+    config: dict[str, Any],
+    gguf_type: str,
+    name: str,
+    vocab: Callable[[Any], None],
+) -> dict[str, Any]:
+    """Write the merged safetensors in merged_dir as one GGUF at path; vocab(writer) adds the tokenizer."""
+    gguf = import_gguf()
+    family = gguf_family(config, str(merged_dir / "config.json"))
+    plan = _plan(merged_dir, config, family, gguf_type)
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, family.arch)])
+    add_hyperparameters(writer, config, family, gguf_type, name)
+    vocab(writer)
+    for source, target, qtype, header in plan:
+        # Every type as raw bytes: gguf computes the element shape back from the byte shape.
+        byte_shape = gguf.quant_shape_to_byte_shape([int(n) for n in header.tensors[source]["shape"]], qtype)
+        writer.add_tensor_info(target, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    counts: dict[str, int] = {}
+    for source, _, qtype, header in plan:
+        with header.path.open("rb") as fh:
+            tensor = _prepare(source, read_tensor(fh, header, source).float(), config, family)
+        data = gguf.quants.quantize(tensor.numpy(), qtype)
+        writer.write_tensor_data(data.view(np.uint8))
+        counts[qtype.name] = counts.get(qtype.name, 0) + 1
+        del tensor, data  # one tensor in memory at a time
+    writer.close()
+    return {"tensors": len(plan), "types": counts, "bytes": path.stat().st_size, "arch": writer.arch}

@@ -1,0 +1,243 @@
+"""GGUF export: the file read back by transformers' GGUF loader equals the run as trained; Modelfiles; refusals."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import copy_run_with_base, train_tiny_run
+
+from finetune.cli.commands import main
+from finetune.config.files import resolve_path
+from finetune.data.templates import BUILTIN_TEMPLATES
+from finetune.errors import ExportError, MergeCheckFailed
+from finetune.runs import gguf_export, gguf_file
+from finetune.runs.gguf_export import export_gguf
+from finetune.runs.modelfile import modelfile
+
+pytest.importorskip("gguf", reason="the GGUF export needs the gguf package: pip install -e '.[test]' (or '.[gguf]')")
+
+TINY = Path(resolve_path("asset:tiny-llama"))  # byte-level BPE tokenizer, ChatML template, tied embeddings
+
+
+def quiet(_text: str) -> None:
+    pass
+
+
+@pytest.fixture(scope="module")
+def bpe_run(tmp_path_factory, runs_data):
+    """QLoRA on the bundled tiny Llama: its merge adds the adapter to dequantize(quantize(W))."""
+    return train_tiny_run(tmp_path_factory.mktemp("gguf_run") / "run", TINY, runs_data, quant={"bits": 4})
+
+
+def read_back(out, name, ids):
+    """The logits of the GGUF loaded the plain way a user would (transformers), nothing of ours."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(out), gguf_file=name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("gguf_type", ["f16", "q8_0"])
+def test_gguf_read_back_by_transformers_gives_the_trained_logits_and_tokens(bpe_run, tmp_path, gguf_type):
+    import gguf
+    from transformers import AutoTokenizer
+
+    from finetune.runs.open import open_run, run_tokenizer
+
+    out = tmp_path / "gguf"
+    result = export_gguf(bpe_run.path, out, gguf_type=gguf_type, say=quiet)
+    name = f"model-{gguf_type}.gguf"
+    assert sorted(p.name for p in out.iterdir()) == ["Modelfile", "finetune_export.json", name, "recipe.yaml"]
+    got = read_back(out, name, bpe_run.ids)
+    scale = float(bpe_run.logits.abs().max())
+    diff = float((got - bpe_run.logits).abs().max())
+    # f16: one rounding of each weight (measured 3e-4 relative); q8_0: 8-bit blocks (measured ~1e-2).
+    assert diff / scale < {"f16": 1e-3, "q8_0": 3e-2}[gguf_type]
+    check = result.metadata["verification"]
+    assert check["passed"] and check["same_token_ids"] and check["same_chat_template"]
+    assert check["max_abs_diff"] <= check["tolerance"]
+    assert json.loads((out / "finetune_export.json").read_text()) == result.metadata
+    # The adapter moves the logits far more than the tolerance: a file without it would fail the check.
+    assert check["adapter_effect"] > 3 * check["tolerance"]
+    # The tokenizer and chat template read back equal the run's.
+    run_tok = run_tokenizer(open_run(bpe_run.path))
+    back = AutoTokenizer.from_pretrained(str(out), gguf_file=name)
+    for text in ("Add the numbers.\n\n1 + 2", "<|im_start|>user\nhé, ça va?<|im_end|>"):
+        assert back(text).input_ids == run_tok(text).input_ids
+    assert back.chat_template == run_tok.chat_template
+    reader = gguf.GGUFReader(str(out / name))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.attn_q.weight"] == gguf_type.upper() and types["blk.0.attn_norm.weight"] == "F32"
+    assert "output.weight" not in types  # tied embeddings: llama.cpp writes token_embd only
+    field = reader.fields["tokenizer.ggml.model"]
+    assert bytes(field.parts[field.data[0]]).decode() == "gpt2"
+    assert result.metadata["gguf"]["tokenizer"]["special_ids"] == {"bos": 1, "eos": 2, "unk": 0, "pad": 3}
+    assert result.metadata["k_quants"] == f"llama-quantize {out / name} {out / 'model-Q4_K_M.gguf'} Q4_K_M"
+
+
+def test_cli_prints_the_ollama_and_llama_quantize_commands(bpe_run, tmp_path, capsys):
+    out = tmp_path / "gguf"
+    assert main(["export", str(bpe_run.path), "--gguf", "--gguf-type", "q8_0", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"ollama create NAME -f {out / 'Modelfile'}" in printed and "gguf check passed" in printed
+    assert f"llama-quantize {out / 'model-q8_0.gguf'} {out / 'model-Q4_K_M.gguf'} Q4_K_M" in printed
+    assert (out / "Modelfile").read_text().startswith("# Ollama: ollama create NAME -f Modelfile")
+    assert main(["export", str(bpe_run.path), "--gguf", "--merge", "--out", str(tmp_path / "x")]) == 2
+    assert "a GGUF export always merges" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("damage", ["flip_bytes", "unpermuted", "swapped_tokens"])
+def test_a_damaged_gguf_fails_the_check_exits_2_and_leaves_nothing(bpe_run, tmp_path, monkeypatch, capsys, damage):
+    if damage == "unpermuted":  # q/k rows in HF's rotary layout: the file llama.cpp would read wrongly
+        monkeypatch.setattr(gguf_file, "permute_rotary", lambda w, n_head: w)
+    elif damage == "swapped_tokens":  # the weights intact, two vocabulary entries swapped: only the ids tell
+        add = gguf_export.add_vocab
+
+        def add_swapped(writer, tok_dir, vocab_size):
+            write_list = writer.add_token_list
+
+            def swapped(tokens):
+                tokens = list(tokens)
+                i, j = tokens.index("e"), tokens.index("t")
+                tokens[i], tokens[j] = tokens[j], tokens[i]
+                write_list(tokens)
+
+            writer.add_token_list = swapped
+            return add(writer, tok_dir, vocab_size)
+
+        monkeypatch.setattr(gguf_export, "add_vocab", add_swapped)
+    else:
+        write = gguf_export.write_gguf
+
+        def write_then_flip(merged_dir, path, *args, **kwargs):
+            stats = write(merged_dir, path, *args, **kwargs)
+            import gguf
+
+            tensor = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.1.ffn_down.weight")
+            with path.open("r+b") as f:  # overwrite the first half of one weight with a byte pattern
+                f.seek(tensor.data_offset)
+                f.write(bytes(np.full(tensor.n_bytes // 2, 0x5A, dtype=np.uint8)))
+            return stats
+
+        monkeypatch.setattr(gguf_export, "write_gguf", write_then_flip)
+    out = tmp_path / "gguf"
+    if damage != "flip_bytes":
+        with pytest.raises(MergeCheckFailed, match="nothing was written") as err:
+            export_gguf(bpe_run.path, out, gguf_type="f16", say=quiet)
+        assert ("token ids equal: False" in str(err.value)) == (damage == "swapped_tokens")
+    else:
+        assert main(["export", str(bpe_run.path), "--gguf", "--out", str(out)]) == 2
+        assert "gguf check FAILED" in capsys.readouterr().out
+    assert not out.exists() and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_a_family_gguf_does_not_write_is_refused_before_anything_is_written(bpe_run, tmp_path, capsys):
+    run = copy_run_with_base(bpe_run.path, tmp_path, TINY)
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**config, "model_type": "gemma2"}))
+    out = tmp_path / "gguf"
+    assert main(["export", str(run), "--gguf", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "model_type 'gemma2' is not a family --gguf writes (supported: llama, mistral, qwen2)" in err
+    assert "convert_hf_to_gguf.py" in err and not out.exists() and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_a_tokenizer_gguf_cannot_describe_is_refused_before_anything_is_written(lora_run, tmp_path):
+    out = tmp_path / "gguf"
+    with pytest.raises(ExportError, match="the run's tokenizer is WordLevel, decoder Fuse; --gguf writes byte-level BPE"):
+        export_gguf(lora_run.path, out, say=quiet)
+    assert not out.exists()
+
+
+def test_without_the_gguf_package_the_error_says_how_to_install_it(bpe_run, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    with pytest.raises(ExportError) as err:
+        export_gguf(bpe_run.path, tmp_path / "gguf", say=quiet)
+    assert "pip install 'finetune[gguf]'" in err.value.hint and not (tmp_path / "gguf").exists()
+
+
+CHATML_MODELFILE = '''# Ollama: ollama create NAME -f Modelfile (in this directory)
+FROM ./model-q8_0.gguf
+TEMPLATE """{{- range .Messages }}<|im_start|>{{ .Role }}
+{{ .Content }}<|im_end|>
+{{ end }}<|im_start|>assistant
+"""
+PARAMETER stop "<|im_end|>"
+PARAMETER stop "</s>"
+SYSTEM """You are terse."""
+'''
+
+LLAMA3_MODELFILE = '''# Ollama: ollama create NAME -f Modelfile (in this directory)
+FROM ./model-f16.gguf
+TEMPLATE """{{- range .Messages }}<|start_header_id|>{{ .Role }}<|end_header_id|>
+
+{{ .Content }}<|eot_id|>{{ end }}<|start_header_id|>assistant<|end_header_id|>
+
+"""
+PARAMETER stop "<|eot_id|>"
+PARAMETER stop "</s>"
+'''
+
+
+def test_modelfile_golden_for_chatml_and_llama3_templates(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(TINY))  # its own ChatML, written differently from the built-in
+    assert tok.chat_template != BUILTIN_TEMPLATES["chatml"]
+    assert modelfile("model-q8_0.gguf", tok, "messages", system="You are terse.") == CHATML_MODELFILE
+    tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.chat_template = BUILTIN_TEMPLATES["llama3"]
+    assert modelfile("model-f16.gguf", tok, "messages") == LLAMA3_MODELFILE
+    tok.chat_template = BUILTIN_TEMPLATES["mistral"]  # no Ollama template here: Ollama reads the GGUF's own
+    text = modelfile("model-f16.gguf", tok, "messages")
+    assert "Ollama uses the GGUF's tokenizer.chat_template" in text and "TEMPLATE" not in text
+    alpaca = modelfile("model-f16.gguf", tok, "alpaca")
+    assert "### Instruction:\n{{ .Prompt }}\n\n### Response:\n" in alpaca
+
+
+def build_tiny_family(family: str, out):
+    """A tiny random-init Qwen2 (q/k/v biases, no rotary permutation in GGUF) or Mistral (written as llama),
+    untied, 2 KV heads, with the bundled byte-level BPE tokenizer beside it."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copyfile(TINY / name, out / name)
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    cfg = AutoConfig.for_model(
+        family,
+        vocab_size=912,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        **shape,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_qwen2_and_mistral_export_read_back_equal(family, tmp_path, runs_data):
+    import gguf
+
+    (tmp_path / "model").mkdir()
+    model_dir = build_tiny_family(family, tmp_path / "model")
+    run = train_tiny_run(tmp_path / "run", model_dir, runs_data)
+    result = export_gguf(run.path, tmp_path / "gguf", gguf_type="f32", say=quiet)
+    check = result.metadata["verification"]
+    assert check["passed"] and check["max_abs_diff"] < 1e-4 and check["adapter_effect"] > 1e-2
+    got = read_back(tmp_path / "gguf", "model-f32.gguf", run.ids)
+    assert float((got - run.logits).abs().max()) < 1e-4
+    names = {t.name for t in gguf.GGUFReader(str(tmp_path / "gguf" / "model-f32.gguf")).tensors}
+    assert "output.weight" in names and ("blk.0.attn_q.bias" in names) == (family == "qwen2")
