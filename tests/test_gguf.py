@@ -140,11 +140,12 @@ def test_a_damaged_gguf_fails_the_check_exits_2_and_leaves_nothing(bpe_run, tmp_
 def test_a_family_gguf_does_not_write_is_refused_before_anything_is_written(bpe_run, tmp_path, capsys):
     run = copy_run_with_base(bpe_run.path, tmp_path, TINY)
     config = json.loads((tmp_path / "model" / "config.json").read_text())
-    (tmp_path / "model" / "config.json").write_text(json.dumps({**config, "model_type": "gemma2"}))
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**config, "model_type": "olmo2"}))
     out = tmp_path / "gguf"
     assert main(["export", str(run), "--gguf", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "model_type 'gemma2' is not a family --gguf writes (supported: llama, mistral, qwen2)" in err
+    supported = "llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3"
+    assert f"model_type 'olmo2' is not a family --gguf writes (supported: {supported})" in err
     assert "convert_hf_to_gguf.py" in err and not out.exists() and not list(tmp_path.glob(".tmp-*"))
 
 
@@ -201,9 +202,9 @@ def test_modelfile_golden_for_chatml_and_llama3_templates(tmp_path):
     assert "### Instruction:\n{{ .Prompt }}\n\n### Response:\n" in alpaca
 
 
-def build_tiny_family(family: str, out):
-    """A tiny random-init Qwen2 (q/k/v biases, no rotary permutation in GGUF) or Mistral (written as llama),
-    untied, 2 KV heads, with the bundled byte-level BPE tokenizer beside it."""
+def build_tiny_family(family: str, out, **own):
+    """A tiny random-init model of one family (untied unless own says so), 2 KV heads, with the bundled
+    byte-level BPE tokenizer beside it."""
     import shutil
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -218,26 +219,67 @@ def build_tiny_family(family: str, out):
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=3,
-        tie_word_embeddings=False,
         initializer_range=0.1,
-        **shape,
+        **{"tie_word_embeddings": False, **shape, **own},
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral"])
-def test_qwen2_and_mistral_export_read_back_equal(family, tmp_path, runs_data):
+# family: its own config keys. Qwen3: head_dim 128, the one transformers' GGUF reader assumes; Gemma: tied
+# (llama.cpp writes no lm_head for Gemma 2) and a sliding window, written as metadata and read back.
+FAMILY_KEYS = {
+    "qwen2": {},
+    "mistral": {},
+    "qwen3": {"head_dim": 128},
+    "gemma2": {"head_dim": 16, "sliding_window": 64, "tie_word_embeddings": True},
+    "gemma3_text": {"head_dim": 16, "sliding_window": 64, "tie_word_embeddings": True},
+    "phi3": {},
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_KEYS))
+def test_each_family_export_reads_back_equal_in_f32(family, tmp_path, runs_data):
     import gguf
 
     (tmp_path / "model").mkdir()
-    model_dir = build_tiny_family(family, tmp_path / "model")
+    model_dir = build_tiny_family(family, tmp_path / "model", **FAMILY_KEYS[family])
     run = train_tiny_run(tmp_path / "run", model_dir, runs_data)
     result = export_gguf(run.path, tmp_path / "gguf", gguf_type="f32", say=quiet)
     check = result.metadata["verification"]
     assert check["passed"] and check["max_abs_diff"] < 1e-4 and check["adapter_effect"] > 1e-2
     got = read_back(tmp_path / "gguf", "model-f32.gguf", run.ids)
     assert float((got - run.logits).abs().max()) < 1e-4
-    names = {t.name for t in gguf.GGUFReader(str(tmp_path / "gguf" / "model-f32.gguf")).tensors}
-    assert "output.weight" in names and ("blk.0.attn_q.bias" in names) == (family == "qwen2")
+    reader = gguf.GGUFReader(str(tmp_path / "gguf" / "model-f32.gguf"))
+    names = {t.name for t in reader.tensors}
+    assert ("output.weight" in names) != FAMILY_KEYS[family].get("tie_word_embeddings", False)
+    assert ("blk.0.attn_q.bias" in names) == (family == "qwen2")
+    assert ("blk.0.attn_q_norm.weight" in names) == (family in ("qwen3", "gemma3_text"))
+    assert ("blk.0.attn_qkv.weight" in names) == (family == "phi3")  # Phi-3's fused qkv_proj stays fused
+    if family.startswith("gemma"):  # stored as llama.cpp's converter stores it: w + 1 (HF's w starts at 0)
+        norm = next(t for t in reader.tensors if t.name == "blk.0.attn_norm.weight")
+        assert abs(float(np.asarray(norm.data).mean()) - 1.0) < 0.1
+        assert int(reader.fields[f"{family[:6]}.attention.sliding_window"].parts[-1][0]) == 64
+    if family == "gemma2":
+        assert float(reader.fields["gemma2.attn_logit_softcapping"].parts[-1][0]) == 50.0
+
+
+@pytest.mark.parametrize(
+    ("family", "keys", "message"),
+    [
+        (
+            "qwen3",
+            {"head_dim": 64},
+            "head_dim is 64, but transformers' GGUF loader, which checks the file, reads every qwen3 GGUF back with 128",
+        ),
+        ("gemma2", {"query_pre_attn_scalar": 144}, "query_pre_attn_scalar is 144"),
+        ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0}}}, "rope type 'linear'"),
+        ("phi3", {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}}, "partial_rotary_factor is 0.75"),
+    ],
+)
+def test_a_model_the_gguf_reader_would_read_back_wrongly_is_refused(family, keys, message):
+    config = {"model_type": family, "num_hidden_layers": 2, **keys}
+    with pytest.raises(ExportError, match="export with --merge") as err:
+        gguf_file.gguf_family(config, "model.path 'x'")
+    assert message in str(err.value)

@@ -6,8 +6,12 @@
 What llama.cpp's convert_hf_to_gguf.py does for these families, and no more: tensor names from
 gguf's own name map (gguf.get_tensor_name_map), the architecture's hyperparameters as metadata,
 Llama's q_proj/k_proj rows permuted from HF's rotary layout (halves) to GGML's (interleaved
-pairs), 1-D tensors kept F32, and the rest converted by gguf.quants. Tensors are streamed from
-the merged safetensors one at a time (header, metadata and tensor index first, then each tensor).
+pairs), Gemma's norm weights stored + 1 (GGML scales by w, HF's Gemma by 1 + w), Phi-3's fused
+qkv_proj and gate_up_proj kept fused (gguf's attn_qkv, ffn_up), 1-D tensors kept F32, and the
+rest converted by gguf.quants. A model transformers' GGUF loader would read back with other
+values than its own (Family.reader_fixed) is refused, since the read-back check could not pass.
+Tensors are streamed from the merged safetensors one at a time (header, metadata and tensor
+index first, then each tensor).
 """
 
 from __future__ import annotations
@@ -40,6 +44,11 @@ K_QUANT_HINT = "llama-quantize {src} {dst} Q4_K_M"  # k-quants need llama.cpp's 
 class Family:
     arch: str  # gguf.MODEL_ARCH member
     permute_qk: bool  # llama.cpp's LlamaModel.permute: GGML's rope rotates adjacent pairs, HF's rotates halves
+    norm_shift: float = 0.0  # Gemma: HF's RMSNorm scales by (1 + w), GGML's by w; llama.cpp's converter stores w + 1
+    # (config key, value) transformers' GGUF loader cannot read from the file and takes from its config class:
+    # a model with another value would be read back wrongly, so the check could not pass
+    reader_fixed: tuple[tuple[str, Any], ...] = ()
+    alternate_sliding: int = 0  # every n-th layer full attention, the rest sliding (the loader's default layer_types)
 
 
 # model_type -> how llama.cpp converts it (Mistral is converted as LLAMA by llama.cpp too)
@@ -47,7 +56,29 @@ FAMILIES = {
     "llama": Family("LLAMA", permute_qk=True),
     "mistral": Family("LLAMA", permute_qk=True),
     "qwen2": Family("QWEN2", permute_qk=False),
+    "qwen3": Family("QWEN3", permute_qk=False, reader_fixed=(("head_dim", 128),)),
+    "gemma2": Family(
+        "GEMMA2",
+        permute_qk=False,
+        norm_shift=1.0,
+        reader_fixed=(("query_pre_attn_scalar", 256), ("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)),
+        alternate_sliding=2,
+    ),
+    "gemma3_text": Family(
+        "GEMMA3",
+        permute_qk=False,
+        norm_shift=1.0,
+        reader_fixed=(
+            ("query_pre_attn_scalar", 256),
+            ("attn_logit_softcapping", None),
+            ("final_logit_softcapping", None),
+            ("rope_local_base_freq", 10000.0),
+        ),
+        alternate_sliding=6,
+    ),
+    "phi3": Family("PHI3", permute_qk=False, reader_fixed=(("partial_rotary_factor", 1.0),)),
 }
+_CONVERT = "export with --merge and convert the merged model with llama.cpp's convert_hf_to_gguf.py"
 
 
 def import_gguf():
@@ -59,6 +90,42 @@ def import_gguf():
     return gguf
 
 
+def _rope_sections(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rotary parameters, one dict per attention kind (Gemma 3: full attention first, then sliding)."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if "full_attention" in rope:
+        return [rope["full_attention"], *(v for k, v in rope.items() if k != "full_attention")]
+    return [rope]
+
+
+_IN_ROPE = {"partial_rotary_factor": (0, 1.0), "rope_local_base_freq": (-1, 10000.0)}  # key: (rope section, default)
+
+
+def _config_value(config: dict[str, Any], key: str) -> Any:
+    """config[key], or where transformers 5 keeps it: in rope_parameters (Gemma 3's sliding theta: the last section)."""
+    if key in config or key not in _IN_ROPE:
+        return config.get(key)
+    section, default = _IN_ROPE[key]
+    return _rope_sections(config)[section].get("rope_theta" if key == "rope_local_base_freq" else key, default)
+
+
+def _check_reader_fixed(config: dict[str, Any], family: Family, where: str) -> None:
+    """ExportError when the model has a value transformers' GGUF loader would not read back (see Family.reader_fixed)."""
+    fixed = list(family.reader_fixed)
+    if family.alternate_sliding:
+        n = family.alternate_sliding
+        default = ["full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(int(config["num_hidden_layers"]))]
+        fixed.append(("layer_types", default))
+    for key, value in fixed:
+        if key in config or key in _IN_ROPE:
+            if _config_value(config, key) != value:
+                raise ExportError(
+                    f"{where}: {key} is {_config_value(config, key)!r}, but transformers' GGUF loader, which checks the "
+                    f"file, reads every {config['model_type']} GGUF back with {value!r}, so --gguf cannot check this model",
+                    hint=_CONVERT,
+                )
+
+
 def gguf_family(config: dict[str, Any], where: str) -> Family:
     """The family of the base model's config.json, or ExportError naming those this export writes."""
     model_type = str(config.get("model_type", ""))
@@ -66,14 +133,15 @@ def gguf_family(config: dict[str, Any], where: str) -> Family:
     if family is None:
         raise ExportError(
             f"{where}: model_type '{model_type}' is not a family --gguf writes (supported: {', '.join(FAMILIES)})",
-            hint="export with --merge and convert the merged model with llama.cpp's convert_hf_to_gguf.py",
+            hint=_CONVERT,
         )
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ExportError(
-            f"{where}: rope type '{rope.get('rope_type', rope.get('type'))}' (scaled rotary embeddings) is not written by --gguf yet",
-            hint="export with --merge and convert the merged model with llama.cpp's convert_hf_to_gguf.py",
-        )
+    for rope in _rope_sections(config):
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ExportError(
+                f"{where}: rope type '{rope.get('rope_type', rope.get('type'))}' (scaled rotary embeddings) is not written by --gguf yet",
+                hint=_CONVERT,
+            )
+    _check_reader_fixed(config, family, where)
     return family
 
 
@@ -84,7 +152,7 @@ def _head_dim(config: dict[str, Any]) -> int:
 def add_hyperparameters(writer, config: dict[str, Any], family: Family, gguf_type: str, name: str) -> None:
     """The architecture's metadata, as llama.cpp's converter writes it for this family."""
     gguf = import_gguf()
-    rope = config.get("rope_parameters") or {}
+    rope = _rope_sections(config)[0]
     writer.add_name(name)
     writer.add_context_length(int(config["max_position_embeddings"]))
     writer.add_embedding_length(int(config["hidden_size"]))
@@ -96,11 +164,16 @@ def add_hyperparameters(writer, config: dict[str, Any], family: Family, gguf_typ
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_vocab_size(int(config["vocab_size"]))
     head_dim = _head_dim(config)
-    if family.permute_qk:
-        writer.add_rope_dimension_count(head_dim)
-    if head_dim != config["hidden_size"] // config["num_attention_heads"]:
+    if family.permute_qk or family.arch == "PHI3":
+        writer.add_rope_dimension_count(int(head_dim * _config_value(config, "partial_rotary_factor")))
+    if config.get("head_dim") or head_dim != config["hidden_size"] // config["num_attention_heads"]:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if config.get("sliding_window") and (family.alternate_sliding or family.arch == "PHI3"):
+        writer.add_sliding_window(int(config["sliding_window"]))
+    if family.arch == "GEMMA2":
+        writer.add_attn_logit_softcapping(float(config.get("attn_logit_softcapping", 50.0)))
+        writer.add_final_logit_softcapping(float(config.get("final_logit_softcapping", 30.0)))
     writer.add_file_type(getattr(gguf.LlamaFileType, GGUF_TYPES[gguf_type][1]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
@@ -115,6 +188,8 @@ def _prepare(name: str, tensor: torch.Tensor, config: dict[str, Any], family: Fa
         return permute_rotary(tensor, int(config["num_attention_heads"]))
     if family.permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
         return permute_rotary(tensor, int(config.get("num_key_value_heads") or config["num_attention_heads"]))
+    if family.norm_shift and name.endswith("norm.weight"):
+        return tensor + family.norm_shift
     return tensor
 
 
@@ -145,8 +220,7 @@ def _plan(merged_dir: Path, config: dict[str, Any], family: Family, gguf_type: s
             target = names.get_name(name, try_suffixes=(".weight", ".bias"))
             if target is None:
                 raise ExportError(
-                    f"the merged model's tensor '{name}' has no name in gguf's {family.arch} tensor map",
-                    hint="export with --merge and convert the merged model with llama.cpp's convert_hf_to_gguf.py",
+                    f"the merged model's tensor '{name}' has no name in gguf's {family.arch} tensor map", hint=_CONVERT
                 )
             plan.append((name, target, tensor_type(gguf, list(entry["shape"]), gguf_type), header))
     return plan
