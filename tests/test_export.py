@@ -128,6 +128,52 @@ def test_dora_merge_matches(tiny_model_dir, runs_data, tmp_path):
     assert result.metadata["verification"]["max_abs_diff"] < 1e-5
     got = vanilla_logits(tmp_path / "merged", run.ids)
     assert (got - run.logits).abs().max() < 1e-5
+    # vLLM refuses DoRA adapters: the adapter export says so, and that the merged model is what it serves.
+    assert result.metadata["vllm"] == {"servable": True, "command": f"vllm serve {tmp_path / 'merged'}"}
+    said: list[str] = []
+    adapter = export_run(run.path, tmp_path / "adapter", say=said.append).metadata["vllm"]
+    assert not adapter["servable"] and adapter["refused_by_vllm"] == ["DoRA (use_dora): vLLM does not yet support DoRA"]
+    assert "vLLM:       cannot serve this adapter (DoRA" in said[-1] and "vllm serve MERGED_DIR" in said[-1]
+
+
+def test_adapter_export_says_how_vllm_serves_it(lora_run, tmp_path, capsys):
+    out = tmp_path / "my-adapter"
+    assert main(["export", str(lora_run.path), "--out", str(out)]) == 0
+    meta = json.loads((out / "finetune_export.json").read_text())["vllm"]
+    command = f"vllm serve {meta_base(lora_run)} --enable-lora --lora-modules my-adapter={out}"
+    assert meta["servable"] and meta["command"] == command and meta["max_lora_rank"] == 16  # r 4: vLLM's default holds it
+    assert f"  vLLM:       {command}" in capsys.readouterr().out
+
+
+def meta_base(run) -> str:
+    return str(yaml.safe_load((run.path / "recipe.yaml").read_text())["model"]["path"])
+
+
+@pytest.mark.parametrize(
+    ("config", "servable", "max_rank", "refused"),
+    [
+        ({"r": 16}, True, 16, []),
+        ({"r": 40}, True, 64, []),  # --max-lora-rank takes 1, 8, 16, 32, 64, 128, 256, 320 or 512
+        ({"r": 8, "rank_pattern": {"q_proj": 300}}, True, 320, []),
+        ({"r": 1024}, False, None, ["rank 1024: above vLLM's largest --max-lora-rank, 512"]),
+        (
+            {"r": 8, "modules_to_save": ["lm_head"]},
+            False,
+            None,
+            ["modules_to_save ['lm_head']: vLLM only supports modules_to_save being None"],
+        ),
+    ],
+)
+def test_vllm_note_names_the_rank_flag_and_what_vllm_refuses(config, servable, max_rank, refused):
+    from pathlib import Path
+
+    from finetune.runs.serving import vllm_note
+
+    note = vllm_note(config, "BASE", Path("/x/ad"))
+    assert (note["servable"], note["max_lora_rank"], note["refused_by_vllm"]) == (servable, max_rank, refused)
+    if servable:
+        flag = "" if max_rank == 16 else f" --max-lora-rank {max_rank}"
+        assert note["command"] == f"vllm serve BASE --enable-lora --lora-modules ad=/x/ad{flag}"
 
 
 def test_sharded_base_gives_sharded_merge_with_the_same_tensors(lora_run, tiny_model_dir, tmp_path):

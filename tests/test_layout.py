@@ -90,6 +90,7 @@ PACKAGE_ORDER = {
         "preflight",
         "open",
         "merge",
+        "serving",
         "export",
         "gguf_file",
         "gguf_vocab",

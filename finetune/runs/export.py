@@ -58,6 +58,7 @@ from finetune.runs.open import (
     open_run,
     remote_code_notice,
 )
+from finetune.runs.serving import vllm_line, vllm_note
 
 METADATA = "finetune_export.json"
 EXPORT_DTYPES = tuple(DTYPES)  # bf16, fp16, fp32
@@ -350,8 +351,10 @@ def export_run(
             merge=stats,
             verification=check,
         )
+        meta["vllm"] = {"servable": True, "command": f"vllm serve {out}"}  # a plain model: no LoRA limits apply
         write_json(tmp / METADATA, meta)
     say(f"merged model exported to {out} (load: AutoModelForCausalLM.from_pretrained('{out}'))")
+    say(f"  vLLM:       {meta['vllm']['command']}")
     return ExportResult(out, meta)
 
 
@@ -362,14 +365,17 @@ def _export_adapter(run: Run, out: Path, meta: dict[str, Any], say: Callable[[st
             f"'{run.path}' is a full fine-tune: it has no adapter to export on its own",
             hint="pass --merge to export the whole model (cast to --dtype and verified)",
         )
+    adapter_config = json.loads((run.weights_dir / "adapter_config.json").read_text(encoding="utf-8"))
     with atomic_dir(out) as tmp:
         for f in run.weights_dir.iterdir():
             if f.is_file():
                 shutil.copyfile(f, tmp / f.name)
         shutil.copyfile(run.path / "recipe.yaml", tmp / "recipe.yaml")
         meta["kind"] = "adapter"
+        meta["vllm"] = vllm_note(adapter_config, meta["base_model"], out)
         write_json(tmp / METADATA, meta)
     say(f"adapter exported to {out} (load: PeftModel.from_pretrained(base, '{out}'))")
+    say(vllm_line(meta["vllm"]))
     return ExportResult(out, meta)
 
 
