@@ -157,6 +157,13 @@ def meta_base(run) -> str:
         ({"r": 8, "rank_pattern": {"q_proj": 300}}, True, 320, []),
         ({"r": 1024}, False, None, ["rank 1024: above vLLM's largest --max-lora-rank, 512"]),
         (
+            {"r": 8, "init_lora_weights": "pissa"},
+            False,
+            None,
+            ["PiSSA (init_lora_weights): vLLM adds the adapter to the original weights, not to PiSSA's residual"],
+        ),
+        ({"r": 8, "init_lora_weights": True}, True, 16, []),
+        (
             {"r": 8, "modules_to_save": ["lm_head"]},
             False,
             None,

@@ -6,8 +6,10 @@
 What vLLM refuses when it loads a LoRA adapter, as its own loader states it (vllm/lora/peft_helper.py,
 PEFTHelper._validate_features and validate_legal): "vLLM does not yet support DoRA." (use_dora),
 "vLLM only supports modules_to_save being None." (modules_to_save), and a rank "greater than
-max_lora_rank", whose values are vllm.config.lora's MaxLoRARanks (default 16). Nothing here imports
-vLLM: the note is written at export, where vLLM is usually not installed.
+max_lora_rank", whose values are vllm.config.lora's MaxLoRARanks (default 16). PEFTHelper.from_dict
+also drops the keys it has no field for, init_lora_weights among them: a PiSSA adapter, which peft
+loads onto the residual W - U_r S_r V_r^T it recomputes, would be added to the original W by vLLM.
+Nothing here imports vLLM: the note is written at export, where vLLM is usually not installed.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def vllm_note(config: dict[str, Any], base: str, adapter_dir: Path) -> dict[str,
         refused.append("DoRA (use_dora): vLLM does not yet support DoRA")
     if config.get("modules_to_save"):
         refused.append(f"modules_to_save {config['modules_to_save']}: vLLM only supports modules_to_save being None")
+    if str(config.get("init_lora_weights")).startswith("pissa"):
+        refused.append("PiSSA (init_lora_weights): vLLM adds the adapter to the original weights, not to PiSSA's residual")
     if rank > VLLM_MAX_LORA_RANKS[-1]:
         refused.append(f"rank {rank}: above vLLM's largest --max-lora-rank, {VLLM_MAX_LORA_RANKS[-1]}")
     # --max-lora-rank takes only these values: the smallest that holds the adapter's rank
