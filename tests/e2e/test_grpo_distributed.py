@@ -24,7 +24,7 @@ from finetune.objectives.sampling import Completions
 from finetune.parallel.runtime import Parallel
 from finetune.trainer import Trainer
 
-def fixed(model, prompts, n, tokenizer, ends, train, greedy, seed=None):
+def fixed(model, prompts, n, tokenizer, ends, train, greedy, **sampling):
     tokens, texts = [], []
     for record in prompts["records"]:
         for k in range(n):
