@@ -384,3 +384,22 @@ def test_an_explicit_batch_size_change_is_the_users(recipe_dict):
     assert Window.resumed(saved, cfg, 1) == Window(4, 2, 1, 128)  # asked for 4 (it was 2): 4 x 2
     kept = {**saved, "recipe": {"train": {"batch_size": 4}}}  # the recipe says 4 as before, 2 after a backoff: 2
     assert Window.resumed(kept, cfg, 1) == Window(2, 4, 1, 128)
+
+
+def test_a_killed_extension_builds_lock_is_named_before_a_launch_waits_on_it(tmp_path):
+    # Seen in CI: a run killed while DeepSpeed compiled its shm op left the lock; every later launch hung in
+    # deepspeed.initialize (torch's FileBaton.wait), before the watchdog's first step.
+    import os
+
+    from finetune.parallel.launch import STALE_LOCK_S, stale_build_locks
+
+    fresh = tmp_path / "py311_cpu" / "fused_adam" / "lock"
+    old = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    for lock in (fresh, old):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    now = old.stat().st_mtime + STALE_LOCK_S + 120
+    os.utime(fresh, (now - 30, now - 30))  # a build under way holds it: not named
+    (warning,) = stale_build_locks(tmp_path, now=now)
+    assert str(old) in warning and "12 min old" in warning and "delete it" in warning
+    assert stale_build_locks(tmp_path / "nothing", now=now) == []

@@ -34,7 +34,14 @@ from finetune.cli.finished import cmd_eval, cmd_export, cmd_generate
 from finetune.config.schema import check_recipe_dict, find_recipe, read_recipe, recipe_description, shipped_recipes
 from finetune.data import FORMATS
 from finetune.errors import ConfigError, FinetuneError, Preempted
-from finetune.parallel.launch import add_launch_arguments, launch_command, launch_env, mark_exit, run_launcher
+from finetune.parallel.launch import (
+    add_launch_arguments,
+    launch_command,
+    launch_env,
+    mark_exit,
+    run_launcher,
+    stale_build_locks,
+)
 from finetune.runs.preflight import preflight
 
 EXIT_OK, EXIT_BUG, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -112,6 +119,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if problems:
             raise ConfigError(problems, str(find_recipe(args.recipe)))
     if launching:
+        for warning in stale_build_locks():
+            print(warning, file=sys.stderr)
         cmd = launch_command(args)
         print(
             f"launching {args.nproc} process{'es' if args.nproc > 1 else ''} x {args.nnodes} node(s): {' '.join(cmd[2:])}",

@@ -140,3 +140,24 @@ def run_launcher(cmd: list[str], env: dict[str, str] | None = None) -> int:
         )
         return Preempted.exit_code
     return rc
+
+
+STALE_LOCK_S = 600  # an extension build (DeepSpeed's ops) holds its lock for a minute or two, not ten
+
+
+def stale_build_locks(root: Path | None = None, now: float | None = None) -> list[str]:
+    """Warnings for torch extension build locks left by a killed build: every later launch that builds that op
+    (DeepSpeed's shm comm op on CPU, its fused Adam on GPU) waits on such a lock forever, before the first step."""
+    import time
+
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    now = time.time() if now is None else now
+    old = [p for p in sorted(Path(root).glob("*/*/lock")) if now - p.stat().st_mtime > STALE_LOCK_S]
+    return [
+        f"warning: {p} is {int((now - p.stat().st_mtime) // 60)} min old: a torch extension build that was killed "
+        "leaves it, and every launch that builds that op then waits on it forever; if no build is running, delete it"
+        for p in old
+    ]
