@@ -36,7 +36,7 @@ ORDER = [
 # Inside a folder, the same rule between its modules.
 PACKAGE_ORDER = {
     "config": ["messages", "files", "older_runs", "sections", "schema"],
-    "model": ["shards", "moe", "varlen", "partial", "load", "kernels"],
+    "model": ["shards", "moe", "varlen", "partial", "vision", "targets", "load", "kernels"],
     "memory": [
         "techniques",
         "linear_ce",

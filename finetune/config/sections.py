@@ -34,6 +34,12 @@ class ModelConfig(_Section):
         "picks varlen; varlen: finetune's own (finetune/model/varlen.py), packed "
         "examples attend each to itself with no T x T mask (torch's varlen flash kernel on CUDA in 16-bit)",
     )
+    vision_tower: Literal["compute", "4bit"] = Field(
+        "compute",
+        description="a vision-language model's vision tower and projector (frozen): compute keeps them in the compute "
+        "dtype (exact image features; ~0.7 GB for Qwen2.5-VL-7B's 670M in bf16), 4bit stores them NF4 as quant.bits=4 "
+        "does the language model (a quarter of the bytes; features carry quantization error)",
+    )
     kernels: Literal["auto", "none", "liger"] = Field(
         "auto",
         description="fused kernels in the decoder layers (finetune/model/kernels.py): liger-kernel's RMSNorm, RoPE, SwiGLU; "

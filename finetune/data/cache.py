@@ -8,7 +8,8 @@ and the key changes; nothing is ever invalidated by hand. Layout:
 
     <cache_dir>/data/<key>/train.safetensors   flat int32 ids/labels + int64 offsets (see dataset.py)
                            eval.safetensors    (when there is eval data)
-                           meta.json           stats and mask-check findings; written last
+                           meta.json           stats and mask-check findings (and each example's image files,
+                                               with their size and mtime: a changed image is a miss); written last
 
 A directory is written under a temporary name and renamed into place, so a crash
 mid-write leaves nothing that looks like a cache entry.
@@ -27,6 +28,7 @@ from typing import Any
 
 from finetune.config.schema import RecipeConfig
 from finetune.data.dataset import DataStats, TokenizedData
+from finetune.data.images import processor_of
 from finetune.data.pairs import PreferencePairs
 
 CACHE_VERSION = 1  # bump when tokenization or the stored layout changes
@@ -53,7 +55,26 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     h.update(str(getattr(tokenizer, "chat_template", None)).encode())
     for attr in ("split_special_tokens", "add_bos_token", "add_eos_token", "add_prefix_space", "legacy"):
         h.update(f"{attr}={getattr(tokenizer, attr, None)};".encode())
+    processor = processor_of(tokenizer)
+    if processor is not None:  # its resolution settings decide how many tokens each image becomes
+        h.update(processor.image_processor.to_json_string().encode())
+        h.update(str(processor.chat_template).encode())
     return h.hexdigest()
+
+
+def _image_files(data: dict[str, Stored | None]) -> dict[str, list[int]]:
+    """Each image file the data reads: [size, mtime_ns]. Images are not hashed into the key (a data file names
+    them; reading thousands to look the key up would cost what the cache saves): a changed one is a miss."""
+    paths = {p for part in data.values() if isinstance(part, TokenizedData) and part.images for ex in part.images for p in ex}
+    return {p: _stat(p) for p in sorted(paths)}
+
+
+def _stat(path: str) -> list[int]:
+    try:
+        st = os.stat(path)
+        return [st.st_size, st.st_mtime_ns]
+    except OSError:
+        return [-1, -1]
 
 
 def code_fingerprint() -> str:
@@ -104,11 +125,14 @@ def read_cache(path: Path) -> tuple[dict[str, Stored | None], dict[str, DataStat
                 data[name] = stats[name] = None
                 continue
             arrays = load_file(str(path / f"{name}.safetensors"))
-            tokenized, counted = TokenizedData(**arrays), DataStats(**meta["stats"][name])
+            images = meta.get("images", {}).get(name)
+            tokenized, counted = TokenizedData(**arrays, images=images), DataStats(**meta["stats"][name])
             pairs = name in meta.get("pairs", ())  # preference pairs: their sides interleaved
             if not _consistent(tokenized, counted, 2 if pairs else 1):
                 return None
             data[name], stats[name] = (PreferencePairs(tokenized) if pairs else tokenized), counted
+        if any(_stat(p) != kept for p, kept in meta.get("image_files", {}).items()):
+            return None  # an image changed since: its token count may have too
         return data, stats, meta["findings"]
     except Exception:  # noqa: BLE001 - any unreadable entry (truncated file, bad header, old layout) is rebuilt
         return None
@@ -144,6 +168,8 @@ def write_cache(path: Path, data: dict[str, Stored | None], stats: dict[str, Dat
             "pairs": [name for name, part in data.items() if isinstance(part, PreferencePairs)],
             "stats": {k: (v.to_dict() if v is not None else None) for k, v in stats.items()},
             "findings": findings,
+            "images": {k: v.images for k, v in data.items() if isinstance(v, TokenizedData) and v.images},
+            "image_files": _image_files(data),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
         if path.exists() and read_cache(path) is None:

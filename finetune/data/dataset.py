@@ -15,6 +15,7 @@ begins, and position ids restart there. Two examples of 3 and 2 tokens in one ro
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -71,15 +72,29 @@ class DataStats:
 class TokenizedData(Sequence):
     """Examples (or packed rows) stored as flat arrays; indexes like a list of dicts."""
 
-    def __init__(self, input_ids: np.ndarray, labels: np.ndarray, offsets: np.ndarray, starts: np.ndarray | None = None):
+    def __init__(
+        self,
+        input_ids: np.ndarray,
+        labels: np.ndarray,
+        offsets: np.ndarray,
+        starts: np.ndarray | None = None,
+        images: list[list[str]] | None = None,
+    ):
+        self.images = images  # each example's image files (vision-language data; never packed), or None
         self.input_ids = np.asarray(input_ids, dtype=np.int32)
         self.labels = np.asarray(labels, dtype=np.int32)
         self.offsets = np.asarray(offsets, dtype=np.int64)  # row i is [offsets[i], offsets[i+1])
         self.starts = None if starts is None else np.asarray(starts, dtype=np.int64)  # packed: example starts
 
     @classmethod
-    def from_examples(cls, examples: Sequence[tuple[list[int], list[int]]], rows: list[list[int]] | None = None):
-        """From (ids, labels) pairs; `rows` (lists of example indices) packs them, in that order."""
+    def from_examples(
+        cls,
+        examples: Sequence[tuple[list[int], list[int]]],
+        rows: list[list[int]] | None = None,
+        images: list[list[str]] | None = None,
+    ):
+        """From (ids, labels) pairs; `rows` (lists of example indices) packs them, in that order; images: each
+        example's image files (when any example has one)."""
         order = [i for row in rows for i in row] if rows is not None else range(len(examples))
         lengths = np.array([len(examples[i][0]) for i in order], dtype=np.int64)
         ends = np.cumsum(lengths)
@@ -87,7 +102,8 @@ class TokenizedData(Sequence):
         labels = np.fromiter((t for i in order for t in examples[i][1]), dtype=np.int32, count=len(ids))
         example_starts = np.concatenate([[0], ends[:-1]]) if len(ends) else np.zeros(0, np.int64)
         if rows is None:
-            return cls(ids, labels, np.concatenate([[0], ends]))
+            return cls(ids, labels, np.concatenate([[0], ends]), images=images if images and any(images) else None)
+        assert not (images and any(images)), "examples with images are never packed"
         row_ends = np.cumsum([sum(len(examples[i][0]) for i in row) for row in rows])
         return cls(ids, labels, np.concatenate([[0], row_ends]), example_starts)
 
@@ -113,6 +129,8 @@ class TokenizedData(Sequence):
             return [self[j] for j in i]
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         row = {"input_ids": self.input_ids[a:b].tolist(), "labels": self.labels[a:b].tolist()}
+        if self.images is not None:
+            row["images"] = self.images[i]
         if self.starts is not None:
             lo, hi = np.searchsorted(self.starts, [a, b])
             pos = np.arange(a, b, dtype=np.int64)
@@ -137,6 +155,8 @@ class TokenizedData(Sequence):
         h = hashlib.sha256()
         for arr in (self.input_ids, self.labels, self.offsets) + (() if self.starts is None else (self.starts,)):
             h.update(np.ascontiguousarray(arr).tobytes())
+        if self.images is not None:
+            h.update(json.dumps(self.images).encode())
         return h.hexdigest()[:16]
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -173,6 +193,14 @@ class Collator:
 
     pad_token_id: int
     pad_to_multiple_of: int | None = None
+    processor: Any = None  # a vision-language model's: examples with images get its pixel inputs (data/images.py)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, pad_to_multiple_of: int | None = None) -> Collator:
+        """The collator of a run's tokenizer (and of the processor a vision-language model's carries)."""
+        from finetune.data.images import processor_of
+
+        return cls(tokenizer.pad_token_id, pad_to_multiple_of, processor_of(tokenizer))
 
     def __call__(self, examples: list[dict]) -> dict[str, Any]:
         import torch  # lazily: `finetune validate` imports this module without needing torch
@@ -206,7 +234,12 @@ class Collator:
                 positions[row, :n] = torch.tensor(ex["position_ids"], dtype=torch.long)
                 positions[row, n:] = torch.arange(width - n)
         if positions is None:
-            return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+            batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+            if self.processor is not None:
+                from finetune.data.images import image_inputs
+
+                batch.update(image_inputs(self.processor, ids, [ex.get("images", []) for ex in examples]))
+            return batch
         return {"input_ids": ids, "labels": labels, "position_ids": positions, "num_tokens": mask.sum()}
 
 

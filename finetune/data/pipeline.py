@@ -19,6 +19,7 @@ from finetune.config.schema import RecipeConfig, resolve_path
 from finetune.data.cache import cache_key, cache_root, read_cache, write_cache
 from finetune.data.dataset import DataBundle, DataStats, TokenizedData
 from finetune.data.formats import FORMATS, get_format
+from finetune.data.images import image_token_ids, processor_of
 from finetune.data.masks import FIXES, Finding, enforce, example_findings, merge_findings
 from finetune.data.packing import pack_rows
 from finetune.data.pairs import EncodedPair, PreferencePairs, encode_pairs
@@ -50,11 +51,11 @@ def _init_worker(tokenizer: Any) -> None:
     _worker_tokenizer = tokenizer
 
 
-def _encode_task(args: tuple[list[dict], str, str, list[str], int]) -> list[Encoded | EncodedPair | None]:
-    records, fmt, train_on, wheres, max_len = args
+def _encode_task(args: tuple[list[dict], str, str, list[str], int, list[Path | None]]) -> list[Encoded | EncodedPair | None]:
+    records, fmt, train_on, wheres, max_len, folders = args
     if get_format(fmt).pairs is not None:  # each side as its own format trains it; train_on does not apply
         return list(encode_pairs(records, fmt, _worker_tokenizer, wheres, max_len))
-    return list(encode_records(records, fmt, _worker_tokenizer, train_on, wheres, max_len))
+    return list(encode_records(records, fmt, _worker_tokenizer, train_on, wheres, max_len, folders))
 
 
 def _encode_items(
@@ -70,7 +71,8 @@ def _encode_items(
         for c in range(0, len(idx), _CHUNK):
             chunk = idx[c : c + _CHUNK]
             wheres = [src.where(i) for i in chunk] if src.format not in PLAIN_FORMATS else [src.key] * len(chunk)
-            tasks.append(([src.records[i] for i in chunk], src.format, train_on, wheres, max_len))
+            folders = [src.folder(i) for i in chunk] if get_format(src.format).chat else [None] * len(chunk)
+            tasks.append(([src.records[i] for i in chunk], src.format, train_on, wheres, max_len, folders))
             keys.append([(s, i) for i in chunk])
     if num_proc > 1 and len(tasks) > 1:
         # fork: workers inherit the tokenizer instead of unpickling one each.
@@ -103,6 +105,9 @@ def _finish(
     pairs = get_format(d.format).pairs is not None  # (objectives: pair data is never mixed with other formats)
     stats = DataStats(0, 0, 0, 0, 0, skipped=skipped)
     examples: list[tuple[list[int], list[int]]] = []
+    images: list[list[str]] = []  # each example's image files (vision-language data)
+    processor = processor_of(tokenizer)
+    image_ids = image_token_ids(processor) if processor is not None else set()
     checked: set[Item] = set()
     flagged: set[Item] = set()
     for item in items:
@@ -122,7 +127,7 @@ def _finish(
             stats.mask_dropped += 1
             continue
         sides = enc.sides if isinstance(enc, EncodedPair) else (enc,)
-        results = [_fit(side, d.max_seq_len, d.truncation) for side in sides]
+        results = [_fit(side, d.max_seq_len, d.truncation, image_ids) for side in sides]
         lost = [r for r in results if isinstance(r, str)]
         if lost:  # a pair goes whole, or not at all
             stats.too_long += lost[0] == "too_long"
@@ -134,11 +139,12 @@ def _finish(
             stats.tokens += len(ids)
             stats.trained_tokens += len(labels) - labels.count(IGNORE_INDEX)
             examples.append((ids, labels))
+        images += [side.images for side in sides]
     stats.examples = len(examples) // (2 if pairs else 1)
     if pairs:
         return PreferencePairs(TokenizedData.from_examples(examples)), stats
     if not pack or not examples:
-        return TokenizedData.from_examples(examples), stats
+        return TokenizedData.from_examples(examples, images=images), stats
     rows = pack_rows([len(ids) for ids, _ in examples], d.max_seq_len)
     stats.rows, stats.row_capacity = len(rows), d.max_seq_len
     return TokenizedData.from_examples(examples, rows), stats
@@ -151,12 +157,13 @@ def _checked_sides(enc: Encoded | EncodedPair, chat: bool, train_on: str) -> lis
     return [(enc, chat, train_on)]
 
 
-def _fit(enc: Encoded, max_len: int, truncation: str) -> tuple[list[int], list[int], bool] | str:
+def _fit(enc: Encoded, max_len: int, truncation: str, image_ids: set[int]) -> tuple[list[int], list[int], bool] | str:
     """(ids, labels, truncated) within max_len, or why the example is left out: "too_long"
-    (data.truncation=drop) or "dropped" (nothing trained within max_len)."""
+    (data.truncation=drop, or a cut through an image's tokens: the model needs all of them) or "dropped"
+    (nothing trained within max_len)."""
     ids, labels, cut = enc.input_ids, enc.labels, False
     if len(ids) > max_len:
-        if truncation == "drop":
+        if truncation == "drop" or (enc.images and any(t in image_ids for t in ids[max_len:])):
             return "too_long"
         ids, labels, cut = ids[:max_len], labels[:max_len], True
     if labels.count(IGNORE_INDEX) == len(labels):  # (also a mask-check finding for a non-empty reply)
@@ -269,6 +276,12 @@ def build_datasets(cfg: RecipeConfig, tokenizer: Any, *, use_cache: bool | None 
 
 def _tokenized(cfg: RecipeConfig, tokenizer: Any, use_cache: bool | None) -> DataBundle:
     d = cfg.data
+    if d.packing and processor_of(tokenizer) is not None:
+        raise DataError(
+            "data.packing=true with a vision-language model: a packed row would hand the model one example's image "
+            "features with another's tokens (and Qwen2-VL's 3-D rotary positions are computed per row, not per example)",
+            hint="set data.packing=false (rows are padded to the longest in the micro-batch)",
+        )
     use_cache = d.cache if use_cache is None else use_cache
     entry = cache_root(cfg) / cache_key(cfg, tokenizer, _content_ids(cfg)) if use_cache else None
     cached = _cached_bundle(entry, d.mask_check) if entry is not None else None

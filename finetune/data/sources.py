@@ -51,6 +51,12 @@ class Source:
         # Errors name records of sources with thousands of shards: a binary search, not a scan.
         return [o[0] for o in self.origins]
 
+    def folder(self, i: int) -> Path | None:
+        """The folder of the local file record i came from (relative image paths start there), or None."""
+        k = bisect.bisect_right(self._file_starts, i) - 1
+        file = Path(self.origins[k][1]) if k >= 0 else None
+        return file.parent if file is not None and file.is_file() else None
+
     def where(self, i: int) -> str:
         """'data.path: 'train.jsonl' line 12' (JSONL) or '... record 11 (0-based)' (other files)."""
         k = bisect.bisect_right(self._file_starts, i) - 1

@@ -33,10 +33,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from finetune.data.formats import FORMATS, get_format
 from finetune.data.formats.alpaca import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT  # noqa: F401  (re-exported)
+from finetune.data.images import ImageText, image_paths, image_token_ids, processor_of, replacements, resolve_images
 from finetune.data.records import has_reply, record_problem, to_messages
 from finetune.data.replies import Conversation, common_prefix, encode_rendered, render
 from finetune.errors import DataError
@@ -54,6 +56,7 @@ class Encoded:
     labels: list[int]
     spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each trained reply
     boundary: str | None = None  # how prompt and response tokenization disagree, or why a reply is not placed exactly
+    images: list[str] = field(default_factory=list)  # absolute paths, in the order their tokens appear
 
 
 def _encode_many(tokenizer: Any, texts: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
@@ -120,9 +123,51 @@ def encode_prompt_response(records: list[dict], fmt: str, tokenizer: Any, train_
     return out
 
 
-def encode_chat(rec: dict, fmt: str, tokenizer: Any, train_on: str, where: str, max_len: int | None = None) -> Encoded | None:
-    """Chat formats (messages, sharegpt, input_output, ...). None when the conversation has no assistant reply to learn from."""
-    return encode_messages(to_messages(rec, fmt), tokenizer, train_on, where, max_len)
+def encode_chat(
+    rec: dict, fmt: str, tokenizer: Any, train_on: str, where: str, max_len: int | None = None, folder: Path | None = None
+) -> Encoded | None:
+    """Chat formats (messages, sharegpt, input_output, ...). None when the conversation has no assistant reply to learn from.
+    folder: the data file's, which relative image paths start from."""
+    msgs = to_messages(rec, fmt)
+    if image_paths(msgs) or processor_of(tokenizer) is not None:
+        return encode_with_images(msgs, tokenizer, train_on, where, max_len, folder)
+    return encode_messages(msgs, tokenizer, train_on, where, max_len)
+
+
+def encode_with_images(
+    msgs: list[dict], tokenizer: Any, train_on: str, where: str, max_len: int | None, folder: Path | None
+) -> Encoded | None:
+    """A conversation with image parts (finetune/data/images.py): rendered and masked in the text the model
+    reads, each image's placeholder expanded as the processor expands it; image tokens never trained."""
+    processor, paths = processor_of(tokenizer), image_paths(msgs)
+    if processor is None:
+        raise DataError(
+            f"{where}: the record has {len(paths)} image(s), but the model is text-only (no image processor in its folder)",
+            hint="use a vision-language model (model.path), or remove the image parts (data.skip_bad_rows=true skips them)",
+        )
+    msgs = resolve_images(msgs, folder, where)
+    text = ImageText(tokenizer, processor, replacements(processor, image_paths(msgs), where))
+    rendered = text.placeholders(msgs)
+    if rendered != len(paths):
+        raise DataError(
+            f"{where}: the record has {len(paths)} image(s) but the chat template renders {rendered} image placeholder(s)",
+            hint="give each image its own {\"type\": \"image\", \"path\": ...} part in a user turn; "
+            "the model's chat template decides where image parts may stand",
+        )
+    enc = encode_messages(msgs, text, train_on, where, max_len)
+    if enc is None:
+        return None
+    image_ids = image_token_ids(processor)
+    trained = [k for k, t in enumerate(enc.input_ids) if t in image_ids and enc.labels[k] != IGNORE_INDEX]
+    if trained and train_on != "all":
+        raise DataError(
+            f"{where}: an image lies inside a trained reply (token {trained[0]}): the model would learn to write image tokens",
+            hint="put images in user turns; an assistant reply is text",
+        )
+    for k in trained:  # data.train_on=all trains the prompts too, never the image features
+        enc.labels[k] = IGNORE_INDEX
+    enc.images = image_paths(msgs)
+    return enc
 
 
 def encode_messages(msgs: list[dict], tokenizer: Any, train_on: str, where: str, max_len: int | None = None) -> Encoded | None:
@@ -201,11 +246,19 @@ def _boundary(problems: dict[int, str], last_placed: bool) -> str | None:
 
 
 def encode_records(
-    records: list[dict], fmt: str, tokenizer: Any, train_on: str, wheres: list[str], max_len: int | None = None
+    records: list[dict],
+    fmt: str,
+    tokenizer: Any,
+    train_on: str,
+    wheres: list[str],
+    max_len: int | None = None,
+    folders: Sequence[Path | None] | None = None,
 ) -> list[Encoded | None]:
-    """Records of one format (already checked by record_problem) -> Encoded, or None to drop."""
+    """Records of one format (already checked by record_problem) -> Encoded, or None to drop.
+    folders: each record's data file folder (relative image paths start there)."""
     if get_format(fmt).chat:
-        return [encode_chat(r, fmt, tokenizer, train_on, w, max_len) for r, w in zip(records, wheres)]
+        folders = folders or [None] * len(records)
+        return [encode_chat(r, fmt, tokenizer, train_on, w, max_len, d) for r, w, d in zip(records, wheres, folders)]
     return encode_prompt_response(records, fmt, tokenizer, train_on)
 
 

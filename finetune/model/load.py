@@ -21,7 +21,8 @@ import torch
 from finetune.config.schema import RecipeConfig, resolve_path
 from finetune.errors import ModelError
 from finetune.hardware import resolve_precision, torch_dtype
-from finetune.model import moe, varlen
+from finetune.model import moe, varlen, vision
+from finetune.model.targets import linear_layer_names
 from finetune.model.partial import Split, only_placed
 
 
@@ -93,39 +94,6 @@ def check_model_source(cfg: RecipeConfig, key: str = "model.path") -> list[str]:
     ]
 
 
-def linear_layer_names(model) -> list[str]:
-    """Short names (q_proj, ...) of the model's linear layers, as lora.target takes them."""
-    return sorted(
-        {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) or "Linear" in type(m).__name__}
-    )
-
-
-def check_lora_targets(cfg: RecipeConfig) -> list[str]:
-    """lora.target names that match no module, found on a meta-device copy (no weights read)."""
-    if cfg.lora is None or cfg.lora.target == "all-linear" or not Path(model_source(cfg)).is_dir():
-        return []
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        config = AutoConfig.from_pretrained(model_source(cfg), trust_remote_code=cfg.model.trust_remote_code)
-        with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
-    except Exception:  # loading will report the real problem with the model itself
-        return []
-    names = [n for n, _ in model.named_modules()]
-    if isinstance(cfg.lora.target, str):  # peft treats a string as a regex over full module names
-        missing = [] if any(re.fullmatch(cfg.lora.target, n) for n in names) else [cfg.lora.target]
-    else:
-        missing = [t for t in cfg.lora.target if not any(n == t or n.endswith("." + t) for n in names)]
-    if not missing:
-        return []
-    return [
-        f"lora.target: {', '.join(map(repr, missing))} match no module of '{cfg.model.path}'. "
-        f"Use all-linear or names from: {', '.join(linear_layer_names(model))}"
-    ]
-
-
 def load_tokenizer(cfg: RecipeConfig):
     """The tokenizer, with a pad token guaranteed (labels are masked by position, so pad == eos is harmless here)."""
     from transformers import AutoTokenizer
@@ -150,17 +118,35 @@ def load_tokenizer(cfg: RecipeConfig):
         # Padding positions get label -100 by position in the collator, never by id,
         # so reusing EOS (or UNK) as pad cannot stop EOS from being trained.
         tok.pad_token = tok.unk_token if tok.unk_token is not None else tok.eos_token
+    config = model_config(cfg, quiet=True)
+    if config is not None and vision.is_vision_language(config):
+        vision.attach_processor(tok, src, cfg.model.revision, cfg.model.trust_remote_code)
     return tok
 
 
-def quantization_config(cfg: RecipeConfig, compute_dtype: torch.dtype, storage_dtype: torch.dtype | None = None):
-    """BitsAndBytesConfig for quant.bits, or None. storage_dtype is set when FSDP must shard the 4-bit weights."""
+def model_config(cfg: RecipeConfig, quiet: bool = False) -> Any:
+    """model.path's config (config.json alone); None when quiet and it cannot be read (loading says why)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_source(cfg), revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
+    except Exception:
+        if quiet:
+            return None
+        raise
+
+
+def quantization_config(
+    cfg: RecipeConfig, compute_dtype: torch.dtype, storage_dtype: torch.dtype | None = None, skip: list[str] | None = None
+):
+    """BitsAndBytesConfig for quant.bits, or None. storage_dtype is set when FSDP must shard the 4-bit weights;
+    skip: modules left unquantized (a vision-language model's vision side; None: bitsandbytes' defaults)."""
     if cfg.quant.bits is None:
         return None
     from transformers import BitsAndBytesConfig
 
     if cfg.quant.bits == 8:
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
     kwargs: dict[str, Any] = {}
     if storage_dtype is not None:
         kwargs["bnb_4bit_quant_storage"] = storage_dtype
@@ -169,6 +155,7 @@ def quantization_config(cfg: RecipeConfig, compute_dtype: torch.dtype, storage_d
         bnb_4bit_quant_type=cfg.quant.quant_type,
         bnb_4bit_use_double_quant=cfg.quant.double_quant,
         bnb_4bit_compute_dtype=compute_dtype,
+        llm_int8_skip_modules=skip,
         **kwargs,
     )
 
@@ -199,8 +186,6 @@ def load_base_model(
     modules on its device, the rest on the meta device, never read (finetune/parallel/pipeline.py).
     split: a tensor-parallel rank's share (model/partial.Split): its narrowed config, its slices read.
     """
-    from transformers import AutoModelForCausalLM
-
     precision = precision or resolve_precision(cfg.precision)
     dtype = torch_dtype(precision)
     if precision == "fp16" and cfg.lora is None and cfg.quant.bits is None:
@@ -211,17 +196,20 @@ def load_base_model(
     src = model_source(cfg)
     raise_for_model_config(Path(src))
     attention, note = choose_attention(cfg, device, dtype, compute_bytes=torch_dtype(precision).itemsize)
+    config = model_config(cfg, quiet=True)
+    image_text = config is not None and vision.is_vision_language(config)
+    skip = vision.not_quantized(config, cfg.model.vision_tower) if image_text and cfg.quant.bits else None
     # 4-bit: bitsandbytes quantizes nn.Linear weights; the fused 3-D experts of MoE models are
     # quantized here as they load (finetune/model/moe.py), else they would stay 16-bit.
     fused_4bit = moe.quantizing_experts(cfg.quant.quant_type, cfg.quant.double_quant) if cfg.quant.bits == 4 else nullcontext()
     try:
         with fused_4bit, only_placed(placement, split):
-            model = AutoModelForCausalLM.from_pretrained(
+            model = vision.model_class(config).from_pretrained(
                 src,
                 **({"config": split.config} if split is not None else {}),
                 revision=cfg.model.revision,
                 dtype=dtype,
-                quantization_config=quantization_config(cfg, dtype, storage_dtype=dtype if shardable else None),
+                quantization_config=quantization_config(cfg, dtype, dtype if shardable else None, skip),
                 device_map=placement or {"": device},
                 attn_implementation=attention,
                 trust_remote_code=cfg.model.trust_remote_code,
@@ -259,12 +247,13 @@ def causal_lm_class(cfg: RecipeConfig) -> tuple[Any, Any]:
     """(the transformers class that loads model.path, its config) from config.json alone; raises where it
     cannot be looked up (custom code, an unreadable config)."""
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
     config = AutoConfig.from_pretrained(
         model_source(cfg), revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
     )
-    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], config
+    classes = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING if vision.is_vision_language(config) else MODEL_FOR_CAUSAL_LM_MAPPING
+    return classes[type(config)], config
 
 
 def choose_attention(
@@ -406,6 +395,8 @@ def wrap_lora(cfg: RecipeConfig, model):
 
     assert cfg.lora is not None
     modules, params = moe.split_targets(model, lora_targets(cfg))
+    if vision.is_vision_language(model.config):
+        modules = vision.lora_modules(model, lora_targets(cfg))
     peft_cfg = LoraConfig(
         **peft_arguments(cfg),
         lora_dropout=0.0 if params else cfg.lora.dropout,  # peft refuses dropout with target_parameters: set below

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune.data import IGNORE_INDEX
+from finetune.data.images import IMAGE_INPUTS, TOKEN_TYPE_INPUTS
 from finetune.errors import ConfigError
 from finetune.memory.linear_ce import (
     CaptureHead,
@@ -49,9 +50,11 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What the model is called with. Packed rows carry position_ids and no attention_mask: the
     model then keeps each packed example's attention to itself (finetune.data.dataset.Collator),
     but only without a KV cache (use_cache=False), which transformers would otherwise take as a
-    sign of generation and ignore the packing. A context-parallel rank's part carries context_part, which
+    sign of generation and ignore the packing. A vision-language batch carries its images' inputs
+    (finetune/data/images.py). A context-parallel rank's part carries context_part, which
     the model hands to every attention call (finetune/parallel/context.py)."""
-    return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "context_part") if k in batch}
+    keys = ("input_ids", "attention_mask", "position_ids", "context_part", *IMAGE_INPUTS, *TOKEN_TYPE_INPUTS)
+    return {k: batch[k] for k in keys if k in batch}
 
 
 class Loss:

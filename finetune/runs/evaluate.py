@@ -73,14 +73,15 @@ def loss_sum_and_count(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torc
 
 
 @torch.no_grad()
-def mean_loss(model, examples: Sequence[dict], pad_token_id: int, batch_size: int = 8) -> tuple[float | None, int]:
+def mean_loss(model, examples: Sequence[dict], tokenizer, batch_size: int = 8) -> tuple[float | None, int]:
     """(mean cross-entropy per target token, number of target tokens) over tokenized examples."""
     device = compute_device(model)
-    collate = Collator(pad_token_id=pad_token_id)
+    collate = Collator.for_tokenizer(tokenizer)
     total, count = 0.0, 0
     for start in range(0, len(examples), batch_size):
         batch = {k: v.to(device) for k, v in collate(list(examples[start : start + batch_size])).items()}
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        inputs = {k: v for k, v in batch.items() if k != "labels"}  # ids, mask, and a VLM batch's image inputs
+        logits = model(**inputs, use_cache=False).logits
         loss, n = loss_sum_and_count(logits, batch["labels"])
         total += float(loss)
         count += n
@@ -256,7 +257,7 @@ def score(
     pairs = bool(examples) and "chosen" in examples[0]
     sequences = [ex["chosen"] for ex in examples] if pairs else examples
     try:
-        loss, tokens = mean_loss(model, sequences, tokenizer.pad_token_id, batch_size) if examples else (None, 0)
+        loss, tokens = mean_loss(model, sequences, tokenizer, batch_size) if examples else (None, 0)
         ranking = pair_ranking(model, examples, tokenizer.pad_token_id, length_normalised, batch_size) if pairs else None
     finally:
         model.train(was_training)

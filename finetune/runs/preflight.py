@@ -16,13 +16,13 @@ from finetune.data import check_data_source, check_sample
 from finetune.errors import FinetuneError
 from finetune.hardware import resolve_precision
 from finetune.model.load import (
-    check_lora_targets,
     check_model_source,
     load_tokenizer,
     looks_like_hub_id,
     model_source,
     tokenizer_source,
 )
+from finetune.model.targets import check_lora_targets
 from finetune.plan import preflight_memory
 from finetune.runs.checkpoint import output_dir_problem
 from finetune.runs.report import missing_extras, plot_available

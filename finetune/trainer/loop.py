@@ -210,7 +210,7 @@ class Trainer:
     def _plan_steps(self, saved: dict[str, Any]) -> None:
         """The data order of this launch (the run's window, cut for this launch), and the run's length in steps."""
         cfg, acc, state = self.cfg, self.accelerator, self.state
-        self.collate = Collator(pad_token_id=self.tokenizer.pad_token_id)
+        self.collate = Collator.for_tokenizer(self.tokenizer)
         layout = Layout.of(cfg, acc.process_index, acc.num_processes)  # a pipeline's stages share their replica's data
         window = Window.resumed(saved, cfg, layout.replicas)
         self.say(window.resume_note(saved, cfg))

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from finetune.data.images import PART_EXAMPLE, part_problem
+
 Problem = tuple[str, str]  # (what is wrong with the record, how to fix it)
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -96,9 +98,11 @@ def turns_problem(
     example: str,
     foreign: tuple[tuple[str, str], str] | None = None,
     turn_check: Callable[[int, dict], Problem | None] | None = None,
+    parts: bool = False,
 ) -> Problem | None:
     """Chat formats: `turns` is a non-empty list of {role_key: str, text_key: str} dicts.
 
+    parts: a text may also be a list of text and image parts (data/images.py), images outside assistant turns.
     foreign: (keys of another format's turns, the hint given when a turn has them);
     turn_check: a format's own check of each well-formed turn.
     """
@@ -109,7 +113,12 @@ def turns_problem(
     for j, m in enumerate(turns):
         # An assistant turn that only calls tools has content null (OpenAI's format).
         calls_only = isinstance(m, dict) and m.get(text_key) is None and bool(m.get("tool_calls"))
-        if not (isinstance(m, dict) and isinstance(m.get(role_key), str) and (isinstance(m.get(text_key), str) or calls_only)):
+        listed = parts and isinstance(m, dict) and isinstance(m.get(text_key), list)
+        if listed:
+            problem = _parts_problem(m, j, col, role_key, text_key)
+            if problem:
+                return problem
+        elif not (isinstance(m, dict) and isinstance(m.get(role_key), str) and (isinstance(m.get(text_key), str) or calls_only)):
             what = f"{col}[{j}] is {reprlib.repr(m)}, expected {{{role_key!r}: str, {text_key!r}: str}}"
             if foreign and isinstance(m, dict) and all(k in m for k in foreign[0]):
                 return what, foreign[1]
@@ -119,6 +128,19 @@ def turns_problem(
         problem = turn_check(j, m) if turn_check else None
         if problem:
             return problem
+    return None
+
+
+def _parts_problem(m: dict, j: int, col: str, role_key: str, text_key: str) -> Problem | None:
+    """A turn whose content is a list of parts: every part well formed, and no image in an assistant reply."""
+    if not isinstance(m.get(role_key), str):
+        return f"{col}[{j}] has no string {role_key!r}", f"give every turn a string {role_key!r}"
+    for part in m[text_key]:
+        why = part_problem(part)
+        if why:
+            return f"{col}[{j}]: {why}", f"write the content as a list of parts such as {PART_EXAMPLE}"
+    if m[role_key] == "assistant" and any(p["type"] == "image" for p in m[text_key]):
+        return f"{col}[{j}] is an assistant reply with an image", "put images in user turns: an assistant reply is text"
     return None
 
 

@@ -1,0 +1,126 @@
+"""Vision-language models (Gemma 3, LLaVA, Idefics3/SmolVLM, Qwen2-VL ...): what differs from a causal LM.
+
+    is_vision_language(config)           the family's image-text class (AutoModelForImageTextToText) loads it
+    vision_modules(config)               ["model.vision_tower", "model.multi_modal_projector"]: all but the language model
+    not_quantized(config, vision_tower)  what bitsandbytes leaves in the compute dtype (the head; the vision side
+                                         unless model.vision_tower=4bit)
+    lora_modules(model, target)          peft target_modules on the language model only; `vision_tower` and
+                                         `projector` in a lora.target list add those
+    attach_processor(tokenizer, source)  the processor (AutoProcessor) rides on the tokenizer to the data code
+
+The vision tower is frozen like every base weight; only adapters train.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from finetune.errors import ModelError
+
+VISION_TOWER, PROJECTOR = "vision_tower", "projector"  # lora.target entries that add the vision side
+_PROJECTORS = ("multi_modal_projector", "connector", "merger")  # how the families name what maps image features
+
+
+def is_vision_language(config: Any) -> bool:
+    """A config the image-text auto class knows and that has a vision tower (Gemma 3 4B+, not Gemma 3 1B)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and getattr(config, "vision_config", None) is not None
+
+
+def model_class(config: Any) -> Any:
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
+def _skeleton(config: Any) -> torch.nn.Module:
+    """The model on the meta device: its module names, no weights."""
+    from transformers import AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        return AutoModelForImageTextToText.from_config(config)
+
+
+def vision_modules(config: Any) -> list[str]:
+    """Full names of the modules beside the language model (vision tower, projector), from the config alone."""
+    model = _skeleton(config)
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "language_model"):
+        raise ModelError(
+            f"{type(model).__name__} keeps its language model where finetune does not look (model.language_model)",
+            hint="this vision-language family is not supported yet; README's vision section lists those that are",
+        )
+    return [f"model.{name}" for name, _ in inner.named_children() if name != "language_model"]
+
+
+def not_quantized(config: Any, vision_tower: str) -> list[str] | None:
+    """bitsandbytes' llm_int8_skip_modules: None (its defaults) when the vision side is quantized too, else the
+    head and every vision module (a list replaces the defaults, so the head is named again)."""
+    if vision_tower == "4bit":
+        return None
+    return ["lm_head", *vision_modules(config)]
+
+
+def lora_modules(model: torch.nn.Module, target: str | list[str]) -> str:
+    """peft target_modules as one regex over full module names: the language model's linear layers that
+    lora.target names (all-linear: all but the head), plus the vision tower's or projector's when listed."""
+    wanted = [target] if isinstance(target, str) else list(target)
+    extra = {VISION_TOWER, PROJECTOR} & set(wanted)
+    short = [t for t in wanted if t not in (VISION_TOWER, PROJECTOR)]
+    head = model.get_output_embeddings()
+    names = []
+    for name, module in model.named_modules():
+        if not _is_linear(module) or module is head:
+            continue
+        if ".language_model." in f".{name}.":
+            place = "language"
+        elif any(p in name.split(".") for p in _PROJECTORS):
+            place = PROJECTOR
+        else:
+            place = VISION_TOWER
+        leaf = name.rsplit(".", 1)[-1]
+        language_match = place == "language" and ("all-linear" in short or leaf in short)
+        if language_match or place in extra:
+            names.append(name)
+    if not names:
+        raise ModelError(
+            f"lora.target={target!r} names no linear layer of {type(model).__name__}'s language model",
+            hint="use all-linear, or names such as q_proj, v_proj (add `vision_tower` / `projector` to adapt those)",
+        )
+    return "^(" + "|".join(re.escape(n) for n in names) + ")$"
+
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    # bitsandbytes' Linear4bit is an nn.Linear subclass; so is peft's nothing (not wrapped yet here).
+    return isinstance(module, torch.nn.Linear)
+
+
+def attach_processor(tokenizer: Any, source: str, revision: str | None, trust_remote_code: bool) -> None:
+    """Load the model's processor and hang it on the tokenizer, which every data function already takes
+    (finetune.data.images.processor_of reads it back)."""
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
+    except ImportError as exc:
+        raise ModelError(
+            f"model.path: the processor of '{source}' needs a package that is not installed: {str(exc).strip().splitlines()[0]}",
+            hint="install it (Qwen2-VL's processor needs torchvision: pip install torchvision matching your torch)",
+        ) from None
+    except Exception as exc:  # transformers raises many types for a folder without a processor
+        raise ModelError(
+            f"model.path: '{source}' is a vision-language model, but its processor could not be loaded: "
+            f"{str(exc).splitlines()[0]}",
+            hint="the folder needs the processor's files (preprocessor_config.json, processor_config.json, tokenizer)",
+        ) from None
+    if getattr(processor, "image_token", None) is None or not hasattr(processor, "image_processor"):
+        raise ModelError(
+            f"model.path: the processor of '{source}' ({type(processor).__name__}) has no image token or image processor",
+            hint="this vision-language family is not supported yet; README's vision section lists those that are",
+        )
+    processor.tokenizer = tokenizer  # one tokenizer: the pad token and chat template the run sets are the processor's
+    tokenizer.finetune_processor = processor
