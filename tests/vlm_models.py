@@ -48,8 +48,15 @@ def _ids(tok, tokens: list[str]) -> list[int]:
 
 
 def _text(tok, **extra) -> dict:
-    return dict(TINY_TEXT, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id, max_position_embeddings=2048, **extra)
+    return dict(
+        TINY_TEXT,
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_position_embeddings=2048,
+        **extra,
+    )
 
 
 def _qwen2_vl():
@@ -60,9 +67,21 @@ def _qwen2_vl():
     rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
     cfg = Qwen2VLConfig(
         text_config=_text(tok, rope_parameters=rope),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
-        vision_start_token_id=vs, vision_end_token_id=ve, image_token_id=img, video_token_id=vid,
+        vision_config=dict(
+            depth=1,
+            embed_dim=32,
+            hidden_size=64,
+            num_heads=2,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            in_channels=3,
+        ),
+        vision_start_token_id=vs,
+        vision_end_token_id=ve,
+        image_token_id=img,
+        video_token_id=vid,
     )
     images = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 2, max_pixels=28 * 28 * 8, patch_size=14, merge_size=2)
     processor = Qwen2VLProcessor(image_processor=images, tokenizer=tok, chat_template=(TEMPLATES / "qwen2-vl.jinja").read_text())
@@ -74,14 +93,30 @@ def _llava():
 
     tok = _tokenizer(["<image>"])
     cfg = LlavaConfig(
-        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32),
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+            projection_dim=32,
+        ),
         text_config=dict(_text(tok), model_type="llama"),
-        image_token_index=_ids(tok, ["<image>"])[0], vision_feature_layer=-1, vision_feature_select_strategy="default",
+        image_token_index=_ids(tok, ["<image>"])[0],
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
     )
     images = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
-    processor = LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
-                               num_additional_image_tokens=1, chat_template=(TEMPLATES / "llava-1.5.jinja").read_text())
+    processor = LlavaProcessor(
+        image_processor=images,
+        tokenizer=tok,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=(TEMPLATES / "llava-1.5.jinja").read_text(),
+    )
     return LlavaForConditionalGeneration(cfg), processor
 
 
@@ -93,13 +128,18 @@ def _gemma3():
     boi, eoi, img = _ids(tok, list(named.values()))
     cfg = Gemma3Config(
         text_config=_text(tok, head_dim=16, sliding_window=64, query_pre_attn_scalar=16),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=28, patch_size=14),
-        mm_tokens_per_image=4, boi_token_index=boi, eoi_token_index=eoi, image_token_index=img,
+        vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+        ),
+        mm_tokens_per_image=4,
+        boi_token_index=boi,
+        eoi_token_index=eoi,
+        image_token_index=img,
     )
     images = Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
-    processor = Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=4,
-                                chat_template=(TEMPLATES / "gemma-3.jinja").read_text())
+    processor = Gemma3Processor(
+        image_processor=images, tokenizer=tok, image_seq_length=4, chat_template=(TEMPLATES / "gemma-3.jinja").read_text()
+    )
     return Gemma3ForConditionalGeneration(cfg), processor
 
 
@@ -108,13 +148,17 @@ def _idefics3():
 
     tok = _tokenizer(["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"], eos="<end_of_utterance>")
     cfg = Idefics3Config(
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=28, patch_size=14),
-        text_config=dict(_text(tok), model_type="llama"), scale_factor=2, image_token_id=_ids(tok, ["<image>"])[0],
+        vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+        ),
+        text_config=dict(_text(tok), model_type="llama"),
+        scale_factor=2,
+        image_token_id=_ids(tok, ["<image>"])[0],
     )
     images = Idefics3ImageProcessorPil(size={"longest_edge": 56}, max_image_size={"longest_edge": 28})
-    processor = Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=1,
-                                  chat_template=(TEMPLATES / "idefics3.jinja").read_text())
+    processor = Idefics3Processor(
+        image_processor=images, tokenizer=tok, image_seq_len=1, chat_template=(TEMPLATES / "idefics3.jinja").read_text()
+    )
     return Idefics3ForConditionalGeneration(cfg), processor
 
 
@@ -130,8 +174,17 @@ def build_vlm(family: str, out: Path, seed: int = 0) -> Path:
     processor.tokenizer.save_pretrained(out)
     processor.image_processor.save_pretrained(out)
     # processor.save_pretrained would also save the (absent) video processor; the rest is what it writes.
-    kwargs = {k: getattr(processor, k) for k in ("image_seq_length", "image_seq_len", "patch_size",
-              "vision_feature_select_strategy", "num_additional_image_tokens") if hasattr(processor, k)}
+    kwargs = {
+        k: getattr(processor, k)
+        for k in (
+            "image_seq_length",
+            "image_seq_len",
+            "patch_size",
+            "vision_feature_select_strategy",
+            "num_additional_image_tokens",
+        )
+        if hasattr(processor, k)
+    }
     (out / "processor_config.json").write_text(json.dumps({"processor_class": type(processor).__name__, **kwargs}))
     (out / "chat_template.jinja").write_text(processor.chat_template)
     return out

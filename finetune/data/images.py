@@ -26,26 +26,6 @@ IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image
 # Token-type inputs computed from the ids (create_mm_token_type_ids), named as each processor names them.
 TOKEN_TYPE_INPUTS = ("token_type_ids", "mm_token_type_ids")
 _TEXT_KEYS = ("input_ids", "attention_mask", *TOKEN_TYPE_INPUTS)
-PART_EXAMPLE = '[{"type": "image", "path": "img/cat.png"}, {"type": "text", "text": "What is it?"}]'
-
-
-def part_problem(part: object) -> str | None:
-    """Why one content part is not {"type": "text", "text": str} or {"type": "image", "path": str}, or None."""
-    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-        return None
-    if isinstance(part, dict) and part.get("type") == "image":
-        path = part.get("path", part.get("image"))
-        if isinstance(path, str) and path:
-            return None
-        return f"image part {part!r} has no 'path' (a local image file, relative to the data file)"
-    return f"content part {part!r} is not a text or image part"
-
-
-def content_text(content: object) -> str:
-    """A turn's text: the content itself, or its text parts joined."""
-    if isinstance(content, list):
-        return "".join(p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return content if isinstance(content, str) else ""
 
 
 def image_paths(messages: Sequence[dict]) -> list[str]:
@@ -139,7 +119,9 @@ class ImageText:
         return len(self._placeholder.findall(text))
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = False) -> str:
-        text = self._processor.apply_chat_template(_parts_of(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self._processor.apply_chat_template(
+            _parts_of(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
         texts = iter(self._expanded)
         return self._placeholder.sub(lambda _m: next(texts, _m.group()), text)
 

@@ -71,7 +71,8 @@ def _encode_items(
         for c in range(0, len(idx), _CHUNK):
             chunk = idx[c : c + _CHUNK]
             wheres = [src.where(i) for i in chunk] if src.format not in PLAIN_FORMATS else [src.key] * len(chunk)
-            folders = [src.folder(i) for i in chunk] if get_format(src.format).chat else [None] * len(chunk)
+            chat = get_format(src.format).chat
+            folders: list[Path | None] = [src.folder(i) if chat else None for i in chunk]
             tasks.append(([src.records[i] for i in chunk], src.format, train_on, wheres, max_len, folders))
             keys.append([(s, i) for i in chunk])
     if num_proc > 1 and len(tasks) > 1:

@@ -151,7 +151,7 @@ def encode_with_images(
     if rendered != len(paths):
         raise DataError(
             f"{where}: the record has {len(paths)} image(s) but the chat template renders {rendered} image placeholder(s)",
-            hint="give each image its own {\"type\": \"image\", \"path\": ...} part in a user turn; "
+            hint='give each image its own {"type": "image", "path": ...} part in a user turn; '
             "the model's chat template decides where image parts may stand",
         )
     enc = encode_messages(msgs, text, train_on, where, max_len)

@@ -22,8 +22,8 @@ from finetune.config.schema import RecipeConfig, resolve_path
 from finetune.errors import ModelError
 from finetune.hardware import resolve_precision, torch_dtype
 from finetune.model import moe, varlen, vision
-from finetune.model.targets import linear_layer_names
 from finetune.model.partial import Split, only_placed
+from finetune.model.targets import linear_layer_names
 
 
 def model_source(cfg: RecipeConfig) -> str:
@@ -120,7 +120,7 @@ def load_tokenizer(cfg: RecipeConfig):
         tok.pad_token = tok.unk_token if tok.unk_token is not None else tok.eos_token
     config = model_config(cfg, quiet=True)
     if config is not None and vision.is_vision_language(config):
-        vision.attach_processor(tok, src, cfg.model.revision, cfg.model.trust_remote_code)
+        vision.attach_processor(tok, model_source(cfg), cfg.model.revision, cfg.model.trust_remote_code)
     return tok
 
 
@@ -129,7 +129,9 @@ def model_config(cfg: RecipeConfig, quiet: bool = False) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(model_source(cfg), revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
+        return AutoConfig.from_pretrained(
+            model_source(cfg), revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+        )
     except Exception:
         if quiet:
             return None
@@ -235,7 +237,7 @@ def load_base_model(
         )
     if placement:
         model.__dict__.pop("hf_device_map", None)  # one device: nothing for accelerate to dispatch
-    model.finetune_attention_note = note  # type: ignore[assignment]  # a plain attribute for the trainer to print
+    model.finetune_attention_note = note  # a plain attribute for the trainer to print
     model.config.use_cache = False  # the KV cache is useless in training and costs memory
     for p in model.parameters():
         p.requires_grad_(False)

@@ -1,7 +1,7 @@
 """lora.target against the model's modules, read from a meta-device copy (no weights): the names it may use.
 
-    linear_layer_names(model)   ['down_proj', 'gate_proj', ...]: what a lora.target list can name
-    check_lora_targets(cfg)     problems `finetune validate` reports before anything loads
+linear_layer_names(model)   ['down_proj', 'gate_proj', ...]: what a lora.target list can name
+check_lora_targets(cfg)     problems `finetune validate` reports before anything loads
 """
 
 from __future__ import annotations

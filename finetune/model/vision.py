@@ -22,6 +22,7 @@ from finetune.errors import ModelError
 
 VISION_TOWER, PROJECTOR = "vision_tower", "projector"  # lora.target entries that add the vision side
 _PROJECTORS = ("multi_modal_projector", "connector", "merger")  # how the families name what maps image features
+_LANGUAGE = ("language_model", "text_model")  # and their language model (Idefics3: text_model)
 
 
 def is_vision_language(config: Any) -> bool:
@@ -37,7 +38,7 @@ def model_class(config: Any) -> Any:
     return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
 
 
-def _skeleton(config: Any) -> torch.nn.Module:
+def _skeleton(config: Any) -> Any:
     """The model on the meta device: its module names, no weights."""
     from transformers import AutoModelForImageTextToText
 
@@ -49,12 +50,31 @@ def vision_modules(config: Any) -> list[str]:
     """Full names of the modules beside the language model (vision tower, projector), from the config alone."""
     model = _skeleton(config)
     inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "language_model"):
+    if inner is None or not any(hasattr(inner, name) for name in _LANGUAGE):
         raise ModelError(
-            f"{type(model).__name__} keeps its language model where finetune does not look (model.language_model)",
+            f"{type(model).__name__} keeps its language model where finetune does not look (model.{'/'.join(_LANGUAGE)})",
             hint="this vision-language family is not supported yet; README's vision section lists those that are",
         )
-    return [f"model.{name}" for name, _ in inner.named_children() if name != "language_model"]
+    return [f"model.{name}" for name, _ in inner.named_children() if name not in _LANGUAGE]
+
+
+def loaded_names(config: Any, names: list[str]) -> dict[str, str]:
+    """{checkpoint tensor name: the loaded model's parameter name} for the names that differ, as transformers'
+    loader renames them (LLaVA's and Gemma 3's checkpoints keep the older language_model.model.* layout)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    model = _skeleton(config)
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta = model.state_dict()
+    out = {}
+    for name in names:
+        loaded, _ = rename_source_key(name, renamings, converters, model.base_model_prefix, meta)
+        if loaded != name:
+            out[name] = loaded
+    return out
 
 
 def not_quantized(config: Any, vision_tower: str) -> list[str] | None:
@@ -65,7 +85,7 @@ def not_quantized(config: Any, vision_tower: str) -> list[str] | None:
     return ["lm_head", *vision_modules(config)]
 
 
-def lora_modules(model: torch.nn.Module, target: str | list[str]) -> str:
+def lora_modules(model: Any, target: str | list[str]) -> str:
     """peft target_modules as one regex over full module names: the language model's linear layers that
     lora.target names (all-linear: all but the head), plus the vision tower's or projector's when listed."""
     wanted = [target] if isinstance(target, str) else list(target)
@@ -76,7 +96,7 @@ def lora_modules(model: torch.nn.Module, target: str | list[str]) -> str:
     for name, module in model.named_modules():
         if not _is_linear(module) or module is head:
             continue
-        if ".language_model." in f".{name}.":
+        if any(part in _LANGUAGE for part in name.split(".")):
             place = "language"
         elif any(p in name.split(".") for p in _PROJECTORS):
             place = PROJECTOR

@@ -28,15 +28,18 @@ import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from finetune.data import get_format
+from finetune.data.images import processor_of
 from finetune.errors import ExportError, MergeCheckFailed
 from finetune.hardware import DTYPES, torch_dtype
-from finetune.model.load import DAMAGED_CONFIG_HINT, config_json_problem, default_device, model_source
+from finetune.model import vision
+from finetune.model.load import DAMAGED_CONFIG_HINT, config_json_problem, default_device, model_config, model_source
 from finetune.model.shards import weight_files
 from finetune.runs.checkpoint import atomic_dir, write_json
 from finetune.runs.evaluate import prompt_ids
@@ -215,7 +218,7 @@ def verify(ref: Reference, merged_dir: Path, dtype_name: str, max_memory: int | 
     """
     import tempfile
 
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     device = ref.device or default_device()
     weights = sum(f.stat().st_size for f in weight_files(merged_dir))
@@ -225,9 +228,14 @@ def verify(ref: Reference, merged_dir: Path, dtype_name: str, max_memory: int | 
         placement: dict[str, Any] = {"device_map": {"": device}}
         if device.type == "cpu" and need > budget:
             placement = {"device_map": "auto", "max_memory": {"cpu": budget}, "offload_folder": offload}
-        model = AutoModelForCausalLM.from_pretrained(
-            str(merged_dir), dtype=torch_dtype(ref.precision), trust_remote_code=ref.trust_remote_code, **placement
-        ).eval()
+        config = AutoConfig.from_pretrained(str(merged_dir), trust_remote_code=ref.trust_remote_code)
+        model = (
+            vision.model_class(config)
+            .from_pretrained(
+                str(merged_dir), dtype=torch_dtype(ref.precision), trust_remote_code=ref.trust_remote_code, **placement
+            )
+            .eval()
+        )
         got = _logits(model, ref.prompts, device)
         del model
         gc.collect()
@@ -330,9 +338,11 @@ def export_run(
             f"merge: streaming {base_dir} -> {out} ({dtype}, {len(loras) + len(ref.expert_lora)} LoRA weights, {len(ref.quantized)} 4-bit weights)"
         )
         model_type = str(base_config.get("model_type", ""))
-        stats = stream_merge(base_dir, tmp, DTYPES[dtype], loras, ref.quantized, ref.expert_lora, model_type)
+        image_text = processor_of(ref.tokenizer)  # a vision-language model: its older checkpoint names, its processor
+        renamed = partial(vision.loaded_names, model_config(cfg)) if image_text is not None else None
+        stats = stream_merge(base_dir, tmp, DTYPES[dtype], loras, ref.quantized, ref.expert_lora, model_type, renamed)
         write_model_config(base_config, base_dir, tmp, dtype)
-        ref.tokenizer.save_pretrained(tmp)
+        (image_text or ref.tokenizer).save_pretrained(tmp)
         shutil.copyfile(run.path / "recipe.yaml", tmp / "recipe.yaml")
         say("merge: loading the merged model with transformers to check its logits")
         check = verify(ref, tmp, dtype, max_memory=verify_max_memory)
@@ -353,7 +363,8 @@ def export_run(
         )
         meta["vllm"] = {"servable": True, "command": f"vllm serve {out}"}  # a plain model: no LoRA limits apply
         write_json(tmp / METADATA, meta)
-    say(f"merged model exported to {out} (load: AutoModelForCausalLM.from_pretrained('{out}'))")
+    auto = "AutoModelForImageTextToText" if image_text is not None else "AutoModelForCausalLM"
+    say(f"merged model exported to {out} (load: {auto}.from_pretrained('{out}'))")
     say(f"  vLLM:       {meta['vllm']['command']}")
     return ExportResult(out, meta)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -249,13 +250,19 @@ def stream_merge(
     quantized: dict[str, Quant4],
     expert_lora: dict[str, list[Lora]] | None = None,
     model_type: str = "",
+    renamed: Callable[[list[str]], dict[str, str]] | None = None,
 ) -> dict[str, int]:
     """Write base + adapter to out_dir as safetensors shards mirroring the base's, one tensor in memory at a time
-    (a fused MoE expert parameter: its pieces, model_type's conversion mapping says which)."""
+    (a fused MoE expert parameter: its pieces, model_type's conversion mapping says which). renamed: the
+    checkpoint names whose loaded names differ -> those (a vision-language model's older layout); the
+    adapter and the 4-bit weights are named as loaded, the files as stored."""
     expert_lora = expert_lora or {}
     files = weight_files(base_dir)
     headers = [read_header(f) for f in files]
     where = {name: h for h in headers for name in h.tensors}
+    stored = {loaded: name for name, loaded in (renamed(sorted(where)) if renamed else {}).items()}
+    if stored:
+        loras, quantized = {stored.get(k, k): v for k, v in loras.items()}, {stored.get(k, k): v for k, v in quantized.items()}
     fused = (set(quantized) | set(expert_lora)) - set(where)
     pieces = {n: p for n, p in expert_pieces(model_type, sorted(where)).items() if p.fused in fused} if fused else {}
     absent = sorted((set(loras) | set(quantized) | set(expert_lora)) - set(where) - {p.fused for p in pieces.values()})

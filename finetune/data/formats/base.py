@@ -12,8 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetune.data.images import PART_EXAMPLE, part_problem
-
 Problem = tuple[str, str]  # (what is wrong with the record, how to fix it)
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -129,6 +127,28 @@ def turns_problem(
         if problem:
             return problem
     return None
+
+
+PART_EXAMPLE = '[{"type": "image", "path": "img/cat.png"}, {"type": "text", "text": "What is it?"}]'
+
+
+def part_problem(part: object) -> str | None:
+    """Why one content part is not {"type": "text", "text": str} or {"type": "image", "path": str}, or None."""
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return None
+    if isinstance(part, dict) and part.get("type") == "image":
+        path = part.get("path", part.get("image"))
+        if isinstance(path, str) and path:
+            return None
+        return f"image part {part!r} has no 'path' (a local image file, relative to the data file)"
+    return f"content part {part!r} is not a text or image part"
+
+
+def content_text(content: object) -> str:
+    """A turn's text: the content itself, or its text parts joined."""
+    if isinstance(content, list):
+        return "".join(p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return content if isinstance(content, str) else ""
 
 
 def _parts_problem(m: dict, j: int, col: str, role_key: str, text_key: str) -> Problem | None:

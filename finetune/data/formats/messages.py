@@ -8,8 +8,7 @@ assistant turn that only calls tools may have content null.
 
 from __future__ import annotations
 
-from finetune.data.formats.base import PASSED_KEYS, Format, conversation_problem, turns_problem
-from finetune.data.images import content_text
+from finetune.data.formats.base import PASSED_KEYS, Format, content_text, conversation_problem, turns_problem
 
 
 def to_messages(rec: dict) -> list[dict]:
