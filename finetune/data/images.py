@@ -77,8 +77,7 @@ def open_images(paths: Sequence[str], where: str) -> list[Any]:
         except (OSError, UnidentifiedImageError) as exc:
             raise DataError(
                 f"{where}: image '{path}' cannot be read: {type(exc).__name__}: {exc}",
-                hint="fix the path (relative to the data file) or the file (PNG/JPEG/WebP ...), "
-                "or set data.skip_bad_rows=true to skip such records",
+                hint="fix the path (relative to the data file) or the file (PNG/JPEG/WebP ...), or drop the record",
             ) from None
     return images
 

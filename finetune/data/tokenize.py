@@ -143,7 +143,7 @@ def encode_with_images(
     if processor is None:
         raise DataError(
             f"{where}: the record has {len(paths)} image(s), but the model is text-only (no image processor in its folder)",
-            hint="use a vision-language model (model.path), or remove the image parts (data.skip_bad_rows=true skips them)",
+            hint="use a vision-language model (model.path), or remove the image parts",
         )
     msgs = resolve_images(msgs, folder, where)
     text = ImageText(tokenizer, processor, replacements(processor, image_paths(msgs), where))
