@@ -93,6 +93,7 @@ PACKAGE_ORDER = {
         "serving",
         "export",
         "gguf_file",
+        "gguf_spm",
         "gguf_vocab",
         "modelfile",
         "gguf_export",

@@ -5,10 +5,12 @@
 
 The weights are what `--merge` computes (runs/merge.py's stream_merge: dequantize(quantize(W)) +
 the scaled adapter, in fp32), staged inside the export's temporary directory and written as GGUF
-by gguf's own GGUFWriter (runs/gguf_file.py, runs/gguf_vocab.py); the staging is deleted before
-the check. The check reads the file back with an independent reader, transformers' GGUF loader:
-its logits on the verify prompts against the model as trained, its tokenizer's ids for those
-prompts (rendered in the run's format with the file's own chat template) against the run's. A
+by gguf's own GGUFWriter (runs/gguf_file.py, runs/gguf_vocab.py, runs/gguf_spm.py); the staging is
+deleted before the check. The check reads the file back with an independent reader, transformers'
+GGUF loader: its logits on the verify prompts against the model as trained, its tokenizer's ids for
+those prompts (rendered in the run's format with the file's own chat template) and for probe texts
+against the run's. What llama.cpp reads of a SentencePiece-style tokenizer and transformers does
+not (add_space_prefix, byte token types) is checked against the run's tokenizer on its own. A
 failed check leaves nothing at --out.
 """
 
@@ -41,7 +43,8 @@ from finetune.runs.export import (
     check_merge_fits,
     reference,
 )
-from finetune.runs.gguf_file import GGUF_TYPES, K_QUANT_HINT, gguf_family, import_gguf, write_gguf
+from finetune.runs.gguf_file import GGUF_TYPES, K_QUANT_HINT, arch_name, gguf_family, import_gguf, write_gguf
+from finetune.runs.gguf_spm import llama_cpp_mismatches
 from finetune.runs.gguf_vocab import add_vocab, check_vocab
 from finetune.runs.merge import read_adapter, stream_merge
 from finetune.runs.modelfile import modelfile
@@ -64,10 +67,10 @@ def _check_exportable(run: Run, gguf_type: str) -> tuple[Path, dict[str, Any]]:
             hint=f"use one of {', '.join(GGUF_TYPES)}; for k-quants write f16 and run: {K_QUANT_HINT.format(src='IN.gguf', dst='OUT.gguf')}",
         )
     base_dir, base_config, _ = _mergeable(run, "fp32")
-    gguf_family(base_config, f"model.path '{base_dir}'")
+    family = gguf_family(base_config, f"model.path '{base_dir}'")
     with tempfile.TemporaryDirectory(prefix="finetune-gguf-tokenizer-") as tok_dir:
         run_tokenizer(run).save_pretrained(tok_dir)
-        check_vocab(Path(tok_dir))
+        check_vocab(Path(tok_dir), arch_name(family))
     return base_dir, base_config
 
 
@@ -84,9 +87,13 @@ def verify_gguf(ref: Reference, out_dir: Path, name: str, gguf_type: str, data_f
     gc.collect()
     tokenizer = AutoTokenizer.from_pretrained(str(out_dir), gguf_file=name)
     ids = [prompt_ids(p, data_format, tokenizer) for p in VERIFY_PROMPTS]
-    probe = (tokenizer(TOKENIZER_PROBE).input_ids, ref.tokenizer(TOKENIZER_PROBE).input_ids)
     eos = ref.tokenizer.eos_token or ""
-    same_ids = ids == ref.prompts and probe[0] == probe[1] and tokenizer(eos).input_ids == ref.tokenizer(eos).input_ids
+    # Probes: plain text; eos; every added token, each followed by text (each must stay whole); a leading space
+    # and text right after a special token (where SentencePiece prefix rules differ)
+    added = " x".join(t.content for t in ref.tokenizer.added_tokens_decoder.values())
+    probes = [TOKENIZER_PROBE, eos, f"{added} x", f" {TOKENIZER_PROBE}{eos}{TOKENIZER_PROBE}"]
+    same_ids = ids == ref.prompts and all(tokenizer(t).input_ids == ref.tokenizer(t).input_ids for t in probes)
+    llama_cpp = llama_cpp_mismatches(out_dir / name, ref.tokenizer)  # what transformers' loader does not read
     rel = max(GGUF_TOLERANCE[gguf_type], TOLERANCE[ref.precision])
     scale = max(1.0, max(float(x.abs().max()) for x in ref.logits))
     max_diff = _max_diff(got, ref.logits)
@@ -101,18 +108,21 @@ def verify_gguf(ref: Reference, out_dir: Path, name: str, gguf_type: str, data_f
         "tolerance_rule": f"{rel:g} ({gguf_type}) x max(1, max |logit|)",
         "adapter_effect": effect,  # max |logit change| the adapter makes: a file without it differs this much
         "distinguishes_unmerged": effect is None or effect > rel * scale,
-        "same_token_ids": same_ids,  # the verify prompts in the run's format, a probe text, the eos token
+        "same_token_ids": same_ids,  # the verify prompts in the run's format, probe texts, the eos token
         "same_chat_template": same_template,
-        "passed": max_diff <= rel * scale and same_ids and same_template,
+        "llama_cpp_mismatches": llama_cpp,  # a 'llama' tokenizer's add_space_prefix and byte token types
+        "passed": max_diff <= rel * scale and same_ids and same_template and not llama_cpp,
     }
 
 
 def _say_check(check: dict[str, Any], out: Path, say: Callable[[str], None]) -> None:
     """Report the read-back check; MergeCheckFailed (nothing written) when it failed."""
+    mismatches = check["llama_cpp_mismatches"]
     say(
         f"gguf check {'passed' if check['passed'] else 'FAILED'}: max |logit diff| {check['max_abs_diff']:.3g} vs tolerance "
         f"{check['tolerance']:.3g}; token ids {'equal' if check['same_token_ids'] else 'DIFFER'}; chat template "
-        f"{'equal' if check['same_chat_template'] else 'DIFFERS'} ({check['prompts']} prompts)"
+        f"{'equal' if check['same_chat_template'] else 'DIFFERS'}{'; llama.cpp metadata DIFFERS: ' + '; '.join(mismatches) if mismatches else ''} "
+        f"({check['prompts']} prompts)"
     )
     if not check["distinguishes_unmerged"]:
         say(
@@ -122,7 +132,8 @@ def _say_check(check: dict[str, Any], out: Path, say: Callable[[str], None]) -> 
         raise MergeCheckFailed(
             f"the GGUF read back by transformers differs from the run as trained (max |logit diff| "
             f"{check['max_abs_diff']:.4g}, tolerance {check['tolerance']:.4g}; token ids equal: {check['same_token_ids']}; "
-            f"chat template equal: {check['same_chat_template']}); nothing was written to '{out}'",
+            f"chat template equal: {check['same_chat_template']}{'; ' + '; '.join(mismatches) if mismatches else ''}); "
+            f"nothing was written to '{out}'",
             hint="try --gguf-type f32 to rule out rounding; if f32 fails too, report it with the run's config.json",
         )
 

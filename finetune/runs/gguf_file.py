@@ -145,6 +145,12 @@ def gguf_family(config: dict[str, Any], where: str) -> Family:
     return family
 
 
+def arch_name(family: Family) -> str:
+    """gguf's name of the family's architecture ('llama', 'gemma2'...): general.architecture, the keys' prefix."""
+    gguf = import_gguf()
+    return gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, family.arch)]
+
+
 def _head_dim(config: dict[str, Any]) -> int:
     return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
 
@@ -238,7 +244,7 @@ def write_gguf(
     gguf = import_gguf()
     family = gguf_family(config, str(merged_dir / "config.json"))
     plan = _plan(merged_dir, config, family, gguf_type)
-    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, family.arch)])
+    writer = gguf.GGUFWriter(str(path), arch_name(family))
     add_hyperparameters(writer, config, family, gguf_type, name)
     vocab(writer)
     for source, target, qtype, header in plan:

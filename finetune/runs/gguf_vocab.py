@@ -1,11 +1,14 @@
-"""The run's tokenizer as GGUF metadata (tokenizer.ggml.*), what llama.cpp's converter writes for a byte-level BPE.
+"""The run's tokenizer as GGUF metadata (tokenizer.ggml.*), what llama.cpp's converter writes for it.
 
     tokenizer.save_pretrained(tok_dir)
-    check_vocab(tok_dir)                    # ExportError for a tokenizer GGUF cannot describe, before any work
-    add_vocab(writer, tok_dir, vocab_size)  # model, pre, tokens, token types, merges, special ids, chat template
+    check_vocab(tok_dir, "llama")           # 'gpt2' | 'llama', or ExportError before any work
+    add_vocab(writer, tok_dir, vocab_size)  # model, pre, tokens, token types, merges or scores, special ids, chat template
 
-Merges, special token ids, add_bos/add_eos and the chat template (the run's chat_template.jinja)
-are read by gguf's own SpecialVocab, as convert_hf_to_gguf.py reads them.
+Two tokenizer models: 'gpt2' for a byte-level BPE (Llama 3, Qwen; written here: tokens, types,
+merges) and 'llama' for a SentencePiece-style BPE with byte fallback (Llama 2, Mistral, Gemma,
+Phi-3; runs/gguf_spm.py: tokens, scores, types, add_space_prefix). Special token ids, add_bos/add_eos
+and the chat template (the run's chat_template.jinja) are read by gguf's own SpecialVocab, as
+convert_hf_to_gguf.py reads them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 from finetune.errors import ExportError
 from finetune.runs.gguf_file import import_gguf
+from finetune.runs.gguf_spm import add_spm, check_spm
 
 # tokenizer.ggml.pre: the name llama.cpp (llama-vocab.cpp) gives each pre-tokenizer split it implements;
 # the read-back check compares token ids, so a wrong name here fails the export rather than shipping.
@@ -51,15 +55,22 @@ def pre_tokenizer_name(tok: dict[str, Any]) -> str:
     )
 
 
-def check_vocab(tok_dir: Path) -> str:
-    """The tokenizer.ggml.model this tokenizer is written as ('gpt2'), or ExportError before anything is written."""
+def check_vocab(tok_dir: Path, arch: str) -> str:
+    """The tokenizer.ggml.model this tokenizer is written as in a GGUF of arch (gguf's name: 'llama', 'gemma2'...):
+    'gpt2' or 'llama', or ExportError before anything is written."""
     tok = _tokenizer_json(tok_dir)
     model = tok.get("model", {})
     decoder = (tok.get("decoder") or {}).get("type")
-    if model.get("type") != "BPE" or model.get("byte_fallback") or decoder != "ByteLevel":
+    if model.get("type") == "BPE" and model.get("byte_fallback"):
+        check_spm(tok, arch)
+        return "llama"
+    if model.get("type") != "BPE" or decoder != "ByteLevel":
         kind = f"{model.get('type')}{' with byte fallback' if model.get('byte_fallback') else ''}, decoder {decoder}"
+        if model.get("type") == "Unigram":  # llama.cpp's converter writes these as 'llama' too, tokenized only approximately
+            kind += " (segmented by likelihood, which GGUF's score-ordered 'llama' merges do not reproduce)"
         raise ExportError(
-            f"the run's tokenizer is {kind}; --gguf writes byte-level BPE tokenizers (GPT-2 / Llama 3 / Qwen2 style) so far",
+            f"the run's tokenizer is {kind}; --gguf writes byte-level BPE (GPT-2 / Llama 3 / Qwen2 style) and "
+            "SentencePiece-style BPE with byte fallback (Llama 2 / Mistral / Gemma / Phi-3 style)",
             hint=_FIX,
         )
     pre_tokenizer_name(tok)
@@ -70,7 +81,8 @@ def add_vocab(writer, tok_dir: Path, vocab_size: int) -> dict[str, Any]:
     """Write the tokenizer in tok_dir (saved by save_pretrained) into the GGUF; a summary for the metadata."""
     gguf = import_gguf()
     tok = _tokenizer_json(tok_dir)
-    check_vocab(tok_dir)
+    if check_vocab(tok_dir, writer.arch) == "llama":
+        return add_spm(writer, tok, tok_dir, vocab_size)
     by_id = {i: (text, gguf.TokenType.NORMAL) for text, i in tok["model"]["vocab"].items()}
     for added in tok.get("added_tokens", []):
         kind = gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED
