@@ -235,3 +235,24 @@ def test_resume_after_a_stop_signal_is_bitwise(families, vision_data, tmp_path):
 
     straight, resumed = straight_and_resumed(cfg, tmp_path / "a", tmp_path / "b")
     assert len(straight) == 5 and straight == resumed
+
+
+def test_generate_with_an_image_prompts_as_training_did_and_passes_its_pixels(families, vision_data, tmp_path):
+    from finetune.runs.evaluate import exact_match, generate, prompt_ids
+
+    trainer = trained(families["llava"], vision_data, tmp_path / "run")
+    tok, model = trainer.tokenizer, trainer.accelerator.unwrap_model(trainer.model).eval()
+    ex = trainer.data.train[1]  # record 1: img1.png, "What is in picture 1?"
+    first_trained = next(k for k, label in enumerate(ex["labels"]) if label != IGNORE_INDEX)
+    ids = prompt_ids("What is in picture 1?", "messages", tok, images=ex["images"])
+    assert ids == ex["input_ids"][:first_trained]
+    seen: list[dict] = []
+    real = model.generate
+    model.generate = lambda **kw: seen.append(kw) or real(**kw)  # type: ignore[method-assign]
+    generate(model, tok, [ids], 3, images=[ex["images"]])
+    assert seen[0]["pixel_values"].shape == (1, 3, 28, 28)
+    records = [json.loads(line) for line in vision_data.read_text().splitlines()[:3]]
+    from finetune.data.images import absolute_images
+
+    scored = exact_match(model, tok, absolute_images(records, vision_data.parent, "test"), "messages", max_new_tokens=4)
+    assert scored.total == 3 and [kw["pixel_values"].shape[0] for kw in seen[1:]] == [3]  # 0 + 1 + 2 images

@@ -321,6 +321,13 @@ def _add_finished_run_commands(sub) -> None:
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable); without it, prompts are read from stdin")
     with_context = ", ".join(f"{f.name}: its '{f.context}' field" for f in FORMATS.values() if f.context)
     gen.add_argument("--input", help=f"what goes with the --prompt text, for formats that take it ({with_context})")
+    gen.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image before the prompt's text (vision-language models; repeatable)",
+    )
     gen.add_argument("--format", choices=list(FORMATS), help="prompt format (default: the run's data.format)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")

@@ -130,11 +130,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"sampling (temperature {args.temperature}, top-p {args.top_p}, seed {args.seed})" if args.temperature > 0 else "greedy"
     )
     print(f"{run.weights_dir}: prompts formatted as data.format={fmt}, {mode}", file=sys.stderr)
+    images = [str(Path(p).expanduser().resolve()) for p in args.image]
     for text in args.prompt if args.prompt else _prompts_from_stdin():
-        ids = prompt_ids(text, fmt, tokenizer, context=args.input or "")
-        out = generate(
-            model, tokenizer, [ids], args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
-        )[0]
+        ids = prompt_ids(text, fmt, tokenizer, context=args.input or "", images=images)
+        sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
+        out = generate(model, tokenizer, [ids], args.max_new_tokens, images=[images], **sampling)[0]
         print(tokenizer.decode(out, skip_special_tokens=True), flush=True)
     return EXIT_OK
 

@@ -30,11 +30,15 @@ _TEXT_KEYS = ("input_ids", "attention_mask", *TOKEN_TYPE_INPUTS)
 
 def image_paths(messages: Sequence[dict]) -> list[str]:
     """The image parts' paths of a conversation, in the order the template renders them."""
-    out = []
+    out: list[str] = []
     for m in messages:
         if isinstance(m.get("content"), list):
-            out += [p.get("path", p.get("image")) for p in m["content"] if p.get("type") == "image"]
+            out += [_path(p) for p in m["content"] if isinstance(p, dict) and p.get("type") == "image"]
     return out
+
+
+def _path(part: dict) -> str:
+    return str(part.get("path", part.get("image")))  # checked a string by the record check
 
 
 def resolve_images(messages: list[dict], folder: Path | None, where: str) -> list[dict]:
@@ -44,8 +48,8 @@ def resolve_images(messages: list[dict], folder: Path | None, where: str) -> lis
         if isinstance(m.get("content"), list):
             parts = []
             for p in m["content"]:
-                if p.get("type") == "image":
-                    path = Path(os.path.expanduser(p.get("path", p.get("image"))))
+                if isinstance(p, dict) and p.get("type") == "image":
+                    path = Path(os.path.expanduser(_path(p)))
                     if not path.is_absolute():
                         if folder is None:
                             raise DataError(
@@ -57,6 +61,17 @@ def resolve_images(messages: list[dict], folder: Path | None, where: str) -> lis
                 parts.append(p)
             m = {**m, "content": parts}
         out.append(m)
+    return out
+
+
+def absolute_images(records: list[dict], folder: Path | None, where: str) -> list[dict]:
+    """messages records with their image paths made absolute (eval records, read away from their data file)."""
+    out = []
+    for rec in records:
+        msgs = rec.get("messages")
+        if isinstance(msgs, list) and image_paths([m for m in msgs if isinstance(m, dict)]):
+            rec = {**rec, "messages": resolve_images(msgs, folder, where)}
+        out.append(rec)
     return out
 
 

@@ -19,7 +19,7 @@ from finetune.config.schema import RecipeConfig, resolve_path
 from finetune.data.cache import cache_key, cache_root, read_cache, write_cache
 from finetune.data.dataset import DataBundle, DataStats, TokenizedData
 from finetune.data.formats import FORMATS, get_format
-from finetune.data.images import image_token_ids, processor_of
+from finetune.data.images import absolute_images, image_token_ids, processor_of
 from finetune.data.masks import FIXES, Finding, enforce, example_findings, merge_findings
 from finetune.data.packing import pack_rows
 from finetune.data.pairs import EncodedPair, PreferencePairs, encode_pairs
@@ -205,7 +205,8 @@ def held_out_records(cfg: RecipeConfig) -> list[dict]:
             f"the held-out split mixes data formats ({', '.join(sorted(formats))}), which one eval cannot score",
             hint="pass --data FILE with records of one format",
         )
-    return [sources[s].records[i] for s, i in _split_eval(cfg, pool)[1]]
+    held = _split_eval(cfg, pool)[1]
+    return [absolute_images([sources[s].records[i]], sources[s].folder(i), sources[s].where(i))[0] for s, i in held]
 
 
 def build_examples(

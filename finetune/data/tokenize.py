@@ -292,19 +292,47 @@ def prompt_and_answer(record: dict, fmt: str, tokenizer: Any) -> tuple[list[int]
     if last is None:
         hint = "each conversation needs an assistant turn after a user turn"
         raise DataError("record has no assistant reply after a prompt to score", hint)
-    text = render(tokenizer, msgs[:last], "record", add_generation_prompt=True)
+    turns = msgs[:last]
+    text = render(_with_images(turns, tokenizer, "record"), turns, "record", add_generation_prompt=True)
     return encode_rendered(tokenizer, text), msgs[last]["content"] or ""
 
 
-def generation_prompt(text: str, fmt: str, tokenizer: Any, context: str = "") -> list[int]:
+def _with_images(msgs: list[dict], tokenizer: Any, where: str) -> Any:
+    """What renders this conversation: the tokenizer, or for a vision-language model the ImageText that expands
+    its images' placeholders as training did (image paths already absolute)."""
+    processor, paths = processor_of(tokenizer), image_paths(msgs)
+    if processor is None and not paths:
+        return tokenizer
+    if processor is None:
+        raise DataError(f"{where} has {len(paths)} image(s), but the model is text-only", hint="remove the image parts")
+    return ImageText(tokenizer, processor, replacements(processor, image_paths(resolve_images(msgs, None, where)), where))
+
+
+def prompt_images(record: dict, fmt: str) -> list[str]:
+    """The image files of a chat record's prompt (the turns before its last reply), as prompt_and_answer renders them."""
+    if not get_format(fmt).chat:
+        return []
+    msgs = to_messages(record, fmt)
+    last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=len(msgs))
+    return image_paths(msgs[:last])
+
+
+def generation_prompt(text: str, fmt: str, tokenizer: Any, context: str = "", images: Sequence[str] = ()) -> list[int]:
     """The tokens training put before a response, for a user's free text (`finetune generate`).
 
     The format's prompt_record turns the text into a record with an empty answer, whose
     prompt is built as prompt_and_answer builds it; a format without answers (text) has
-    the text itself as its prompt, to be continued (training saw BOS + text).
+    the text itself as its prompt, to be continued (training saw BOS + text). images: absolute
+    paths put before the text in the user turn (a chat format and a vision-language model).
     """
     f = get_format(fmt)
     record = f.prompt_record(text, context)
+    if images:
+        if not f.chat or "messages" not in record:
+            raise DataError(f"--image needs a chat format (data.format=messages), not {fmt}", hint="drop --image")
+        user = record["messages"][0]
+        parts = [{"type": "image", "path": p} for p in images] + [{"type": "text", "text": user["content"]}]
+        record = {**record, "messages": [{**user, "content": parts}, *record["messages"][1:]]}
     if not f.answers:
         prompt, response = f.texts(record)
         return _encode_many(tokenizer, [prompt + response], True)[0]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +25,9 @@ import torch.nn.functional as F
 
 from finetune.config.schema import RecipeConfig, resolve_path
 from finetune.data import IGNORE_INDEX, Collator, generation_prompt, load_records, prompt_and_answer
+from finetune.data.images import absolute_images, image_inputs, processor_of
 from finetune.data.templates import end_of_turn_ids
+from finetune.data.tokenize import prompt_images
 from finetune.model.load import compute_device
 from finetune.parallel.distribute import is_sharded
 from finetune.parallel.runtime import Parallel
@@ -138,7 +141,7 @@ def pair_ranking(model, pairs: Sequence[dict], pad_token_id: int, length_normali
 # --------------------------------------------------------------------------- generation
 
 
-def prompt_ids(text: str, fmt: str, tokenizer, context: str = "") -> list[int]:
+def prompt_ids(text: str, fmt: str, tokenizer, context: str = "", images: Sequence[str] = ()) -> list[int]:
     """The tokens training put before a response, for a user's free text.
 
     Each format builds a record from the text (its Format.prompt_record): alpaca: the
@@ -148,7 +151,7 @@ def prompt_ids(text: str, fmt: str, tokenizer, context: str = "") -> list[int]:
     itself, to be continued. The same code path as evaluation (prompt_and_answer),
     with an empty answer.
     """
-    return generation_prompt(text, fmt, tokenizer, context)
+    return generation_prompt(text, fmt, tokenizer, context, images)
 
 
 @torch.no_grad()
@@ -160,10 +163,12 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int | None = None,
+    images: list[list[str]] | None = None,
 ) -> list[list[int]]:
     """Continuations (token ids, stop tokens removed) of a batch of tokenized prompts.
 
-    temperature 0 is greedy decoding; above 0 samples (nucleus top_p), seeded by `seed`.
+    temperature 0 is greedy decoding; above 0 samples (nucleus top_p), seeded by `seed`;
+    images: each prompt's image files (a vision-language model; its prompt ids expanded for them).
     """
     device = compute_device(model)
     width = max(len(p) for p in prompts)
@@ -177,6 +182,10 @@ def generate(
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
         if seed is not None:
             torch.manual_seed(seed)  # generate draws from the global generator
+    processor = processor_of(tokenizer)
+    if processor is not None:  # the images' pixels (and token types), as training batched them
+        pixels = image_inputs(processor, input_ids.cpu(), images or [[] for _ in prompts])
+        sampling.update({k: v.to(device) for k, v in pixels.items()})
     out = model.generate(
         input_ids=input_ids,
         # Sharded (FSDP): every forward gathers weights from all ranks, so a rank whose answers
@@ -208,7 +217,8 @@ def exact_match(
         for start in range(0, len(records), batch_size):
             chunk = records[start : start + batch_size]
             pairs = [prompt_and_answer(r, fmt, tokenizer) for r in chunk]
-            outputs = generate(model, tokenizer, [p for p, _ in pairs], max_new_tokens)
+            images = [prompt_images(r, fmt) for r in chunk]
+            outputs = generate(model, tokenizer, [p for p, _ in pairs], max_new_tokens, images=images)
             for (_prompt, answer), out in zip(pairs, outputs):
                 got = tokenizer.decode(out, skip_special_tokens=True).strip()
                 expected = answer.strip()
@@ -347,4 +357,6 @@ def exact_match_records(cfg: RecipeConfig) -> list[dict] | None:
     if not path:
         return None
     records = load_records(resolve_path(path), cfg.data, key="eval.exact_match_path")
-    return records[: cfg.eval.exact_match_limit] if cfg.eval.exact_match_limit else records
+    records = records[: cfg.eval.exact_match_limit] if cfg.eval.exact_match_limit else records
+    folder = Path(resolve_path(path)).parent if Path(resolve_path(path)).is_file() else None
+    return absolute_images(records, folder, "eval.exact_match_path")
