@@ -60,6 +60,8 @@ PLANS: dict[str, tuple[str, str, tuple[str, ...], str, int]] = {
     ),
     "dpo": ("dpo-qlora-1x24gb", "llama-3.1-8b", (), "rtx4090", 1),
     "moe": ("qlora-moe-1x24gb", "qwen3-30b-a3b", (), "rtx4090", 1),
+    "vlm": ("qlora-vlm-1x24gb", "qwen2.5-vl-7b", (), "rtx4090", 1),
+    "vlm-b4": ("qlora-vlm-1x24gb", "qwen2.5-vl-7b", ("train.batch_size=4",), "rtx4090", 1),
     "moe-b1": ("qlora-moe-1x24gb", "qwen3-30b-a3b", ("train.batch_size=1",), "rtx4090", 1),
     "moe-b4": ("qlora-moe-1x24gb", "qwen3-30b-a3b", ("train.batch_size=4",), "rtx4090", 1),
     "moe-exp": ("qlora-moe-1x24gb", "qwen3-30b-a3b", ("lora.target=[q_proj,k_proj,v_proj,o_proj,experts]",), "rtx4090", 1),
@@ -200,6 +202,10 @@ def expert_stack() -> int:  # bytes of one MoE layer's expert stack dequantized 
     return read_model_shape(str(CONFIGS / "qwen3-30b-a3b")).expert_layer_params * 2
 
 
+def vision_bytes() -> int:  # Qwen2.5-VL-7B's vision tower and projector in bf16
+    return read_model_shape(str(CONFIGS / "qwen2.5-vl-7b")).vision_params * 2
+
+
 def grad_bytes() -> int:  # fp32 gradients the DDP recipe all-reduces each step
     return est("ddp").component("gradients")
 
@@ -214,6 +220,8 @@ _Y = "recipes/{}.yaml".format
 # {} is the figure the row checks, {*} any number (another row checks it); runs of whitespace read as one space.
 ROWS: dict[str, list[tuple[str, Value, str]]] = {
     RM: [
+        ("no packing; predicted {} GiB (Qwen2.5-VL-7B)", lambda: peak("vlm"), ".2f"),
+        ("recipe: predicted {} GiB for Qwen2.5-VL-7B on an RTX 4090)", lambda: peak("vlm"), ".2f"),
         ("only its quarter of the checkpoint; predicted {} GiB on the fullest GPU", lambda: peak("pp4"), ".2f"),
         ("`distributed.tensor_parallel=4`: {} tokens/s planned", lambda: tps("tp4"), ",.0f"),
         ("its all-reduces over PCIe | {} GiB |", lambda: peak("tp4"), ".2f"),
@@ -482,6 +490,11 @@ ROWS: dict[str, list[tuple[str, Value, str]]] = {
         ("not overlapped, larger buffers): {} tokens", lambda: longest("lc2-uly").as_written, ",.0f"),
         ("--nproc 4: {} tokens", lambda: longest("lc4-max").as_written, ",.0f"),
         ("this recipe leaves {}% free", lambda: 100 - pct("lc2"), ".0f"),
+    ],
+    _Y("qlora-vlm-1x24gb"): [
+        ("predicts {} GiB peak at seq 2048 for Qwen2.5-VL-7B", lambda: peak("vlm"), ".2f"),
+        ("(its vision tower's {} GiB in bf16 included)", lambda: vision_bytes() / GiB, ".2f"),
+        ("below; 4: {} GiB", lambda: peak("vlm-b4"), ".2f"),
     ],
     _Y("qlora-moe-1x24gb"): [
         ("expert stack ({} GB in bf16 for this model)", lambda: expert_stack() / 1e9, ".1f"),

@@ -358,7 +358,9 @@ def _components(
         Component("quant_constants", "quantization constants (absmax)", st.q_const),
         Component(
             "weights_unquantized",
-            ("norms, biases" if st.host_tables else "embeddings, head, norms, biases") + f" ({_dtype_label(unq_bytes)})",
+            ("norms, biases" if st.host_tables else "embeddings, head, norms, biases")
+            + (", vision tower" if shape.vision_params else "")
+            + f" ({_dtype_label(unq_bytes)})",
             st.unquantized,
         ),
         Component(

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.errors import PlanError
-from finetune.model import varlen
+from finetune.model import varlen, vision
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,11 @@ class ModelShape:
     linears: tuple[LinearGroup, ...]  # decoder linears: what bitsandbytes quantizes and LoRA targets
     embedding_params: int
     head_params: int  # 0 when the head is tied to the embedding
-    other_params: int  # norms, biases, routers, anything not in a quantizable linear or an expert
+    other_params: int  # norms, biases, routers, a VLM's vision side: anything not in a quantizable linear or an expert
     total_params: int
     experts: tuple[ExpertGroup, ...] = ()  # MoE: fused expert parameters (finetune/model/moe.py stores them 4-bit)
     varlen_ok: bool = True  # finetune/model/varlen.py can run this model's attention
+    vision_params: int = 0  # a vision-language model's vision tower and projector (in other_params: never quantized)
 
     @property
     def linear_params(self) -> int:
@@ -136,15 +137,14 @@ def read_model_shape(source: str, trust_remote_code: bool = False, revision: str
     """Count every parameter of the model at `source` by module kind, on the meta device (no weights read)."""
     import torch
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
 
     config = _read_config(source, trust_remote_code, revision)
     try:
         with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            model = vision.model_class(config).from_config(config, trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise PlanError(
-            f"model config: cannot build a causal LM from the config.json of '{source}': {str(exc).splitlines()[0]}",
+            f"model config: cannot build a model from the config.json of '{source}': {str(exc).splitlines()[0]}",
             hint="the planner needs a model transformers knows (AutoModelForCausalLM); custom code needs model.trust_remote_code=true",
         ) from None
     head = model.get_output_embeddings()
@@ -155,8 +155,11 @@ def read_model_shape(source: str, trust_remote_code: bool = False, revision: str
     other = 0
     text = getattr(config, "get_text_config", lambda: config)()
     experts = _expert_groups(model, text, counted)
+    # A vision-language model's vision tower and projector stay in the compute dtype, frozen (model/vision.py):
+    # counted with the other parameters, not as linears to quantize or adapt.
+    beside = tuple(f"{n}." for n in vision.vision_modules(config)) if vision.is_vision_language(config) else ()
     for name, module in model.named_modules():
-        if module is head or module is embed:
+        if module is head or module is embed or (beside and name.startswith(beside)):
             continue
         if isinstance(module, torch.nn.Linear):
             groups.setdefault(name.rsplit(".", 1)[-1], []).append(module)
@@ -170,6 +173,7 @@ def read_model_shape(source: str, trust_remote_code: bool = False, revision: str
     embedding_params = embed.weight.numel() if embed is not None else 0
     if embed is not None:
         counted.add(id(embed.weight))
+    vision_params = sum(p.numel() for n, p in model.named_parameters() if beside and n.startswith(beside))
     total = 0
     for p in model.parameters():  # parameters() yields a tied weight once
         total += p.numel()
@@ -207,6 +211,7 @@ def read_model_shape(source: str, trust_remote_code: bool = False, revision: str
         total_params=total,
         experts=experts,
         varlen_ok=varlen.runs(type(model), config),
+        vision_params=vision_params,
     )
 
 
