@@ -2,7 +2,7 @@
 
 Tiny random-init models built here (tests/vlm_models.py) with each family's own chat template; records with
 0, 1 and 2 images of different sizes. Qwen2-VL is not here: transformers cannot build its processor without
-torchvision, which has no CPU wheel for this torch (tests/vlm_models.processors_without_torchvision).
+torchvision, which has no CPU wheel for this torch (tests/vlm_models.py).
 """
 
 from __future__ import annotations

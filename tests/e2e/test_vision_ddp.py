@@ -1,0 +1,82 @@
+"""A vision-language model under DDP (2 gloo processes): the same global batch of records with 0, 1 and 2
+images gives one process's losses, pre-clip gradient norms and adapter; a doubled gradient is caught."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from conftest import assert_same_steps, free_port, write_jsonl
+from safetensors.torch import load_file
+from vlm_models import build_vlm, write_images
+
+pytestmark = pytest.mark.slow
+
+DRIVER = """
+import os, sys
+from finetune.config.schema import load_recipe
+from finetune.trainer import Trainer
+
+class WrongScale(Trainer):
+    def compute_loss(self, model, batch):
+        loss, n = super().compute_loss(model, batch)
+        return 2 * loss - loss.detach(), n
+
+cls = WrongScale if os.environ.get("WRONG_SCALE") else Trainer
+cls(load_recipe(sys.argv[1]), progress=False).train()
+"""
+
+
+def conversation(i: int) -> dict:
+    images = [{"type": "image", "path": f"img/img{(i + k) % 3}.png"} for k in range(i % 3)]
+    return {
+        "messages": [
+            {"role": "user", "content": [*images, {"type": "text", "text": f"Picture {i}?"}]},
+            {"role": "assistant", "content": f"Pattern {i}."},
+        ]
+    }
+
+
+def run(tmp_path, model, data, nproc: int, batch: int, name: str, wrong_scale: bool = False):
+    out = tmp_path / name
+    recipe = {
+        "model": {"path": str(model)},
+        "data": {"path": str(data), "format": "messages", "max_seq_len": 512, "cache": False},
+        "output_dir": str(out),
+        "seed": 0,
+        "precision": "fp32",
+        "quant": {"bits": 4},
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+        # Clipping off: with it, every step's update is normalised and a wrong gradient scale hides.
+        "train": {"max_steps": 3, "batch_size": batch, "grad_accum": 2, "lr": 1e-2, "max_grad_norm": None},
+        "memory": {"activation_checkpointing": "all"},
+        "report": {"plot": False},
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    (tmp_path / "driver.py").write_text(DRIVER)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **({"WRONG_SCALE": "1"} if wrong_scale else {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+    proc = subprocess.run(
+        [*cmd, str(tmp_path / "driver.py"), str(path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_two_processes_train_a_vlm_as_one(tmp_path):
+    model = build_vlm("gemma3", tmp_path / "gemma3")
+    write_images(tmp_path / "img", 3)
+    data = write_jsonl(tmp_path / "train.jsonl", [conversation(i) for i in range(12)])
+    one = run(tmp_path, model, data, 1, 4, "one")
+    two = run(tmp_path, model, data, 2, 2, "two")
+    assert_same_steps(one, two, rel=1e-5)
+    a, b = (load_file(str(o / "adapter" / "adapter_model.safetensors")) for o in (one, two))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+    doubled = run(tmp_path, model, data, 2, 2, "doubled", wrong_scale=True)
+    with pytest.raises(AssertionError, match="differ"):
+        assert_same_steps(one, doubled, rel=1e-5)
