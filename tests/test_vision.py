@@ -256,3 +256,23 @@ def test_generate_with_an_image_prompts_as_training_did_and_passes_its_pixels(fa
 
     scored = exact_match(model, tok, absolute_images(records, vision_data.parent, "test"), "messages", max_new_tokens=4)
     assert scored.total == 3 and [kw["pixel_values"].shape[0] for kw in seen[1:]] == [3]  # 0 + 1 + 2 images
+
+
+def test_max_pixels_bounds_an_area_sized_processors_image_tokens_and_is_refused_elsewhere(families, vision_data, tmp_path):
+    from types import SimpleNamespace
+
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessorPil
+
+    from finetune.errors import ModelError
+    from finetune.model.vision import limit_pixels
+
+    processor = SimpleNamespace(image_processor=Qwen2VLImageProcessorPil())
+    image = Image.new("RGB", (1000, 800))
+    assert processor.image_processor(images=[image])["image_grid_thw"].tolist() == [[1, 58, 72]]  # 1044 tokens
+    limit_pixels(processor, 64 * 28 * 28)
+    grid = processor.image_processor(images=[image])["image_grid_thw"]
+    assert grid.tolist() == [[1, 14, 16]] and int(grid.prod()) // 4 <= 64  # 2x2 patches per image token
+    cfg = build_recipe(recipe(families["llava"], vision_data, tmp_path / "run", data={"max_pixels": 50000}))
+    with pytest.raises(ModelError, match="does not size images by area"):
+        load_tokenizer(cfg)

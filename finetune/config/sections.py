@@ -68,6 +68,12 @@ class DataConfig(_Section):
     eval_path: str | None = None
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     max_seq_len: int = Field(2048, ge=8)
+    max_pixels: int | None = Field(
+        None,
+        ge=784,
+        description="vision-language models whose processor sizes images by area (Qwen2-VL, Qwen2.5-VL): each image "
+        "is scaled down to at most this many pixels (one image token per 28x28 pixels); null: the processor's own",
+    )
     columns: dict[str, str] = Field(
         default_factory=dict, description="map our column names to the dataset's, e.g. {output: answer}"
     )

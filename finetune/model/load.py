@@ -120,7 +120,9 @@ def load_tokenizer(cfg: RecipeConfig):
         tok.pad_token = tok.unk_token if tok.unk_token is not None else tok.eos_token
     config = model_config(cfg, quiet=True)
     if config is not None and vision.is_vision_language(config):
-        vision.attach_processor(tok, model_source(cfg), cfg.model.revision, cfg.model.trust_remote_code)
+        vision.attach_processor(tok, model_source(cfg), cfg.model.revision, cfg.model.trust_remote_code, cfg.data.max_pixels)
+    elif cfg.data.max_pixels is not None:
+        raise ModelError(f"data.max_pixels is set, but '{src}' is not a vision-language model", hint="remove data.max_pixels")
     return tok
 
 

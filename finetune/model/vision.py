@@ -119,7 +119,22 @@ def _is_linear(module: torch.nn.Module) -> bool:
     return isinstance(module, torch.nn.Linear)
 
 
-def attach_processor(tokenizer: Any, source: str, revision: str | None, trust_remote_code: bool) -> None:
+def limit_pixels(processor: Any, max_pixels: int) -> None:
+    """data.max_pixels on a processor that sizes images by area (its size's longest_edge counts pixels, as
+    Qwen2-VL's does); a ModelError naming the processor's own size rule elsewhere."""
+    images = processor.image_processor
+    size = getattr(images, "size", None)
+    if getattr(images, "merge_size", None) is None or size is None or size.get("longest_edge") is None:
+        raise ModelError(
+            f"data.max_pixels={max_pixels}: {type(images).__name__} does not size images by area (its size: {dict(size or {})})",
+            hint="remove data.max_pixels and set the image size in the model folder's preprocessor_config.json",
+        )
+    images.size = {**{k: v for k, v in dict(size).items() if v is not None}, "longest_edge": max_pixels}
+
+
+def attach_processor(
+    tokenizer: Any, source: str, revision: str | None, trust_remote_code: bool, max_pixels: int | None = None
+) -> None:
     """Load the model's processor and hang it on the tokenizer, which every data function already takes
     (finetune.data.images.processor_of reads it back)."""
     from transformers import AutoProcessor
@@ -142,5 +157,7 @@ def attach_processor(tokenizer: Any, source: str, revision: str | None, trust_re
             f"model.path: the processor of '{source}' ({type(processor).__name__}) has no image token or image processor",
             hint="this vision-language family is not supported yet; README's vision section lists those that are",
         )
+    if max_pixels is not None:
+        limit_pixels(processor, max_pixels)
     processor.tokenizer = tokenizer  # one tokenizer: the pad token and chat template the run sets are the processor's
     tokenizer.finetune_processor = processor
