@@ -276,3 +276,42 @@ def test_max_pixels_bounds_an_area_sized_processors_image_tokens_and_is_refused_
     cfg = build_recipe(recipe(families["llava"], vision_data, tmp_path / "run", data={"max_pixels": 50000}))
     with pytest.raises(ModelError, match="does not size images by area"):
         load_tokenizer(cfg)
+
+
+def test_qwen2_vl_trains_with_its_grids_and_loads_in_vanilla_peft(vision_data, tmp_path, monkeypatch):
+    """Qwen2-VL: images of different sizes become different numbers of <|image_pad|> tokens (one per 2x2
+    patches of 14 px), batched as flat patches + image_grid_thw, positions from mm_token_type_ids."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText, BitsAndBytesConfig
+    from vlm_models import build_qwen2_vl
+
+    model_dir = build_qwen2_vl(tmp_path / "qwen2-vl", monkeypatch)
+    trainer = trained(model_dir, vision_data, tmp_path / "run")
+    tok, model = trainer.tokenizer, trainer.accelerator.unwrap_model(trainer.model).eval()
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    quantized = [n for n, m in model.named_modules() if type(m).__name__ == "Linear4bit"]
+    adapted = [n for n, _ in model.named_parameters() if ".lora_A." in n]
+    assert all(".language_model." in n for n in quantized + adapted) and quantized and adapted  # model.visual: fp32
+    ex = trainer.data.train[2]  # img2.png (64x64) and img0.png (40x30): both 56x56 (min_pixels), 4x4 patches
+    assert ex["input_ids"].count(pad) == 4 + 4  # one token per 2x2 patches
+    batch = Collator.for_tokenizer(tok)([trainer.data.train[i] for i in range(3)])  # 0, 1 (img1: 28x56), 2 images
+    assert batch["image_grid_thw"].tolist() == [[1, 4, 2], [1, 4, 4], [1, 4, 4]]
+    assert batch["pixel_values"].shape[0] == 8 + 16 + 16  # flat patches, one row each
+    assert batch["mm_token_type_ids"].eq(1).sum() == batch["input_ids"].eq(pad).sum()
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        ours = model(**inputs).logits
+    bnb = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+        llm_int8_skip_modules=["lm_head", "model.visual"],
+    )
+    base = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, quantization_config=bnb)
+    training_kernel_only(base)
+    with torch.no_grad():
+        plain = base.eval()(**inputs).logits
+    with torch.no_grad():
+        theirs = PeftModel.from_pretrained(base, str(tmp_path / "run" / "adapter")).eval()(**inputs).logits
+    assert (ours - theirs).abs().max() < 1e-5 and (ours - plain).abs().max() > 1e-3

@@ -19,8 +19,6 @@ from finetune.config.files import resolve_path
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 FAMILIES = ("llava", "gemma3", "idefics3")
-# Qwen2-VL is not here: transformers 5.24 builds its processor only with torchvision installed (its video
-# processor class is checked even when absent), and torchvision has no CPU wheel for this torch.
 
 
 def _tokenizer(special: list[str], named: dict[str, str] | None = None, eos: str | None = None):
@@ -48,6 +46,35 @@ def _text(tok, **extra) -> dict:
         max_position_embeddings=2048,
         **extra,
     )
+
+
+def _qwen2_vl():
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil, Qwen2VLProcessor
+
+    tok = _tokenizer(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
+    vs, ve, img, vid = _ids(tok, ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    cfg = Qwen2VLConfig(
+        text_config=_text(tok, rope_parameters=rope),
+        vision_config=dict(
+            depth=1,
+            embed_dim=32,
+            hidden_size=64,
+            num_heads=2,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            in_channels=3,
+        ),
+        vision_start_token_id=vs,
+        vision_end_token_id=ve,
+        image_token_id=img,
+        video_token_id=vid,
+    )
+    images = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 2, max_pixels=28 * 28 * 8, patch_size=14, merge_size=2)
+    processor = Qwen2VLProcessor(image_processor=images, tokenizer=tok, chat_template=(TEMPLATES / "qwen2-vl.jinja").read_text())
+    return Qwen2VLForConditionalGeneration(cfg), processor
 
 
 def _llava():
@@ -125,6 +152,28 @@ def _idefics3():
 
 
 BUILDERS = {"llava": _llava, "gemma3": _gemma3, "idefics3": _idefics3}
+
+
+def build_qwen2_vl(out: Path, monkeypatch, seed: int = 0) -> Path:
+    """Qwen2-VL, whose processor transformers 5.24 builds only with torchvision installed (it checks the video
+    processor's class, VideoProcessorMixin, exported only with torchvision, even when there is none), and
+    torchvision has no CPU wheel for this torch. So the processor is built here, without a video processor
+    (no video is ever processed), and AutoProcessor hands it out for this folder: the rest of the path
+    (its image tokens, grids, 3-D rotary positions, training, peft) is the real one."""
+    import transformers
+
+    monkeypatch.setattr(transformers, "VideoProcessorMixin", type(None), raising=False)
+    torch.manual_seed(seed)
+    model, processor = _qwen2_vl()
+    model.save_pretrained(out)
+    processor.tokenizer.save_pretrained(out)
+    real = transformers.AutoProcessor.from_pretrained
+
+    def from_pretrained(source, *args, **kwargs):
+        return processor if Path(source) == out else real(source, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", from_pretrained)
+    return out
 
 
 def build_vlm(family: str, out: Path, seed: int = 0) -> Path:
