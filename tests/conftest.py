@@ -465,3 +465,20 @@ def straight_and_resumed(cfg, a: Path, b: Path, stop_at: int = 3) -> tuple[list[
         [{k: v for k, v in r.items() if k not in CLOCK_KEYS} for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
         for out in (a, b)
     )
+
+
+# WRONG_SCALE=1 doubles every gradient while the loss value stays the same: the kind of
+# bug (a wrong world-size or token-count factor in backward) the comparison must catch.
+WRONG_SCALE_DRIVER = """
+import os, sys
+from finetune.config.schema import load_recipe
+from finetune.trainer import Trainer
+
+class WrongScale(Trainer):
+    def compute_loss(self, model, batch):
+        loss, n = super().compute_loss(model, batch)
+        return 2 * loss - loss.detach(), n
+
+cls = WrongScale if os.environ.get("WRONG_SCALE") else Trainer
+cls(load_recipe(sys.argv[1]), progress=False).train()
+"""

@@ -13,31 +13,15 @@ import sys
 import pytest
 import torch
 import yaml
-from conftest import assert_same_steps, free_port, step_rows, write_jsonl
+from conftest import WRONG_SCALE_DRIVER, assert_same_steps, free_port, step_rows, write_jsonl
 from safetensors.torch import load_file
-
-# WRONG_SCALE=1 doubles every gradient while the loss value stays the same: the kind of
-# bug (a wrong world-size or token-count factor in backward) the comparison must catch.
-DRIVER = """
-import os, sys
-from finetune.config.schema import load_recipe
-from finetune.trainer import Trainer
-
-class WrongScale(Trainer):
-    def compute_loss(self, model, batch):
-        loss, n = super().compute_loss(model, batch)
-        return 2 * loss - loss.detach(), n
-
-cls = WrongScale if os.environ.get("WRONG_SCALE") else Trainer
-cls(load_recipe(sys.argv[1]), progress=False).train()
-"""
 
 
 def run(recipe_dict, tmp_path, nproc: int, batch: int, name: str, wrong_scale: bool = False):
     ev = write_jsonl(tmp_path / "eval.jsonl", [{"instruction": "Add.", "input": "1 + 1", "output": "2"}])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **({"WRONG_SCALE": "1"} if wrong_scale else {})}
     driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER)
+    driver.write_text(WRONG_SCALE_DRIVER)
     out = tmp_path / name
     data = json.loads(json.dumps(recipe_dict))
     data["output_dir"] = str(out)
