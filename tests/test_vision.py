@@ -17,6 +17,7 @@ from vlm_models import build_vlm, write_images
 
 from finetune.config.schema import build_recipe
 from finetune.data import IGNORE_INDEX, Collator, build_datasets
+from finetune.data.show import marked_text
 from finetune.errors import DataError
 from finetune.model.load import load_tokenizer
 
@@ -77,6 +78,9 @@ def test_two_image_conversation_golden_mask(families, vision_data, tmp_path):
     first = ex["labels"].index(next(label for label in ex["labels"] if label != IGNORE_INDEX))
     assert tok.decode(ex["input_ids"][:first]).endswith("What is in picture 2? ASSISTANT:")
     assert all(label == IGNORE_INDEX for t, label in zip(ex["input_ids"], ex["labels"]) if t == image)
+    # `finetune data` shows it with each image's tokens folded (Qwen2-VL's are hundreds).
+    shown = "<s>USER: <image>x4\n<image>x4\nWhat is in picture 2? ASSISTANT:[[ A pattern, number 2.</s>]]"
+    assert marked_text(tok, ex["input_ids"], ex["labels"], color=False) == shown
     # The collated batch carries each row's pixels, in order: rows with 0, 1 and 2 images.
     batch = Collator.for_tokenizer(tok)([train[0], train[1], train[2]])
     assert batch["pixel_values"].shape == (3, 3, 28, 28)

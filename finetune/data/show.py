@@ -7,6 +7,7 @@ masked tokens are dimmed on a terminal and left as they are otherwise:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ def marked_text(tokenizer: Any, input_ids: Sequence[int], labels: Sequence[int],
     for end in range(1, len(input_ids) + 1):
         if end < len(input_ids) and (labels[end] != IGNORE_INDEX) == (labels[start] != IGNORE_INDEX):
             continue
-        text = tokenizer.decode(list(input_ids[start:end]), skip_special_tokens=False)
+        text = _runs_folded(tokenizer.decode(list(input_ids[start:end]), skip_special_tokens=False))
         trained = labels[start] != IGNORE_INDEX
         if color:
             out.append(f"{_GREEN if trained else _DIM}{text}{_RESET}")
@@ -33,6 +34,11 @@ def marked_text(tokenizer: Any, input_ids: Sequence[int], labels: Sequence[int],
             out.append(f"[[{text}]]" if trained else text)
         start = end
     return "".join(out)
+
+
+def _runs_folded(text: str) -> str:
+    """A special token repeated 4+ times (an image's tokens: hundreds for Qwen2-VL) shown once with its count."""
+    return re.sub(r"(<[^<>\s]{1,40}>)\1{3,}", lambda m: f"{m.group(1)}x{len(m.group(0)) // len(m.group(1))}", text)
 
 
 def length_histogram(lengths: np.ndarray, max_len: int, bins: int = 8, width: int = 40) -> list[str]:
