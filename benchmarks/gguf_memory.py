@@ -18,7 +18,7 @@ never hides another's:
 
 A model's run is a QLoRA run made the way benchmarks/merge_memory.py makes one: a LoRA r=16 on every
 linear layer with random (non-zero) B, saved as a peft adapter, and a recipe with quant.bits=4; nothing trained.
-The models and runs live in --workdir (about 3 GB with the outputs); reuse them with --skip-build.
+The models and runs live in --workdir (about 4 GB with the outputs); reuse them with --skip-build.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def phase(name: str, work: Path) -> dict:
     out = work / f"out-{gguf_type}"
     t0 = time.perf_counter()
     result: dict = {}
-    step = {"name": "reference" if kind == "export" else kind}
+    step = {"name": {"export": "reference", "write": "setup"}.get(kind, kind)}
     peaks: dict[str, dict[str, float]] = {}
     threading.Thread(target=_sampler, args=(step, peaks), daemon=True).start()
     if kind == "export":
@@ -144,7 +144,7 @@ def phase(name: str, work: Path) -> dict:
         check = meta["verification"]
         result = {k: check[k] for k in ("max_abs_diff", "tolerance", "passed", "adapter_effect")}
         result["gguf_bytes"] = meta["gguf"]["bytes"]
-        result["staged_bytes"] = meta["merge"].get("bytes", 0)  # the fp32 merge staged on disk before the write
+        result["staged_bytes"] = meta["merge"].get("bytes", 0)  # the fp32 merge staged on disk before the write (0: none)
     elif kind == "write":
         result = _merge_and_write(work, work / f"write-{gguf_type}", gguf_type, step)
     elif kind == "read":
@@ -170,32 +170,29 @@ def _sha256(path: Path) -> str:
 
 
 def _merge_and_write(work: Path, out: Path, gguf_type: str, step: dict[str, str]) -> dict:
-    """The export's merge and GGUF write alone (no reference model, no check): stream_merge into an fp32
-    staging folder, then write_gguf from it, as export_gguf does."""
+    """The export's merge and GGUF write alone (no reference model, no check), as export_gguf runs them: each
+    tensor merged (runs/merge.py's MergedTensors), converted and written before the next is read."""
     import torch
     import yaml
     from transformers import AutoTokenizer
 
     from finetune.runs.gguf_file import write_gguf
     from finetune.runs.gguf_vocab import add_vocab
-    from finetune.runs.merge import Quant4, read_adapter, stream_merge
+    from finetune.runs.merge import MergedTensors, Quant4, read_adapter
 
     shutil.rmtree(out, ignore_errors=True)
-    staging = out / ".merged"
-    staging.mkdir(parents=True)
+    out.mkdir(parents=True)
     base = Path(yaml.safe_load((work / "run" / "recipe.yaml").read_text())["model"]["path"])
     config = json.loads((base / "config.json").read_text())
     loras = read_adapter(work / "run" / "adapter")
     q = Quant4(torch.float32, 64, "nf4", True)  # what reference() reads off the 4-bit model on a CPU
     quantized = {name.removeprefix("base_model.model.").removesuffix(".base_layer"): q for name in loras}
-    step["name"] = "merge"
-    merge = stream_merge(base, staging, torch.float32, loras, quantized)
-    AutoTokenizer.from_pretrained(TINY).save_pretrained(staging / "tokenizer")
-    vocab = lambda w: add_vocab(w, staging / "tokenizer", int(config["vocab_size"]))  # noqa: E731
-    step["name"] = "write"
-    stats = write_gguf(staging, out / f"model-{gguf_type}.gguf", config, gguf_type, "bench", vocab)
-    shutil.rmtree(staging)
-    return {"gguf_bytes": stats["bytes"], "staged_bytes": merge["bytes"], "merged": merge["merged"]}
+    AutoTokenizer.from_pretrained(TINY).save_pretrained(out / ".tokenizer")
+    vocab = lambda w: add_vocab(w, out / ".tokenizer", int(config["vocab_size"]))  # noqa: E731
+    step["name"] = "merge"  # merge and write are one step now
+    merged = MergedTensors(base, loras, quantized)
+    stats = write_gguf(merged, out / f"model-{gguf_type}.gguf", config, gguf_type, "bench", vocab)
+    return {"gguf_bytes": stats["bytes"], "staged_bytes": 0, "merged": merged.merged}
 
 
 def describe(work: Path) -> dict:
