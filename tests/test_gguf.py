@@ -137,6 +137,69 @@ def test_a_damaged_gguf_fails_the_check_exits_2_and_leaves_nothing(bpe_run, tmp_
     assert not out.exists() and not list(tmp_path.glob(".tmp-*"))
 
 
+def test_the_gguf_write_holds_one_tensor_at_a_time_and_stages_nothing(bpe_run, tmp_path, monkeypatch):
+    """Counting hooks, not RSS: each tensor read from the base checkpoint, each merged tensor and each array handed
+    to gguf's writer (add_tensor, which holds it until write_tensors_to_file, or write_tensor_data) is counted
+    until it is freed."""
+    import weakref
+
+    import gguf
+
+    from finetune.runs import merge
+
+    alive, most, seen = ({"read": 0, "merged": 0, "writer": 0} for _ in range(3))
+    staged: list[Path] = []
+
+    def gone(kind: str) -> None:
+        alive[kind] -= 1
+
+    def track(kind: str, obj):
+        alive[kind] += 1
+        seen[kind] += 1
+        most[kind] = max(most[kind], alive[kind])
+        weakref.finalize(obj, gone, kind)
+        staged.extend(tmp_path.rglob("*.safetensors"))  # a merged model written out beside the GGUF
+        return obj
+
+    read, merged, add, write = (
+        merge.read_tensor,
+        merge.MergedTensors.tensor,
+        gguf.GGUFWriter.add_tensor,
+        gguf.GGUFWriter.write_tensor_data,
+    )
+    monkeypatch.setattr(merge, "read_tensor", lambda *args: track("read", read(*args)))
+    monkeypatch.setattr(merge.MergedTensors, "tensor", lambda self, name: track("merged", merged(self, name)))
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", lambda w, name, t, *a, **k: add(w, name, track("writer", t), *a, **k))
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", lambda w, t, *a, **k: write(w, track("writer", t), *a, **k))
+    result = export_gguf(bpe_run.path, tmp_path / "gguf", gguf_type="q8_0", say=quiet)
+    tensors = result.metadata["gguf"]["tensors"]
+    assert result.metadata["verification"]["passed"] and seen == {"read": tensors, "merged": tensors, "writer": tensors}
+    assert most == {"read": 1, "merged": 1, "writer": 1}, f"tensors alive at once: {most} of {tensors}"
+    assert staged == []
+
+
+def test_the_read_back_checks_memory_is_said_before_any_work_when_ram_is_short(bpe_run, tmp_path, monkeypatch):
+    class Stop(Exception):
+        pass
+
+    def say(text: str) -> None:
+        said.append(text)
+        if text.startswith("warning"):
+            raise Stop  # said before the reference model loads: nothing more to run
+
+    said: list[str] = []
+    monkeypatch.setattr(gguf_export, "available_memory_bytes", lambda: 2**20)
+    with pytest.raises(Stop):
+        export_gguf(bpe_run.path, tmp_path / "gguf", say=say)
+    # The tiny Llama's 1,417,120 parameters (tied: the embedding once) x 4 bytes (the check's fp32 on a CPU)
+    assert gguf_export.readback_bytes(TINY, json.loads((TINY / "config.json").read_text()), "fp32") == 1_417_120 * 4
+    assert said == [
+        "warning: the read-back check will hold ~5 MiB (transformers' GGUF loader dequantizes the whole model at once), "
+        "more than the 1 MiB of RAM available now; the merge holds one tensor at a time"
+    ]
+    assert not (tmp_path / "gguf").exists()
+
+
 def test_a_family_gguf_does_not_write_is_refused_before_anything_is_written(bpe_run, tmp_path, capsys):
     run = copy_run_with_base(bpe_run.path, tmp_path, TINY)
     config = json.loads((tmp_path / "model" / "config.json").read_text())

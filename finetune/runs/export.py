@@ -155,12 +155,14 @@ def write_model_config(base_config: dict[str, Any], base_dir: Path, out_dir: Pat
 
 
 @torch.no_grad()
-def _logits(model, prompts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+def prompt_logits(model, prompts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Each prompt's logits (fp32, on the CPU), one forward per prompt."""
     # `device` is passed, not read off a parameter: offloaded layers sit on the meta device until used.
     return [model(input_ids=torch.tensor([ids], device=device)).logits[0].float().cpu() for ids in prompts]
 
 
-def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """The largest |a - b| over every prompt's logits."""
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
@@ -184,11 +186,11 @@ def reference(run: Run, device: torch.device | None = None) -> Reference:
     precision = inference_precision(run.cfg, device)
     model, tokenizer = load_trained(run, precision=precision, device=device)
     prompts = [prompt_ids(p, run.cfg.data.format, tokenizer) for p in VERIFY_PROMPTS]
-    logits = _logits(model, prompts, device)
+    logits = prompt_logits(model, prompts, device)
     base_logits = None
     if run.is_adapter:
         with model.disable_adapter():
-            base_logits = _logits(model, prompts, device)
+            base_logits = prompt_logits(model, prompts, device)
     quantized, experts = quantized_weights(model), expert_loras(model)
     del model  # the merge that follows must not share memory with a whole model
     gc.collect()
@@ -236,14 +238,14 @@ def verify(ref: Reference, merged_dir: Path, dtype_name: str, max_memory: int | 
             )
             .eval()
         )
-        got = _logits(model, ref.prompts, device)
+        got = prompt_logits(model, ref.prompts, device)
         del model
         gc.collect()
     coarsest = max((dtype_name, ref.precision), key=TOLERANCE.__getitem__)
     scale = max(1.0, max(float(x.abs().max()) for x in ref.logits))
     tolerance = TOLERANCE[coarsest] * scale
-    max_diff = _max_diff(got, ref.logits)
-    effect = _max_diff(ref.base_logits, ref.logits) if ref.base_logits is not None else None
+    max_diff = max_abs_diff(got, ref.logits)
+    effect = max_abs_diff(ref.base_logits, ref.logits) if ref.base_logits is not None else None
     return {
         "prompts": len(ref.prompts),
         "offloaded": placement["device_map"] == "auto",  # layers streamed from disk to fit max_memory
@@ -327,7 +329,7 @@ def export_run(
     }
     if not merge:
         return _export_adapter(run, out, meta, say)
-    base_dir, base_config, dtype = _mergeable(run, dtype)
+    base_dir, base_config, dtype = mergeable(run, dtype)
     loras = read_adapter(run.weights_dir) if run.is_adapter else {}
     device = device or default_device()
     check_merge_fits(run, base_dir, device)
@@ -411,7 +413,7 @@ def _say_check(check: dict[str, Any], out: Path, say: Callable[[str], None]) -> 
         )
 
 
-def _mergeable(run: Run, dtype: str | None) -> tuple[Path, dict[str, Any], str]:
+def mergeable(run: Run, dtype: str | None) -> tuple[Path, dict[str, Any], str]:
     """(base checkpoint folder, its config.json, the export dtype), or ExportError saying why this run cannot merge."""
     cfg = run.cfg
     if cfg.quant.bits == 8 and run.is_adapter:

@@ -3,10 +3,10 @@
     finetune export runs/demo-cpu --gguf --gguf-type q8_0 --out exports/demo-gguf
     ollama create demo -f exports/demo-gguf/Modelfile
 
-The weights are what `--merge` computes (runs/merge.py's stream_merge: dequantize(quantize(W)) +
-the scaled adapter, in fp32), staged inside the export's temporary directory and written as GGUF
-by gguf's own GGUFWriter (runs/gguf_file.py, runs/gguf_vocab.py, runs/gguf_spm.py); the staging is
-deleted before the check. The check reads the file back with an independent reader, transformers'
+The weights are what `--merge` computes (runs/merge.py's MergedTensors: dequantize(quantize(W)) +
+the scaled adapter, in fp32), each merged, converted and written by gguf's own GGUFWriter before
+the next is read (runs/gguf_file.py, runs/gguf_vocab.py, runs/gguf_spm.py): one tensor in memory,
+nothing staged on disk. The check reads the file back with an independent reader, transformers'
 GGUF loader: its logits on the verify prompts against the model as trained, its tokenizer's ids for
 those prompts (rendered in the run's format with the file's own chat template) and for probe texts
 against the run's. What llama.cpp reads of a SentencePiece-style tokenizer and transformers does
@@ -17,6 +17,7 @@ failed check leaves nothing at --out.
 from __future__ import annotations
 
 import gc
+import math
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -28,6 +29,7 @@ import torch
 from finetune.errors import ExportError, MergeCheckFailed
 from finetune.hardware import torch_dtype
 from finetune.model.load import default_device, model_source
+from finetune.model.shards import read_header, weight_files
 from finetune.runs.checkpoint import atomic_dir, write_json
 from finetune.runs.evaluate import prompt_ids
 from finetune.runs.export import (
@@ -36,19 +38,20 @@ from finetune.runs.export import (
     VERIFY_PROMPTS,
     ExportResult,
     Reference,
-    _logits,
-    _max_diff,
-    _mergeable,
+    available_memory_bytes,
     check_destination,
     check_merge_fits,
+    max_abs_diff,
+    mergeable,
+    prompt_logits,
     reference,
 )
 from finetune.runs.gguf_file import GGUF_TYPES, K_QUANT_HINT, arch_name, gguf_family, import_gguf, write_gguf
 from finetune.runs.gguf_spm import llama_cpp_mismatches
 from finetune.runs.gguf_vocab import add_vocab, check_vocab
-from finetune.runs.merge import read_adapter, stream_merge
+from finetune.runs.merge import MergedTensors, read_adapter
 from finetune.runs.modelfile import modelfile
-from finetune.runs.open import Run, open_run, remote_code_notice, run_tokenizer
+from finetune.runs.open import Run, inference_precision, open_run, remote_code_notice, run_tokenizer
 
 # Largest |GGUF - as-trained| logit difference, as a fraction of max(1, max |logit|), per file type;
 # the export's TOLERANCE for the float types. q8_0: each weight rounded to 1/127 of its 32-weight
@@ -66,12 +69,26 @@ def _check_exportable(run: Run, gguf_type: str) -> tuple[Path, dict[str, Any]]:
             f"--gguf-type '{gguf_type}' is not a type the gguf package writes",
             hint=f"use one of {', '.join(GGUF_TYPES)}; for k-quants write f16 and run: {K_QUANT_HINT.format(src='IN.gguf', dst='OUT.gguf')}",
         )
-    base_dir, base_config, _ = _mergeable(run, "fp32")
+    base_dir, base_config, _ = mergeable(run, "fp32")
     family = gguf_family(base_config, f"model.path '{base_dir}'")
     with tempfile.TemporaryDirectory(prefix="finetune-gguf-tokenizer-") as tok_dir:
         run_tokenizer(run).save_pretrained(tok_dir)
         check_vocab(Path(tok_dir), arch_name(family))
     return base_dir, base_config
+
+
+def readback_bytes(base_dir: Path, config: dict[str, Any], precision: str) -> int:
+    """Host RAM transformers' GGUF loader holds to read the file back: it dequantizes every weight into one state
+    dict in the check's precision before it builds the model (it cannot stream or offload a GGUF), so at least the
+    parameters times that dtype's size (measured: 1.17x that on a 0.5B model, plus the file's pages; benchmarks/README.md)."""
+    tied = bool(config.get("tie_word_embeddings"))
+    entries = [(n, e) for f in weight_files(base_dir) for n, e in read_header(f).tensors.items()]
+    params = sum(math.prod(e["shape"]) for n, e in entries if not (tied and n == "lm_head.weight"))
+    return params * torch_dtype(precision).itemsize
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def verify_gguf(ref: Reference, out_dir: Path, name: str, gguf_type: str, data_format: str) -> dict[str, Any]:
@@ -82,7 +99,7 @@ def verify_gguf(ref: Reference, out_dir: Path, name: str, gguf_type: str, data_f
     model = AutoModelForCausalLM.from_pretrained(
         str(out_dir), gguf_file=name, dtype=torch_dtype(ref.precision), device_map={"": device}
     ).eval()
-    got = _logits(model, ref.prompts, device)
+    got = prompt_logits(model, ref.prompts, device)
     del model
     gc.collect()
     tokenizer = AutoTokenizer.from_pretrained(str(out_dir), gguf_file=name)
@@ -96,9 +113,9 @@ def verify_gguf(ref: Reference, out_dir: Path, name: str, gguf_type: str, data_f
     llama_cpp = llama_cpp_mismatches(out_dir / name, ref.tokenizer)  # what transformers' loader does not read
     rel = max(GGUF_TOLERANCE[gguf_type], TOLERANCE[ref.precision])
     scale = max(1.0, max(float(x.abs().max()) for x in ref.logits))
-    max_diff = _max_diff(got, ref.logits)
+    max_diff = max_abs_diff(got, ref.logits)
     same_template = tokenizer.chat_template == ref.tokenizer.chat_template
-    effect = _max_diff(ref.base_logits, ref.logits) if ref.base_logits is not None else None
+    effect = max_abs_diff(ref.base_logits, ref.logits) if ref.base_logits is not None else None
     return {
         "prompts": len(ref.prompts),
         "reader": "transformers (AutoModelForCausalLM / AutoTokenizer with gguf_file=)",
@@ -160,27 +177,35 @@ def export_gguf(
     loras = read_adapter(run.weights_dir) if run.is_adapter else {}
     device = device or default_device()
     check_merge_fits(run, base_dir, device)
+    holds, free = readback_bytes(base_dir, base_config, inference_precision(run.cfg, device)), available_memory_bytes()
+    if free is not None and holds > free:  # told before the work: the check comes last, after the merge
+        say(
+            f"warning: the read-back check will hold ~{_size(holds)} (transformers' GGUF loader dequantizes the whole "
+            f"model at once), more than the {_size(free)} of RAM available now; the merge holds one tensor at a time"
+        )
     say(f"gguf: computing reference logits of the run as trained ({len(VERIFY_PROMPTS)} prompts)")
     ref = reference(run, device)
     name = f"model-{gguf_type}.gguf"
     with atomic_dir(out) as tmp:
-        staging = tmp / ".merged"  # inside the temporary export: deleted with it on any failure
-        staging.mkdir()
-        say(f"gguf: merging {base_dir} in fp32 ({len(loras)} LoRA weights, {len(ref.quantized)} 4-bit weights)")
-        merge = stream_merge(base_dir, staging, torch.float32, loras, ref.quantized, ref.expert_lora)
-        ref.tokenizer.save_pretrained(staging / "tokenizer")
+        tok_dir = tmp / ".tokenizer"  # inside the temporary export: deleted with it on any failure
+        ref.tokenizer.save_pretrained(tok_dir)
+        say(
+            f"gguf: merging {base_dir} in fp32 into {out / name} ({gguf_type}; {len(loras)} LoRA weights, "
+            f"{len(ref.quantized)} 4-bit weights), one tensor at a time"
+        )
+        merged = MergedTensors(base_dir, loras, ref.quantized, ref.expert_lora)
         vocab: dict[str, Any] = {}
-        say(f"gguf: writing {out / name} ({gguf_type})")
         stats = write_gguf(
-            staging,
+            merged,
             tmp / name,
             base_config,
             gguf_type,
             Path(model_source(run.cfg)).name,
-            lambda w: vocab.update(add_vocab(w, staging / "tokenizer", int(base_config["vocab_size"]))),
+            lambda w: vocab.update(add_vocab(w, tok_dir, int(base_config["vocab_size"]))),
         )
-        shutil.rmtree(staging)
-        say("gguf: reading the file back with transformers to check its logits and tokenizer")
+        shutil.rmtree(tok_dir)
+        merge = {"tensors": len(merged.where), "merged": merged.merged, "requantized": len(ref.quantized)}
+        say(f"gguf: reading the file back with transformers to check its logits and tokenizer (it holds ~{_size(holds)})")
         check = verify_gguf(ref, tmp, name, gguf_type, run.cfg.data.format)
         _say_check(check, out, say)
         (tmp / "Modelfile").write_text(modelfile(name, ref.tokenizer, run.cfg.data.format), encoding="utf-8")

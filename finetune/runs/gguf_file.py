@@ -1,7 +1,7 @@
 """A merged model as one GGUF file, written by llama.cpp's own `gguf` package (GGUFWriter).
 
     family = gguf_family(config)                  # ExportError for a family not written here, before any work
-    stats = write_gguf(merged_dir, path, config, "q8_0", vocab=lambda w: add_vocab(w, tok_dir, ...))
+    stats = write_gguf(MergedTensors(base_dir, loras, quantized), path, config, "q8_0", name, lambda w: add_vocab(w, tok_dir, ...))
 
 What llama.cpp's convert_hf_to_gguf.py does for these families, and no more: tensor names from
 gguf's own name map (gguf.get_tensor_name_map), the architecture's hyperparameters as metadata,
@@ -10,8 +10,9 @@ pairs), Gemma's norm weights stored + 1 (GGML scales by w, HF's Gemma by 1 + w),
 qkv_proj and gate_up_proj kept fused (gguf's attn_qkv, ffn_up), 1-D tensors kept F32, and the
 rest converted by gguf.quants. A model transformers' GGUF loader would read back with other
 values than its own (Family.reader_fixed) is refused, since the read-back check could not pass.
-Tensors are streamed from the merged safetensors one at a time (header, metadata and tensor
-index first, then each tensor).
+Tensors are merged, converted and written one at a time, straight from the base checkpoint
+(runs/merge.py's MergedTensors; header, metadata and tensor index first, then each tensor), so
+memory holds one tensor and its GGUF bytes, and nothing is staged on disk.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 from finetune.errors import ExportError
-from finetune.model.shards import read_header, read_tensor, weight_files
+from finetune.runs.merge import MergedTensors
 
 INSTALL_HINT = "pip install 'finetune[gguf]' (llama.cpp's gguf package, which writes and reads the file)"
 
@@ -195,7 +196,7 @@ def _prepare(name: str, tensor: torch.Tensor, config: dict[str, Any], family: Fa
     if family.permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
         return permute_rotary(tensor, int(config.get("num_key_value_heads") or config["num_attention_heads"]))
     if family.norm_shift and name.endswith("norm.weight"):
-        return tensor + family.norm_shift
+        return tensor.float() + family.norm_shift  # in fp32, as stored: w + 1 rounded once, in the file's type
     return tensor
 
 
@@ -211,15 +212,14 @@ def tensor_type(gguf, shape: list[int], gguf_type: str):
     return qtype
 
 
-def _plan(merged_dir: Path, config: dict[str, Any], family: Family, gguf_type: str) -> list[tuple[str, str, Any, Any]]:
-    """[(safetensors name, gguf name, GGML type, header)] in file order; ExportError for a tensor gguf has no name for."""
+def _plan(merged: MergedTensors, config: dict[str, Any], family: Family, gguf_type: str) -> list[tuple[str, str, Any, Any]]:
+    """[(checkpoint name, gguf name, GGML type, its shape)] in file order; ExportError for a tensor gguf has no name for."""
     gguf = import_gguf()
     arch = getattr(gguf.MODEL_ARCH, family.arch)
     names = gguf.get_tensor_name_map(arch, int(config["num_hidden_layers"]))
     tied = bool(config.get("tie_word_embeddings"))
     plan = []
-    for f in weight_files(merged_dir):
-        header = read_header(f)
+    for header in merged.headers:
         for name, entry in header.tensors.items():
             if tied and name == "lm_head.weight":
                 continue  # llama.cpp writes no output.weight for tied embeddings (the reader ties it back)
@@ -228,39 +228,56 @@ def _plan(merged_dir: Path, config: dict[str, Any], family: Family, gguf_type: s
                 raise ExportError(
                     f"the merged model's tensor '{name}' has no name in gguf's {family.arch} tensor map", hint=_CONVERT
                 )
-            plan.append((name, target, tensor_type(gguf, list(entry["shape"]), gguf_type), header))
+            shape = [int(n) for n in entry["shape"]]
+            plan.append((name, target, tensor_type(gguf, shape, gguf_type), shape))
     return plan
 
 
+CHUNK_ELEMENTS = 1 << 22  # rows converted at a time (16 MiB of fp32): the fp32 copy of a whole bf16 embedding never exists
+
+
+def gguf_bytes(tensor: torch.Tensor, qtype) -> np.ndarray:
+    """The tensor's bytes as GGML type qtype, converted from fp32 a few rows at a time into one output buffer
+    (GGML's types are row-wise: the same bytes as converting it whole)."""
+    gguf = import_gguf()
+    rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() else tensor.reshape(1, 1)
+    out = np.empty(gguf.quant_shape_to_byte_shape(list(rows.shape), qtype), dtype=np.uint8)
+    step = max(1, CHUNK_ELEMENTS // rows.shape[1])
+    for i in range(0, rows.shape[0], step):
+        out[i : i + step] = gguf.quants.quantize(rows[i : i + step].float().numpy(), qtype).view(np.uint8)
+    return out
+
+
 def write_gguf(
-    merged_dir: Path,
+    merged: MergedTensors,
     path: Path,
     config: dict[str, Any],
     gguf_type: str,
     name: str,
     vocab: Callable[[Any], None],
 ) -> dict[str, Any]:
-    """Write the merged safetensors in merged_dir as one GGUF at path; vocab(writer) adds the tokenizer."""
+    """Write the merged model as one GGUF at path, each tensor merged, converted and written before the next is
+    read (header, metadata and tensor index first, then the data); vocab(writer) adds the tokenizer."""
     gguf = import_gguf()
-    family = gguf_family(config, str(merged_dir / "config.json"))
-    plan = _plan(merged_dir, config, family, gguf_type)
+    family = gguf_family(config, str(merged.base_dir / "config.json"))
+    plan = _plan(merged, config, family, gguf_type)
     writer = gguf.GGUFWriter(str(path), arch_name(family))
     add_hyperparameters(writer, config, family, gguf_type, name)
     vocab(writer)
-    for source, target, qtype, header in plan:
+    for _, target, qtype, shape in plan:
         # Every type as raw bytes: gguf computes the element shape back from the byte shape.
-        byte_shape = gguf.quant_shape_to_byte_shape([int(n) for n in header.tensors[source]["shape"]], qtype)
+        byte_shape = gguf.quant_shape_to_byte_shape(shape, qtype)
         writer.add_tensor_info(target, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     counts: dict[str, int] = {}
-    for source, _, qtype, header in plan:
-        with header.path.open("rb") as fh:
-            tensor = _prepare(source, read_tensor(fh, header, source).float(), config, family)
-        data = gguf.quants.quantize(tensor.numpy(), qtype)
-        writer.write_tensor_data(data.view(np.uint8))
+    for source, _, qtype, _ in plan:
+        tensor = _prepare(source, merged.tensor(source), config, family)
+        data = gguf_bytes(tensor, qtype)
+        del tensor  # before the write: the merged tensor and its bytes are the only weights in memory
+        writer.write_tensor_data(data)
+        del data
         counts[qtype.name] = counts.get(qtype.name, 0) + 1
-        del tensor, data  # one tensor in memory at a time
     writer.close()
     return {"tensors": len(plan), "types": counts, "bytes": path.stat().st_size, "arch": writer.arch}

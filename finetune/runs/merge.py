@@ -3,6 +3,8 @@ holds one tensor in memory at a time (runs/export.py checks and describes what i
 
     loras = read_adapter(run.weights_dir)                 # {base weight name: Lora}
     stats = stream_merge(base_dir, out_dir, torch.bfloat16, loras, quantized)
+    merged = MergedTensors(base_dir, loras, quantized)     # or one merged tensor at a time, for another writer (GGUF)
+    weight = merged.tensor("model.layers.0.mlp.up_proj.weight")
 
 Each weight is read, merged (W + scale * B @ A in fp32; DoRA-rescaled; PiSSA on its residual)
 when it has a LoRA, round-tripped through bitsandbytes' 4-bit quantization when training saw
@@ -242,6 +244,62 @@ def _add_experts(w: torch.Tensor, lora: list[Lora] | None) -> torch.Tensor:
 # --------------------------------------------------------------------------- streaming merge
 
 
+class MergedTensors:
+    """The merged model's tensors, each read from the base checkpoint and merged when asked for, so that a
+    writer (safetensors shards, a GGUF file) holds one tensor at a time; a fused MoE expert parameter is
+    rebuilt from its pieces (model_type's conversion mapping says which) and its other pieces kept until asked."""
+
+    def __init__(
+        self,
+        base_dir: Path,
+        loras: dict[str, Lora],
+        quantized: dict[str, Quant4],
+        expert_lora: dict[str, list[Lora]] | None = None,
+        model_type: str = "",
+        renamed: Callable[[list[str]], dict[str, str]] | None = None,
+    ):
+        self.files = weight_files(base_dir)
+        self.headers = [read_header(f) for f in self.files]
+        self.where = {name: h for h in self.headers for name in h.tensors}
+        # The adapter and the 4-bit weights are named as loaded, the files as stored (renamed: a VLM's older layout).
+        stored = {loaded: name for name, loaded in (renamed(sorted(self.where)) if renamed else {}).items()}
+        loras, quantized = {stored.get(k, k): v for k, v in loras.items()}, {stored.get(k, k): v for k, v in quantized.items()}
+        self.base_dir, self.loras, self.quantized, self.expert_lora = base_dir, loras, quantized, expert_lora or {}
+        fused = (set(quantized) | set(self.expert_lora)) - set(self.where)
+        pieces = expert_pieces(model_type, sorted(self.where)) if fused else {}
+        self.pieces = {n: p for n, p in pieces.items() if p.fused in fused}
+        wanted = set(loras) | set(quantized) | set(self.expert_lora)
+        absent = sorted(wanted - set(self.where) - {p.fused for p in self.pieces.values()})
+        if absent:
+            raise ExportError(
+                f"the base checkpoint in '{base_dir}' has no tensor '{absent[0]}' (+{len(absent) - 1} more) that the "
+                "adapter or the 4-bit base needs; its tensor names differ from the loaded model's",
+                hint="merge with peft instead: PeftModel.from_pretrained(base, ADAPTER).merge_and_unload()",
+            )
+        self.ready: dict[str, torch.Tensor] = {}  # merged pieces of a fused parameter not asked for yet
+        self.merged = 0  # weights the adapter was added to
+
+    def read(self, name: str) -> torch.Tensor:
+        """The base checkpoint's tensor, as stored."""
+        with self.where[name].path.open("rb") as f:
+            return read_tensor(f, self.where[name], name)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """name's tensor of the merged model: fp32 when merged or round-tripped through 4 bits, else as stored."""
+        if name in self.pieces and name not in self.ready:
+            group = self.pieces[name].fused
+            mine = [n for n, p in self.pieces.items() if p.fused == group]
+            lora, quant = self.expert_lora.get(group), self.quantized.get(group)
+            self.ready.update(_merged_pieces(mine, self.pieces, self.read, lora, quant))
+            self.merged += group in self.expert_lora
+        tensor = self.ready.pop(name) if name in self.pieces else self.read(name)
+        if name in self.loras or name in self.quantized or name in self.expert_lora:  # (a 3-D expert parameter stored fused)
+            tensor = merged_weight(tensor, self.loras.get(name), self.quantized.get(name))
+            tensor = _add_experts(tensor, self.expert_lora.get(name))
+            self.merged += name in self.loras or name in self.expert_lora
+        return tensor
+
+
 def stream_merge(
     base_dir: Path,
     out_dir: Path,
@@ -254,53 +312,24 @@ def stream_merge(
 ) -> dict[str, int]:
     """Write base + adapter to out_dir as safetensors shards mirroring the base's, one tensor in memory at a time
     (a fused MoE expert parameter: its pieces, model_type's conversion mapping says which). renamed: the
-    checkpoint names whose loaded names differ -> those (a vision-language model's older layout); the
-    adapter and the 4-bit weights are named as loaded, the files as stored."""
-    expert_lora = expert_lora or {}
-    files = weight_files(base_dir)
-    headers = [read_header(f) for f in files]
-    where = {name: h for h in headers for name in h.tensors}
-    stored = {loaded: name for name, loaded in (renamed(sorted(where)) if renamed else {}).items()}
-    if stored:
-        loras, quantized = {stored.get(k, k): v for k, v in loras.items()}, {stored.get(k, k): v for k, v in quantized.items()}
-    fused = (set(quantized) | set(expert_lora)) - set(where)
-    pieces = {n: p for n, p in expert_pieces(model_type, sorted(where)).items() if p.fused in fused} if fused else {}
-    absent = sorted((set(loras) | set(quantized) | set(expert_lora)) - set(where) - {p.fused for p in pieces.values()})
-    if absent:
-        raise ExportError(
-            f"the base checkpoint in '{base_dir}' has no tensor '{absent[0]}' (+{len(absent) - 1} more) that the adapter "
-            "or the 4-bit base needs; its tensor names differ from the loaded model's",
-            hint="merge with peft instead: PeftModel.from_pretrained(base, ADAPTER).merge_and_unload()",
-        )
-
-    def read(name: str) -> torch.Tensor:
-        with where[name].path.open("rb") as f:
-            return read_tensor(f, where[name], name)
-
-    ready: dict[str, torch.Tensor] = {}  # merged pieces of a fused parameter not written yet
+    checkpoint names whose loaded names differ -> those (a vision-language model's older layout)."""
+    merged = MergedTensors(base_dir, loras, quantized, expert_lora, model_type, renamed)
+    files = merged.files
     weight_map: dict[str, str] = {}
-    total = merged = 0
-    for i, header in enumerate(headers):
+    total = 0
+    for i, header in enumerate(merged.headers):
         shard = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
         plan = [
             (name, NAMES[dtype] if FILE_DTYPES[e["dtype"]].is_floating_point else e["dtype"], e["shape"])
             for name, e in header.tensors.items()
         ]
-        with header.path.open("rb") as fh, ShardWriter(out_dir / shard, plan) as writer:
+        with ShardWriter(out_dir / shard, plan) as writer:
             for name in header.tensors:
-                if name in pieces and name not in ready:
-                    group = pieces[name].fused
-                    mine = [n for n, p in pieces.items() if p.fused == group]
-                    ready.update(_merged_pieces(mine, pieces, read, expert_lora.get(group), quantized.get(group)))
-                    merged += group in expert_lora
-                tensor = ready.pop(name) if name in pieces else read_tensor(fh, header, name)
-                if name in loras or name in quantized or name in expert_lora:  # (a 3-D expert parameter stored fused)
-                    tensor = _add_experts(merged_weight(tensor, loras.get(name), quantized.get(name)), expert_lora.get(name))
-                    merged += name in loras or name in expert_lora
+                tensor = merged.tensor(name)
                 writer.write(name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
                 del tensor  # before the next read: one weight in memory, not two
         total += writer.nbytes
         weight_map.update(dict.fromkeys(header.tensors, shard))
     if len(files) > 1:
         write_index(out_dir, weight_map, total)
-    return {"tensors": len(weight_map), "merged": merged, "requantized": len(quantized), "bytes": total}
+    return {"tensors": len(weight_map), "merged": merged.merged, "requantized": len(quantized), "bytes": total}
