@@ -32,7 +32,7 @@ def image_paths(messages: Sequence[dict]) -> list[str]:
     """The image parts' paths of a conversation, in the order the template renders them."""
     out: list[str] = []
     for m in messages:
-        if isinstance(m.get("content"), list):
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
             out += [_path(p) for p in m["content"] if isinstance(p, dict) and p.get("type") == "image"]
     return out
 
@@ -45,7 +45,7 @@ def resolve_images(messages: list[dict], folder: Path | None, where: str) -> lis
     """The conversation with each image path made absolute (relative to the data file's folder)."""
     out = []
     for m in messages:
-        if isinstance(m.get("content"), list):
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
             parts = []
             for p in m["content"]:
                 if isinstance(p, dict) and p.get("type") == "image":
@@ -69,7 +69,7 @@ def absolute_images(records: list[dict], folder: Path | None, where: str) -> lis
     out = []
     for rec in records:
         msgs = rec.get("messages")
-        if isinstance(msgs, list) and image_paths([m for m in msgs if isinstance(m, dict)]):
+        if isinstance(msgs, list) and image_paths(msgs):
             rec = {**rec, "messages": resolve_images(msgs, folder, where)}
         out.append(rec)
     return out
