@@ -207,7 +207,7 @@ def test_a_family_gguf_does_not_write_is_refused_before_anything_is_written(bpe_
     out = tmp_path / "gguf"
     assert main(["export", str(run), "--gguf", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    supported = "llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3"
+    supported = "llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3, qwen2_moe, qwen3_moe"
     assert f"model_type 'olmo2' is not a family --gguf writes (supported: {supported})" in err
     assert "convert_hf_to_gguf.py" in err and not out.exists() and not list(tmp_path.glob(".tmp-*"))
 
@@ -339,6 +339,10 @@ def test_each_family_export_reads_back_equal_in_f32(family, tmp_path, runs_data)
         ("gemma2", {"query_pre_attn_scalar": 144}, "query_pre_attn_scalar is 144"),
         ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0}}}, "rope type 'linear'"),
         ("phi3", {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}}, "partial_rotary_factor is 0.75"),
+        # the reader takes the expert sizes from its config class, not the file (measured: a size mismatch on load)
+        ("qwen3_moe", {"moe_intermediate_size": 32}, "moe_intermediate_size is 32, but transformers' GGUF loader"),
+        ("qwen2_moe", {"shared_expert_intermediate_size": 128}, "shared_expert_intermediate_size is 128"),
+        ("qwen3_moe", {"norm_topk_prob": False}, "norm_topk_prob is False"),
     ],
 )
 def test_a_model_the_gguf_reader_would_read_back_wrongly_is_refused(family, keys, message):
@@ -346,3 +350,72 @@ def test_a_model_the_gguf_reader_would_read_back_wrongly_is_refused(family, keys
     with pytest.raises(ExportError, match="export with --merge") as err:
         gguf_file.gguf_family(config, "model.path 'x'")
     assert message in str(err.value)
+
+
+def test_qwen3_30b_a3b_is_a_moe_the_gguf_reader_reads_back():
+    config = json.loads((Path(__file__).parent / "fixtures/configs/qwen3-30b-a3b/config.json").read_text())
+    assert gguf_file.gguf_family(config, "x").arch == "QWEN3MOE"
+
+
+# MoE families at the expert sizes transformers' GGUF reader assumes (Family.reader_fixed), 4 experts, LoRA on
+# attention, every expert and Qwen2-MoE's shared expert. Qwen3-MoE routes each token to all 4 experts: with top-k
+# routing, q8_0 rounding flips a token's expert choice (measured: 1 token of 46 routed elsewhere, logits off by 1.9).
+MOE_KEYS = {
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 1408},
+    "qwen3_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "head_dim": 16,
+    },
+}
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj", "experts"]
+SHARED = ["shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"]
+
+
+@pytest.fixture(scope="module", params=sorted(MOE_KEYS))
+def moe_run(request, tmp_path_factory, runs_data):
+    family, tmp = request.param, tmp_path_factory.mktemp(request.param)
+    (tmp / "model").mkdir()
+    model_dir = build_tiny_family(family, tmp / "model", **MOE_KEYS[family])
+    target = ATTENTION + (SHARED if family == "qwen2_moe" else [])
+    return family, model_dir, train_tiny_run(tmp / "run", model_dir, runs_data, lora={"target": target})
+
+
+def test_moe_experts_are_stacked_and_read_back_equal(moe_run, tmp_path, monkeypatch):
+    import gguf
+    from safetensors.torch import load_file
+
+    family, model_dir, run = moe_run
+    ff, arch = MOE_KEYS[family]["moe_intermediate_size"], family.replace("_", "")
+    for gguf_type in ("f32", "q8_0") if family == "qwen3_moe" else ("f32",):
+        result = export_gguf(run.path, tmp_path / gguf_type, gguf_type=gguf_type, say=quiet)
+        check = result.metadata["verification"]
+        assert check["passed"] and check["adapter_effect"] > 1e-2, check
+        assert gguf_type != "f32" or check["max_abs_diff"] < 1e-4
+        # attention's 8 linears (+ the shared expert's 6) and the 4 fused expert parameters, each adapted
+        assert result.metadata["merge"]["merged"] == 8 + 4 + 6 * (family == "qwen2_moe")
+    reader = gguf.GGUFReader(str(tmp_path / gguf_type / f"model-{gguf_type}.gguf"))
+    tensors = {t.name: t for t in reader.tensors}
+    assert [int(n) for n in tensors["blk.1.ffn_gate_exps.weight"].shape] == [64, ff, 4]  # GGML order: in, out, experts
+    assert [int(n) for n in tensors["blk.1.ffn_down_exps.weight"].shape] == [ff, 64, 4]
+    assert tensors["blk.1.ffn_gate_inp.weight"].tensor_type.name == "F32"  # the router, as llama.cpp keeps it
+    assert int(reader.fields[f"{arch}.expert_count"].parts[-1][0]) == 4
+    assert int(reader.fields[f"{arch}.expert_feed_forward_length"].parts[-1][0]) == ff
+    shared = {n for n in tensors if "shexp" in n}
+    assert len(shared) == 8 * (family == "qwen2_moe")  # 2 layers x gate, up, down, gate_inp
+    if family == "qwen2_moe":
+        assert int(reader.fields["qwen2moe.expert_shared_feed_forward_length"].parts[-1][0]) == 5632
+        assert [int(n) for n in tensors["blk.0.ffn_gate_inp_shexp.weight"].shape] == [64]  # (1, 64) squeezed
+        # f32: the stack is each expert's merged weight in expert order, and the adapter moved it off the base
+        base = load_file(str(model_dir / "model.safetensors"))
+        stacked = torch.stack([base[f"model.layers.1.mlp.experts.{e}.up_proj.weight"] for e in range(4)])
+        written = torch.from_numpy(np.array(tensors["blk.1.ffn_up_exps.weight"].data))
+        assert written.shape == stacked.shape and 1e-4 < float((written - stacked).abs().max()) < 0.1
+        # experts stacked in reverse order: the check fails and nothing is kept
+        grouped = gguf_file._grouped
+        monkeypatch.setattr(gguf_file, "_grouped", lambda *a: [(n, s[::-1]) for n, s in grouped(*a)])
+        with pytest.raises(MergeCheckFailed, match="nothing was written"):
+            export_gguf(run.path, tmp_path / "reversed", gguf_type="f32", say=quiet)
+        assert not (tmp_path / "reversed").exists()

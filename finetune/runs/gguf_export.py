@@ -193,7 +193,8 @@ def export_gguf(
             f"gguf: merging {base_dir} in fp32 into {out / name} ({gguf_type}; {len(loras)} LoRA weights, "
             f"{len(ref.quantized)} 4-bit weights), one tensor at a time"
         )
-        merged = MergedTensors(base_dir, loras, ref.quantized, ref.expert_lora)
+        # model_type: which checkpoint tensors transformers fuses into the 3-D experts training adapted (MoE)
+        merged = MergedTensors(base_dir, loras, ref.quantized, ref.expert_lora, str(base_config.get("model_type", "")))
         vocab: dict[str, Any] = {}
         stats = write_gguf(
             merged,

@@ -7,17 +7,22 @@ What llama.cpp's convert_hf_to_gguf.py does for these families, and no more: ten
 gguf's own name map (gguf.get_tensor_name_map), the architecture's hyperparameters as metadata,
 Llama's q_proj/k_proj rows permuted from HF's rotary layout (halves) to GGML's (interleaved
 pairs), Gemma's norm weights stored + 1 (GGML scales by w, HF's Gemma by 1 + w), Phi-3's fused
-qkv_proj and gate_up_proj kept fused (gguf's attn_qkv, ffn_up), 1-D tensors kept F32, and the
-rest converted by gguf.quants. A model transformers' GGUF loader would read back with other
+qkv_proj and gate_up_proj kept fused (gguf's attn_qkv, ffn_up), Qwen2-MoE's and Qwen3-MoE's
+per-expert tensors stacked in expert order into one 3-D tensor per layer and projection
+(ffn_gate_exps, ffn_up_exps, ffn_down_exps), with the router (ffn_gate_inp), Qwen2-MoE's shared
+expert (ffn_*_shexp, its gate squeezed to 1-D as ffn_gate_inp_shexp) and the expert counts and
+sizes as metadata; 1-D tensors and routers kept F32, and the rest converted by gguf.quants. A model transformers' GGUF loader would read back with other
 values than its own (Family.reader_fixed) is refused, since the read-back check could not pass.
 Tensors are merged, converted and written one at a time, straight from the base checkpoint
 (runs/merge.py's MergedTensors; header, metadata and tensor index first, then each tensor), so
-memory holds one tensor and its GGUF bytes, and nothing is staged on disk.
+memory holds one tensor and its GGUF bytes (a stacked expert tensor: its GGUF bytes, filled one
+expert at a time), and nothing is staged on disk.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +83,33 @@ FAMILIES = {
         alternate_sliding=6,
     ),
     "phi3": Family("PHI3", permute_qk=False, reader_fixed=(("partial_rotary_factor", 1.0),)),
+    # The reader reads the expert counts but neither expert size (llama.cpp's expert_feed_forward_length and
+    # expert_shared_feed_forward_length): it takes its config class's, Qwen1.5-MoE-A2.7B's and Qwen3-30B-A3B's.
+    "qwen2_moe": Family(
+        "QWEN2MOE",
+        permute_qk=False,
+        reader_fixed=(
+            ("moe_intermediate_size", 1408),
+            ("shared_expert_intermediate_size", 5632),
+            ("norm_topk_prob", False),
+            ("decoder_sparse_step", 1),
+            ("mlp_only_layers", []),
+            ("qkv_bias", True),
+            ("use_sliding_window", False),
+        ),
+    ),
+    "qwen3_moe": Family(
+        "QWEN3MOE",
+        permute_qk=False,
+        reader_fixed=(
+            ("moe_intermediate_size", 768),
+            ("norm_topk_prob", True),
+            ("decoder_sparse_step", 1),
+            ("mlp_only_layers", []),
+            ("attention_bias", False),
+            ("use_sliding_window", False),
+        ),
+    ),
 }
 _CONVERT = "export with --merge and convert the merged model with llama.cpp's convert_hf_to_gguf.py"
 
@@ -178,11 +210,27 @@ def add_hyperparameters(writer, config: dict[str, Any], family: Family, gguf_typ
         writer.add_value_length(head_dim)
     if config.get("sliding_window") and (family.alternate_sliding or family.arch == "PHI3"):
         writer.add_sliding_window(int(config["sliding_window"]))
+    if n_experts(config):
+        _add_expert_sizes(writer, config)
     if family.arch == "GEMMA2":
         writer.add_attn_logit_softcapping(float(config.get("attn_logit_softcapping", 50.0)))
         writer.add_final_logit_softcapping(float(config.get("final_logit_softcapping", 30.0)))
     writer.add_file_type(getattr(gguf.LlamaFileType, GGUF_TYPES[gguf_type][1]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def n_experts(config: dict[str, Any]) -> int:
+    """An MoE's expert count (transformers 5 saves Qwen's num_experts as num_local_experts); 0 for a dense model."""
+    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
+
+
+def _add_expert_sizes(writer, config: dict[str, Any]) -> None:
+    """An MoE's expert count, active experts and expert sizes, as llama.cpp's Qwen2MoeModel writes them."""
+    writer.add_expert_count(n_experts(config))
+    writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+    writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
+    if config.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(int(config["shared_expert_intermediate_size"]))
 
 
 def permute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -200,11 +248,15 @@ def _prepare(name: str, tensor: torch.Tensor, config: dict[str, Any], family: Fa
     return tensor
 
 
-def tensor_type(gguf, shape: list[int], gguf_type: str):
-    """The GGML type of one tensor: norms and biases stay F32 (as llama.cpp's converter keeps them);
+# llama.cpp's converter keeps the routers F32 (a token's expert choice flips on small rounding)
+F32_ALWAYS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+
+
+def tensor_type(gguf, shape: list[int], gguf_type: str, target: str = ""):
+    """The GGML type of one tensor: norms, biases and routers stay F32 (as llama.cpp's converter keeps them);
     a row length a Q8_0 block does not divide falls back to F16 (as llama.cpp's converter does)."""
     qtype = getattr(gguf.GGMLQuantizationType, GGUF_TYPES[gguf_type][0])
-    if len(shape) < 2:
+    if len(shape) < 2 or target.endswith(F32_ALWAYS):
         return gguf.GGMLQuantizationType.F32
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     if shape[-1] % block:
@@ -212,24 +264,61 @@ def tensor_type(gguf, shape: list[int], gguf_type: str):
     return qtype
 
 
-def _plan(merged: MergedTensors, config: dict[str, Any], family: Family, gguf_type: str) -> list[tuple[str, str, Any, Any]]:
-    """[(checkpoint name, gguf name, GGML type, its shape)] in file order; ExportError for a tensor gguf has no name for."""
+@dataclass(frozen=True)
+class Planned:
+    """One GGUF tensor: the checkpoint tensors it is made of (one, or every expert's piece in expert order)."""
+
+    sources: tuple[str, ...]
+    target: str
+    qtype: Any
+    shape: list[int]
+    stacked: bool = False
+
+
+# A per-expert checkpoint tensor (Qwen2/3-MoE): llama.cpp stacks each layer's projection over the experts
+_EXPERT = re.compile(r"(?P<layer>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+
+
+def _grouped(names: list[str], n_experts: int) -> list[tuple[str, tuple[str, ...]]]:
+    """[(name gguf maps, its checkpoint tensors)] in file order: each layer's projection over all experts is one
+    stacked tensor (layer.mlp.experts.gate_proj.weight, experts in index order) where its first piece is."""
+    groups: dict[str, dict[int, str]] = {}
+    for name in names:
+        m = _EXPERT.fullmatch(name)
+        key = f"{m['layer']}.{m['proj']}.weight" if m else name
+        groups.setdefault(key, {})[int(m["expert"]) if m else -1] = name
+    out: list[tuple[str, tuple[str, ...]]] = []
+    for key, pieces in groups.items():
+        if -1 in pieces:
+            out.append((key, (pieces[-1],)))
+        elif sorted(pieces) != list(range(n_experts)):
+            raise ExportError(f"'{key}': the checkpoint has experts {sorted(pieces)}, not 0..{n_experts - 1}", hint=_CONVERT)
+        else:
+            out.append((key, tuple(pieces[e] for e in range(n_experts))))
+    return out
+
+
+def _plan(merged: MergedTensors, config: dict[str, Any], family: Family, gguf_type: str) -> list[Planned]:
+    """The GGUF's tensors in file order; ExportError for a tensor gguf has no name for."""
     gguf = import_gguf()
     arch = getattr(gguf.MODEL_ARCH, family.arch)
     names = gguf.get_tensor_name_map(arch, int(config["num_hidden_layers"]))
     tied = bool(config.get("tie_word_embeddings"))
+    shapes = {name: [int(n) for n in e["shape"]] for header in merged.headers for name, e in header.tensors.items()}
     plan = []
-    for header in merged.headers:
-        for name, entry in header.tensors.items():
-            if tied and name == "lm_head.weight":
-                continue  # llama.cpp writes no output.weight for tied embeddings (the reader ties it back)
-            target = names.get_name(name, try_suffixes=(".weight", ".bias"))
-            if target is None:
-                raise ExportError(
-                    f"the merged model's tensor '{name}' has no name in gguf's {family.arch} tensor map", hint=_CONVERT
-                )
-            shape = [int(n) for n in entry["shape"]]
-            plan.append((name, target, tensor_type(gguf, shape, gguf_type), shape))
+    for name, sources in _grouped(list(shapes), n_experts(config)):
+        if tied and name == "lm_head.weight":
+            continue  # llama.cpp writes no output.weight for tied embeddings (the reader ties it back)
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if target is None:
+            raise ExportError(f"the merged model's tensor '{name}' has no name in gguf's {family.arch} tensor map", hint=_CONVERT)
+        shape = shapes[sources[0]]
+        stacked = _EXPERT.fullmatch(sources[0]) is not None
+        if stacked:
+            shape = [len(sources), *shape]
+        elif target.endswith("ffn_gate_inp_shexp.weight"):
+            shape = shape[-1:]  # (1, hidden) squeezed, as llama.cpp's converter writes it and llama.cpp reads it
+        plan.append(Planned(sources, target, tensor_type(gguf, shape, gguf_type, target), shape, stacked))
     return plan
 
 
@@ -245,6 +334,16 @@ def gguf_bytes(tensor: torch.Tensor, qtype) -> np.ndarray:
     step = max(1, CHUNK_ELEMENTS // rows.shape[1])
     for i in range(0, rows.shape[0], step):
         out[i : i + step] = gguf.quants.quantize(rows[i : i + step].float().numpy(), qtype).view(np.uint8)
+    return out
+
+
+def _stacked_bytes(merged: MergedTensors, t: Planned) -> np.ndarray:
+    """A stacked expert tensor's GGUF bytes, filled one expert's merged piece at a time (GGML's types are row-wise,
+    so expert e's bytes are the stack's e-th slice)."""
+    gguf = import_gguf()
+    out = np.empty(gguf.quant_shape_to_byte_shape(t.shape, t.qtype), dtype=np.uint8)
+    for e, source in enumerate(t.sources):
+        out[e] = gguf_bytes(merged.tensor(source), t.qtype)
     return out
 
 
@@ -264,20 +363,23 @@ def write_gguf(
     writer = gguf.GGUFWriter(str(path), arch_name(family))
     add_hyperparameters(writer, config, family, gguf_type, name)
     vocab(writer)
-    for _, target, qtype, shape in plan:
+    for t in plan:
         # Every type as raw bytes: gguf computes the element shape back from the byte shape.
-        byte_shape = gguf.quant_shape_to_byte_shape(shape, qtype)
-        writer.add_tensor_info(target, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), raw_dtype=qtype)
+        byte_shape = gguf.quant_shape_to_byte_shape(t.shape, t.qtype)
+        writer.add_tensor_info(t.target, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), raw_dtype=t.qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     counts: dict[str, int] = {}
-    for source, _, qtype, _ in plan:
-        tensor = _prepare(source, merged.tensor(source), config, family)
-        data = gguf_bytes(tensor, qtype)
-        del tensor  # before the write: the merged tensor and its bytes are the only weights in memory
+    for t in plan:
+        if t.stacked:
+            data = _stacked_bytes(merged, t)
+        else:
+            tensor = _prepare(t.sources[0], merged.tensor(t.sources[0]), config, family).reshape(t.shape)
+            data = gguf_bytes(tensor, t.qtype)
+            del tensor  # before the write: the merged tensor and its bytes are the only weights in memory
         writer.write_tensor_data(data)
         del data
-        counts[qtype.name] = counts.get(qtype.name, 0) + 1
+        counts[t.qtype.name] = counts.get(t.qtype.name, 0) + 1
     writer.close()
     return {"tensors": len(plan), "types": counts, "bytes": path.stat().st_size, "arch": writer.arch}
