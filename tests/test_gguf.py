@@ -338,6 +338,8 @@ def test_each_family_export_reads_back_equal_in_f32(family, tmp_path, runs_data)
         ),
         ("gemma2", {"query_pre_attn_scalar": 144}, "query_pre_attn_scalar is 144"),
         ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0}}}, "rope type 'linear'"),
+        ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' (scaled rotary"),
+        ("qwen2", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope type 'llama3' (scaled rotary"),
         ("phi3", {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}}, "partial_rotary_factor is 0.75"),
         # the reader takes the expert sizes from its config class, not the file (measured: a size mismatch on load)
         ("qwen3_moe", {"moe_intermediate_size": 32}, "moe_intermediate_size is 32, but transformers' GGUF loader"),

@@ -92,6 +92,7 @@ PACKAGE_ORDER = {
         "merge",
         "serving",
         "export",
+        "gguf_rope",
         "gguf_file",
         "gguf_spm",
         "gguf_vocab",

@@ -10,13 +10,15 @@ nothing staged on disk. The check reads the file back with an independent reader
 GGUF loader: its logits on the verify prompts against the model as trained, its tokenizer's ids for
 those prompts (rendered in the run's format with the file's own chat template) and for probe texts
 against the run's. What llama.cpp reads of a SentencePiece-style tokenizer and transformers does
-not (add_space_prefix, byte token types) is checked against the run's tokenizer on its own. A
-failed check leaves nothing at --out.
+not (add_space_prefix, byte token types) is checked against the run's tokenizer on its own; so is
+Llama 3.1's rope scaling (rope_freqs, runs/gguf_rope.py), which the reader is given as ggml applies it.
+A failed check leaves nothing at --out.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import math
 import shutil
 import tempfile
@@ -47,6 +49,7 @@ from finetune.runs.export import (
     reference,
 )
 from finetune.runs.gguf_file import GGUF_TYPES, K_QUANT_HINT, arch_name, gguf_family, import_gguf, write_gguf
+from finetune.runs.gguf_rope import apply_file_rope, file_rope_factors, rope_check
 from finetune.runs.gguf_spm import llama_cpp_mismatches
 from finetune.runs.gguf_vocab import add_vocab, check_vocab
 from finetune.runs.merge import MergedTensors, read_adapter
@@ -91,14 +94,18 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-def verify_gguf(ref: Reference, out_dir: Path, name: str, gguf_type: str, data_format: str) -> dict[str, Any]:
-    """Read the GGUF back with transformers: logits vs the model as trained, and its tokenizer's ids vs the run's."""
+def verify_gguf(
+    ref: Reference, out_dir: Path, name: str, gguf_type: str, data_format: str, config: dict[str, Any]
+) -> dict[str, Any]:
+    """Read the GGUF back with transformers: logits vs the model as trained, and its tokenizer's ids vs the run's;
+    the file's rope scaling (rope_freqs) applied to the reader as llama.cpp applies it, and checked on its own."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = ref.device or default_device()
     model = AutoModelForCausalLM.from_pretrained(
         str(out_dir), gguf_file=name, dtype=torch_dtype(ref.precision), device_map={"": device}
     ).eval()
+    rope_applied = apply_file_rope(model, file_rope_factors(out_dir / name))  # the reader ignores rope_freqs
     got = prompt_logits(model, ref.prompts, device)
     del model
     gc.collect()
@@ -111,6 +118,7 @@ def verify_gguf(ref: Reference, out_dir: Path, name: str, gguf_type: str, data_f
     probes = [TOKENIZER_PROBE, eos, f"{added} x", f" {TOKENIZER_PROBE}{eos}{TOKENIZER_PROBE}"]
     same_ids = ids == ref.prompts and all(tokenizer(t).input_ids == ref.tokenizer(t).input_ids for t in probes)
     llama_cpp = llama_cpp_mismatches(out_dir / name, ref.tokenizer)  # what transformers' loader does not read
+    rope = {**rope_check(out_dir / name, config), "applied_to_reader": rope_applied}
     rel = max(GGUF_TOLERANCE[gguf_type], TOLERANCE[ref.precision])
     scale = max(1.0, max(float(x.abs().max()) for x in ref.logits))
     max_diff = max_abs_diff(got, ref.logits)
@@ -128,7 +136,8 @@ def verify_gguf(ref: Reference, out_dir: Path, name: str, gguf_type: str, data_f
         "same_token_ids": same_ids,  # the verify prompts in the run's format, probe texts, the eos token
         "same_chat_template": same_template,
         "llama_cpp_mismatches": llama_cpp,  # a 'llama' tokenizer's add_space_prefix and byte token types
-        "passed": max_diff <= rel * scale and same_ids and same_template and not llama_cpp,
+        "rope": rope,  # rope_freqs vs transformers' llama3 factors; the logits above were read with the file's factors
+        "passed": max_diff <= rel * scale and same_ids and same_template and not llama_cpp and rope["passed"],
     }
 
 
@@ -138,7 +147,8 @@ def _say_check(check: dict[str, Any], out: Path, say: Callable[[str], None]) -> 
     say(
         f"gguf check {'passed' if check['passed'] else 'FAILED'}: max |logit diff| {check['max_abs_diff']:.3g} vs tolerance "
         f"{check['tolerance']:.3g}; token ids {'equal' if check['same_token_ids'] else 'DIFFER'}; chat template "
-        f"{'equal' if check['same_chat_template'] else 'DIFFERS'}{'; llama.cpp metadata DIFFERS: ' + '; '.join(mismatches) if mismatches else ''} "
+        f"{'equal' if check['same_chat_template'] else 'DIFFERS'}{'; llama.cpp metadata DIFFERS: ' + '; '.join(mismatches) if mismatches else ''}"
+        f"{'' if check['rope']['passed'] else '; rope scaling DIFFERS: ' + json.dumps(check['rope'])} "
         f"({check['prompts']} prompts)"
     )
     if not check["distinguishes_unmerged"]:
@@ -149,7 +159,8 @@ def _say_check(check: dict[str, Any], out: Path, say: Callable[[str], None]) -> 
         raise MergeCheckFailed(
             f"the GGUF read back by transformers differs from the run as trained (max |logit diff| "
             f"{check['max_abs_diff']:.4g}, tolerance {check['tolerance']:.4g}; token ids equal: {check['same_token_ids']}; "
-            f"chat template equal: {check['same_chat_template']}{'; ' + '; '.join(mismatches) if mismatches else ''}); "
+            f"chat template equal: {check['same_chat_template']}{'; ' + '; '.join(mismatches) if mismatches else ''}; "
+            f"rope scaling equal: {check['rope']['passed']}); "
             f"nothing was written to '{out}'",
             hint="try --gguf-type f32 to rule out rounding; if f32 fails too, report it with the run's config.json",
         )
@@ -207,7 +218,7 @@ def export_gguf(
         shutil.rmtree(tok_dir)
         merge = {"tensors": len(merged.where), "merged": merged.merged, "requantized": len(ref.quantized)}
         say(f"gguf: reading the file back with transformers to check its logits and tokenizer (it holds ~{_size(holds)})")
-        check = verify_gguf(ref, tmp, name, gguf_type, run.cfg.data.format)
+        check = verify_gguf(ref, tmp, name, gguf_type, run.cfg.data.format, base_config)
         _say_check(check, out, say)
         (tmp / "Modelfile").write_text(modelfile(name, ref.tokenizer, run.cfg.data.format), encoding="utf-8")
         shutil.copyfile(run.path / "recipe.yaml", tmp / "recipe.yaml")

@@ -11,7 +11,8 @@ qkv_proj and gate_up_proj kept fused (gguf's attn_qkv, ffn_up), Qwen2-MoE's and 
 per-expert tensors stacked in expert order into one 3-D tensor per layer and projection
 (ffn_gate_exps, ffn_up_exps, ffn_down_exps), with the router (ffn_gate_inp), Qwen2-MoE's shared
 expert (ffn_*_shexp, its gate squeezed to 1-D as ffn_gate_inp_shexp) and the expert counts and
-sizes as metadata; 1-D tensors and routers kept F32, and the rest converted by gguf.quants. A model transformers' GGUF loader would read back with other
+sizes as metadata; Llama 3.1-3.3's llama3 rope scaling as a generated F32 rope_freqs.weight, first
+(runs/gguf_rope.py; other scaled rope types refused); 1-D tensors and routers kept F32, and the rest converted by gguf.quants. A model transformers' GGUF loader would read back with other
 values than its own (Family.reader_fixed) is refused, since the read-back check could not pass.
 Tensors are merged, converted and written one at a time, straight from the base checkpoint
 (runs/merge.py's MergedTensors; header, metadata and tensor index first, then each tensor), so
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from finetune.errors import ExportError
+from finetune.runs.gguf_rope import ROPE_FREQS, check_rope, rope_freqs, rope_sections
 from finetune.runs.merge import MergedTensors
 
 INSTALL_HINT = "pip install 'finetune[gguf]' (llama.cpp's gguf package, which writes and reads the file)"
@@ -123,14 +125,6 @@ def import_gguf():
     return gguf
 
 
-def _rope_sections(config: dict[str, Any]) -> list[dict[str, Any]]:
-    """The rotary parameters, one dict per attention kind (Gemma 3: full attention first, then sliding)."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if "full_attention" in rope:
-        return [rope["full_attention"], *(v for k, v in rope.items() if k != "full_attention")]
-    return [rope]
-
-
 _IN_ROPE = {"partial_rotary_factor": (0, 1.0), "rope_local_base_freq": (-1, 10000.0)}  # key: (rope section, default)
 
 
@@ -139,7 +133,7 @@ def _config_value(config: dict[str, Any], key: str) -> Any:
     if key in config or key not in _IN_ROPE:
         return config.get(key)
     section, default = _IN_ROPE[key]
-    return _rope_sections(config)[section].get("rope_theta" if key == "rope_local_base_freq" else key, default)
+    return rope_sections(config)[section].get("rope_theta" if key == "rope_local_base_freq" else key, default)
 
 
 def _check_reader_fixed(config: dict[str, Any], family: Family, where: str) -> None:
@@ -168,12 +162,7 @@ def gguf_family(config: dict[str, Any], where: str) -> Family:
             f"{where}: model_type '{model_type}' is not a family --gguf writes (supported: {', '.join(FAMILIES)})",
             hint=_CONVERT,
         )
-    for rope in _rope_sections(config):
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ExportError(
-                f"{where}: rope type '{rope.get('rope_type', rope.get('type'))}' (scaled rotary embeddings) is not written by --gguf yet",
-                hint=_CONVERT,
-            )
+    check_rope(config, family.arch, where)  # llama3 (Llama 3.1-3.3) is written as rope_freqs; other scaled types refused
     _check_reader_fixed(config, family, where)
     return family
 
@@ -191,7 +180,7 @@ def _head_dim(config: dict[str, Any]) -> int:
 def add_hyperparameters(writer, config: dict[str, Any], family: Family, gguf_type: str, name: str) -> None:
     """The architecture's metadata, as llama.cpp's converter writes it for this family."""
     gguf = import_gguf()
-    rope = _rope_sections(config)[0]
+    rope = rope_sections(config)[0]
     writer.add_name(name)
     writer.add_context_length(int(config["max_position_embeddings"]))
     writer.add_embedding_length(int(config["hidden_size"]))
@@ -306,6 +295,8 @@ def _plan(merged: MergedTensors, config: dict[str, Any], family: Family, gguf_ty
     tied = bool(config.get("tie_word_embeddings"))
     shapes = {name: [int(n) for n in e["shape"]] for header in merged.headers for name, e in header.tensors.items()}
     plan = []
+    if (factors := rope_freqs(config)) is not None:  # first, as llama.cpp's converter writes its extra tensors
+        plan.append(Planned((), ROPE_FREQS, gguf.GGMLQuantizationType.F32, list(factors.shape)))
     for name, sources in _grouped(list(shapes), n_experts(config)):
         if tied and name == "lm_head.weight":
             continue  # llama.cpp writes no output.weight for tied embeddings (the reader ties it back)
@@ -372,7 +363,9 @@ def write_gguf(
     writer.write_ti_data_to_file()
     counts: dict[str, int] = {}
     for t in plan:
-        if t.stacked:
+        if not t.sources:  # computed from the config, not the checkpoint (rope_freqs)
+            data = gguf_bytes(rope_freqs(config), t.qtype)  # type: ignore[arg-type]
+        elif t.stacked:
             data = _stacked_bytes(merged, t)
         else:
             tensor = _prepare(t.sources[0], merged.tensor(t.sources[0]), config, family).reshape(t.shape)
