@@ -8,6 +8,7 @@ torchvision, which has no CPU wheel for this torch (tests/vlm_models.py).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -319,3 +320,13 @@ def test_qwen2_vl_trains_with_its_grids_and_loads_in_vanilla_peft(vision_data, t
     with torch.no_grad():
         theirs = PeftModel.from_pretrained(base, str(tmp_path / "run" / "adapter")).eval()(**inputs).logits
     assert (ours - theirs).abs().max() < 1e-5 and (ours - plain).abs().max() > 1e-3
+
+
+def test_without_pillow_a_vision_language_model_says_how_to_install_it(families, vision_data, tmp_path, monkeypatch):
+    from finetune.errors import ModelError
+
+    monkeypatch.setitem(sys.modules, "PIL", None)  # what `import PIL` meets where Pillow is not installed
+    cfg = build_recipe(recipe(families["llava"], vision_data, tmp_path / "run"))
+    with pytest.raises(ModelError, match="needs Pillow") as err:
+        load_tokenizer(cfg)
+    assert err.value.hint == "pip install 'finetune[vision]'"

@@ -140,6 +140,13 @@ def attach_processor(
     from transformers import AutoProcessor
 
     try:
+        import PIL  # noqa: F401  (images are read with it; transformers' image processors take PIL images)
+    except ImportError:
+        raise ModelError(
+            f"model.path: '{source}' is a vision-language model, and reading its images needs Pillow, which is not installed",
+            hint="pip install 'finetune[vision]'",
+        ) from None
+    try:
         processor = AutoProcessor.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
     except ImportError as exc:
         raise ModelError(
