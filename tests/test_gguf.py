@@ -303,7 +303,7 @@ FAMILY_KEYS = {
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_KEYS))
-def test_each_family_export_reads_back_equal_in_f32(family, tmp_path, runs_data):
+def test_each_family_export_reads_back_equal_in_f32_f16_and_q8_0(family, tmp_path, runs_data):
     import gguf
 
     (tmp_path / "model").mkdir()
@@ -326,6 +326,11 @@ def test_each_family_export_reads_back_equal_in_f32(family, tmp_path, runs_data)
         assert int(reader.fields[f"{family[:6]}.attention.sliding_window"].parts[-1][0]) == 64
     if family == "gemma2":
         assert float(reader.fields["gemma2.attn_logit_softcapping"].parts[-1][0]) == 50.0
+    # The types: f16 within rounding, q8_0 within its tolerance (relative to the largest logit).
+    scale = float(run.logits.abs().max())
+    for gguf_type, bound in (("f16", 3e-3), ("q8_0", 5e-2)):  # measured: f16 <= 1.1e-3, q8_0 <= 2.9e-2
+        typed = export_gguf(run.path, tmp_path / gguf_type, gguf_type=gguf_type, say=quiet).metadata["verification"]
+        assert typed["passed"] and typed["max_abs_diff"] / scale < bound, (gguf_type, typed["max_abs_diff"], scale)
 
 
 @pytest.mark.parametrize(
