@@ -330,3 +330,9 @@ def test_without_pillow_a_vision_language_model_says_how_to_install_it(families,
     with pytest.raises(ModelError, match="needs Pillow") as err:
         load_tokenizer(cfg)
     assert err.value.hint == "pip install 'finetune[vision]'"
+
+
+def test_a_built_in_template_is_refused_for_a_vision_language_model(families, vision_data, tmp_path):
+    cfg = build_recipe(recipe(families["llava"], vision_data, tmp_path / "run", data={"template": "chatml"}))
+    with pytest.raises(DataError, match="data.template=chatml with a vision-language model"):
+        build_datasets(cfg, load_tokenizer(cfg))

@@ -240,6 +240,12 @@ def _content_ids(cfg: RecipeConfig) -> list[str]:
 
 
 def _chat_template_needed(cfg: RecipeConfig, tokenizer: Any) -> None:
+    if processor_of(tokenizer) is not None and cfg.data.template != "auto":
+        raise DataError(
+            f"data.template={cfg.data.template} with a vision-language model: its processor's own template places "
+            "the image placeholders, and a built-in one would render none",
+            hint="set data.template=auto",
+        )
     formats = {spec.format for spec in source_specs(cfg)}
     if formats & set(CHAT_FORMATS) or cfg.data.template != "auto":
         use_template(tokenizer, cfg.data.template)
