@@ -28,7 +28,6 @@ import hashlib
 import json
 import math
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -53,18 +52,9 @@ QWEN_05B = dict(
     eos_token_id=2,
     pad_token_id=3,
 )
+from merge_memory import peak_rss_mib  # noqa: E402  (same folder: a script's own; stdlib only)
+
 STEPS = (("gguf: merging", "merge"), ("gguf: writing", "write"), ("gguf: reading", "check"), ("gguf check", "done"))
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident set (VmHWM: ru_maxrss would carry a parent's across fork+exec)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024  # kB
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def build(work: Path, model: str) -> None:
