@@ -139,14 +139,9 @@ def encode_with_images(
 ) -> Encoded | None:
     """A conversation with image parts (finetune/data/images.py): rendered and masked in the text the model
     reads, each image's placeholder expanded as the processor expands it; image tokens never trained."""
-    processor, paths = processor_of(tokenizer), image_paths(msgs)
-    if processor is None:
-        raise DataError(
-            f"{where}: the record has {len(paths)} image(s), but the model is text-only (no image processor in its folder)",
-            hint="use a vision-language model (model.path), or remove the image parts",
-        )
+    paths = image_paths(msgs)
     msgs = resolve_images(msgs, folder, where)
-    text = ImageText(tokenizer, processor, replacements(processor, image_paths(msgs), where))
+    text = _with_images(msgs, tokenizer, where)
     rendered = text.placeholders(msgs)
     if rendered != len(paths):
         raise DataError(
@@ -157,7 +152,7 @@ def encode_with_images(
     enc = encode_messages(msgs, text, train_on, where, max_len)
     if enc is None:
         return None
-    image_ids = image_token_ids(processor)
+    image_ids = image_token_ids(processor_of(tokenizer))  # not None: _with_images refused a text-only model
     trained = [k for k, t in enumerate(enc.input_ids) if t in image_ids and enc.labels[k] != IGNORE_INDEX]
     if trained and train_on != "all":
         raise DataError(
@@ -304,7 +299,10 @@ def _with_images(msgs: list[dict], tokenizer: Any, where: str) -> Any:
     if processor is None and not paths:
         return tokenizer
     if processor is None:
-        raise DataError(f"{where} has {len(paths)} image(s), but the model is text-only", hint="remove the image parts")
+        raise DataError(
+            f"{where}: the record has {len(paths)} image(s), but the model is text-only (no image processor in its folder)",
+            hint="use a vision-language model (model.path), or remove the image parts",
+        )
     return ImageText(tokenizer, processor, replacements(processor, image_paths(resolve_images(msgs, None, where)), where))
 
 
