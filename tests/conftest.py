@@ -467,6 +467,15 @@ def straight_and_resumed(cfg, a: Path, b: Path, stop_at: int = 3) -> tuple[list[
     )
 
 
+# The first lines of a torchrun driver that calls Trainer(...).train() with no with-block: their atexit hook runs
+# last, and fails the launch (exit 3) when the Trainer left its process group to the interpreter's teardown,
+# where a rank can abort after a good run (SIGABRT, "terminate called without an active exception").
+CLOSED_AT_EXIT = """
+import atexit, os
+import torch.distributed as dist
+atexit.register(lambda: dist.is_initialized() and os._exit(3))
+"""
+
 # WRONG_SCALE=1 doubles every gradient while the loss value stays the same: the kind of
 # bug (a wrong world-size or token-count factor in backward) the comparison must catch.
 WRONG_SCALE_DRIVER = """

@@ -439,10 +439,8 @@ class Parallel:
         return self._gloo
 
     def close(self, all_finished: bool = False) -> None:
-        """Destroy the process group. all_finished: every rank got through the run."""
-        if self.world == 1:
-            return
-        if all_finished:
+        """Destroy the process group (torchrun's one process has one too). all_finished: every rank got through the run."""
+        if all_finished and self.world > 1:
             # A rank that tore its group down while a gloo peer still worked, or whose FSDP groups
             # (held by the sharded model) were left to interpreter exit, aborted after a good run
             # ("terminate called without an active exception", SIGABRT; seen in CI with FSDP).

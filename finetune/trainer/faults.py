@@ -13,6 +13,7 @@ whole or not at all, runs/checkpoint.py), with the run's window (trainer/order.p
 
 from __future__ import annotations
 
+import atexit
 import gc
 import json
 import os
@@ -21,6 +22,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -142,6 +144,14 @@ def set_timeouts(seconds: float) -> None:
             c10d._set_pg_timeout(timedelta(seconds=seconds), group)
         except (ValueError, RuntimeError, AssertionError):  # a group of ranks this one is not in
             continue
+
+
+def close_at_exit(trainer: Any) -> None:
+    """A Trainer never closed (`Trainer(cfg).train()` under torchrun) would leave its process group to the
+    interpreter's teardown, where a rank can abort after a good run ("terminate called without an active
+    exception", SIGABRT; seen in CI under a pipeline): close it at exit, while the interpreter is whole."""
+    ref = weakref.ref(trainer)  # a Trainer let go earlier is not kept alive for this
+    atexit.register(lambda: ref() is not None and ref().close())
 
 
 def free_memory() -> None:

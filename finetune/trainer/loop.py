@@ -12,10 +12,9 @@ how the window is cut into micro-batches: batch 8 x accum 1 and batch 2 x
 accum 4 give the same update on variable-length data (the gradient-accumulation
 bug that hit HF Trainer and others in 2024 averaged per micro-batch instead).
 
-The rooms: state.py (what a run counts), build.py (parts from a recipe), order.py (which examples
-each step), schedule.py (lr), callbacks.py (your code), profiling.py (MFU); beside the trainer:
-finetune/parallel/runtime.py (single / DDP / FSDP / ZeRO), finetune/objectives/ (the losses),
-finetune/runs/resume.py (checkpoints).
+The rooms: state.py (what a run counts), build.py (parts from a recipe), order.py (which examples each step),
+schedule.py (lr), callbacks.py (your code), profiling.py (MFU), faults.py (what a run survives); beside it:
+parallel/runtime.py (single / DDP / FSDP / ZeRO), objectives/ (the losses), runs/resume.py (checkpoints).
 """
 
 from __future__ import annotations
@@ -65,8 +64,8 @@ class Trainer:
       loss_fn                     a finetune.Loss, or a function (model, batch) -> (summed loss, units: target tokens)
       callbacks                   finetune.Callback objects (on_train_begin, on_step_begin/_end, on_eval, on_save, on_train_end)
       reward_fns                  train.objective=grpo: your rewards, (completion text, record) -> float, after the recipe's
-    Use it as a context manager (or call close()) to free what outlives a run: a streamed
-    weights file, the process group of a multi-process launch.
+    Use it as a context manager (or call close()) to free what outlives a run: a streamed weights file,
+    the process group of a multi-process launch (at the latest when the interpreter exits).
     """
 
     def __init__(
@@ -97,7 +96,7 @@ class Trainer:
         self.accelerator: Any = None  # set by setup(); None until then
         self.memory = Applied()  # the memory techniques' store and forward context (memory/apply.py)
         self.params: list[torch.nn.Parameter] = []
-        self._trained = False  # train() returned: every rank got through the run
+        self._trained = self._closed = False  # train() returned: every rank got through the run; close() ran
 
     # Built by setup() (declared here, typed; absent until then), or passed in:
     data: DataBundle
@@ -160,6 +159,7 @@ class Trainer:
         ran = saved.get("choices", {})
         self.precision, kept = choices.keep_precision(cfg, ran, detect_device())
         acc = self.accelerator = make_accelerator(self.precision, cfg)
+        faults.close_at_exit(self)  # the process group, when a with-block or close() did not
         self.clock = StepClock(acc.device)
         self.say(kept)
         problem = output_dir_problem(cfg)  # refuse early; delete an old run (overwrite) only once loading worked
@@ -341,7 +341,8 @@ class Trainer:
         if cfg.checkpoint.every_steps and (done % cfg.checkpoint.every_steps == 0 or self._last_step()):
             self.save_checkpoint(done)
             saved = True
-        if not self._last_step() and self._stop_requested():
+        # A stop signal on any rank stops every rank, or one would wait forever in the next collective.
+        if not self._last_step() and self.parallel.global_sum(1.0 if self.state.stop_signal else 0.0) > 0:
             if not saved:
                 self.save_checkpoint(done)
             raise Preempted(
@@ -484,13 +485,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ preemption and cleanup
 
-    def _stop_requested(self) -> bool:
-        # Every rank must agree, or one would wait forever in the next collective.
-        return self.parallel.global_sum(1.0 if self.state.stop_signal else 0.0) > 0
-
     def close(self) -> None:
         """Free what outlives a run: the streamed-weights file (base_weights=disk) and the process
-        group of a multi-process launch. The model is unusable after."""
+        group of a multi-process launch. The model is unusable after. Once; again is a no-op."""
+        if self._closed:
+            return
+        self._closed = True
         if self.memory.stream is not None:
             self.memory.stream.close()
         if hasattr(self, "parallel"):

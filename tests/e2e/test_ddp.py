@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 import yaml
-from conftest import WRONG_SCALE_DRIVER, assert_same_steps, free_port, step_rows, write_jsonl
+from conftest import CLOSED_AT_EXIT, WRONG_SCALE_DRIVER, assert_same_steps, free_port, step_rows, write_jsonl
 from safetensors.torch import load_file
 
 
@@ -21,7 +21,7 @@ def run(recipe_dict, tmp_path, nproc: int, batch: int, name: str, wrong_scale: b
     ev = write_jsonl(tmp_path / "eval.jsonl", [{"instruction": "Add.", "input": "1 + 1", "output": "2"}])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **({"WRONG_SCALE": "1"} if wrong_scale else {})}
     driver = tmp_path / "driver.py"
-    driver.write_text(WRONG_SCALE_DRIVER)
+    driver.write_text(CLOSED_AT_EXIT + WRONG_SCALE_DRIVER)
     out = tmp_path / name
     data = json.loads(json.dumps(recipe_dict))
     data["output_dir"] = str(out)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import Job, assert_same_steps, free_port, logged_steps
+from conftest import CLOSED_AT_EXIT, Job, assert_same_steps, free_port, logged_steps
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -61,9 +61,10 @@ def finetune(*args: str, cwd: Path, port: int | None = None, timeout: int = 420,
 
 def run_driver(tmp_path: Path, source: str, recipe: Path, nproc: int = 2, **env: str) -> subprocess.CompletedProcess:
     """A test's own Python driver (source: a script taking the recipe path) under torchrun, to a successful end;
-    env: the variables it reads (e.g. the fault it injects)."""
+    env: the variables it reads (e.g. the fault it injects). Fails too when a rank left its process group to
+    the interpreter's teardown (CLOSED_AT_EXIT)."""
     driver = tmp_path / "driver.py"
-    driver.write_text(source)
+    driver.write_text(CLOSED_AT_EXIT + source)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
     proc = subprocess.run(
         [*cmd, str(driver), str(recipe)], cwd=tmp_path, env={**ENV, **env}, capture_output=True, text=True, timeout=300

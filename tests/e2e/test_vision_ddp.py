@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 import yaml
-from conftest import WRONG_SCALE_DRIVER, assert_same_steps, free_port, write_jsonl
+from conftest import CLOSED_AT_EXIT, WRONG_SCALE_DRIVER, assert_same_steps, free_port, write_jsonl
 from safetensors.torch import load_file
 from vlm_models import build_vlm, write_images
 
@@ -44,7 +44,7 @@ def run(tmp_path, model, data, nproc: int, batch: int, name: str, wrong_scale: b
     }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    (tmp_path / "driver.py").write_text(WRONG_SCALE_DRIVER)
+    (tmp_path / "driver.py").write_text(CLOSED_AT_EXIT + WRONG_SCALE_DRIVER)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **({"WRONG_SCALE": "1"} if wrong_scale else {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
     proc = subprocess.run(
