@@ -48,11 +48,13 @@ PACKAGE_ORDER = {
         "apply",
     ],
     "plan": [
+        "images",
         "shape",
         "inputs",
         "speed",
         "terms",
         "activations",
+        "host",
         "memory",
         "context",
         "stages",

@@ -14,9 +14,11 @@ reason for every term. The model was checked against measured CPU allocations
 frameworks (docs/plan.md; tests/test_plan_published.py).
 
 Modules, in the order a plan is made (each imports only those above it):
+    images     a vision-language model's tower (VisionShape): tokens per image, pixel values, the tower's forward
     shape      ModelShape: config.json's model on the meta device, parameters counted by module kind
     inputs     what is planned: RecipeFacts (the recipe's parts the model reads), Setup (the knobs), Implementation
     speed      step time: compute, dequantization, GPU-link and host-link transfers, an online objective's sampling
+    host       host RAM and disk of a setup
     memory     estimate: every per-GPU tensor with its reason, host RAM, disk; the memory constants
     context    distributed.context_parallel: a rank's part of every sequence, the ring's or Ulysses' buffers and traffic
     stages     pipeline and tensor-parallel ranks, each planned as its part; plan_setup: any setup

@@ -10,7 +10,9 @@ from finetune import adapters
 from finetune.config.schema import RecipeConfig
 from finetune.memory.techniques import TECHNIQUES, Modes
 from finetune.model.varlen import auto_cuts_packed_rows
+from finetune.model.vision import VISION_TOWER
 from finetune.parallel.strategies import Strategy, planned
+from finetune.plan.images import processor_max_pixels
 from finetune.plan.shape import LinearGroup, ModelShape
 
 
@@ -137,6 +139,8 @@ class RecipeFacts:
     packed: bool = False  # data.packing: rows of several examples, told apart by position_ids
     attention: str = "auto"  # model.attn_implementation
     compiled: bool = False  # train.compile (the search leaves out what it cannot run with)
+    max_pixels: int | None = None  # data.max_pixels, else a local processor's own (plan/images.py)
+    adapts_vision: bool = False  # lora.target lists vision_tower: LoRA inside the vision tower
 
     def attention_mask(self, rows: int) -> bool:
         """Whether attention gets a (rows, 1, T, T) bool mask: padding in a batch, or packed rows
@@ -179,6 +183,8 @@ class RecipeFacts:
             packed=cfg.data.packing,
             attention=attention,
             compiled=cfg.train.compile,
+            max_pixels=cfg.data.max_pixels or processor_max_pixels(cfg.model.path),
+            adapts_vision=isinstance(target, tuple) and VISION_TOWER in target,
         )
 
 

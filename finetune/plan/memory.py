@@ -9,6 +9,8 @@ from typing import Any
 
 from finetune.gpus import GiB, GpuSpec
 from finetune.plan.activations import OFFLOAD_LAYERS_IN_FLIGHT, Activations, activation_terms  # noqa: F401 - re-exported
+from finetune.plan.host import DEFAULT_SHARD_BYTES, HOST_BASELINE_BYTES, disk_needs, host_ram_needs  # noqa: F401 - re-exported
+from finetune.plan.images import ImageTerms, image_components, image_note, image_terms
 from finetune.plan.inputs import DEFAULT_IMPL, Implementation, RecipeFacts, Setup
 from finetune.plan.shape import ModelShape
 from finetune.plan.speed import NVME_READ_GBPS, step_time
@@ -35,9 +37,7 @@ from finetune.plan.terms import (  # noqa: F401 - NF4_BLOCK*, quantized_bytes: r
 # These are the memory ones; speed.py, fitting.py and check.py hold the others.
 CUDA_CONTEXT_BYTES = 512 * 1024**2  # CUDA context + cuBLAS workspace: ~0.3-0.6 GiB on Ampere/Hopper drivers
 ALLOCATOR_SLACK = 0.10  # caching-allocator reserved / allocated - 1: block rounding and fragmentation
-HOST_BASELINE_BYTES = 3 * GiB  # python + torch + CUDA libraries + tokenizer, per process
 STREAMED_LAYERS_RESIDENT = 3  # memory/stream.py: the layer computing, the prefetched next one, and in backward the one finishing
-DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size when the model's shards cannot be seen
 
 
 # `plan --json` prints the planner's own fields around the memory modes (Setup inherits those first),
@@ -265,7 +265,9 @@ def estimate(
         act = replace(act, saved=int(act.saved * held), host=int(act.host * held), host_ram=int(act.host_ram * held))
     tr = transient_terms(shape, recipe, setup, impl, st.host_head)
     gen = sampling_terms(shape, recipe, setup, impl.adapter_bytes)
-    phases = _phases(st, act, tr, gen, attention_rebuilt, attention_buffers)
+    b, tower = recipe.compute_bytes, shape.tower
+    img = image_terms(tower, recipe.max_pixels, setup.rows, setup.seq_len, b, recipe.adapts_vision, setup.checkpoint_every > 0)
+    phases = _phases(st, act, tr, gen, attention_rebuilt, attention_buffers, img or ImageTerms(0, 0, 0, 0, 0, 0))
     running = max(phases, key=lambda k: phases[k])  # ties: the first (the loss phase, as before)
     peak_alloc = phases[running]
     # ZeRO-3 builds its engine from the whole model on each GPU (our loader places it with a
@@ -277,6 +279,7 @@ def estimate(
     context = CUDA_CONTEXT_BYTES if gpu is not None else 0
     split = (attention_rebuilt, attention_buffers)
     comps = _components(shape, recipe, setup, st, act, tr, gen, unq_bytes, running, split, slack, context)
+    comps[-2:-2] = [Component(*c) for c in image_components(img, running)] if img else []  # before slack and context
     step, parts = step_time(
         shape,
         recipe,
@@ -291,8 +294,8 @@ def estimate(
         exposed_bytes=tr.head_visit + (setup.rows * setup.seq_len * shape.hidden * recipe.compute_bytes if tr.head_visit else 0),
     )
     fsdp_loads = setup.strategy.loads_whole_on_host and n_gpu > 1  # ZeRO loads on the GPU: one shard at a time in RAM
-    host_parts, captured = _host_ram(shape, recipe, setup, st, act, fsdp_loads, shard_bytes, pinned_blocks=gpu is not None)
-    disk_parts = _disk(shape, st, setup, impl, keep_checkpoints, model_on_disk)
+    host_parts, captured = host_ram_needs(shape, recipe, setup, st, act, fsdp_loads, shard_bytes, pinned_blocks=gpu is not None)
+    disk_parts = disk_needs(shape, st, setup, impl, keep_checkpoints, model_on_disk)
     return Estimate(
         shape=shape,
         setup=setup,
@@ -307,20 +310,23 @@ def estimate(
         disk_bytes=sum(disk_parts.values()),
         trainable_params=st.trainable,
         impl=impl,
-        notes=_notes(setup, gpu, st, start),
+        notes=_notes(setup, gpu, st, start) + ([image_note(img, setup.seq_len, recipe.max_pixels)] if img else []),
         host_ram_parts=host_parts,
         disk_parts=disk_parts,
         loads_whole_model=(setup.streams_weights and not captured) or fsdp_loads,
     )
 
 
-def _phases(st: _Static, act: Activations, tr: Transient, gen: Sampling, rebuilt: int, buffers: int) -> dict[str, int]:
+def _phases(
+    st: _Static, act: Activations, tr: Transient, gen: Sampling, rebuilt: int, buffers: int, img: ImageTerms
+) -> dict[str, int]:
     """Bytes allocated at each moment of a step that can be its peak, over what every moment holds (st.on_gpu)."""
-    phase_loss = st.on_gpu + act.saved + tr.mask + tr.final_norm + tr.loss + tr.head_visit
-    phase_backward = st.on_gpu + act.saved + tr.mask + act.recompute + tr.working + tr.dequant
+    saved = act.saved + img.pixels + img.saved  # a VLM's pixel values stay with the batch, its tower's saved tensors too
+    phase_loss = st.on_gpu + saved + tr.mask + tr.final_norm + tr.loss + tr.head_visit
+    phase_backward = st.on_gpu + saved + tr.mask + act.recompute + tr.working + tr.dequant
     # A layer's attention runs backward after its MLP's (whose tensors are gone by then): only with buffers of its own
     # can that moment be the step's peak.
-    phase_attention = st.on_gpu + act.saved + tr.mask + rebuilt + buffers + tr.dequant
+    phase_attention = st.on_gpu + saved + tr.mask + rebuilt + buffers + tr.dequant
     # An online objective samples the step's completions before its first forward, when the last step's
     # zero_grad(set_to_none=True) has freed the gradients and nothing is saved for backward; its matmuls dequantize.
     phase_sampling = st.on_gpu - st.grads + gen.peak + tr.dequant + tr.head_visit
@@ -329,6 +335,7 @@ def _phases(st: _Static, act: Activations, tr: Transient, gen: Sampling, rebuilt
         "backward": phase_backward,
         "attention": phase_attention if buffers else 0,
         "sampling": phase_sampling if gen.peak else 0,
+        "vision": st.on_gpu + img.pixels + img.saved + img.forward if img.forward else 0,  # before the language model runs
     }
 
 
@@ -401,64 +408,6 @@ def _sampling_components(setup: Setup, gen: Sampling, in_peak: bool) -> list[Com
         Component("kv_cache", f"KV cache, sampling ({rows} x {tokens} tokens)", gen.cache, in_peak=in_peak),
         Component("sampling_buffers", "sampling: logits, probabilities, cache growth", gen.decode, in_peak=in_peak),
     ]
-
-
-def _disk(
-    shape: ModelShape, st: _Static, setup: Setup, impl: Implementation, keep_checkpoints: int, model_on_disk: bool
-) -> dict[str, int]:
-    state_bytes = st.trainable * st.adapter_bytes * (1 + impl.optimizer_states)
-    return {
-        "download": 0 if model_on_disk else shape.total_params * 2,
-        "checkpoints": keep_checkpoints * state_bytes,
-        "adapter": st.trainable * st.adapter_bytes,
-        "streamed_weights": st.streamed_store if setup.base_weights == "disk" else 0,
-    }
-
-
-def _host_ram(
-    shape: ModelShape,
-    recipe: RecipeFacts,
-    setup: Setup,
-    st: _Static,
-    act: Activations,
-    fsdp: bool,
-    shard_bytes: int | None,
-    pinned_blocks: bool = False,
-) -> tuple[dict[str, int], bool]:
-    """(host RAM per process by part, with "total"; whether disk mode captures 4-bit weights while loading).
-
-    Loading streams one shard at a time. Streaming loads (and quantizes) the whole model in CPU RAM
-    (trainer: it would not fit the GPU even for a moment), then moves its layers to the store;
-    base_weights=disk with 4-bit weights sends each one to the file as bitsandbytes quantizes it
-    (stream.DiskStore.capture), so only the resident parts are ever in RAM. FSDP: every process
-    builds (and quantizes) the whole model in CPU RAM, then shards it; the heap it frees is given
-    back (release_free_heap), so the shards it keeps come after that peak, not on top of it.
-    DoRA reads them, PiSSA rewrites them, when it wraps the model (trainer/build.py: no capture then).
-    pinned_blocks (a GPU run): each pinned store takes a power-of-two block (terms.pinned_block_bytes).
-    """
-    shard = shard_bytes or min(DEFAULT_SHARD_BYTES, shape.total_params * 2)
-    captured = setup.base_weights == "disk" and recipe.quant_bits == 4 and not recipe.adapter.wrap_touches_base
-    if fsdp:
-        loading = shard + st.whole_model
-    else:
-        resident = st.q_const + st.unquantized + st.host_tables  # the tables go to host RAM after loading
-        loading = shard + ((resident + (0 if captured else st.streamed_store)) if setup.streams_weights else 0)
-    streamed_pinned = st.streamed_store if setup.base_weights == "cpu" else 0
-    tables = st.host_tables
-    if pinned_blocks:  # the pinned stores: each linear's weight, the head's (the embedding table is plain RAM)
-        streamed_pinned = st.linear_blocks if streamed_pinned else 0
-        tables = tables - st.host_head + pinned_block_bytes(st.host_head)
-    pinned = streamed_pinned + act.host_ram + st.host_optimizer + st.offloaded + tables
-    parts = {
-        "libraries": HOST_BASELINE_BYTES,
-        "loading": loading,
-        "streamed_weights": streamed_pinned,
-        "activations": act.host_ram,
-        "optimizer": st.host_optimizer,
-        "fsdp_shards": st.offloaded,
-        "vocab_tables": tables,
-    }
-    return {**parts, "total": HOST_BASELINE_BYTES + max(loading, pinned)}, captured
 
 
 def _notes(setup: Setup, gpu: GpuSpec | None, st: _Static, zero3_start: int = 0) -> list[str]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from finetune.errors import PlanError
 from finetune.model import varlen, vision
+from finetune.plan.images import VisionShape, vision_shape
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class ModelShape:
     experts: tuple[ExpertGroup, ...] = ()  # MoE: fused expert parameters (finetune/model/moe.py stores them 4-bit)
     varlen_ok: bool = True  # finetune/model/varlen.py can run this model's attention
     vision_params: int = 0  # a vision-language model's vision tower and projector (in other_params: never quantized)
+    tower: VisionShape | None = None  # its vision tower's geometry: what images cost (plan/images.py)
 
     @property
     def linear_params(self) -> int:
@@ -185,8 +187,7 @@ def read_model_shape(source: str, trust_remote_code: bool = False, revision: str
         for fin, fout in sorted(shapes):
             same = [m for m in mods if (m.in_features, m.out_features) == (fin, fout)]
             linears.append(LinearGroup(short, fin, fout, len(same), same[0].bias is not None))
-    heads = int(text.num_attention_heads)
-    hidden = int(text.hidden_size)
+    heads, hidden = int(text.num_attention_heads), int(text.hidden_size)
     intermediate = int(getattr(text, "intermediate_size", 4 * hidden))
     if experts:
         # What one token's MLP computes: its active experts (plus a shared expert), each of the expert
@@ -212,6 +213,7 @@ def read_model_shape(source: str, trust_remote_code: bool = False, revision: str
         experts=experts,
         varlen_ok=varlen.runs(type(model), config),
         vision_params=vision_params,
+        tower=vision_shape(config) if beside else None,
     )
 
 

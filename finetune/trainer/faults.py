@@ -151,7 +151,13 @@ def close_at_exit(trainer: Any) -> None:
     interpreter's teardown, where a rank can abort after a good run ("terminate called without an active
     exception", SIGABRT; seen in CI under a pipeline): close it at exit, while the interpreter is whole."""
     ref = weakref.ref(trainer)  # a Trainer let go earlier is not kept alive for this
-    atexit.register(lambda: ref() is not None and ref().close())
+
+    def close() -> None:
+        alive = ref()
+        if alive is not None:
+            alive.close()
+
+    atexit.register(close)
 
 
 def free_memory() -> None:
