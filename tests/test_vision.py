@@ -232,6 +232,23 @@ def test_merged_vlm_loads_as_its_class_with_its_processor(families, vision_data,
     assert type(AutoProcessor.from_pretrained(tmp_path / "merged")).__name__ == "LlavaProcessor"
 
 
+def test_the_merge_check_sees_a_projector_adapter_through_its_picture_prompt(families, vision_data, tmp_path, monkeypatch):
+    from finetune.errors import MergeCheckFailed
+    from finetune.runs import export
+
+    # LoRA on the projector alone: no text prompt runs it, only the check's prompt with a picture.
+    trained(families["llava"], vision_data, tmp_path / "run", lora={"target": ["projector"]})
+    check = export.export_run(tmp_path / "run", tmp_path / "merged", merge=True, say=lambda _t: None).metadata["verification"]
+    assert check["passed"] and check["prompts"] == 4 and check["prompts_with_images"] == 1
+    assert check["distinguishes_unmerged"] and check["adapter_effect"] > 10 * check["tolerance"]
+    # A merge that lost the projector's adapter fails the check and writes nothing.
+    read = export.read_adapter
+    monkeypatch.setattr(export, "read_adapter", lambda d: {k: v for k, v in read(d).items() if "projector" not in k})
+    with pytest.raises(MergeCheckFailed):
+        export.export_run(tmp_path / "run", tmp_path / "lost", merge=True, say=lambda _t: None)
+    assert not (tmp_path / "lost").exists()
+
+
 def test_resume_after_a_stop_signal_is_bitwise(families, vision_data, tmp_path):
     def cfg(out: Path, resume: str | None = None):
         train = {"max_steps": 5, "batch_size": 2}

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from finetune.data import get_format
-from finetune.data.images import processor_of
+from finetune.data.images import image_inputs, processor_of
 from finetune.errors import ExportError, MergeCheckFailed
 from finetune.hardware import DTYPES, torch_dtype
 from finetune.model import vision
@@ -79,6 +79,7 @@ VERIFY_PROMPTS = (
     "List three prime numbers, then add them up.",
     "def fibonacci(n):",
 )
+IMAGE_PROMPT = "What is in the picture?"  # a vision-language model's fourth prompt, with a picture (check_prompts)
 
 
 @dataclass
@@ -155,10 +156,38 @@ def write_model_config(base_config: dict[str, Any], base_dir: Path, out_dir: Pat
 
 
 @torch.no_grad()
-def prompt_logits(model, prompts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """Each prompt's logits (fp32, on the CPU), one forward per prompt."""
+def prompt_logits(
+    model, prompts: list[list[int]], device: torch.device, images: list[dict[str, torch.Tensor]] | None = None
+) -> list[torch.Tensor]:
+    """Each prompt's logits (fp32, on the CPU), one forward per prompt; images: each one's image inputs (a VLM)."""
     # `device` is passed, not read off a parameter: offloaded layers sit on the meta device until used.
-    return [model(input_ids=torch.tensor([ids], device=device)).logits[0].float().cpu() for ids in prompts]
+    extra = images or [{} for _ in prompts]
+    return [
+        model(input_ids=torch.tensor([ids], device=device), **{k: v.to(device) for k, v in x.items()}).logits[0].float().cpu()
+        for ids, x in zip(prompts, extra)
+    ]
+
+
+def check_prompts(fmt: str, tokenizer) -> tuple[list[list[int]], list[dict[str, torch.Tensor]]]:
+    """The check's prompts (ids) and each one's image inputs. A vision-language model gets one more, with a
+    picture: its projector (and its vision tower) only run on one, so text alone would miss their adapters."""
+    prompts = [prompt_ids(p, fmt, tokenizer) for p in VERIFY_PROMPTS]
+    processor = processor_of(tokenizer)
+    if processor is None:
+        return prompts, [{} for _ in prompts]
+    import tempfile
+
+    from PIL import Image
+
+    with tempfile.TemporaryDirectory(prefix="finetune-check-") as tmp:
+        picture = str(Path(tmp) / "check.png")  # a fixed gradient: the same pixels in every check
+        Image.frombytes(
+            "RGB", (64, 48), bytes((x * 4 + c * 60) % 256 for _y in range(48) for x in range(64) for c in range(3))
+        ).save(picture)
+        prompts.append(prompt_ids(IMAGE_PROMPT, fmt, tokenizer, images=[picture]))
+        pictures: list[list[str]] = [[] for _ in VERIFY_PROMPTS] + [[picture]]
+        images = [image_inputs(processor, torch.tensor([ids]), [p]) for ids, p in zip(prompts, pictures)]
+    return prompts, images
 
 
 def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -171,6 +200,7 @@ class Reference:
     """What the verifier needs from the model as trained, gathered before the merge so it can be freed first."""
 
     prompts: list[list[int]]
+    images: list[dict[str, torch.Tensor]]  # each prompt's image inputs ({} for text; a VLM's last prompt has a picture)
     logits: list[torch.Tensor]  # base + adapter, as trained
     base_logits: list[torch.Tensor] | None  # adapter disabled: how far the adapter moves the logits
     quantized: dict[str, Quant4]
@@ -185,17 +215,17 @@ def reference(run: Run, device: torch.device | None = None) -> Reference:
     device = device or default_device()
     precision = inference_precision(run.cfg, device)
     model, tokenizer = load_trained(run, precision=precision, device=device)
-    prompts = [prompt_ids(p, run.cfg.data.format, tokenizer) for p in VERIFY_PROMPTS]
-    logits = prompt_logits(model, prompts, device)
+    prompts, images = check_prompts(run.cfg.data.format, tokenizer)
+    logits = prompt_logits(model, prompts, device, images)
     base_logits = None
     if run.is_adapter:
         with model.disable_adapter():
-            base_logits = prompt_logits(model, prompts, device)
+            base_logits = prompt_logits(model, prompts, device, images)
     quantized, experts = quantized_weights(model), expert_loras(model)
     del model  # the merge that follows must not share memory with a whole model
     gc.collect()
     return Reference(
-        prompts, logits, base_logits, quantized, precision, tokenizer, device, run.cfg.model.trust_remote_code, experts
+        prompts, images, logits, base_logits, quantized, precision, tokenizer, device, run.cfg.model.trust_remote_code, experts
     )
 
 
@@ -238,7 +268,7 @@ def verify(ref: Reference, merged_dir: Path, dtype_name: str, max_memory: int | 
             )
             .eval()
         )
-        got = prompt_logits(model, ref.prompts, device)
+        got = prompt_logits(model, ref.prompts, device, ref.images)
         del model
         gc.collect()
     coarsest = max((dtype_name, ref.precision), key=TOLERANCE.__getitem__)
@@ -248,6 +278,7 @@ def verify(ref: Reference, merged_dir: Path, dtype_name: str, max_memory: int | 
     effect = max_abs_diff(ref.base_logits, ref.logits) if ref.base_logits is not None else None
     return {
         "prompts": len(ref.prompts),
+        "prompts_with_images": sum("pixel_values" in x for x in ref.images),
         "offloaded": placement["device_map"] == "auto",  # layers streamed from disk to fit max_memory
         "compared": f"merged model ({dtype_name} weights, {ref.precision} compute) vs the run's model as trained",
         "max_abs_diff": max_diff,
@@ -333,7 +364,7 @@ def export_run(
     loras = read_adapter(run.weights_dir) if run.is_adapter else {}
     device = device or default_device()
     check_merge_fits(run, base_dir, device)
-    say(f"merge: computing reference logits of the run as trained ({len(VERIFY_PROMPTS)} prompts)")
+    say("merge: computing reference logits of the run as trained (the check's prompts)")
     ref = reference(run, device)
     with atomic_dir(out) as tmp:
         say(
@@ -397,7 +428,7 @@ def _say_check(check: dict[str, Any], out: Path, say: Callable[[str], None]) -> 
     verdict = "passed" if check["passed"] else "FAILED"
     say(
         f"merge check {verdict}: max |logit diff| {check['max_abs_diff']:.3g} vs tolerance {check['tolerance']:.3g} "
-        f"({check['prompts']} prompts; the adapter itself moves logits by up to {check['adapter_effect'] or 0:.3g}"
+        f"({check['prompts']} prompts{', one with a picture' if check.get('prompts_with_images') else ''}; the adapter itself moves logits by up to {check['adapter_effect'] or 0:.3g}"
         + ("; merged layers streamed from disk to stay within the memory budget)" if check["offloaded"] else ")")
     )
     if not check["distinguishes_unmerged"]:
