@@ -230,6 +230,11 @@ def test_merged_vlm_loads_as_its_class_with_its_processor(families, vision_data,
     merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     assert type(merged).__name__ == "LlavaForConditionalGeneration"
     assert type(AutoProcessor.from_pretrained(tmp_path / "merged")).__name__ == "LlavaProcessor"
+    # The adapter export carries the processor too (its image settings and template), as it carries the tokenizer.
+    export_run(tmp_path / "run", tmp_path / "adapter", say=lambda _t: None)
+    processor, base = (AutoProcessor.from_pretrained(d) for d in (tmp_path / "adapter", families["llava"]))
+    assert type(processor).__name__ == "LlavaProcessor" and processor.chat_template == base.chat_template
+    assert processor.image_processor.crop_size == base.image_processor.crop_size
 
 
 def test_the_merge_check_sees_a_projector_adapter_through_its_picture_prompt(families, vision_data, tmp_path, monkeypatch):

@@ -165,6 +165,9 @@ def build_qwen2_vl(out: Path, monkeypatch, seed: int = 0) -> Path:
     monkeypatch.setattr(transformers, "VideoProcessorMixin", type(None), raising=False)
     torch.manual_seed(seed)
     model, processor = _qwen2_vl()
+    # Saved as the processor would be without its (absent) video processor: finetune saves it with an adapter.
+    attributes = [a for a in processor.get_attributes() if a != "video_processor"]
+    processor.get_attributes = lambda: attributes
     model.save_pretrained(out)
     processor.tokenizer.save_pretrained(out)
     real = transformers.AutoProcessor.from_pretrained

@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from finetune.config.older_runs import current_spelling
 from finetune.config.schema import RecipeConfig
+from finetune.data.images import processor_of
 from finetune.data.sources import file_digest
 from finetune.errors import CheckpointError, OutputDirError
 from finetune.memory.techniques import RESUME_HARMLESS
@@ -251,8 +252,8 @@ def save_adapter(model, dest: Path, tokenizer=None, state_dict: dict[str, torch.
     """
     with atomic_dir(Path(dest)) as tmp:
         model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict else {}))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        if tokenizer is not None:  # a VLM's processor: its tokenizer, image settings and template (loads from here)
+            (processor_of(tokenizer) or tokenizer).save_pretrained(tmp)
     return Path(dest)
 
 
