@@ -76,8 +76,8 @@ def test_a_vlm_step_plans_its_pixels_and_the_vision_towers_forward():
     e = vlm_plan()  # batch 2 x seq 2048, max_pixels 802816: 1024 tokens, 4096 patches of 2 x 3 x 14 x 14 values an image
     images, patches = 2 * 2, 2 * 2 * 4096
     assert e.component("pixel_values") == patches * 1176 * 4  # fp32, held for the step
-    # one block over every image (bf16): input, residual, q, k, v, the MLP's three; the pixels cast
-    assert e.component("vision_forward") == patches * (5 * 1280 + 3 * 3420) * 2 + patches * 1176 * 2
+    # one block over every image (bf16): 8 hidden widths and the gated MLP's 3 intermediate ones; the pixels cast
+    assert e.component("vision_forward") == patches * (8 * 1280 + 3 * 3420) * 2 + patches * 1176 * 2
     assert e.component("vision_activations") == 0  # frozen: nothing kept for backward
     note = f"up to 1024 tokens each at data.max_pixels 802816; planned as rows full of them ({images} a micro-batch"
     assert any(note in n for n in e.notes)
@@ -101,3 +101,67 @@ def test_an_image_longer_than_a_row_is_said_to_drop_its_examples():
 
 def test_a_text_only_model_has_no_image_terms(tiny_model_dir):
     assert read_model_shape(str(tiny_model_dir)).tower is None
+
+
+TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
+QWEN_TEXT = {
+    **TEXT,
+    "vocab_size": 300,
+    "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4},
+}
+AREA = {"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3}
+FIXED = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 224}
+TOWERS = {  # 4 images of 16 x 16 patches, width 128, MLP 512, 2 blocks
+    "qwen2_vl": ("Qwen2VL", {"depth": 2, "embed_dim": 128, "hidden_size": 64, "num_heads": 4, "mlp_ratio": 4, **AREA}, {}),
+    "qwen2_5_vl": (
+        "Qwen2_5_VL",
+        {"depth": 2, "hidden_size": 128, "intermediate_size": 512, "num_heads": 4, "out_hidden_size": 64, **AREA},
+        {},
+    ),
+    "llava": (
+        "Llava",
+        {"model_type": "clip_vision_model", "patch_size": 14, "projection_dim": 64, **FIXED},
+        {"vision_feature_layer": -2},
+    ),
+    "gemma3": ("Gemma3", {"patch_size": 14, **FIXED}, {"mm_tokens_per_image": 64}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(TOWERS))
+def test_the_planned_vision_forward_bounds_the_measured_one(family):
+    """The tower's forward over a micro-batch's images, measured as in tests/test_plan_measured.py (every op's
+    output storage while alive), in fp32: at most the plan, and not far under it."""
+    import transformers
+    from test_plan_measured import LiveBytes
+
+    from finetune.plan.images import image_terms, vision_shape
+
+    prefix, vision, own = TOWERS[family]
+    text = QWEN_TEXT if family.startswith("qwen") else {**TEXT, "vocab_size": 300, "head_dim": 16}
+    config = getattr(transformers, f"{prefix}Config")(
+        text_config={**text, "model_type": "llama"} if family == "llava" else text, vision_config=vision, **own
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).eval()
+    gated = any(n.endswith("gate_proj") for n, _ in model.model.named_modules() if "visual" in n)
+    tower = vision_shape(config, gated=gated)
+    assert tower is not None and tower.gated == (family == "qwen2_5_vl")
+    if family.startswith("qwen"):
+        pixels, grid = torch.randn(4 * 256, tower.values_per_patch), torch.tensor([[1, 16, 16]] * 4)
+        max_pixels = 256 * 14 * 14
+
+        def run():
+            return model.model.visual(pixels, grid_thw=grid)
+    else:
+        pixels, max_pixels = torch.randn(4, 3, 224, 224), None
+
+        def run():
+            return model.model.get_image_features(pixel_values=pixels)
+
+    planned = image_terms(tower, max_pixels, 1, 4 * tower.tokens_per_image(max_pixels), 4, adapted=False, checkpointed=True)
+    assert planned.images == 4 and planned.positions == 4 * tower.positions_per_image(max_pixels)
+    with torch.no_grad():
+        live = LiveBytes(existing=[*model.parameters(), *model.buffers(), pixels])
+        with live:
+            run()
+    assert 0.7 * planned.forward <= live.peak <= planned.forward, (live.peak, planned.forward)

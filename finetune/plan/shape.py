@@ -213,8 +213,15 @@ def read_model_shape(source: str, trust_remote_code: bool = False, revision: str
         experts=experts,
         varlen_ok=varlen.runs(type(model), config),
         vision_params=vision_params,
-        tower=vision_shape(config) if beside else None,
+        tower=_tower(model, config, beside),
     )
+
+
+def _tower(model, config, beside: tuple[str, ...]) -> VisionShape | None:
+    """A VLM's vision tower geometry (plan/images.py); its MLP gated when a gate projection is among its modules."""
+    if not beside:
+        return None
+    return vision_shape(config, gated=any(n.startswith(beside) and n.endswith("gate_proj") for n, _ in model.named_modules()))
 
 
 def _expert_groups(model, text, counted: set[int]) -> tuple[ExpertGroup, ...]:
