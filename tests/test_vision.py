@@ -219,6 +219,14 @@ def test_qlora_trains_the_language_model_only_and_loads_in_vanilla_peft(families
     assert (ours - plain).abs().max() > 1e-3  # the adapter moved them: the check above can fail
 
 
+def test_lora_on_a_projector_with_no_linear_layer_is_refused_not_ignored(families, vision_data, tmp_path):
+    from finetune.errors import ModelError
+
+    # Gemma 3's projector is a bare weight matrix and a norm: peft would adapt nothing there, silently.
+    with pytest.raises(ModelError, match=r"lists \['projector'\], but Gemma3ForConditionalGeneration has no linear layer"):
+        trained(families["gemma3"], vision_data, tmp_path / "run", lora={"target": ["q_proj", "projector"]})
+
+
 def test_merged_vlm_loads_as_its_class_with_its_processor(families, vision_data, tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 

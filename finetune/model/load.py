@@ -325,10 +325,11 @@ def base_of(model) -> Any:
 def decoder_layers(
     model, purpose: str = "distributed.strategy=fsdp", fallback: str = "use distributed.strategy=ddp"
 ) -> list[torch.nn.Module]:
-    """The repeated blocks (the model's own `_no_split_modules` classes): what FSDP shards and offload streams."""
+    """The repeated blocks (the model's own `_no_split_modules` classes) of the language model: what FSDP shards and
+    offload streams (a vision-language model's vision blocks stay with the root)."""
     base = base_of(model)
-    names = set(getattr(base, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    names, beside = set(getattr(base, "_no_split_modules", None) or []), vision.modules_beside_language(base)
+    layers = [m for m in model.modules() if type(m).__name__ in names and id(m) not in beside]
     if not layers:
         raise ModelError(
             f"{purpose}: found no decoder layers in {type(base).__name__} (it names no _no_split_modules)", hint=fallback

@@ -58,6 +58,16 @@ def vision_modules(config: Any) -> list[str]:
     return [f"model.{name}" for name, _ in inner.named_children() if name not in _LANGUAGE]
 
 
+def modules_beside_language(model: Any) -> set[int]:
+    """The ids of every module in a loaded vision-language model's vision tower and projector; empty for a text
+    model. Their blocks are not decoder layers: FSDP must not shard them apart (a rank whose micro-batch has no
+    image would skip their all-gathers while another ran them), nor checkpointing count them."""
+    inner = getattr(model, "model", None)
+    if inner is None or not any(hasattr(inner, name) for name in _LANGUAGE):
+        return set()
+    return {id(m) for name, child in inner.named_children() if name not in _LANGUAGE for m in child.modules()}
+
+
 def loaded_names(config: Any, names: list[str]) -> dict[str, str]:
     """{checkpoint tensor name: the loaded model's parameter name} for the names that differ, as transformers'
     loader renames them (LLaVA's and Gemma 3's checkpoints keep the older language_model.model.* layout)."""
@@ -92,7 +102,8 @@ def lora_modules(model: Any, target: str | list[str]) -> str:
     extra = {VISION_TOWER, PROJECTOR} & set(wanted)
     short = [t for t in wanted if t not in (VISION_TOWER, PROJECTOR)]
     head = model.get_output_embeddings()
-    names = []
+    names: list[str] = []
+    extra_found: set[str] = set()
     for name, module in model.named_modules():
         if not _is_linear(module) or module is head:
             continue
@@ -106,6 +117,12 @@ def lora_modules(model: Any, target: str | list[str]) -> str:
         language_match = place == "language" and ("all-linear" in short or leaf in short)
         if language_match or place in extra:
             names.append(name)
+            extra_found.add(place)
+    if extra - extra_found:  # Gemma 3's projector is a bare weight matrix: LoRA would adapt nothing there
+        raise ModelError(
+            f"lora.target lists {sorted(extra - extra_found)}, but {type(model).__name__} has no linear layer there to adapt",
+            hint="leave it out of lora.target (its weights stay frozen)",
+        )
     if not names:
         raise ModelError(
             f"lora.target={target!r} names no linear layer of {type(model).__name__}'s language model",

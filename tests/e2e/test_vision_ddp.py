@@ -1,5 +1,5 @@
-"""A vision-language model under DDP (2 gloo processes): the same global batch of records with 0, 1 and 2
-images gives one process's losses, pre-clip gradient norms and adapter; a doubled gradient is caught."""
+"""A vision-language model under DDP and FSDP (2 gloo processes): the same global batch of records with 0, 1
+and 2 images gives one process's losses, pre-clip gradient norms and adapter; a doubled gradient is caught."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def conversation(i: int) -> dict:
     }
 
 
-def run(tmp_path, model, data, nproc: int, batch: int, name: str, wrong_scale: bool = False):
+def run(tmp_path, model, data, nproc: int, batch: int, name: str, wrong_scale: bool = False, **over):
     out = tmp_path / name
     recipe = {
         "model": {"path": str(model)},
@@ -42,6 +42,8 @@ def run(tmp_path, model, data, nproc: int, batch: int, name: str, wrong_scale: b
         "memory": {"activation_checkpointing": "all"},
         "report": {"plot": False},
     }
+    for key, value in over.items():  # distributed=..., lora=...
+        recipe[key] = {**recipe.get(key, {}), **value}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe))
     (tmp_path / "driver.py").write_text(CLOSED_AT_EXIT + WRONG_SCALE_DRIVER)
@@ -66,3 +68,23 @@ def test_two_processes_train_a_vlm_as_one(tmp_path):
     doubled = run(tmp_path, model, data, 2, 2, "doubled", wrong_scale=True)
     with pytest.raises(AssertionError, match="differ"):
         assert_same_steps(one, doubled, rel=1e-5)
+
+
+def test_fsdp_trains_a_vlm_as_one_process_with_images_on_some_ranks_only(tmp_path):
+    # FSDP shards the language model's layers only: the vision blocks stay in the root group, gathered on every
+    # rank. Sharded apart (as _no_split_modules lists them), a rank whose micro-batch had no image skipped their
+    # all-gathers while the other ran them: gloo "Received data size doesn't match", SIGABRT (seen, Gemma 3).
+    model = build_vlm("gemma3", tmp_path / "gemma3")
+    write_images(tmp_path / "img", 3)
+    data = write_jsonl(tmp_path / "train.jsonl", [conversation(i) for i in range(12)])
+    one = run(tmp_path, model, data, 1, 4, "one")
+    assert_same_steps(one, run(tmp_path, model, data, 2, 2, "fsdp", distributed={"strategy": "fsdp"}), rel=1e-5)
+    # LoRA on LLaVA's projector too: trained only by rows with images, summed over ranks that may have none.
+    llava = build_vlm("llava", tmp_path / "llava")
+    target = {"target": ["q_proj", "v_proj", "projector"]}
+    one = run(tmp_path, llava, data, 1, 4, "llava-one", lora=target)
+    fsdp = run(tmp_path, llava, data, 2, 2, "llava-fsdp", lora=target, distributed={"strategy": "fsdp"})
+    assert_same_steps(one, fsdp, rel=1e-5)
+    a, b = (load_file(str(o / "adapter" / "adapter_model.safetensors")) for o in (one, fsdp))
+    assert any("multi_modal_projector" in k for k in a) and a.keys() == b.keys()
+    assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
