@@ -161,9 +161,9 @@ def test_fsdp_rules_hold_for_the_key_and_for_autos_choice():
     with pytest.raises(ConfigError, match="offload needs distributed.strategy=fsdp"):
         build_recipe({**base, "quant": {"bits": 4}, "distributed": {"cpu_offload": True}})
     auto = build_recipe(base)  # strategy auto: valid until auto actually picks FSDP
-    check_strategy(auto, "ddp")
+    check_strategy(auto, "ddp", 2)
     with pytest.raises(ConfigError, match=r"FSDP \(chosen by distributed.strategy=auto\) cannot shard 8-bit"):
-        check_strategy(auto, "fsdp")
+        check_strategy(auto, "fsdp", 2)
 
 
 def test_grad_compression_needs_ddp_and_a_powersgd_knob_needs_powersgd():

@@ -227,6 +227,55 @@ def test_lora_on_a_projector_with_no_linear_layer_is_refused_not_ignored(familie
         trained(families["gemma3"], vision_data, tmp_path / "run", lora={"target": ["q_proj", "projector"]})
 
 
+@pytest.mark.parametrize(
+    "distributed, message",
+    [
+        ({"strategy": "deepspeed", "zero_stage": 3}, "zero_stage=3 and a vision-language model: a rank whose micro-batch"),
+        ({"tensor_parallel": 2}, "distributed.tensor_parallel=2: not supported for vision-language models yet"),
+    ],
+)
+def test_what_a_vlm_cannot_launch_with_is_refused_before_any_process_starts(
+    families, vision_data, tmp_path, monkeypatch, capsys, distributed, message
+):
+    import yaml
+
+    from finetune.cli import commands as cli
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe(families["gemma3"], vision_data, tmp_path / "run", distributed=distributed)))
+    monkeypatch.setattr(cli, "run_launcher", lambda *a: pytest.fail("launched"))
+    assert cli.main(["run", str(path), "--nproc", "2"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_zero_bucket_sizes_come_from_a_vlms_text_config(families, tiny_model_dir):
+    # accelerate fills ZeRO's "auto" sizes from model.config.hidden_size, which a VLM's config lacks: it stopped
+    # there (ValueError) under ZeRO-2 and 3. Filled from the text config's, ZeRO-2 trained as one process did.
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from finetune.parallel import zero_config
+
+    def filled(config) -> dict:
+        zero = {"stage": 3, **dict.fromkeys(("reduce_bucket_size", "stage3_prefetch_bucket_size"), "auto")}
+        zero["stage3_param_persistence_threshold"] = "auto"
+        plugin = SimpleNamespace(hf_ds_config=SimpleNamespace(config={"zero_optimization": zero}))
+        zero_config.fill_sizes(plugin, SimpleNamespace(config=config))
+        return zero
+
+    config = AutoConfig.from_pretrained(families["gemma3"])
+    h = config.get_text_config().hidden_size
+    assert getattr(config, "hidden_size", None) is None
+    assert filled(config) == {
+        "stage": 3,
+        "reduce_bucket_size": h * h,
+        "stage3_prefetch_bucket_size": int(0.9 * h * h),
+        "stage3_param_persistence_threshold": 10 * h,
+    }
+    assert filled(AutoConfig.from_pretrained(tiny_model_dir))["reduce_bucket_size"] == "auto"  # accelerate's to fill
+
+
 def test_merged_vlm_loads_as_its_class_with_its_processor(families, vision_data, tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 

@@ -112,10 +112,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg, report = check_all(args)
     if cfg is None:
         return EXIT_INPUT
+    from finetune.parallel.distribute import vision_problems
     from finetune.parallel.runtime import split_problems
 
     if launching or "WORLD_SIZE" not in os.environ:  # said once here, not by each process (torchrun's asked below)
-        problems = split_problems(cfg, args.nproc * args.nnodes)
+        problems = split_problems(cfg, args.nproc * args.nnodes) + vision_problems(cfg, args.nproc * args.nnodes)
         if problems:
             raise ConfigError(problems, str(find_recipe(args.recipe)))
     if launching:

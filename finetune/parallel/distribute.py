@@ -62,11 +62,35 @@ def resolve_strategy(cfg: RecipeConfig, world_size: int, device: torch.device | 
     return "ddp"
 
 
-def check_strategy(cfg: RecipeConfig, strategy: str) -> None:
-    """Refuse what FSDP cannot run when `auto` chose it (an explicit fsdp is refused by the recipe's own checks)."""
+def check_strategy(cfg: RecipeConfig, strategy: str, world: int) -> None:
+    """Refuse what FSDP cannot run when `auto` chose it (an explicit fsdp is refused by the recipe's own checks),
+    and what a vision-language model cannot run with yet."""
     problems = fsdp_problems(cfg, "FSDP (chosen by distributed.strategy=auto)") if strategy == "fsdp" else []
+    problems += vision_problems(cfg, world)
     if problems:
         raise ConfigError(problems)
+
+
+def vision_problems(cfg: RecipeConfig, world: int) -> list[str]:
+    """What a launch of `world` processes cannot run with a vision-language model yet (DDP, FSDP, ZeRO-2 can)."""
+    from finetune.model import vision
+    from finetune.model.load import model_config
+
+    d = cfg.distributed
+    config = model_config(cfg, quiet=True) if world > 1 else None  # None: a single process, or no config.json here
+    if config is None or not vision.is_vision_language(config):
+        return []
+    out = []
+    if d.strategy == "deepspeed" and d.zero_stage == 3:
+        out.append(
+            "distributed.strategy=deepspeed with zero_stage=3 and a vision-language model: a rank whose micro-batch "
+            "has no image skips the vision tower's parameter gathers another rank runs (a collective mismatch; "
+            "seen on 2 processes). Use distributed.strategy=fsdp (its vision tower stays whole) or zero_stage=2"
+        )
+    for key in ("pipeline_parallel", "tensor_parallel", "context_parallel"):
+        if getattr(d, key) > 1:
+            out.append(f"distributed.{key}={getattr(d, key)}: not supported for vision-language models yet; use fsdp")
+    return out
 
 
 def shard_model(model, cfg: RecipeConfig, compute_dtype: torch.dtype) -> Any:

@@ -116,7 +116,7 @@ class Parallel:
             strategy = "pipeline" if cfg.distributed.pipeline_parallel > 1 else "context" if context else "tensor"
         else:
             strategy = resolve_strategy(cfg, world, accelerator.device)
-            check_strategy(cfg, strategy)
+        check_strategy(cfg, strategy, world)
         # A context-parallel rank streams its own copy of the layers (no DDP wrapper holds them on one device).
         processes = 1 if context else accelerator.num_processes
         problems = techniques.problems(
@@ -295,6 +295,7 @@ class Parallel:
             # written per parameter through these (distributed.zero_full_optimizer_state).
             self._zero_groups = [list(g["params"]) for g in optimizer.param_groups]
             self.accelerator.state.deepspeed_plugin.set_deepspeed_weakref()  # transformers: ZeRO-3 from now on
+            zero_config.fill_sizes(self.accelerator.state.deepspeed_plugin, model)
             model, optimizer = self.accelerator.prepare(model, optimizer)
             zero_optimizer(optimizer).finetune_param_groups = self._zero_groups  # for checkpoint.load_checkpoint
             return model, optimizer

@@ -172,3 +172,21 @@ def ds_config(cfg: Any, precision: str, on_gpu: bool = True) -> dict[str, Any]:
         "zero_force_ds_cpu_optimizer": on_gpu,
         "steps_per_print": 2**31 - 1,  # our progress bar and metrics.jsonl say it
     }
+
+
+def fill_sizes(plugin: Any, model: Any) -> None:
+    """The ZeRO sizes accelerate derives from model.config.hidden_size ("auto"), from the text config's when the
+    top config has none (a vision-language model's), where accelerate would stop asking for integers."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "hidden_size", None) is not None or not hasattr(config, "get_text_config"):
+        return  # accelerate fills them
+    hidden = int(getattr(config.get_text_config(), "hidden_size", 0) or 0)
+    zero = plugin.hf_ds_config.config["zero_optimization"]
+    sizes = {
+        "reduce_bucket_size": hidden * hidden,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+        "stage3_param_persistence_threshold": 10 * hidden,
+    }
+    for key, value in sizes.items() if hidden else ():
+        if zero.get(key) == "auto":
+            zero[key] = value
