@@ -46,26 +46,32 @@ def _skeleton(config: Any) -> Any:
         return AutoModelForImageTextToText.from_config(config)
 
 
+def _beside_language(model: Any) -> list[tuple[str, Any]] | None:
+    """(name, module) of model.model's children other than its language model (vision tower, projector); None
+    when the model keeps no language model there (a text model, or a family finetune does not know)."""
+    inner = getattr(model, "model", None)
+    if inner is None or not any(hasattr(inner, name) for name in _LANGUAGE):
+        return None
+    return [(name, child) for name, child in inner.named_children() if name not in _LANGUAGE]
+
+
 def vision_modules(config: Any) -> list[str]:
     """Full names of the modules beside the language model (vision tower, projector), from the config alone."""
     model = _skeleton(config)
-    inner = getattr(model, "model", None)
-    if inner is None or not any(hasattr(inner, name) for name in _LANGUAGE):
+    parts = _beside_language(model)
+    if parts is None:
         raise ModelError(
             f"{type(model).__name__} keeps its language model where finetune does not look (model.{'/'.join(_LANGUAGE)})",
             hint="this vision-language family is not supported yet; README's vision section lists those that are",
         )
-    return [f"model.{name}" for name, _ in inner.named_children() if name not in _LANGUAGE]
+    return [f"model.{name}" for name, _ in parts]
 
 
 def modules_beside_language(model: Any) -> set[int]:
     """The ids of every module in a loaded vision-language model's vision tower and projector; empty for a text
     model. Their blocks are not decoder layers: FSDP must not shard them apart (a rank whose micro-batch has no
     image would skip their all-gathers while another ran them), nor checkpointing count them."""
-    inner = getattr(model, "model", None)
-    if inner is None or not any(hasattr(inner, name) for name in _LANGUAGE):
-        return set()
-    return {id(m) for name, child in inner.named_children() if name not in _LANGUAGE for m in child.modules()}
+    return {id(m) for _, child in _beside_language(model) or [] for m in child.modules()}
 
 
 def loaded_names(config: Any, names: list[str]) -> dict[str, str]:

@@ -181,12 +181,14 @@ def fill_sizes(plugin: Any, model: Any) -> None:
     if config is None or getattr(config, "hidden_size", None) is not None or not hasattr(config, "get_text_config"):
         return  # accelerate fills them
     hidden = int(getattr(config.get_text_config(), "hidden_size", 0) or 0)
+    if not hidden:
+        return  # accelerate names the keys it cannot fill
     zero = plugin.hf_ds_config.config["zero_optimization"]
     sizes = {
         "reduce_bucket_size": hidden * hidden,
         "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
         "stage3_param_persistence_threshold": 10 * hidden,
     }
-    for key, value in sizes.items() if hidden else ():
+    for key, value in sizes.items():
         if zero.get(key) == "auto":
             zero[key] = value
