@@ -44,7 +44,8 @@ export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$OUT/env.txt" 2>&1
 
 # 1. every test marked gpu; -rA names what ran, skipped or failed
-timeout -k 10 "$TESTS_S" python3 -m pytest -p no:cacheprovider -m gpu -rA -q tests >"$OUT/gpu_tests.log" 2>&1
+# -o addopts="": one process (the tests share the one GPU), and no -n for an image without pytest-xdist
+timeout -k 10 "$TESTS_S" python3 -m pytest -o addopts="" -p no:cacheprovider -m gpu -rA -q tests >"$OUT/gpu_tests.log" 2>&1
 echo "pytest exit $?" >>"$OUT/gpu_tests.log"
 
 # 3. the 8B job, twice over, interleaved (session 14: ~15% between runs of one setting, more than the

@@ -18,6 +18,9 @@ import pytest
 # Set, not setdefault: a developer's exported HF_HUB_OFFLINE=0 must not let a test reach the network.
 os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+# Each xdist worker computes on one thread (the workers share the cores; set before torch is imported).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The tokenized-data cache of the whole test session goes to a temp dir, never ~/.cache.
 os.environ["FINETUNE_CACHE"] = tempfile.mkdtemp(prefix="finetune-test-cache-")
 # An empty Hugging Face home: no test reads a model or dataset the machine has cached (a user's machine
@@ -202,11 +205,29 @@ def recipe_dict(tiny_model_dir, alpaca_file, tmp_path) -> dict:
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
         "train": {"max_steps": 4, "batch_size": 4, "lr": 1e-3},
         "memory": {"activation_checkpointing": "none"},
+        # No loss.png: matplotlib's import and a drawing cost ~0.5 s a run (tests/test_report.py and the default-
+        # output tests in test_trainer.py and e2e/test_cli_e2e.py draw it).
+        "report": {"plot": False},
     }
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): one worker per core, at most 4 (a multi-process test starts 2-5 processes
+    of its own); PYTEST_XDIST_AUTO_NUM_WORKERS overrides, `-n 0` runs everything in this process."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need CUDA; on CPU-only machines they are skipped, visibly."""
+    """A module whose tests share a module-scoped fixture (a reference run) runs on one xdist worker, so the
+    fixture is built once (`--dist loadgroup`); tests marked `gpu` need CUDA and are skipped, visibly, without it."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d and d[-1].scope == "module" for d in defs) and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     import torch
 
     if torch.cuda.is_available():

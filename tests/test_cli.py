@@ -160,6 +160,22 @@ def test_validate_finds_unknown_lora_target_without_loading_weights(recipe_dict,
     assert main(["validate", recipe, "lora.target=[q_proj,v_proj]"]) == 0
 
 
+def test_validate_says_when_it_could_not_check_lora_target(recipe_dict, tiny_model_dir, tmp_path, capsys, monkeypatch):
+    # A model whose class cannot be built on the meta device (here: from_config fails) is not checked silently.
+    from finetune.model import vision
+
+    class Unbuildable:
+        @staticmethod
+        def from_config(config, **kwargs):
+            raise RuntimeError("no meta-device build for this class")
+
+    monkeypatch.setattr(vision, "model_class", lambda config: Unbuildable)
+    recipe = write_recipe(tmp_path, recipe_dict)
+    assert main(["validate", recipe, "lora.target=[q_proj,qkv_proj]"]) == 0
+    out = capsys.readouterr().out
+    assert "lora.target not checked before loading" in out and "RuntimeError: no meta-device build for this class" in out
+
+
 def test_validate_lists_schema_cross_field_and_file_problems_together(recipe_dict, tmp_path, capsys):
     recipe = write_recipe(tmp_path, recipe_dict)
     rc = main(

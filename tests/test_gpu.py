@@ -47,7 +47,6 @@ def test_qlora_trains_in_16_bit_on_cuda(recipe_dict, precision):
 def test_fsdp_qlora_on_two_gpus_matches_one(recipe_dict, tmp_path, cpu_offload):
     # The CUDA side of tests/e2e/test_distributed.py: loads into CPU RAM, shards, moves shards and
     # bitsandbytes' quantization states to each GPU (or keeps shards in CPU RAM with cpu_offload).
-    import json
     import os
     import subprocess
     import sys
@@ -60,12 +59,14 @@ def test_fsdp_qlora_on_two_gpus_matches_one(recipe_dict, tmp_path, cpu_offload):
         pytest.skip("needs 2 GPUs")
     outs = {}
     for nproc, batch in ((1, 4), (2, 2)):
+        # fp32 with TF32 off (finetune's fp32) and clipping off: a wrong gradient scale shows in the pre-clip norms,
+        # which bf16's rounding (rel 2e-2) would hide.
         data = {
             **recipe_dict,
-            "precision": "bf16",
+            "precision": "fp32",
             "quant": {"bits": 4},
             "output_dir": str(tmp_path / f"r{nproc}"),
-            "train": {**recipe_dict["train"], "max_steps": 4, "batch_size": batch},
+            "train": {**recipe_dict["train"], "max_steps": 4, "batch_size": batch, "max_grad_norm": None},
         }
         if nproc == 2:
             data["distributed"] = {"strategy": "fsdp", "cpu_offload": cpu_offload}
@@ -86,13 +87,14 @@ def test_fsdp_qlora_on_two_gpus_matches_one(recipe_dict, tmp_path, cpu_offload):
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         outs[nproc] = tmp_path / f"r{nproc}"
-    losses = {
-        n: [json.loads(x)["loss"] for x in (o / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
-        for n, o in outs.items()
-    }
-    assert losses[2] == pytest.approx(losses[1], rel=2e-2)  # bf16: reduction order differs
+    from conftest import assert_same_steps
+
+    # CUDA's reductions differ in order between one GPU and two: 1e-4, not the CPU's 1e-5.
+    assert_same_steps(outs[1], outs[2], rel=1e-4)
     a, b = (load_file(str(o / "adapter" / "adapter_model.safetensors")) for o in (outs[1], outs[2]))
-    assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:  # AdamW's lr-sized steps where a gradient is near zero: loose on elements, tight on losses and norms
+        torch.testing.assert_close(b[k].float(), a[k].float(), rtol=1e-3, atol=2e-3)
 
 
 # --------------------------------------------------------------------------- memory.* on CUDA

@@ -307,8 +307,11 @@ def test_sampling_draws_from_its_own_seeded_generator_per_step_and_rank(recipe_d
     b = loss.sample(model, prompts, step=0)
     c = loss.sample(model, prompts, step=1)
     assert torch.equal(a["input_ids"], b["input_ids"]) and not torch.equal(a["input_ids"], c["input_ids"])
-    assert sampling_seed(0, 3, 0, 0) != sampling_seed(0, 3, 0, 1)  # each process draws its own
-    assert sampling_seed(0, 3, 0, 1) == sampling_seed(0, 3, 0, 1)
+    # Each (seed, step, micro-batch, rank) draws its own stream...
+    keys = [(seed, step, micro, rank) for seed in (0, 1) for step in (0, 3) for micro in (0, 1) for rank in (0, 1)]
+    assert len({sampling_seed(*k) for k in keys}) == len(keys)
+    # ...and the same one in every process and every resume (golden: a per-process hash() or a global draw fails).
+    assert sampling_seed(0, 3, 0, 1) == 8512558575088286278 and sampling_seed(0, 3, 0, 0) == 8165442179359992593
     trainer.close()
 
 
@@ -379,12 +382,13 @@ def test_the_grpo_demo_raises_held_out_accuracy_by_rewards_alone(tmp_path):
     # QLoRA, rewards only (the loss never sees an answer). About 40 s on 2 cores.
     from finetune.config.schema import load_recipe
 
-    cfg = load_recipe("grpo-demo-cpu", [f"output_dir={tmp_path / 'grpo'}"])
+    # fp32 pinned: the same numbers on CPUs with and without native bf16 (the demo's auto picks either).
+    cfg = load_recipe("grpo-demo-cpu", [f"output_dir={tmp_path / 'grpo'}", "precision=fp32"])
     assert cfg.train.objective == "grpo" and cfg.quant.bits == 4 and cfg.lora is not None
     with Trainer(cfg, progress=False) as trainer:
         result = trainer.train()
-    assert 0.05 <= result.reward_before <= 0.60, result.reward_before  # RL needs some reward to start from
-    assert result.reward_after >= result.reward_before + 0.25, (result.reward_before, result.reward_after)
+    assert 0.05 <= result.reward_before <= 0.30, result.reward_before  # RL needs some reward to start from (16-17%)
+    assert result.reward_after >= 0.88, (result.reward_before, result.reward_after)  # the README's "88% or more" (93% in fp32)
 
 
 def test_the_planner_counts_every_completion_and_says_what_it_leaves_out(recipe_dict, tmp_path):

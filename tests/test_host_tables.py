@@ -40,12 +40,19 @@ def trained(cfg) -> tuple[list[float], dict[str, torch.Tensor], Trainer]:
 
 
 @pytest.mark.parametrize("loss", ["chunked", "full"])
-def test_tables_in_host_ram_train_bitwise_like_tables_in_place(recipe_dict, tmp_path, loss, capsys):
+def test_tables_in_host_ram_train_bitwise_like_tables_in_place(recipe_dict, tmp_path, loss, capsys, monkeypatch):
     # chunked with chunks of 8 targets: the head is called once per chunk in forward and again per
-    # chunk in backward; one visit (copy) per micro-batch serves them all.
+    # chunk in backward; one visit (copy) per micro-batch serves them all. The visit is a real copy here (on a
+    # CPU device .to() would hand back the store itself, equal by construction).
+    monkeypatch.setattr(HostTables, "copy_on_host", True)
     knobs = {"loss": loss, "loss_chunk": 16}
     ref_losses, ref_adapter, _ = trained(recipe(recipe_dict, tmp_path / "device", "device", **knobs))
     losses, adapter, trainer = trained(recipe(recipe_dict, tmp_path / "cpu", "cpu", **knobs))
+    tables = find_tables(trainer)
+    assert tables.visits >= 6  # at least one per micro-batch (3 steps x 2)
+    with torch.no_grad():
+        trainer.model.get_base_model().get_output_embeddings()(torch.zeros(1, tables._store.shape[1]))
+    assert tables.visit.data_ptr() != tables._store.data_ptr() and torch.equal(tables.visit, tables._store)
     assert losses == ref_losses and len(losses) == 3
     assert adapter.keys() == ref_adapter.keys()
     for name in adapter:

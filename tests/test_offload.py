@@ -102,9 +102,13 @@ def test_disk_with_dora_trains_like_resident_weights(recipe_dict, four_layer_mod
     _, ref_losses, ref_adapter = run(dora("device"))
     trainer, losses, adapter = run(dora("disk", base_weights="disk", offload_dir=str(tmp_path / "nvme")))
     assert trainer.memory.stream.captured_while_loading == 0 and trainer.memory.stream.streamed_bytes > 0
-    if EXACT:
+    assert adapter.keys() == ref_adapter.keys() and len(adapter) > 0
+    if EXACT:  # the CPU: the same kernels on the same bytes
         assert losses == ref_losses
         assert all(torch.equal(adapter[k], ref_adapter[k]) for k in ref_adapter)
+    else:  # CUDA may pick other GEMM algorithms for other addresses: close, DoRA's magnitudes included
+        assert losses == pytest.approx(ref_losses, rel=1e-4)
+        assert all(torch.allclose(adapter[k], ref_adapter[k], rtol=1e-3, atol=1e-5) for k in ref_adapter)
     trainer.close()
 
 

@@ -286,7 +286,9 @@ def test_a_dpo_run_merges_and_evaluates(recipe_dict, tmp_path, capsys):
         trained = trainer.train()
     result = export_run(tmp_path / "run", tmp_path / "merged", merge=True, dtype="fp32", say=lambda _: None)
     check = result.metadata["verification"]
-    assert check["passed"] and check["max_abs_diff"] < 1e-5 and check["adapter_effect"] > 0
+    # The check could tell a merge that lost the DPO adapter from a good one (the adapter moves logits past its tolerance).
+    assert check["passed"] and check["max_abs_diff"] < 1e-5 and check["distinguishes_unmerged"]
+    assert check["adapter_effect"] > 10 * check["tolerance"], check
     capsys.readouterr()
     assert main(["eval", str(tmp_path / "run")]) == 0
     table = capsys.readouterr().out
@@ -318,9 +320,11 @@ def test_the_dpo_demo_ranks_held_out_pairs_right(tmp_path):
     # measured, in bf16 and fp32); QLoRA, not a shortcut. About 15 s on 2 cores.
     from finetune.config.schema import load_recipe
 
-    cfg = load_recipe("dpo-demo-cpu", [f"output_dir={tmp_path / 'dpo'}"])
+    # fp32 pinned: the same numbers on CPUs with and without native bf16 (the demo's auto picks either).
+    cfg = load_recipe("dpo-demo-cpu", [f"output_dir={tmp_path / 'dpo'}", "precision=fp32"])
     assert cfg.train.objective == "dpo" and cfg.quant.bits == 4 and cfg.lora is not None
     with Trainer(cfg, progress=False) as trainer:
         result = trainer.train()
     assert result.preference_accuracy_before == 0.0
+    # The README's "95% or more" (63 of 64 pairs measured, in bf16 and fp32).
     assert result.preference_accuracy_after >= 0.95, result.preference_accuracy_after

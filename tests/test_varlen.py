@@ -200,6 +200,22 @@ def test_auto_cuts_long_packed_rows_per_example_on_a_cpu(recipe_dict, data, expe
     assert (note is not None and "picks varlen on a CPU" in note) == (expected == "varlen")
 
 
+def test_auto_says_when_it_cannot_look_up_the_model_class(recipe_dict, monkeypatch):
+    # Custom code or an unreadable config: transformers' default attention, said in a note (not silently).
+    from finetune.model import load
+
+    def unreadable(cfg):
+        raise OSError("config.json: no such file")
+
+    monkeypatch.setattr(load, "causal_lm_class", unreadable)
+    attention, note = load.choose_attention(build_recipe(recipe_dict), torch.device("cpu"), torch.float32)
+    assert attention is None
+    assert note == (
+        "note: attn_implementation=auto could not look up the model's class (OSError: config.json: no such file); "
+        "transformers' default"
+    )
+
+
 @pytest.mark.parametrize(
     "packed, seq, device, compute_bytes, ok, expected",
     [

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -63,6 +63,8 @@ class HostTables:
     visits: int = 0  # copies of the head made (for tests and the log)
     _store: torch.Tensor | None = field(default=None, repr=False)  # the head's weight in host RAM
     _embed_store: torch.Tensor | None = field(default=None, repr=False)  # the embedding table in host RAM
+    # On a CPU device .to() returns the store itself; tests set this so the visit is a real copy, as on a GPU.
+    copy_on_host: ClassVar[bool] = False
 
     @classmethod
     def attach(cls, model: Any, device: torch.device) -> HostTables:
@@ -147,7 +149,7 @@ class HostTables:
             stale = self.visit is not None and self.visit.is_inference() and not torch.is_inference_mode_enabled()
             if self.visit is None or self.visit.device != x.device or stale:
                 assert self._store is not None  # attach() installs this forward with the store
-                self.visit = self._store.to(x.device, non_blocking=True)
+                self.visit = self._store.to(x.device, non_blocking=True, copy=self.copy_on_host)
                 self.visits += 1
             # Each input that takes a gradient holds the visit until that gradient is complete (in
             # forward, and again for a chunk the loss recomputes inside backward), or until it is freed

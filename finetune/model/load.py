@@ -277,8 +277,11 @@ def choose_attention(
         return wanted, None
     try:
         cls, config = causal_lm_class(cfg)
-    except Exception:  # noqa: BLE001 - custom code or an unreachable config: loading reports real problems
-        return (varlen.register() if wanted == varlen.NAME else None), None
+    except Exception as exc:  # noqa: BLE001 - custom code or an unreachable config: loading reports real problems
+        if wanted == varlen.NAME:
+            return varlen.register(), None
+        failed = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+        return None, f"note: attn_implementation=auto could not look up the model's class ({failed}); transformers' default"
     if wanted == varlen.NAME:
         why = varlen.unsupported(config)
         if why:

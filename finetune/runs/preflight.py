@@ -57,7 +57,9 @@ def preflight(cfg: RecipeConfig, memory_check: bool = True, training: bool = Tru
 
     model_problems = check_model_source(cfg)
     report.problems += model_problems
-    report.problems += check_lora_targets(cfg)
+    target_problems, target_notes = check_lora_targets(cfg)
+    report.problems += [] if model_problems else target_problems
+    report.notes += [] if model_problems else target_notes  # a damaged config.json is reported once, above
     src = tokenizer_source(cfg)
     # A config.json that is there but damaged (reported above) fails the tokenizer of the same folder too: one problem, not two.
     damaged_config = bool(model_problems) and src == model_source(cfg) and (Path(src) / "config.json").is_file()

@@ -94,15 +94,38 @@ def test_a_frozen_rank_ends_the_job_with_75_and_resume_finishes_the_same_run(rec
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
-def test_a_run_resumed_on_another_number_of_processes_trains_the_same_examples(recipe_dict, tmp_path, before, after):
-    # 64 examples, 4 per step (2 x 1 accum x 2 processes, or 2 x 2 accum x 1): 16 steps an epoch.
-    common = {"train__max_steps": None, "train__epochs": 1, "train__scheduler": "constant", "train__batch_size": 2}
-    ref_recipe, _ = write(tmp_path, recipe_dict, "ref", train__grad_accum=1, **common)
-    run_driver(tmp_path, DRIVER, ref_recipe, nproc=2, IDS=str(tmp_path / "ref-ids"))
-    reference = trained_per_step(tmp_path / "ref-ids")
-    assert sorted(reference) == list(range(16)) and all(sum(c.values()) == 4 for c in reference.values())
+# 64 examples, 4 per step (2 x 1 accum x 2 processes, or 2 x 2 accum x 1): 16 steps an epoch.
+EPOCH = {"train__max_steps": None, "train__epochs": 1, "train__scheduler": "constant", "train__batch_size": 2}
 
+
+@pytest.fixture(scope="module")
+def epoch_reference(tiny_model_dir, tmp_path_factory):
+    """(recipe, {step: examples trained}, run folder): one epoch on 2 processes, uninterrupted, shared by the module."""
+    from conftest import ALPACA_ROWS, write_jsonl
+
+    root = tmp_path_factory.mktemp("epoch_reference")
+    recipe = {
+        "model": {"path": str(tiny_model_dir)},
+        "data": {"path": str(write_jsonl(root / "train.jsonl", ALPACA_ROWS)), "format": "alpaca", "max_seq_len": 256},
+        "seed": 0,
+        "report": {"plot": False},  # no loss.png: ~0.5 s of matplotlib a run
+        "precision": "fp32",
+        "quant": {"bits": None},
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+        "train": {"max_steps": 4, "batch_size": 4, "lr": 1e-3},
+        "memory": {"activation_checkpointing": "none"},
+    }
+    ref_recipe, ref = write(root, recipe, "ref", train__grad_accum=1, **EPOCH)
+    run_driver(root, DRIVER, ref_recipe, nproc=2, IDS=str(root / "ref-ids"))
+    reference = trained_per_step(root / "ref-ids")
+    assert sorted(reference) == list(range(16)) and all(sum(c.values()) == 4 for c in reference.values())
+    return recipe, reference, ref
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_a_run_resumed_on_another_number_of_processes_trains_the_same_examples(epoch_reference, tmp_path, before, after):
+    recipe_dict, reference, ref = epoch_reference
+    common = EPOCH
     recipe, out = write(tmp_path, recipe_dict, "moved", train__grad_accum=2 // before, checkpoint={"every_steps": 100}, **common)
     ids = str(tmp_path / "moved-ids")
     run_driver(tmp_path, DRIVER, recipe, before, IDS=ids, OVERRIDES="train.max_steps=7")  # stops (checkpoint) at 7
@@ -115,8 +138,8 @@ def test_a_run_resumed_on_another_number_of_processes_trains_the_same_examples(r
     replicas = f"{after} replica" + ("s" if after > 1 else "")
     assert f"resume: the run's 4 examples per step as 2 x {accum} accum x {replicas} (it had {before})" in output
     # The same run: the uninterrupted run's losses and adapter (float rounding: the window's sums are cut otherwise).
-    assert losses(out) == pytest.approx(losses(tmp_path / "ref"), rel=1e-5)
-    assert_adapters_close(adapter(tmp_path / "ref"), adapter(out))
+    assert losses(out) == pytest.approx(losses(ref), rel=1e-5)
+    assert_adapters_close(adapter(ref), adapter(out))
 
 
 def test_a_slowed_rank_is_named_as_a_straggler(recipe_dict, tmp_path):

@@ -32,6 +32,7 @@ def base(tiny_model_dir, tmp_path_factory):
         "data": {"path": str(write_jsonl(root / "train.jsonl", ALPACA_ROWS)), "format": "alpaca", "max_seq_len": 256},
         "output_dir": str(root / "run"),
         "seed": 0,
+        "report": {"plot": False},  # no loss.png: ~0.5 s of matplotlib a run
         "precision": "fp32",
         "quant": {"bits": 4},  # on 2 processes stored in fp32 (bnb_4bit_quant_storage = the compute dtype)
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},

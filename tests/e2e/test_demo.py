@@ -1,8 +1,10 @@
 """The README's demo, as shipped: the bundled tiny pretrained model learns the
-bundled task with QLoRA on the CPU. Held-out exact match must go from under
-10% to over 80% (the demo's promise), and the adapter must be real PEFT.
+bundled task with QLoRA on the CPU, and the README's numbers are the thresholds: held-out
+exact match from under 10% to at least 90% on one process, and to the README's figures on
+2 pipeline stages and 2 tensor-parallel ranks; the adapter must be real PEFT.
 
-About 1.5 minutes on 2 idle cores (see benchmarks/README.md for timings).
+precision is pinned to fp32 (the recipe's auto picks bf16 on CPUs with native bf16, fp32
+elsewhere): the same numbers on every machine. About 1 minute a run on 2 idle cores.
 """
 
 from __future__ import annotations
@@ -18,26 +20,31 @@ from finetune.trainer import Trainer
 
 @pytest.mark.slow
 def test_demo_recipe_learns_the_task(tmp_path):
-    cfg = load_recipe("demo-cpu", [f"output_dir={tmp_path / 'demo'}"])
-    assert cfg.quant.bits == 4 and cfg.lora is not None  # the demo is QLoRA, not a shortcut
+    cfg = load_recipe("demo-cpu", [f"output_dir={tmp_path / 'demo'}", "precision=fp32"])
+    assert cfg.quant.bits == 4 and cfg.quant.double_quant and cfg.lora is not None  # the demo is QLoRA, not a shortcut
     result = Trainer(cfg, progress=False).train()
     before, after = result.exact_match_before, result.exact_match_after
     assert before.total == after.total == 150
     assert before.accuracy < 0.10, before.summary()
-    assert after.accuracy > 0.80, after.summary()
+    assert after.accuracy >= 0.90, after.summary()  # the README's "0% -> 90%" (measured in fp32: 94.7%)
     config = json.loads((result.adapter_dir / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == cfg.lora.r
 
 
+# (strategy, steps (None: the demo's 300), the exact match after it must reach, in %). 2 pipeline stages and 2
+# tensor-parallel ranks run the demo whole: the README's ">= 90%" for them is their floor (measured in fp32, session
+# 21: 96.0% and 94.7%). DDP and FSDP run 40 of its 300 steps (their numbers equal one process's step by step:
+# tests/e2e/test_ddp.py, test_distributed.py) and must learn part of it (measured: 22.7% both; an adapter that
+# learns nothing scores 0%).
+DEMOS = [("ddp", 40, 15), ("fsdp", 40, 15), ("pipeline", None, 90), ("tensor", None, 90)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, steps", [("ddp", 40), ("fsdp", None), ("pipeline", 40), ("tensor", 40)])
-def test_demo_recipe_on_two_processes_as_a_user_runs_it(tmp_path, strategy, steps):
+@pytest.mark.parametrize("strategy, steps, floor", DEMOS)
+def test_demo_recipe_on_two_processes_as_a_user_runs_it(tmp_path, strategy, steps, floor):
     # `finetune run demo-cpu --nproc 2 distributed.strategy=...`: exact match is generated
     # before and after training on every rank (FSDP: from the sharded model, ranks in step; tensor
-    # parallelism: each rank its share of every layer). FSDP runs the demo whole and must learn it; DDP,
-    # 2 pipeline stages and 2 tensor-parallel ranks run 40 of its 300 steps for the flow (each took 80-100 s
-    # whole): their numbers equal one process's step by step (tests/e2e/test_distributed.py, test_pipeline.py,
-    # test_tensor_parallel.py), and one process learns the demo whole (test_demo_recipe_learns_the_task).
+    # parallelism: each rank its share of every layer); a pipeline's is scored after by `finetune eval`.
     import os
     import re
     import subprocess
@@ -58,6 +65,7 @@ def test_demo_recipe_on_two_processes_as_a_user_runs_it(tmp_path, strategy, step
             "tensor": ["distributed.tensor_parallel=2"],
         }.get(strategy, [f"distributed.strategy={strategy}"]),
         f"output_dir={out}",
+        "precision=fp32",
         *([f"train.max_steps={steps}"] if steps else []),
         "--no-progress",
         "--master-port",
@@ -84,6 +92,6 @@ def test_demo_recipe_on_two_processes_as_a_user_runs_it(tmp_path, strategy, step
         assert found, proc.stdout[-3000:]
         assert proc.stdout.count("eval (after training): exact match") == 1  # printed by rank 0 only
     before, after = float(found.group(1)), float(found.group(2))
-    assert before < 10 and (after > 80 if steps is None else after >= before), found.group(0)
+    assert before < 10 and after >= floor, found.group(0)
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 16

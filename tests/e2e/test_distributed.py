@@ -1,5 +1,5 @@
-"""Multi-process training on CPU (gloo): FSDP2 with a 4-bit base, resume across world sizes,
-two "nodes" on one machine, and an elastic restart after a rank is killed.
+"""Multi-process training on CPU (gloo): FSDP2 with a 4-bit base, resume across world sizes, and an elastic
+restart after a rank is killed (two "nodes" on one machine: tests/e2e/test_ddp.py).
 
 Every run goes through the real launcher (`finetune run --nproc N`, i.e. torchrun).
 """
@@ -124,16 +124,17 @@ def test_fsdp_qlora_two_processes_match_one(recipe_dict, tmp_path):
 
 
 @pytest.mark.parametrize("strategy", ["fsdp"])  # DDP: tests/e2e/test_cluster_faults.py (2 -> 1 and 1 -> 2, example by example)
-def test_save_on_two_resume_on_one_and_two(recipe_dict, tmp_path, strategy):
-    # Uninterrupted on 2 processes; then stopped at step 3 (max_steps) and resumed to step 6 on 1 and on 2.
-    # Same global batch everywhere (2 x 2 processes = 4 x 1), so the losses must continue the same.
+def test_save_on_two_resume_on_one(recipe_dict, tmp_path, strategy):
+    # Uninterrupted on 2 processes; then stopped at step 3 (max_steps) and resumed to step 6 on 1 (2 -> 2 resumes:
+    # tests/e2e/test_compression_ddp.py, test_cluster_faults.py). Same global batch (2 x 2 processes = 4 x 1), so
+    # the losses must continue the same.
     common = {"quant": {"bits": 4}, "train__grad_accum": 1, "checkpoint": {"every_steps": 3}, "train__scheduler": "constant"}
     full_recipe, full = write(
         tmp_path, recipe_dict, "full", train__batch_size=2, train__max_steps=6, distributed={"strategy": strategy}, **common
     )
     finetune(str(full_recipe), "--nproc", "2", cwd=tmp_path)
     reference = losses(full)
-    for nproc, batch in ((2, 2), (1, 4)):
+    for nproc, batch in ((1, 4),):
         recipe, out = write(
             tmp_path,
             recipe_dict,
@@ -161,22 +162,6 @@ def test_save_on_two_resume_on_one_and_two(recipe_dict, tmp_path, strategy):
         assert_adapters_close(adapter(full), adapter(out), atol=1e-5)
 
 
-def test_two_nodes_on_one_machine(recipe_dict, tmp_path):
-    # Two launchers (one per "node", one process each) rendezvous on 127.0.0.1 and run one job.
-    recipe, out = write(tmp_path, recipe_dict, "nodes", train__batch_size=2, train__max_steps=3, train__max_grad_norm=None)
-    ref_recipe, ref = write(tmp_path, recipe_dict, "ref", train__batch_size=4, train__max_steps=3, train__max_grad_norm=None)
-    finetune(str(ref_recipe), cwd=tmp_path)
-    port = free_port()  # both launchers meet there
-    node = ("--nproc", "1", "--nnodes", "2", "--node-rank")
-    nodes = [finetune(str(recipe), *node, str(r), cwd=tmp_path, port=port, log=tmp_path / f"node{r}.log") for r in (0, 1)]
-    codes = [n.finish(420) for n in nodes]
-    outputs = [n.output() for n in nodes]
-    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    assert "parallel: ddp over 2 processes" in outputs[0]
-    assert_same_steps(ref, out, rel=1e-5)
-    assert_adapters_close(adapter(ref), adapter(out))
-
-
 def _worker_pids(recipe: Path) -> dict[int, int]:
     """{LOCAL_RANK: pid} of the training workers of `recipe` (found through /proc: no test hooks in the code)."""
     found = {}
@@ -194,9 +179,23 @@ def _worker_pids(recipe: Path) -> dict[int, int]:
     return found
 
 
-def test_killed_rank_restarts_and_finishes_like_an_uninterrupted_run(recipe_dict, tmp_path):
-    # 24 steps (~40 ms each): the kill after step 5 lands long before the run could end.
-    common = {"train__batch_size": 2, "train__max_steps": 24, "checkpoint": {"every_steps": 2}, "train__scheduler": "constant"}
+def test_killed_rank_restarts_and_finishes_bitwise_like_an_uninterrupted_run(recipe_dict, tmp_path):
+    # With dropout, an exact resume needs every rank's generator state, not only rank 0's: examples of lengths that
+    # differ between the ranks' batches advance their generators by different amounts. 24 steps (~40 ms each, two
+    # shuffled epochs of 48 examples): the kill after step 5 lands long before the run could end.
+    from conftest import write_jsonl
+
+    rows = [{"instruction": "Repeat " + "ab" * (i % 7 + 1), "input": "", "output": "ab" * (i % 7 + 1)} for i in range(48)]
+    common = {
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.2},
+        "train__batch_size": 2,
+        "train__max_steps": 24,
+        "train__scheduler": "constant",
+        "train__lr": 5e-2,
+        "checkpoint": {"every_steps": 2},
+        "data__path": str(write_jsonl(tmp_path / "varied.jsonl", rows)),
+        "data__shuffle": True,
+    }
     ref_recipe, ref = write(tmp_path, recipe_dict, "ref", **common)
     finetune(str(ref_recipe), "--nproc", "2", cwd=tmp_path)
     recipe, out = write(tmp_path, recipe_dict, "elastic", **common)
@@ -211,69 +210,14 @@ def test_killed_rank_restarts_and_finishes_like_an_uninterrupted_run(recipe_dict
     # The restarted ranks continued an unfinished run: the kill landed before the last step.
     resumed = re.search(r"resumed from \S+ at step (\d+)", job.output())
     assert resumed and 4 <= int(resumed.group(1)) < 24, job.tail()
-    assert losses(out)[-1] == pytest.approx(losses(ref)[-1], rel=1e-4)
-    assert_adapters_close(adapter(ref), adapter(out), atol=1e-5)
 
+    # Every step's loss (the last row logged for it), and the adapter bitwise (CPU fp32: the same masks, the same sums).
+    def by_step(run: Path) -> dict[int, float]:
+        rows = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
-def test_sigterm_to_the_launcher_checkpoints_every_rank_and_exits_75(recipe_dict, tmp_path):
-    # What Slurm/Kubernetes do before preempting: SIGTERM to `finetune run --nproc 2`.
-    common = {"train__batch_size": 2, "train__max_steps": 40, "checkpoint": {"every_steps": 100}, "train__scheduler": "constant"}
-    recipe, out = write(tmp_path, recipe_dict, "pre", **common)
-    output = preempt_after(finetune(str(recipe), "--nproc", "2", cwd=tmp_path, log=tmp_path / "pre.log"), out, 3)
-    saved = sorted((out / "checkpoints").glob("step-*/manifest.json"))
-    assert len(saved) == 1, output[-3000:]  # not a periodic one (every 100): written because of the signal
-    step = int(saved[0].parent.name.split("-")[1])
-    assert 3 <= step < 40
-    # The same command with resume=auto finishes the run from there.
-    finetune(str(recipe), "--nproc", "2", "resume=auto", cwd=tmp_path)
-    assert len(losses(out)) == 40
-
-
-def test_ddp_resume_with_dropout_continues_each_ranks_random_stream(recipe_dict, tmp_path):
-    # With dropout, exact resume needs every rank's generator state, not only rank 0's.
-    from conftest import write_jsonl
-
-    # Lengths that differ between ranks' batches: their generators then advance by different amounts.
-    rows = [{"instruction": "Repeat " + "ab" * (i % 7 + 1), "input": "", "output": "ab" * (i % 7 + 1)} for i in range(48)]
-    data = write_jsonl(tmp_path / "varied.jsonl", rows)
-    common = {
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.2},
-        "train__batch_size": 2,
-        "checkpoint": {"every_steps": 3},
-        "train__scheduler": "constant",
-        "train__lr": 5e-2,
-        "data__path": str(data),
-        "data__shuffle": True,
-    }
-    full_recipe, full = write(tmp_path, recipe_dict, "full", train__max_steps=6, **common)
-    finetune(str(full_recipe), "--nproc", "2", cwd=tmp_path)
-    part_recipe, part = write(tmp_path, recipe_dict, "part", train__max_steps=3, **common)
-    finetune(str(part_recipe), "--nproc", "2", cwd=tmp_path)
-    finetune(
-        str(part_recipe),
-        "--nproc",
-        "2",
-        "train.max_steps=6",
-        "resume=auto",
-        "resume_ignore_changes=true",
-        cwd=tmp_path,
-    )
-    assert losses(part) == pytest.approx(losses(full), rel=1e-6)
-    a, b = adapter(full), adapter(part)
-    for k in a:  # bitwise on CPU fp32: the same masks, the same arithmetic
-        assert torch.equal(a[k], b[k]), k
-
-
-def test_ddp_with_the_vocabulary_tables_in_host_ram_trains_bitwise_alike(recipe_dict, tmp_path):
-    # memory.embeddings=cpu under DDP trains like the tables in place. (On gloo every parameter is on
-    # the CPU, so this cannot see DDP's one-device check: tests/test_host_tables.py checks the names
-    # DDP is told to leave alone.)
-    common = {"train__max_steps": 3, "train__batch_size": 2, "quant": {"bits": 4}}
-    on_device, out_device = write(tmp_path, recipe_dict, "device", memory__embeddings="device", **common)
-    on_host, out_host = write(tmp_path, recipe_dict, "host", memory__embeddings="cpu", **common)
-    finetune(str(on_device), "--nproc", "2", cwd=tmp_path)
-    proc = finetune(str(on_host), "--nproc", "2", cwd=tmp_path)
-    assert "of frozen vocabulary tables live in host RAM" in proc.stdout
-    assert losses(out_host) == losses(out_device) and len(losses(out_host)) == 3
-    a, b = adapter(out_device), adapter(out_host)
+    got, want = by_step(out), by_step(ref)
+    assert sorted(got) == sorted(want) == list(range(1, 25))
+    assert [got[s] for s in sorted(got)] == pytest.approx([want[s] for s in sorted(want)], rel=1e-6)
+    a, b = adapter(ref), adapter(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

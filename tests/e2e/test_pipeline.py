@@ -36,6 +36,7 @@ def base(tmp_path_factory) -> tuple[Path, dict]:
         "model": {"path": str(model)},
         "data": {"path": str(write_jsonl(root / "train.jsonl", ALPACA_ROWS)), "format": "alpaca", "max_seq_len": 256},
         "seed": 0,
+        "report": {"plot": False},  # no loss.png: ~0.5 s of matplotlib a run
         "precision": "fp32",
         "quant": {"bits": 4},
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},

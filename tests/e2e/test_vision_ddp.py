@@ -56,34 +56,39 @@ def run(tmp_path, model, data, nproc: int, batch: int, name: str, wrong_scale: b
     return out
 
 
-def test_two_processes_train_a_vlm_as_one(tmp_path):
-    model = build_vlm("gemma3", tmp_path / "gemma3")
-    write_images(tmp_path / "img", 3)
-    data = write_jsonl(tmp_path / "train.jsonl", [conversation(i) for i in range(12)])
-    one = run(tmp_path, model, data, 1, 4, "one")
-    two = run(tmp_path, model, data, 2, 2, "two")
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """(folder, model, data, the one-process reference run): the tiny Gemma 3 and 12 conversations with 0-2 pictures,
+    trained once on one process (batch 4) for every comparison of the module."""
+    root = tmp_path_factory.mktemp("vision_ddp")
+    model = build_vlm("gemma3", root / "gemma3")
+    write_images(root / "img", 3)
+    data = write_jsonl(root / "train.jsonl", [conversation(i) for i in range(12)])
+    return root, model, data, run(root, model, data, 1, 4, "one")
+
+
+def test_two_processes_train_a_vlm_as_one(gemma3, tmp_path):
+    root, model, data, one = gemma3
+    two = run(root, model, data, 2, 2, "two")
     assert_same_steps(one, two, rel=1e-5)
     a, b = (load_file(str(o / "adapter" / "adapter_model.safetensors")) for o in (one, two))
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
-    doubled = run(tmp_path, model, data, 2, 2, "doubled", wrong_scale=True)
+    doubled = run(root, model, data, 2, 2, "doubled", wrong_scale=True)
     with pytest.raises(AssertionError, match="differ"):
         assert_same_steps(one, doubled, rel=1e-5)
 
 
-def test_fsdp_trains_a_vlm_as_one_process_with_images_on_some_ranks_only(tmp_path):
+def test_fsdp_trains_a_vlm_as_one_process_with_images_on_some_ranks_only(gemma3, tmp_path):
     # FSDP shards the language model's layers only: the vision blocks stay in the root group, gathered on every
     # rank. Sharded apart (as _no_split_modules lists them), a rank whose micro-batch had no image skipped their
     # all-gathers while the other ran them: gloo "Received data size doesn't match", SIGABRT (seen, Gemma 3).
-    model = build_vlm("gemma3", tmp_path / "gemma3")
-    write_images(tmp_path / "img", 3)
-    data = write_jsonl(tmp_path / "train.jsonl", [conversation(i) for i in range(12)])
-    one = run(tmp_path, model, data, 1, 4, "one")
-    assert_same_steps(one, run(tmp_path, model, data, 2, 2, "fsdp", distributed={"strategy": "fsdp"}), rel=1e-5)
+    root, model, data, one = gemma3
+    assert_same_steps(one, run(root, model, data, 2, 2, "fsdp", distributed={"strategy": "fsdp"}), rel=1e-5)
     # LoRA on LLaVA's projector too: trained only by rows with images, summed over ranks that may have none.
     llava = build_vlm("llava", tmp_path / "llava")
     target = {"target": ["q_proj", "v_proj", "projector"]}
-    one = run(tmp_path, llava, data, 1, 4, "llava-one", lora=target)
-    fsdp = run(tmp_path, llava, data, 2, 2, "llava-fsdp", lora=target, distributed={"strategy": "fsdp"})
+    one = run(root, llava, data, 1, 4, "llava-one", lora=target)
+    fsdp = run(root, llava, data, 2, 2, "llava-fsdp", lora=target, distributed={"strategy": "fsdp"})
     assert_same_steps(one, fsdp, rel=1e-5)
     a, b = (load_file(str(o / "adapter" / "adapter_model.safetensors")) for o in (one, fsdp))
     assert any("multi_modal_projector" in k for k in a) and a.keys() == b.keys()
