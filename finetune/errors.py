@@ -36,6 +36,11 @@ def broken(rules: Iterable[Rule[T]], x: T, **fields: Any) -> list[str]:
     return [m for m in (rule.check(x, **fields) for rule in rules) if m is not None]
 
 
+def exception_line(exc: BaseException) -> str:
+    """'Type: first line of its message': what a note or problem quotes of an exception it caught."""
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+
+
 class FinetuneError(Exception):
     """Base class: a problem with the user's input or environment, with a hint."""
 

@@ -191,14 +191,12 @@ def alpaca_file(tmp_path) -> Path:
     return write_jsonl(tmp_path / "train.jsonl", ALPACA_ROWS)
 
 
-@pytest.fixture
-def recipe_dict(tiny_model_dir, alpaca_file, tmp_path) -> dict:
-    """A small valid recipe (as a dict) on the tiny model; tests tweak it."""
+def tiny_recipe(model_dir: Path, data_file: Path) -> dict:
+    """A small valid recipe (as a dict) on a tiny model and an alpaca file, output_dir left to the caller."""
     return {
         "description": "test recipe",
-        "model": {"path": str(tiny_model_dir)},
-        "data": {"path": str(alpaca_file), "format": "alpaca", "max_seq_len": 256},
-        "output_dir": str(tmp_path / "run"),
+        "model": {"path": str(model_dir)},
+        "data": {"path": str(data_file), "format": "alpaca", "max_seq_len": 256},
         "seed": 0,
         "precision": "fp32",
         "quant": {"bits": None},
@@ -209,6 +207,12 @@ def recipe_dict(tiny_model_dir, alpaca_file, tmp_path) -> dict:
         # output tests in test_trainer.py and e2e/test_cli_e2e.py draw it).
         "report": {"plot": False},
     }
+
+
+@pytest.fixture
+def recipe_dict(tiny_model_dir, alpaca_file, tmp_path) -> dict:
+    """A small valid recipe (as a dict) on the tiny model; tests tweak it."""
+    return {**tiny_recipe(tiny_model_dir, alpaca_file), "output_dir": str(tmp_path / "run")}
 
 
 def pytest_xdist_auto_num_workers(config):

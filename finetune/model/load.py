@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from finetune.config.schema import RecipeConfig, resolve_path
-from finetune.errors import ModelError
+from finetune.errors import ModelError, exception_line
 from finetune.hardware import resolve_precision, torch_dtype
 from finetune.model import moe, varlen, vision
 from finetune.model.partial import Split, only_placed
@@ -280,8 +280,10 @@ def choose_attention(
     except Exception as exc:  # noqa: BLE001 - custom code or an unreachable config: loading reports real problems
         if wanted == varlen.NAME:
             return varlen.register(), None
-        failed = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
-        return None, f"note: attn_implementation=auto could not look up the model's class ({failed}); transformers' default"
+        return (
+            None,
+            f"note: attn_implementation=auto could not look up the model's class ({exception_line(exc)}); transformers' default",
+        )
     if wanted == varlen.NAME:
         why = varlen.unsupported(config)
         if why:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from finetune.config.schema import RecipeConfig, resolve_path
+from finetune.errors import exception_line
 from finetune.model import vision
 
 
@@ -35,7 +36,7 @@ def check_lora_targets(cfg: RecipeConfig) -> tuple[list[str], list[str]]:
         with init_empty_weights():
             model = vision.model_class(config).from_config(config, trust_remote_code=cfg.model.trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - loading reports the real problem with the model itself
-        why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        why = exception_line(exc)
         return [], [f"lora.target not checked before loading: '{cfg.model.path}' could not be built on the meta device ({why})"]
     names = [n for n, _ in model.named_modules()]
     if isinstance(cfg.lora.target, str):  # peft treats a string as a regex over full module names

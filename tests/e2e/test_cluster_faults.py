@@ -101,20 +101,10 @@ EPOCH = {"train__max_steps": None, "train__epochs": 1, "train__scheduler": "cons
 @pytest.fixture(scope="module")
 def epoch_reference(tiny_model_dir, tmp_path_factory):
     """(recipe, {step: examples trained}, run folder): one epoch on 2 processes, uninterrupted, shared by the module."""
-    from conftest import ALPACA_ROWS, write_jsonl
+    from conftest import ALPACA_ROWS, tiny_recipe, write_jsonl
 
     root = tmp_path_factory.mktemp("epoch_reference")
-    recipe = {
-        "model": {"path": str(tiny_model_dir)},
-        "data": {"path": str(write_jsonl(root / "train.jsonl", ALPACA_ROWS)), "format": "alpaca", "max_seq_len": 256},
-        "seed": 0,
-        "report": {"plot": False},  # no loss.png: ~0.5 s of matplotlib a run
-        "precision": "fp32",
-        "quant": {"bits": None},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "train": {"max_steps": 4, "batch_size": 4, "lr": 1e-3},
-        "memory": {"activation_checkpointing": "none"},
-    }
+    recipe = tiny_recipe(tiny_model_dir, write_jsonl(root / "train.jsonl", ALPACA_ROWS))
     ref_recipe, ref = write(root, recipe, "ref", train__grad_accum=1, **EPOCH)
     run_driver(root, DRIVER, ref_recipe, nproc=2, IDS=str(root / "ref-ids"))
     reference = trained_per_step(root / "ref-ids")
@@ -125,8 +115,7 @@ def epoch_reference(tiny_model_dir, tmp_path_factory):
 @pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
 def test_a_run_resumed_on_another_number_of_processes_trains_the_same_examples(epoch_reference, tmp_path, before, after):
     recipe_dict, reference, ref = epoch_reference
-    common = EPOCH
-    recipe, out = write(tmp_path, recipe_dict, "moved", train__grad_accum=2 // before, checkpoint={"every_steps": 100}, **common)
+    recipe, out = write(tmp_path, recipe_dict, "moved", train__grad_accum=2 // before, checkpoint={"every_steps": 100}, **EPOCH)
     ids = str(tmp_path / "moved-ids")
     run_driver(tmp_path, DRIVER, recipe, before, IDS=ids, OVERRIDES="train.max_steps=7")  # stops (checkpoint) at 7
     proc = run_driver(tmp_path, DRIVER, recipe, after, IDS=ids, OVERRIDES="resume=auto")
