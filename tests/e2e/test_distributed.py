@@ -1,7 +1,8 @@
 """Multi-process training on CPU (gloo): FSDP2 with a 4-bit base, resume across world sizes, and an elastic
 restart after a rank is killed (two "nodes" on one machine: tests/e2e/test_ddp.py).
 
-Every run goes through the real launcher (`finetune run --nproc N`, i.e. torchrun).
+Runs that are signalled, killed or restarted go through the real launcher (`finetune run --nproc N`); runs to
+their end through torchrun directly or in this process (`finetune()` says why).
 """
 
 from __future__ import annotations
@@ -49,14 +50,60 @@ def write(tmp_path: Path, recipe_dict: dict, name: str, **changes) -> tuple[Path
 
 
 def finetune(*args: str, cwd: Path, port: int | None = None, timeout: int = 420, log: Path | None = None):
-    """`finetune run ARGS` on a free rendezvous port (or `port`, for launchers that must meet): run to a
-    successful end, or with `log`, started as a Job writing its output there."""
-    cmd = [sys.executable, "-m", "finetune", "run", *args, "--no-progress", "--master-port", str(port or free_port())]
-    if log is not None:
-        return Job(cmd, log, cwd=cwd, env=ENV)
-    proc = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    """`finetune run ARGS` to a successful end on a free rendezvous port (or `port`, for launchers that must meet);
+    with `log`, started through the launcher as a Job writing its output there (signals, exits, restarts).
+
+    A run to its end goes the shortest way a user can run it, which trains the same numbers: `--nproc N` through
+    torchrun directly (`torchrun -m finetune run`, as Slurm and Kubernetes start it; the launcher's own checks,
+    signals and exit codes are the Job runs' and test_cli_e2e's), one process in this process (`finetune.cli.main`):
+    each skips a Python process's imports (~5 CPU-s), which are most of a tiny run's cost."""
+    flags = ("--nproc", "--nnodes", "--max-restarts")
+    if log is not None or any(a in ("--nnodes", "--max-restarts") for a in args):
+        cmd = [sys.executable, "-m", "finetune", "run", *args, "--no-progress", "--master-port", str(port or free_port())]
+        if log is not None:
+            return Job(cmd, log, cwd=cwd, env=ENV)
+        proc = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    elif "--nproc" in args and (nproc := args[args.index("--nproc") + 1]) != "1":
+        rest = [a for i, a in enumerate(args) if a not in flags and (i == 0 or args[i - 1] not in flags)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            nproc,
+            "--master_port",
+            str(port or free_port()),
+        ]
+        proc = subprocess.run(
+            [*cmd, "-m", "finetune", "run", *rest, "--no-progress"],
+            cwd=cwd,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    else:
+        rest = [a for i, a in enumerate(args) if a not in flags and (i == 0 or args[i - 1] not in flags)]
+        proc = run_here(["run", *rest, "--no-progress"], cwd)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
+
+
+def run_here(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`finetune ARGV` in this process (its output captured), from `cwd`."""
+    import contextlib
+    import io
+
+    from finetune.cli.commands import main
+
+    out, err, before = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    finally:
+        os.chdir(before)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def run_driver(tmp_path: Path, source: str, recipe: Path, nproc: int = 2, **env: str) -> subprocess.CompletedProcess:
