@@ -1,11 +1,11 @@
 """OMP_NUM_THREADS=1 python benchmarks/gguf_memory.py [--workdir /tmp/gguf-bench] [--models tiny,0.5b] [--out JSON]
 
-Peak resident memory of `finetune export RUN --gguf` (finetune.runs.gguf_export.export_gguf, what the CLI
+Peak resident memory of `finetune export RUN --gguf` (finetune.export.gguf_export.export_gguf, what the CLI
 calls) on the bundled tiny Llama and on a Qwen2.5-0.5B-shaped Qwen2 built here with random weights (issue 31).
 Each measurement runs in a fresh process that reports its own peak RSS (VmHWM), so one phase's memory
 never hides another's:
 
-  imports     python + torch + transformers + peft + bitsandbytes + gguf + finetune.runs.gguf_export, nothing loaded
+  imports     python + torch + transformers + peft + bitsandbytes + gguf + finetune.export.gguf_export, nothing loaded
   export-f16  the whole export of the QLoRA run, --gguf-type f16 (reference logits, merge, write, read-back check),
               the resident set sampled every 5 ms and its peak kept per step (told by the export's messages)
   export-q8_0 the same, --gguf-type q8_0
@@ -115,7 +115,7 @@ def phase(name: str, work: Path) -> dict:
     import torch
     import transformers  # noqa: F401
 
-    from finetune.runs import gguf_export
+    from finetune.export import gguf_export
 
     kind, _, gguf_type = name.partition("-")
     out = work / f"out-{gguf_type}"
@@ -161,14 +161,14 @@ def _sha256(path: Path) -> str:
 
 def _merge_and_write(work: Path, out: Path, gguf_type: str, step: dict[str, str]) -> dict:
     """The export's merge and GGUF write alone (no reference model, no check), as export_gguf runs them: each
-    tensor merged (runs/merge.py's MergedTensors), converted and written before the next is read."""
+    tensor merged (export/merge.py's MergedTensors), converted and written before the next is read."""
     import torch
     import yaml
     from transformers import AutoTokenizer
 
-    from finetune.runs.gguf_file import write_gguf
-    from finetune.runs.gguf_vocab import add_vocab
-    from finetune.runs.merge import MergedTensors, Quant4, read_adapter
+    from finetune.export.gguf_file import write_gguf
+    from finetune.export.gguf_vocab import add_vocab
+    from finetune.export.merge import MergedTensors, Quant4, read_adapter
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

@@ -1,11 +1,11 @@
 """OMP_NUM_THREADS=1 python benchmarks/merge_memory.py [--workdir /tmp/merge-bench] [--layers 12] [--hidden 1024]
 
-Peak resident memory of the streaming merge (finetune.runs.export.stream_merge) on a
+Peak resident memory of the streaming merge (finetune.export.run.stream_merge) on a
 Llama of a few hundred MB built here, against what merging the usual way costs.
 Each measurement runs in a fresh process that reports its own peak RSS
 (VmHWM), so one phase's memory never hides another's:
 
-  imports   python + torch + transformers + peft + bitsandbytes + finetune.runs.export, nothing loaded
+  imports   python + torch + transformers + peft + bitsandbytes + finetune.export.run, nothing loaded
   stream    stream_merge of a LoRA r=16 (all linear layers) into the bf16 base -> bf16 shards
   stream-4  the same against the 4-bit base: every linear weight round-tripped through NF4 first
   export    the whole `finetune export RUN --merge` of the 4-bit run (reference logits, merge, verification)
@@ -93,8 +93,8 @@ def phase(name: str, work: Path) -> dict:
     import torch
     import transformers  # noqa: F401
 
+    from finetune.export import run as export
     from finetune.model.shards import read_header, weight_files
-    from finetune.runs import export
 
     out = work / f"out-{name}"
     shutil.rmtree(out, ignore_errors=True)

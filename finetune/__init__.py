@@ -53,7 +53,7 @@ _EXPORTS = {
     "Loss": "finetune.trainer",
     "open_run": "finetune.runs.open",
     "load_trained": "finetune.runs.open",
-    "export_run": "finetune.runs.export",
+    "export_run": "finetune.export.run",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -18,9 +18,9 @@ from test_export import quiet, vanilla_logits
 from finetune import adapters
 from finetune.config.schema import LoraConfig, build_recipe
 from finetune.errors import ConfigError
+from finetune.export.run import export_run
 from finetune.model.load import load_model
 from finetune.runs.checkpoint import recipe_changes
-from finetune.runs.export import export_run
 
 
 def lora_modules(model):

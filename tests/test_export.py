@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from finetune.cli.commands import main
 from finetune.data import ALPACA_PROMPT
 from finetune.errors import ExportError, MergeCheckFailed, RunDirError
+from finetune.export.run import export_run, read_adapter, reference, verify
 from finetune.model.shards import ShardWriter, read_header, read_tensor, weight_files
-from finetune.runs.export import export_run, read_adapter, reference, verify
 
 QUANT = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32)
 
@@ -174,7 +174,7 @@ def meta_base(run) -> str:
 def test_vllm_note_names_the_rank_flag_and_what_vllm_refuses(config, servable, max_rank, refused):
     from pathlib import Path
 
-    from finetune.runs.serving import vllm_note
+    from finetune.export.serving import vllm_note
 
     note = vllm_note(config, "BASE", Path("/x/ad"))
     assert (note["servable"], note["max_lora_rank"], note["refused_by_vllm"]) == (servable, max_rank, refused)
@@ -186,7 +186,7 @@ def test_vllm_note_names_the_rank_flag_and_what_vllm_refuses(config, servable, m
 def test_sharded_base_gives_sharded_merge_with_the_same_tensors(lora_run, tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from finetune.runs.export import stream_merge
+    from finetune.export.run import stream_merge
 
     sharded = tmp_path / "sharded"
     AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(sharded, max_shard_size="100KB")
@@ -233,7 +233,7 @@ def test_shard_writer_round_trips_every_dtype_and_shape(tmp_path):
 
 
 def test_corrupted_merge_fails_loudly_and_leaves_nothing(lora_run, tmp_path, monkeypatch, capsys):
-    import finetune.runs.merge as merge
+    import finetune.export.merge as merge
 
     real = merge.merged_weight
 
@@ -243,7 +243,7 @@ def test_corrupted_merge_fails_loudly_and_leaves_nothing(lora_run, tmp_path, mon
             w = w + 0.01 * w.abs().mean() * torch.randn(w.shape, generator=torch.Generator().manual_seed(0))
         return w
 
-    monkeypatch.setattr(merge, "merged_weight", corrupt_one)  # stream_merge's, in finetune/runs/merge.py
+    monkeypatch.setattr(merge, "merged_weight", corrupt_one)  # stream_merge's, in finetune/export/merge.py
     out = tmp_path / "merged"
     with pytest.raises(MergeCheckFailed) as err:
         export_run(lora_run.path, out, merge=True, dtype="fp32", say=quiet)

@@ -112,7 +112,7 @@ def test_family_packed_rows_under_varlen_train_like_sdpa_or_are_refused(trained)
 
 
 def test_family_merged_export_passes_the_merge_check(trained, tmp_path):
-    from finetune.runs.export import export_run
+    from finetune.export.run import export_run
 
     family, runs = trained
     meta = export_run(runs["unpacked"][1].output_dir, tmp_path / "merged", merge=True, dtype="fp32", say=lambda _: None).metadata

@@ -293,7 +293,7 @@ def test_generate_eval_export_stop_before_loading_more_than_the_gpu_has_free(qlo
     # The device is pretended: the check stops every command before anything touches CUDA.
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr("finetune.runs.open.default_device", lambda: cuda)
-    monkeypatch.setattr("finetune.runs.export.default_device", lambda: cuda)
+    monkeypatch.setattr("finetune.export.run.default_device", lambda: cuda)
     asked = []
     monkeypatch.setattr("finetune.runs.open.device_free_bytes", lambda device: asked.append(device) or 100 * 1024)
     cfg = open_run(qlora_run.path).cfg

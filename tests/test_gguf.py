@@ -15,9 +15,9 @@ from finetune.cli.commands import main
 from finetune.config.files import resolve_path
 from finetune.data.templates import BUILTIN_TEMPLATES
 from finetune.errors import ExportError, MergeCheckFailed
-from finetune.runs import gguf_export, gguf_file
-from finetune.runs.gguf_export import export_gguf
-from finetune.runs.modelfile import modelfile
+from finetune.export import gguf_export, gguf_file
+from finetune.export.gguf_export import export_gguf
+from finetune.export.modelfile import modelfile
 
 pytest.importorskip("gguf", reason="the GGUF export needs the gguf package: pip install -e '.[test]' (or '.[gguf]')")
 
@@ -145,7 +145,7 @@ def test_the_gguf_write_holds_one_tensor_at_a_time_and_stages_nothing(bpe_run, t
 
     import gguf
 
-    from finetune.runs import merge
+    from finetune.export import merge
 
     alive, most, seen = ({"read": 0, "merged": 0, "writer": 0} for _ in range(3))
     staged: list[Path] = []

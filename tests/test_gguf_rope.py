@@ -13,8 +13,8 @@ from conftest import train_tiny_run
 from test_gguf import build_tiny_family, quiet, read_back
 
 from finetune.errors import MergeCheckFailed
-from finetune.runs import gguf_export, gguf_file, gguf_rope
-from finetune.runs.gguf_export import export_gguf
+from finetune.export import gguf_export, gguf_file, gguf_rope
+from finetune.export.gguf_export import export_gguf
 
 pytest.importorskip("gguf", reason="the GGUF export needs the gguf package: pip install -e '.[test]' (or '.[gguf]')")
 

@@ -12,9 +12,9 @@ from conftest import build_tiny_llama, copy_run_with_base, train_tiny_run
 
 from finetune.cli.commands import main
 from finetune.errors import ExportError
-from finetune.runs import gguf_export
-from finetune.runs.gguf_export import export_gguf
-from finetune.runs.gguf_vocab import check_vocab
+from finetune.export import gguf_export
+from finetune.export.gguf_export import export_gguf
+from finetune.export.gguf_vocab import check_vocab
 
 pytest.importorskip("gguf", reason="the GGUF export needs the gguf package: pip install -e '.[test]' (or '.[gguf]')")
 

@@ -28,7 +28,8 @@ ORDER = [
     "memory",  # where a step's bytes wait
     "plan",  # memory and speed before loading
     "parallel",  # how a run spreads over processes
-    "runs",  # a run's directory: checkpoints, resume, evaluate, merge, export
+    "runs",  # a run's directory: checkpoints, resume, evaluate, open
+    "export",  # a run turned into something else: adapter, merged model, GGUF
     "objectives",  # what a step minimises
     "trainer",  # the loop
     "cli",  # imports them all
@@ -91,16 +92,8 @@ PACKAGE_ORDER = {
         "evaluate",
         "preflight",
         "open",
-        "merge",
-        "serving",
-        "export",
-        "gguf_rope",
-        "gguf_file",
-        "gguf_spm",
-        "gguf_vocab",
-        "modelfile",
-        "gguf_export",
     ],
+    "export": ["merge", "serving", "run", "gguf_rope", "gguf_file", "gguf_spm", "gguf_vocab", "modelfile", "gguf_export"],
     "objectives": ["table", "loss", "preference", "rewards", "sampling", "grpo"],
     "trainer": ["state", "callbacks", "schedule", "order", "profiling", "watch", "faults", "held_out", "build", "loop"],
     "cli": ["finished", "commands"],

@@ -152,8 +152,8 @@ def trained_moe(tiny_moe, tmp_path_factory):
 
 
 def test_moe_trains_qlora_with_4bit_experts_a_frozen_router_and_lora_on_the_experts(trained_moe):
+    from finetune.export.merge import expert_loras
     from finetune.model import moe
-    from finetune.runs.merge import expert_loras
 
     family, _, runs = trained_moe
     for name, (trainer, result) in runs.items():
@@ -189,7 +189,7 @@ def test_moe_packed_logits_equal_each_example_alone(trained_moe):
 
 
 def test_moe_merged_export_passes_the_merge_check_only_with_the_experts_round_trip(trained_moe, tmp_path):
-    from finetune.runs.export import export_run, read_adapter, reference, stream_merge, verify
+    from finetune.export.run import export_run, read_adapter, reference, stream_merge, verify
     from finetune.runs.open import open_run
 
     family, model_dir, runs = trained_moe

@@ -279,7 +279,7 @@ def test_dpo_with_a_memory_mode_trains_like_without(recipe_dict, tmp_path, memor
 
 def test_a_dpo_run_merges_and_evaluates(recipe_dict, tmp_path, capsys):
     from finetune.cli.commands import main
-    from finetune.runs.export import export_run
+    from finetune.export.run import export_run
 
     changes = {"output_dir": str(tmp_path / "run"), "quant": {"bits": 4}, "data.eval_fraction": 0.25}
     with Trainer(build_recipe(recipe(recipe_dict, tmp_path, **changes)), progress=False) as trainer:

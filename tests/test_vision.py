@@ -279,7 +279,7 @@ def test_zero_bucket_sizes_come_from_a_vlms_text_config(families, tiny_model_dir
 def test_merged_vlm_loads_as_its_class_with_its_processor(families, vision_data, tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from finetune.runs.export import export_run
+    from finetune.export.run import export_run
 
     trained(families["llava"], vision_data, tmp_path / "run")  # its checkpoint keeps the older names
     result = export_run(tmp_path / "run", tmp_path / "merged", merge=True, say=lambda _t: None)
@@ -296,7 +296,7 @@ def test_merged_vlm_loads_as_its_class_with_its_processor(families, vision_data,
 
 def test_the_merge_check_sees_a_projector_adapter_through_its_picture_prompt(families, vision_data, tmp_path, monkeypatch):
     from finetune.errors import MergeCheckFailed
-    from finetune.runs import export
+    from finetune.export import run as export
 
     # LoRA on the projector alone: no text prompt runs it, only the check's prompt with a picture.
     trained(families["llava"], vision_data, tmp_path / "run", lora={"target": ["projector"]})

@@ -9,7 +9,7 @@ disk-streamed base is not captured while it loads (finetune/trainer/build.py).
 
 After training: the adapter's adapter_config.json says init_lora_weights="pissa", so vanilla peft
 loading it onto the original base recomputes the same residual (a deterministic SVD) and gives the
-run's logits. Merging must add B @ A x scale to the residual, not to W: finetune/runs/export.py does
+run's logits. Merging must add B @ A x scale to the residual, not to W: finetune/export/run.py does
 (W - U_r S_r V_r^T + scale B @ A, checked like every merge). peft's other way is to convert the
 adapter to plain LoRA, delta = B @ A - B0 @ A0 at rank 2r, with
 save_pretrained(path_initial_model_for_weight_conversion=...), which needs the adapter as it was

@@ -47,7 +47,7 @@ def _say_remote_code_notice(run) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from finetune.runs.export import export_run
+    from finetune.export.run import export_run
 
     if args.gguf:
         return _export_gguf(args)
@@ -66,7 +66,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _export_gguf(args: argparse.Namespace) -> int:
-    from finetune.runs.gguf_export import export_gguf
+    from finetune.export.gguf_export import export_gguf
 
     given = [flag for flag, on in (("--merge", args.merge), ("--dtype", args.dtype is not None)) if on]
     if given:

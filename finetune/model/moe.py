@@ -133,7 +133,7 @@ def _release(block: torch.nn.Module, args: Any, output: Any) -> None:
 
 
 def quant_states(model) -> dict[str, Any]:
-    """{fused parameter name: bitsandbytes QuantState} of the 4-bit experts (finetune/runs/merge.py round-trips them)."""
+    """{fused parameter name: bitsandbytes QuantState} of the 4-bit experts (finetune/export/merge.py round-trips them)."""
     return {
         name: module.__dict__[_STORE][attr][1]
         for name, (module, attr) in fused_expert_params(model).items()

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.errors import ExportError
-from finetune.runs.gguf_file import import_gguf
+from finetune.export.gguf_file import import_gguf
 
 SPACE = "\u2581"  # "▁": how SentencePiece spells a space inside a token
 _BYTE = re.compile(r"<0x[0-9A-F]{2}>")

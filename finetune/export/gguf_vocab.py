@@ -6,7 +6,7 @@
 
 Two tokenizer models: 'gpt2' for a byte-level BPE (Llama 3, Qwen; written here: tokens, types,
 merges) and 'llama' for a SentencePiece-style BPE with byte fallback (Llama 2, Mistral, Gemma,
-Phi-3; runs/gguf_spm.py: tokens, scores, types, add_space_prefix). Special token ids, add_bos/add_eos
+Phi-3; export/gguf_spm.py: tokens, scores, types, add_space_prefix). Special token ids, add_bos/add_eos
 and the chat template (the run's chat_template.jinja) are read by gguf's own SpecialVocab, as
 convert_hf_to_gguf.py reads them.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from finetune.errors import ExportError
-from finetune.runs.gguf_file import import_gguf
-from finetune.runs.gguf_spm import add_spm, check_spm
+from finetune.export.gguf_file import import_gguf
+from finetune.export.gguf_spm import add_spm, check_spm
 
 # tokenizer.ggml.pre: the name llama.cpp (llama-vocab.cpp) gives each pre-tokenizer split it implements;
 # the read-back check compares token ids, so a wrong name here fails the export rather than shipping.

@@ -12,10 +12,10 @@ per-expert tensors stacked in expert order into one 3-D tensor per layer and pro
 (ffn_gate_exps, ffn_up_exps, ffn_down_exps), with the router (ffn_gate_inp), Qwen2-MoE's shared
 expert (ffn_*_shexp, its gate squeezed to 1-D as ffn_gate_inp_shexp) and the expert counts and
 sizes as metadata; Llama 3.1-3.3's llama3 rope scaling as a generated F32 rope_freqs.weight, first
-(runs/gguf_rope.py; other scaled rope types refused); 1-D tensors and routers kept F32, and the rest converted by gguf.quants. A model transformers' GGUF loader would read back with other
+(export/gguf_rope.py; other scaled rope types refused); 1-D tensors and routers kept F32, and the rest converted by gguf.quants. A model transformers' GGUF loader would read back with other
 values than its own (Family.reader_fixed) is refused, since the read-back check could not pass.
 Tensors are merged, converted and written one at a time, straight from the base checkpoint
-(runs/merge.py's MergedTensors; header, metadata and tensor index first, then each tensor), so
+(export/merge.py's MergedTensors; header, metadata and tensor index first, then each tensor), so
 memory holds one tensor and its GGUF bytes (a stacked expert tensor: its GGUF bytes, filled one
 expert at a time), and nothing is staged on disk.
 """
@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from finetune.errors import ExportError
-from finetune.runs.gguf_rope import ROPE_FREQS, check_rope, rope_freqs, rope_sections
-from finetune.runs.merge import MergedTensors
+from finetune.export.gguf_rope import ROPE_FREQS, check_rope, rope_freqs, rope_sections
+from finetune.export.merge import MergedTensors
 
 INSTALL_HINT = "pip install 'finetune[gguf]' (llama.cpp's gguf package, which writes and reads the file)"
 

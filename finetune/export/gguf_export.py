@@ -3,15 +3,15 @@
     finetune export runs/demo-cpu --gguf --gguf-type q8_0 --out exports/demo-gguf
     ollama create demo -f exports/demo-gguf/Modelfile
 
-The weights are what `--merge` computes (runs/merge.py's MergedTensors: dequantize(quantize(W)) +
+The weights are what `--merge` computes (export/merge.py's MergedTensors: dequantize(quantize(W)) +
 the scaled adapter, in fp32), each merged, converted and written by gguf's own GGUFWriter before
-the next is read (runs/gguf_file.py, runs/gguf_vocab.py, runs/gguf_spm.py): one tensor in memory,
+the next is read (export/gguf_file.py, export/gguf_vocab.py, export/gguf_spm.py): one tensor in memory,
 nothing staged on disk. The check reads the file back with an independent reader, transformers'
 GGUF loader: its logits on the verify prompts against the model as trained, its tokenizer's ids for
 those prompts (rendered in the run's format with the file's own chat template) and for probe texts
 against the run's. What llama.cpp reads of a SentencePiece-style tokenizer and transformers does
 not (add_space_prefix, byte token types) is checked against the run's tokenizer on its own; so is
-Llama 3.1's rope scaling (rope_freqs, runs/gguf_rope.py), which the reader is given as ggml applies it.
+Llama 3.1's rope scaling (rope_freqs, export/gguf_rope.py), which the reader is given as ggml applies it.
 A failed check leaves nothing at --out.
 """
 
@@ -29,12 +29,13 @@ from typing import Any
 import torch
 
 from finetune.errors import ExportError, MergeCheckFailed
-from finetune.hardware import torch_dtype
-from finetune.model.load import default_device, model_source
-from finetune.model.shards import read_header, weight_files
-from finetune.runs.checkpoint import atomic_dir, write_json
-from finetune.runs.evaluate import prompt_ids
-from finetune.runs.export import (
+from finetune.export.gguf_file import GGUF_TYPES, K_QUANT_HINT, arch_name, gguf_family, import_gguf, write_gguf
+from finetune.export.gguf_rope import apply_file_rope, file_rope_factors, rope_check
+from finetune.export.gguf_spm import llama_cpp_mismatches
+from finetune.export.gguf_vocab import add_vocab, check_vocab
+from finetune.export.merge import MergedTensors, read_adapter
+from finetune.export.modelfile import modelfile
+from finetune.export.run import (
     METADATA,
     TOLERANCE,
     VERIFY_PROMPTS,
@@ -48,12 +49,11 @@ from finetune.runs.export import (
     prompt_logits,
     reference,
 )
-from finetune.runs.gguf_file import GGUF_TYPES, K_QUANT_HINT, arch_name, gguf_family, import_gguf, write_gguf
-from finetune.runs.gguf_rope import apply_file_rope, file_rope_factors, rope_check
-from finetune.runs.gguf_spm import llama_cpp_mismatches
-from finetune.runs.gguf_vocab import add_vocab, check_vocab
-from finetune.runs.merge import MergedTensors, read_adapter
-from finetune.runs.modelfile import modelfile
+from finetune.hardware import torch_dtype
+from finetune.model.load import default_device, model_source
+from finetune.model.shards import read_header, weight_files
+from finetune.runs.checkpoint import atomic_dir, write_json
+from finetune.runs.evaluate import prompt_ids
 from finetune.runs.open import Run, inference_precision, open_run, remote_code_notice, run_tokenizer
 
 # Largest |GGUF - as-trained| logit difference, as a fraction of max(1, max |logit|), per file type;

@@ -3,7 +3,7 @@
     finetune export runs/demo-cpu --out exports/demo                 # adapter + tokenizer + recipe
     finetune export runs/demo-cpu --out exports/demo-merged --merge --dtype bf16
 
-    from finetune.runs.export import export_run
+    from finetune.export.run import export_run
     result = export_run("runs/demo-cpu", "exports/demo-merged", merge=True, dtype="bf16")
     result.metadata["verification"]["max_abs_diff"]
 
@@ -37,13 +37,7 @@ import torch
 from finetune.data import get_format
 from finetune.data.images import image_inputs, processor_of
 from finetune.errors import ExportError, MergeCheckFailed
-from finetune.hardware import DTYPES, torch_dtype
-from finetune.model import vision
-from finetune.model.load import DAMAGED_CONFIG_HINT, config_json_problem, default_device, model_config, model_source
-from finetune.model.shards import weight_files
-from finetune.runs.checkpoint import atomic_dir, write_json
-from finetune.runs.evaluate import prompt_ids
-from finetune.runs.merge import (  # noqa: F401 - the API
+from finetune.export.merge import (  # noqa: F401 - the API
     Lora,
     Quant4,
     expert_loras,
@@ -52,6 +46,13 @@ from finetune.runs.merge import (  # noqa: F401 - the API
     read_adapter,
     stream_merge,
 )
+from finetune.export.serving import vllm_line, vllm_note
+from finetune.hardware import DTYPES, torch_dtype
+from finetune.model import vision
+from finetune.model.load import DAMAGED_CONFIG_HINT, config_json_problem, default_device, model_config, model_source
+from finetune.model.shards import weight_files
+from finetune.runs.checkpoint import atomic_dir, write_json
+from finetune.runs.evaluate import prompt_ids
 from finetune.runs.open import (
     Run,
     check_adapter_config,
@@ -61,7 +62,6 @@ from finetune.runs.open import (
     open_run,
     remote_code_notice,
 )
-from finetune.runs.serving import vllm_line, vllm_note
 
 METADATA = "finetune_export.json"
 EXPORT_DTYPES = tuple(DTYPES)  # bf16, fp16, fp32

@@ -1,5 +1,5 @@
 """The merge itself: a PEFT adapter read for merging, 4-bit round trips, and a streaming merge that
-holds one tensor in memory at a time (runs/export.py checks and describes what it writes).
+holds one tensor in memory at a time (export/run.py checks and describes what it writes).
 
     loras = read_adapter(run.weights_dir)                 # {base weight name: Lora}
     stats = stream_merge(base_dir, out_dir, torch.bfloat16, loras, quantized)
