@@ -221,6 +221,27 @@ def test_runs_from_before_grad_compression_resume_and_turning_it_on_changes_the_
     assert recipe_changes(new, on) == (["distributed.grad_compression: 'none' -> 'bf16'"], [])
 
 
+def test_each_split_declares_its_recipe_keys_and_a_resume_may_change_them():
+    # parallel/splits.py is where a split strategy's keys live: runs/checkpoint.py reads them, lists none.
+    from finetune.config.sections import DistributedConfig
+    from finetune.parallel.splits import SPLITS
+    from finetune.runs.checkpoint import recipe_changes
+
+    assert [s.name for s in SPLITS] == ["pipeline", "tensor", "context"]
+    for split in SPLITS:
+        assert split.key in split.keys and {k.split(".", 1)[1] for k in split.keys} <= set(DistributedConfig.model_fields)
+    one = build_recipe(MINIMAL)
+    assert not any(s.asked(one) for s in SPLITS)
+    for moved, sizes in (
+        ({"pipeline_parallel": 2, "pipeline_schedule": "gpipe", "tensor_parallel": 2}, [2, 2, 1]),
+        ({"context_parallel": 2, "context_parallel_mode": "ulysses"}, [1, 1, 2]),
+    ):
+        split = build_recipe({**MINIMAL, "distributed": moved})
+        assert [s.size(split) for s in SPLITS] == sizes
+        breaking, harmless = recipe_changes(one.to_dict(), split.to_dict())
+        assert breaking == [] and [h.split(":")[0] for h in harmless] == sorted(f"distributed.{k}" for k in moved)
+
+
 def test_deepspeed_keys_and_what_zero_cannot_run_with():
     ds = {"strategy": "deepspeed"}
     cfg = build_recipe({**MINIMAL, "distributed": {**ds, "zero_stage": 3, "offload_params": "cpu", "offload_optimizer": "cpu"}})

@@ -17,6 +17,7 @@ ORDER = [
     "metrics",
     "adapters",  # declarations: keys, rules, defaults
     "parallel.strategies",
+    "parallel.splits",
     "memory.techniques",
     "objectives.table",
     "parallel.zero_config",
@@ -68,6 +69,7 @@ PACKAGE_ORDER = {
     ],
     "parallel": [
         "strategies",
+        "splits",
         "zero_config",
         "compression",
         "layout",

@@ -53,7 +53,7 @@ from finetune.config.sections import (  # noqa: F401 - re-exported: the config A
 from finetune.errors import ConfigError
 from finetune.memory import techniques
 from finetune.objectives import table as objectives
-from finetune.parallel import compression, layout, zero_config
+from finetune.parallel import compression, splits, zero_config
 
 
 class RecipeConfig(_Section):
@@ -148,7 +148,7 @@ def cross_field_problems(cfg: RecipeConfig) -> list[str]:
         out.append("resume and overwrite=true contradict each other: resume continues a run, overwrite deletes it. Set one.")
     out += adapter_problems(cfg)
     out += objectives.problems(cfg)
-    out += compression.problems(cfg) + zero_config.problems(cfg) + layout.problems(cfg)
+    out += compression.problems(cfg) + zero_config.problems(cfg) + splits.problems(cfg)
     return out
 
 

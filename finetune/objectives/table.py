@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.errors import Rule, broken
-from finetune.parallel import strategies
+from finetune.parallel import splits, strategies
 
 
 @dataclass(frozen=True)
@@ -128,11 +128,7 @@ RULES: tuple[Rule[Any], ...] = (
     ),
     Rule(
         lambda cfg: (
-            _objective(cfg).online
-            and (
-                strategies.of_recipe(cfg).deepspeed
-                or cfg.distributed.pipeline_parallel * cfg.distributed.tensor_parallel * cfg.distributed.context_parallel > 1
-            )
+            _objective(cfg).online and (strategies.of_recipe(cfg).deepspeed or any(split.asked(cfg) for split in splits.SPLITS))
         ),
         "train.objective=grpo runs on one process, DDP or FSDP (each rank samples whole completions of its own "
         "prompts with model.generate); DeepSpeed's engine and pipeline, tensor or context parallelism split what "

@@ -2,6 +2,8 @@
 
 strategies   one declaration per strategy (ddp, fsdp, zero2, zero3): what the planner, --fit and the
              rules ask of it; stands before config/, and no other floor compares a strategy's name
+splits       one declaration per split strategy (pipeline, tensor, context): recipe keys, rules, traits; stands
+             before config/
 zero         distributed.strategy=deepspeed: ZeRO-2/3 rules and DeepSpeed's config; stands before config/
 compression  distributed.grad_compression rules and defaults; stands before config/
 strategy     which strategy a run uses, FSDP2 sharding, whole (gathered) states for checkpoints

@@ -7,6 +7,7 @@ import os
 from finetune.config.schema import RecipeConfig
 from finetune.errors import FinetuneError
 from finetune.gpus import GiB
+from finetune.parallel.splits import PIPELINE, SPLITS
 from finetune.plan.fitting import search
 from finetune.plan.inputs import RecipeFacts
 from finetune.plan.memory import gib
@@ -53,14 +54,13 @@ def _preflight_memory(cfg: RecipeConfig, refuse: bool) -> tuple[list[str], list[
     world = int(os.environ.get("WORLD_SIZE", "1"))
     e = plan_recipe(cfg, gpu, gpus=world)
     line = f"memory estimate: peak {gib(e.peak_bytes)} per GPU of {gib(gpu.memory_bytes)} ({gpu.name}, {world} process{'es' if world > 1 else ''})"
-    pp, tp, cp = cfg.distributed.pipeline_parallel, cfg.distributed.tensor_parallel, cfg.distributed.context_parallel
-    if pp > 1:
-        line += f", the fullest of {pp} pipeline stages"
+    asked = [split for split in SPLITS if split.asked(cfg)]
+    if PIPELINE.asked(cfg):
+        line += f", the fullest of {PIPELINE.size(cfg)} pipeline stages"
     if e.peak_bytes <= REFUSE_FACTOR * gpu.memory_bytes:
         return [], [line + ("" if e.fits else "; tight: it may run out of memory")]
-    if pp > 1 or tp > 1 or cp > 1:  # the search tries one-replica setups, not pipeline, tensor or context layouts
-        key = "pipeline_parallel" if pp > 1 else "tensor_parallel" if tp > 1 else "context_parallel"
-        fix = f"lower train.batch_size or data.max_seq_len, or raise distributed.{key} (see `finetune plan RECIPE --gpus N`)"
+    if asked:  # the search tries one-replica setups, not pipeline, tensor or context layouts
+        fix = f"lower train.batch_size or data.max_seq_len, or raise {asked[0].key} (see `finetune plan RECIPE --gpus N`)"
         problem = f"{line}: more than {REFUSE_FACTOR:g} x the device memory. {fix}. Pass --skip-memory-check to try anyway."
         return ([problem], []) if refuse else ([], [problem])
     shape = model_shape_of(cfg)

@@ -34,7 +34,7 @@ from typing import Any
 from finetune.errors import PlanError
 from finetune.gpus import GpuSpec
 from finetune.parallel.layout import Layout
-from finetune.parallel.layout import problems as layout_problems
+from finetune.parallel.splits import problems as split_problems
 from finetune.parallel.strategies import DDP
 from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.memory import Estimate, estimate
@@ -176,6 +176,6 @@ def context_choices(cfg: Any, shape: ModelShape, max_gpus: int) -> tuple[int, ..
         if d.context_parallel_mode == "ulysses" and shape.heads % cp:
             continue
         as_layout = cfg.model_copy(update={"distributed": d.model_copy(update={"context_parallel": cp})})
-        if not layout_problems(as_layout):
+        if not split_problems(as_layout):
             out.append(cp)
     return tuple(out)

@@ -33,7 +33,7 @@ from typing import Any
 from finetune.errors import PlanError
 from finetune.gpus import GpuSpec
 from finetune.parallel.layout import COLUMN, FAMILIES, ROW, Layout
-from finetune.parallel.layout import problems as layout_problems
+from finetune.parallel.splits import problems as split_problems
 from finetune.parallel.strategies import DDP
 from finetune.plan.context import plan_context_parallel
 from finetune.plan.inputs import RecipeFacts, Setup
@@ -334,6 +334,6 @@ def layout_choices(cfg: Any, shape: ModelShape, max_gpus: int, precision: str) -
                     ),
                 }
             )
-            if not layout_problems(as_layout):
+            if not split_problems(as_layout):
                 out.append((pp, tp))
     return tuple(out)

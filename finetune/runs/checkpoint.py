@@ -44,6 +44,7 @@ from finetune.parallel.distribute import (
     zero_optimizer,
 )
 from finetune.parallel.rank_state import RankState, read_powersgd, restore_rng_states, save_rank_states
+from finetune.parallel.splits import RESUME_HARMLESS as SPLITS_RESUME_HARMLESS
 
 RUN_MARKERS = ("recipe.yaml", "metrics.jsonl", "adapter", "checkpoints")
 MANIFEST = "manifest.json"
@@ -204,13 +205,7 @@ HARMLESS_CHANGES = (
     "distributed.offload_optimizer",
     "distributed.offload_params",
     "distributed.nvme_dir",
-    "distributed.pipeline_parallel",  # every stage's adapter and optimizer state are whole in a checkpoint
-    "distributed.pipeline_schedule",
-    "distributed.virtual_stages",
-    "distributed.tensor_parallel",  # the split tensors are gathered whole into a checkpoint, sliced again on load
-    "distributed.pipeline_layers",
-    "distributed.context_parallel",  # every rank of a context-parallel group holds the whole adapter, as DDP's do
-    "distributed.context_parallel_mode",
+    *SPLITS_RESUME_HARMLESS,  # pipeline, tensor and context parallelism's keys (finetune/parallel/splits.py)
     # How long a rank waits, what it warns about, whether a step is retried: not what a step computes.
     *("distributed.timeout_s", "distributed.straggler_ratio", "distributed.straggler_steps", "train.oom_backoff"),
 )

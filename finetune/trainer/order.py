@@ -18,7 +18,7 @@ import torch
 from finetune.config.schema import RecipeConfig
 from finetune.data import Collator, length_grouped
 from finetune.errors import ConfigError, DataError
-from finetune.parallel import strategies
+from finetune.parallel import splits, strategies
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class Window:
 
     def resume_problem(self, cfg: RecipeConfig) -> str | None:
         """An engine that fixes its micro-batches from the recipe cannot take another cut of the window."""
-        fixed = cfg.distributed.pipeline_parallel > 1 or strategies.of_recipe(cfg).deepspeed
+        fixed = any(s.fixes_micro_batches and s.asked(cfg) for s in splits.SPLITS) or strategies.of_recipe(cfg).deepspeed
         if not fixed or (self.micro_batch, self.accum) == (cfg.train.batch_size, cfg.train.grad_accum):
             return None
         return (
