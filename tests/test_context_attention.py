@@ -181,7 +181,7 @@ def test_what_a_split_sequence_cannot_run_with_is_refused_before_loading():
 def test_a_model_or_launch_the_split_cannot_serve_is_named_with_the_fix():
     from types import SimpleNamespace
 
-    from finetune.parallel.runtime import split_problems
+    from finetune.parallel.split_checks import split_problems
 
     ulysses = _recipe("distributed.context_parallel=4", "distributed.context_parallel_mode=ulysses")
     six_heads = SimpleNamespace(model_type="llama", num_attention_heads=6, num_hidden_layers=2)
@@ -201,7 +201,7 @@ def test_a_model_or_launch_the_split_cannot_serve_is_named_with_the_fix():
 def test_rotary_scaling_that_reads_the_longest_position_and_routers_are_refused_a_window_that_spans_every_row_is_not():
     from types import SimpleNamespace
 
-    from finetune.parallel.runtime import split_problems
+    from finetune.parallel.split_checks import split_problems
 
     cfg = _recipe("distributed.context_parallel=2", "data.max_seq_len=2048")
     base = {"num_attention_heads": 8, "num_hidden_layers": 2}

@@ -80,6 +80,7 @@ PACKAGE_ORDER = {
         "tensor",
         "ring",
         "context",
+        "split_checks",
         "rank_state",
         "ddp_hooks",
         "health",
@@ -173,7 +174,8 @@ def test_package_modules_flow_one_way():
             )
 
 
-STRATEGY_NAMES = {"single", "ddp", "fsdp", "deepspeed", "zero2", "zero3"}
+STRATEGY_NAMES = {"single", "ddp", "fsdp", "deepspeed", "zero2", "zero3", "pipeline", "tensor", "context"}
+SPLIT_RUNTIMES = {"pipeline", "tensor", "context"}  # Parallel's attributes holding a split strategy's runtime
 
 
 def strategy_name_comparisons(tree: ast.AST) -> list[int]:
@@ -188,6 +190,10 @@ def strategy_name_comparisons(tree: ast.AST) -> list[int]:
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "startswith":
             if any(isinstance(a, ast.Constant) and a.value == "zero" for a in node.args):
                 lines.append(node.lineno)
+        elif isinstance(node, ast.Attribute) and node.attr in SPLIT_RUNTIMES:
+            owner = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", None)
+            if owner == "parallel":  # `parallel.pipeline is None`: a branch on which strategy runs
+                lines.append(node.lineno)
     return lines
 
 
@@ -200,8 +206,11 @@ def test_no_strategy_name_is_compared_outside_parallel():
         for line in strategy_name_comparisons(ast.parse(path.read_text()))
     ]
     assert not offenders, f"strategy names compared outside finetune/parallel/: {offenders}"
-    probe = ast.parse('if cfg.distributed.strategy == "fsdp" or s.sharding in ("ddp",) or x.startswith("zero"): pass')
-    assert len(strategy_name_comparisons(probe)) == 3  # the check sees each form it forbids
+    probe = ast.parse(
+        'if cfg.distributed.strategy == "fsdp" or s.sharding in ("ddp",) or x.startswith("zero") or p.strategy != "tensor"'
+        " or self.parallel.pipeline is None or parallel.context: pass"
+    )
+    assert len(strategy_name_comparisons(probe)) == 6  # the check sees each form it forbids
 
 
 def test_every_package_ships():

@@ -146,18 +146,21 @@ def test_stages_run_one_after_another_give_the_whole_models_loss_and_gradients(t
 def test_a_trainer_that_overrides_compute_loss_is_refused_under_a_pipeline():
     from types import SimpleNamespace
 
-    from finetune.trainer import Trainer, build
+    from finetune.parallel.pipeline import Pipeline
+    from finetune.parallel.runtime import Parallel
+    from finetune.trainer import Trainer
 
     class Custom(Trainer):
         def compute_loss(self, model, batch):
             return super().compute_loss(model, batch)
 
-    pipelined = SimpleNamespace(pipeline=SimpleNamespace(objective=None))
+    stages = SimpleNamespace(objective=None, fit_objective=lambda *a: Pipeline.fit_objective(stages, *a))
+    pipelined = SimpleNamespace(pipeline=stages, is_main=False)
     with pytest.raises(ConfigError, match="Custom overrides compute_loss, which a pipeline cannot call"):
-        build.fit_pipeline(Custom, pipelined, Trainer.compute_loss, "loss")
-    build.fit_pipeline(Trainer, pipelined, Trainer.compute_loss, "loss")  # the trainer's own: runs
-    assert pipelined.pipeline.objective == "loss"
-    build.fit_pipeline(Custom, SimpleNamespace(pipeline=None), Trainer.compute_loss, "loss")  # no pipeline: runs
+        Parallel.fit_objective(pipelined, Custom, Trainer.compute_loss, "loss")
+    Parallel.fit_objective(pipelined, Trainer, Trainer.compute_loss, "loss")  # the trainer's own: runs
+    assert stages.objective == "loss"
+    Parallel.fit_objective(SimpleNamespace(pipeline=None), Custom, Trainer.compute_loss, "loss")  # no pipeline: runs
 
 
 def test_a_stage_reads_only_its_own_weights(tmp_path, checkpoint_reads):

@@ -241,7 +241,7 @@ def test_a_layer_split_that_cannot_be_is_refused(layers, says):
 
 
 def test_a_split_that_does_not_add_up_to_the_models_layers_is_refused_at_launch():
-    from finetune.parallel.runtime import split_problems
+    from finetune.parallel.split_checks import split_problems
 
     cfg = recipe("distributed.pipeline_parallel=2", "distributed.pipeline_layers=[40,41]")
     (said,) = split_problems(cfg, 2)

@@ -73,7 +73,7 @@ def test_a_recipe_tensor_parallelism_cannot_run_is_refused_naming_the_fix(extra,
 
 def test_a_launch_that_cannot_split_is_refused_before_loading(tmp_path):
     from finetune.config.schema import build_recipe
-    from finetune.parallel.runtime import split_problems
+    from finetune.parallel.split_checks import split_problems
 
     build_tiny_llama(tmp_path, vocab_size=64, hidden=128)  # 4 heads, 2 key/value heads
     cfg = build_recipe({**MINIMAL, "model": {"path": str(tmp_path)}, "distributed": {"tensor_parallel": 4}})

@@ -113,7 +113,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if cfg is None:
         return EXIT_INPUT
     from finetune.parallel.distribute import vision_problems
-    from finetune.parallel.runtime import split_problems
+    from finetune.parallel.split_checks import split_problems
 
     if launching or "WORLD_SIZE" not in os.environ:  # said once here, not by each process (torchrun's asked below)
         problems = split_problems(cfg, args.nproc * args.nnodes) + vision_problems(cfg, args.nproc * args.nnodes)

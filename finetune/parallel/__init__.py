@@ -7,6 +7,7 @@ splits       one declaration per split strategy (pipeline, tensor, context): rec
 zero         distributed.strategy=deepspeed: ZeRO-2/3 rules and DeepSpeed's config; stands before config/
 compression  distributed.grad_compression rules and defaults; stands before config/
 strategy     which strategy a run uses, FSDP2 sharding, whole (gathered) states for checkpoints
+split_checks what a launch of N processes cannot split, read from the model's config.json before loading
 rank_state   what each process holds alone (generators, PowerSGD state) for a checkpoint
 ddp_hooks    the DDP communication hooks of grad_compression
 runtime      Parallel: the one object the loop asks (gradient sync, global sums, whole states); the accelerator

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from finetune.data import IGNORE_INDEX
-from finetune.errors import TrainingError
+from finetune.errors import ConfigError, TrainingError
 from finetune.model.load import head_owner
 from finetune.parallel.grads import clip_to, squares, sum_over
 from finetune.parallel.layout import Layout
@@ -221,6 +221,24 @@ class Pipeline:
         the group's ranks compute one loss)."""
         return self.is_last and (self.tensor is None or self.tensor.tp_rank == 0)
 
+    def fit_objective(self, trainer_class: Any, base_compute_loss, objective, is_main: bool) -> None:
+        """Take the objective the last stage runs. A Trainer subclass's compute_loss cannot run: the model runs
+        split over processes and the last stage computes the objective's head_loss."""
+        if trainer_class.compute_loss is not base_compute_loss:
+            raise ConfigError(
+                [
+                    f"distributed.pipeline_parallel: {trainer_class.__name__} overrides compute_loss, which a pipeline "
+                    "cannot call (the model runs split over processes; the last stage computes the objective's "
+                    "head_loss). Pass a finetune.Loss, or set distributed.pipeline_parallel=1."
+                ]
+            )
+        self.objective = objective
+        if getattr(objective, "ranks_pairs", False) and is_main:
+            print(
+                "eval: preference accuracy is not scored in a pipeline (each process holds its stage); "
+                f"`finetune eval {self.cfg.output_dir}` scores it"
+            )
+
     @property
     def ideal_idle(self) -> float:
         """The schedule's idle share of a window, (P - 1) / V over m + (P - 1) / V."""
@@ -414,3 +432,17 @@ class Pipeline:
         state = {index: s for part in parts if part for index, s in sorted(part.items())}
         group = {**sd["param_groups"][0], "params": list(range(len(trainable)))}
         return {"state": dict(sorted(state.items())), "param_groups": [group]}
+
+
+def balanced_layers(cfg: Any, world: int, device: torch.device) -> tuple[int, ...]:
+    """distributed.pipeline_layers=auto: the planner's balanced split for this GPU (any on a CPU: its peaks
+    are compared, not checked against a card)."""
+    from finetune.gpus import gpu_for_device
+    from finetune.plan.recipe import planning_inputs, setup_of
+    from finetune.plan.stages import balanced_layers as balanced
+
+    gpu = None
+    if device.type == "cuda":
+        gpu = gpu_for_device(torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory)
+    shape, facts, kw = planning_inputs(cfg, gpu)
+    return balanced(shape, facts, setup_of(cfg, world), gpu, **kw)

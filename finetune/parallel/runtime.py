@@ -29,7 +29,6 @@ from finetune.model.load import head_owner, model_source
 from finetune.model.partial import Split
 from finetune.parallel import compression, ddp_hooks, layout, zero_config
 from finetune.parallel.context import ContextParallel
-from finetune.parallel.context import problems as context_problems
 from finetune.parallel.context import runtime_problems as context_runtime_problems
 from finetune.parallel.distribute import (
     check_strategy,
@@ -43,10 +42,10 @@ from finetune.parallel.distribute import (
     zero_optimizer,
 )
 from finetune.parallel.grads import sum_over
-from finetune.parallel.pipeline import Pipeline, stage_placement
+from finetune.parallel.pipeline import Pipeline, balanced_layers, stage_placement
 from finetune.parallel.rank_state import RankState, rng_states
+from finetune.parallel.split_checks import split_problems, text_config
 from finetune.parallel.tensor import TensorParallel, draw_lora_as_one_process, narrowed, split_dim
-from finetune.parallel.tensor import problems as tensor_problems
 
 SETUP_TIMEOUT_S = 1800  # collectives' timeout before training starts and after it ends (gloo's default)
 
@@ -108,7 +107,7 @@ class Parallel:
         split = cfg.distributed.tensor_parallel > 1
         context = cfg.distributed.context_parallel > 1
         if cfg.distributed.pipeline_parallel > 1 or split or context:  # before any weight loads: config.json alone
-            config = _text_config(cfg)
+            config = text_config(cfg)
             problems = split_problems(cfg, world, config) + context_runtime_problems(cfg, accelerator.device)
             if problems:
                 raise ConfigError(problems)
@@ -137,7 +136,7 @@ class Parallel:
         if context:
             chosen.context = ContextParallel(chosen.layout, cfg.distributed.context_parallel_mode)
         if strategy == "pipeline" and cfg.distributed.pipeline_layers == "auto":
-            chosen.layout = replace(chosen.layout, splits=_balanced(cfg, world, accelerator.device))
+            chosen.layout = replace(chosen.layout, splits=balanced_layers(cfg, world, accelerator.device))
         return chosen
 
     # ------------------------------------------------------------------ who and where
@@ -325,6 +324,54 @@ class Parallel:
             return nullcontext()
         return self.accelerator.no_sync(model) if not last else nullcontext()
 
+    def train_window(self, model, batches: list, objective, scale: float, micro_step, saving) -> tuple[float, dict[str, float]]:
+        """The window's micro-batches trained (their summed loss and metric sums, counted where this rank counts the
+        window): a pipeline's schedule runs them through the stages at once; otherwise each in turn, the gradients
+        synced on the last. micro_step(batch, scale): one micro-batch's forward and backward, its summed loss;
+        saving: the activations' context (a pipeline holds it over the whole schedule)."""
+        if self.pipeline is not None:
+            with saving(), self.accelerator.autocast():  # no prepared model to cast
+                return self.pipeline.train_window(batches, objective, scale)
+        loss_sum, sums, counts = (
+            0.0,
+            dict[str, float](),
+            self.counts_window,
+        )  # a tensor-parallel group computed one loss: one reports it
+        for i, batch in enumerate(batches):
+            with self.gradient_sync(model, last=i == len(batches) - 1):
+                loss_sum += float(micro_step(batch, scale)) * counts
+            for key, value in objective.metric_sums().items():  # every rank the same keys: summed together
+                sums[key] = sums.get(key, 0.0) + value * counts
+        return loss_sum, sums
+
+    @property
+    def holds_whole_model(self) -> bool:
+        """Some process holds the whole model, to generate with or score pairs (a pipeline's each hold a stage)."""
+        return self.pipeline is None
+
+    def fit_objective(self, trainer_class: Any, base_compute_loss, objective) -> None:
+        """Give a pipeline the objective its last stage runs (the others run a Trainer's compute_loss)."""
+        if self.pipeline is not None:
+            self.pipeline.fit_objective(trainer_class, base_compute_loss, objective, self.is_main)
+
+    @property
+    def ideal_idle(self) -> float:
+        """The pipeline schedule's idle share of a window (0 without stages)."""
+        return self.pipeline.ideal_idle if self.pipeline is not None else 0.0
+
+    def staged_held_out_sums(self, batches: list[dict[str, torch.Tensor]], rows: int) -> tuple[float, float]:
+        """The held-out loss's (sum, count) of this rank's batches, run through a pipeline's stages."""
+        assert self.pipeline is not None, "only a pipeline's processes hold no whole model"
+        return self.pipeline.held_out_sums(batches, rows)
+
+    def stage_times(self) -> list[tuple[float, ...]] | None:
+        """Each stage's (busy, whole) seconds in the last window, of replica 0's pipeline (tensor-parallel rank 0's),
+        and None without stages. A collective where there are stages: every rank calls it."""
+        if self.pipeline is None:
+            return None
+        every = self.every_rank(*self.pipeline.clock.last)
+        return [every[r] for r in self.layout.pipeline_ranks(0, 0)]
+
     @property
     def sums_own_gradients(self) -> bool:
         """A pipeline, tensor or context parallelism: no DDP wrapper, the gradients summed by sync_gradients."""
@@ -451,48 +498,3 @@ class Parallel:
             self.wait()
             self.accelerator.free_memory()
         self.accelerator.state.destroy_process_group()
-
-
-def split_problems(cfg: RecipeConfig, world: int, config: Any = None) -> list[str]:
-    """What a launch of `world` processes cannot split as distributed.pipeline_parallel, tensor_parallel and
-    context_parallel ask (the CLI asks before torchrun starts them, so the message comes once); config: the
-    model's text config, read here when not given."""
-    d = cfg.distributed
-    if d.pipeline_parallel <= 1 and d.tensor_parallel <= 1 and d.context_parallel <= 1:
-        return []
-    config = config if config is not None else _text_config(cfg)
-    known = (config.num_hidden_layers, config.model_type) if config is not None else (None, None)
-    out = layout.launch_problems(cfg, world, *known)
-    if cfg.distributed.tensor_parallel > 1 and config is not None:
-        out += tensor_problems(config, cfg.distributed.tensor_parallel)
-    if config is not None:
-        out += context_problems(config, cfg)
-    return out
-
-
-def _balanced(cfg: RecipeConfig, world: int, device: torch.device) -> tuple[int, ...]:
-    """distributed.pipeline_layers=auto: the planner's balanced split for this GPU (any on a CPU: its peaks
-    are compared, not checked against a card)."""
-    from finetune.gpus import gpu_for_device
-    from finetune.plan.recipe import planning_inputs, setup_of
-    from finetune.plan.stages import balanced_layers
-
-    gpu = None
-    if device.type == "cuda":
-        gpu = gpu_for_device(torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory)
-    shape, facts, kw = planning_inputs(cfg, gpu)
-    return balanced_layers(shape, facts, setup_of(cfg, world), gpu, **kw)
-
-
-def _text_config(cfg: RecipeConfig):
-    """The model's (text) config from its config.json, or None where it cannot be read here (a model
-    given in memory, custom code): Parallel.shard checks the loaded model then."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(
-            model_source(cfg), revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
-        )
-    except Exception:  # noqa: BLE001 - loading reports the real problem with the model
-        return None
-    return config.get_text_config()

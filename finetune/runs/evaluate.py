@@ -328,9 +328,9 @@ def held_out_loss(
     if cfg.eval.max_batches:
         batches = batches[: cfg.eval.max_batches]
     model.eval()
-    if parallel.pipeline is not None:  # no process holds the whole model: the batches pass through the stages
+    if not parallel.holds_whole_model:  # the batches pass through the stages
         moved = [{k: v.to(parallel.device) for k, v in collate(list(rows)).items()} for rows in batches]
-        total, count = parallel.pipeline.held_out_sums(moved, bs)
+        total, count = parallel.staged_held_out_sums(moved, bs)
         model.train()
         total, count = parallel.global_sum(total), parallel.global_sum(count)
         return total / count if count else None

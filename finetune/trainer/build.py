@@ -216,31 +216,11 @@ def recipe_callbacks(trainer: Any) -> list[Callback]:
     return [*found, StragglerWatch(trainer), ThroughputAlert(trainer)]
 
 
-def fit_pipeline(trainer_class: Any, parallel, base_compute_loss, objective) -> None:
-    """Give a pipeline the objective its last stage runs. A Trainer subclass's compute_loss cannot run:
-    the model runs split over processes and the last stage computes the objective's head_loss."""
-    if parallel.pipeline is None:
-        return
-    if trainer_class.compute_loss is not base_compute_loss:
-        raise ConfigError(
-            [
-                f"distributed.pipeline_parallel: {trainer_class.__name__} overrides compute_loss, which a pipeline "
-                "cannot call (the model runs split over processes; the last stage computes the objective's "
-                "head_loss). Pass a finetune.Loss, or set distributed.pipeline_parallel=1."
-            ]
-        )
-    parallel.pipeline.objective = objective
-    if getattr(objective, "ranks_pairs", False) and parallel.is_main:
-        print(
-            f"eval: preference accuracy is not scored in a pipeline (each process holds its stage); `finetune eval {parallel.cfg.output_dir}` scores it"
-        )
-
-
 def exact_match_prompts(cfg: RecipeConfig, parallel, say: Callable[[str], None]) -> list[dict] | None:
     """eval.exact_match_path's records, scored before and after training; None in a pipeline, where no
     process holds the whole model to generate with (said, with the command that scores the run after)."""
     records = exact_match_records(cfg)
-    if records and parallel.pipeline is not None:
+    if records and not parallel.holds_whole_model:
         say(
             f"eval: exact match is not generated in a pipeline (each process holds its stage); `finetune eval {cfg.output_dir}` scores it"
         )

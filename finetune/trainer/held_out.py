@@ -62,7 +62,7 @@ def score(trainer: Any, em_records: list[dict] | None, when: str) -> HeldOutScor
         for s in found.exact_match.samples:
             trainer.say(f"    expected {s['expected']!r:<30} got {s['got']!r}")
     eval_data = trainer.data.eval
-    if trainer.loss_fn.ranks_pairs and eval_data and trainer.parallel.pipeline is None:  # (build.fit_pipeline: why)
+    if trainer.loss_fn.ranks_pairs and eval_data and trainer.parallel.holds_whole_model:  # (Pipeline.fit_objective)
         head_only = trainer.loss_fn.head_on_targets_only
         found.preference_accuracy = preference_accuracy(model, eval_data, cfg, trainer.collate, trainer.parallel, head_only)
         trainer.say(f"eval ({when}): preference accuracy {found.pref_text} on {len(eval_data)} held-out pairs")

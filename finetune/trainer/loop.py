@@ -190,7 +190,7 @@ class Trainer:
             prepare_output_dir(cfg)
         parallel.wait()
         self.model = parallel.shard(self.model, cfg, torch_dtype(self.precision))
-        build.fit_pipeline(type(self), parallel, Trainer.compute_loss, self.loss_fn)
+        parallel.fit_objective(type(self), Trainer.compute_loss, self.loss_fn)
         self.say(parallel.describe())
         chunked = getattr(self.loss_fn, "chunk_rows", None) is not None
         self.state.choices = choices.resolved(cfg, self.precision, parallel.strategy, self.model, self.memory, chunked)
@@ -243,21 +243,17 @@ class Trainer:
         # DDP averages gradients over processes: multiply back by their number (a pipeline sums them: 1).
         scale = parallel.gradient_scale / max(n_global, 1)
         totals = StepTotals(0.0, n_global, sum(count_tokens(b) for b in counted), targets)
-        if parallel.pipeline is not None:  # the schedule runs every micro-batch through the stages at once
-            with self.memory.activations.saving(), self.accelerator.autocast():  # (no prepared model to cast)
-                totals.loss_sum, totals.sums = parallel.pipeline.train_window(batches, self.loss_fn, scale)
-            return totals
-        for i, batch in enumerate(batches):
-            with parallel.gradient_sync(model, last=i == len(batches) - 1):
-                with self.memory.activations.saving():
-                    loss_sum, _ = self.compute_loss(model, batch)
-                self.clock.mark_backward(loss_sum)
-                self.accelerator.backward(loss_sum * scale)
-            counts = parallel.counts_window  # a tensor-parallel group's ranks computed one loss: one reports it
-            totals.loss_sum += float(loss_sum.detach()) * counts
-            for key, value in self.loss_fn.metric_sums().items():  # every rank the same keys: summed together
-                totals.sums[key] = totals.sums.get(key, 0.0) + value * counts
+        saving = self.memory.activations.saving
+        totals.loss_sum, totals.sums = parallel.train_window(model, batches, self.loss_fn, scale, self._micro_step, saving)
         return totals
+
+    def _micro_step(self, batch: dict[str, Any], scale: float) -> float:
+        """One micro-batch's forward and backward (its loss scaled to the window's mean); its summed loss."""
+        with self.memory.activations.saving():
+            loss_sum, _ = self.compute_loss(self.model, batch)
+        self.clock.mark_backward(loss_sum)
+        self.accelerator.backward(loss_sum * scale)
+        return float(loss_sum.detach())
 
     def _optimizer_step(self, speed: Throughput) -> tuple[dict[str, Any], bool]:
         """One optimizer step: gradients, clipping, the update (never a non-finite one). (row, finite)."""

@@ -146,21 +146,18 @@ class StageTimes(Callback):
         self.bubbles: list[float] = []
 
     def on_step_end(self, state: TrainState, metrics: dict[str, Any]) -> None:
-        parallel = self.trainer.parallel
-        if parallel.pipeline is None:
+        ranks = self.trainer.parallel.stage_times()  # a collective where there are stages: every rank gets here
+        if ranks is None:
             return
-        every = parallel.every_rank(*parallel.pipeline.clock.last)  # a collective: every rank gets here
-        ranks = [every[r] for r in parallel.layout.pipeline_ranks(0, 0)]
         metrics["stage_busy_s"] = [round(busy, 6) for busy, _ in ranks]
         metrics["bubble"] = sum(1 - busy / whole for busy, whole in ranks if whole) / len(ranks)
         if state.step > 1:  # the first window of a run also infers the shapes the stages send
             self.bubbles.append(metrics["bubble"])
 
     def on_train_end(self, state: TrainState, metrics: dict[str, Any]) -> None:
-        pipeline = self.trainer.parallel.pipeline
-        if pipeline is not None and self.bubbles:
-            measured = sum(self.bubbles) / len(self.bubbles)
-            _say(self.trainer, f"pipeline: idle {measured:.0%} of each window, measured ({pipeline.ideal_idle:.0%} ideal)")
+        if self.bubbles:  # only a pipeline's stages measure any
+            measured, ideal = sum(self.bubbles) / len(self.bubbles), self.trainer.parallel.ideal_idle
+            _say(self.trainer, f"pipeline: idle {measured:.0%} of each window, measured ({ideal:.0%} ideal)")
 
 
 class StepProfiler(Callback):
