@@ -58,13 +58,13 @@ def finetune(*args: str, cwd: Path, port: int | None = None, timeout: int = 420,
     signals and exit codes are the Job runs' and test_cli_e2e's), one process in this process (`finetune.cli.main`):
     each skips a Python process's imports (~5 CPU-s), which are most of a tiny run's cost."""
     flags = ("--nproc", "--nnodes", "--max-restarts")
+    rest = [a for i, a in enumerate(args) if a not in flags and (i == 0 or args[i - 1] not in flags)]  # the run's own
     if log is not None or any(a in ("--nnodes", "--max-restarts") for a in args):
         cmd = [sys.executable, "-m", "finetune", "run", *args, "--no-progress", "--master-port", str(port or free_port())]
         if log is not None:
             return Job(cmd, log, cwd=cwd, env=ENV)
         proc = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
     elif "--nproc" in args and (nproc := args[args.index("--nproc") + 1]) != "1":
-        rest = [a for i, a in enumerate(args) if a not in flags and (i == 0 or args[i - 1] not in flags)]
         cmd = [
             sys.executable,
             "-m",
@@ -83,7 +83,6 @@ def finetune(*args: str, cwd: Path, port: int | None = None, timeout: int = 420,
             timeout=timeout,
         )
     else:
-        rest = [a for i, a in enumerate(args) if a not in flags and (i == 0 or args[i - 1] not in flags)]
         proc = run_here(["run", *rest, "--no-progress"], cwd)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
