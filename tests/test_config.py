@@ -152,7 +152,8 @@ def test_union_type_error_is_one_problem():
 
 def test_fsdp_rules_hold_for_the_key_and_for_autos_choice():
     from finetune.errors import ConfigError
-    from finetune.parallel.distribute import check_strategy
+    from finetune.parallel.ddp import DDP
+    from finetune.parallel.fsdp import FSDP
 
     base = {"model": {"path": "x"}, "data": {"path": "y"}, "output_dir": "o", "quant": {"bits": 8}}
     with pytest.raises(ConfigError) as err:
@@ -161,9 +162,9 @@ def test_fsdp_rules_hold_for_the_key_and_for_autos_choice():
     with pytest.raises(ConfigError, match="offload needs distributed.strategy=fsdp"):
         build_recipe({**base, "quant": {"bits": 4}, "distributed": {"cpu_offload": True}})
     auto = build_recipe(base)  # strategy auto: valid until auto actually picks FSDP
-    check_strategy(auto, "ddp", 2)
-    with pytest.raises(ConfigError, match=r"FSDP \(chosen by distributed.strategy=auto\) cannot shard 8-bit"):
-        check_strategy(auto, "fsdp", 2)
+    assert DDP.problems(auto, None) == []
+    (p,) = FSDP.problems(auto, None)
+    assert p.startswith("FSDP (chosen by distributed.strategy=auto) cannot shard 8-bit (int8) weights")
 
 
 def test_grad_compression_needs_ddp_and_a_powersgd_knob_needs_powersgd():
@@ -189,6 +190,9 @@ def test_grad_compression_at_launch_refused_under_autos_fsdp_and_said_useless_on
 
     from finetune.parallel import compression
     from finetune.parallel import runtime as parallel
+    from finetune.parallel.ddp import DDP
+    from finetune.parallel.layout import Layout
+    from finetune.parallel.room import Room
 
     cfg = build_recipe({**MINIMAL, "distributed": {"grad_compression": "powersgd"}})
     assert compression.powersgd_warmup(cfg) == 10  # null: at least 10 plain steps...
@@ -199,10 +203,11 @@ def test_grad_compression_at_launch_refused_under_autos_fsdp_and_said_useless_on
     with pytest.raises(ConfigError, match="distributed.strategy=auto chose fsdp here, which reduces gradients its own way"):
         parallel.Parallel.choose(cfg, accelerator)
     # One process: nothing to all-reduce. Said, not refused (a multi-GPU recipe tried on one).
-    assert parallel.Parallel(accelerator, "single", cfg).describe() == (
+    grid = Layout.of(cfg, 0, 2)
+    assert parallel.Parallel(accelerator, cfg, Room(accelerator, cfg, grid)).describe() == (
         "distributed.grad_compression=powersgd has no effect: one process has no gradients to all-reduce"
     )
-    assert parallel.Parallel(accelerator, "ddp", cfg).describe() == (
+    assert parallel.Parallel(accelerator, cfg, DDP(accelerator, cfg, grid)).describe() == (
         "parallel: ddp over 2 processes, gradients all-reduced as rank-1 PowerSGD factors from step 11"
     )
 

@@ -76,15 +76,20 @@ PACKAGE_ORDER = {
         "distribute",
         "grads",
         "stage_time",
-        "pipeline",
+        "room",  # what every strategy's room answers (one process's answers)
+        "fsdp",  # the rooms, one module each
+        "zero",
+        "ddp_hooks",
+        "ddp",
         "tensor",
+        "stages",
+        "pipeline",
         "ring",
         "context",
         "split_checks",
         "rank_state",
-        "ddp_hooks",
         "health",
-        "runtime",
+        "runtime",  # Parallel: chooses a room and hands it the loop's questions
         "launch",
     ],
     "runs": [
@@ -175,42 +180,56 @@ def test_package_modules_flow_one_way():
 
 
 STRATEGY_NAMES = {"single", "ddp", "fsdp", "deepspeed", "zero2", "zero3", "pipeline", "tensor", "context"}
-SPLIT_RUNTIMES = {"pipeline", "tensor", "context"}  # Parallel's attributes holding a split strategy's runtime
+# Each strategy's room (finetune/parallel/): the only modules that may compare its names.
+ROOM_NAMES = {
+    "parallel.ddp": {"ddp"},
+    "parallel.fsdp": {"fsdp"},
+    "parallel.zero": {"deepspeed", "zero2", "zero3"},
+    "parallel.zero_config": {"deepspeed", "zero2", "zero3"},  # its recipe keys' declaration
+    "parallel.pipeline": {"pipeline"},
+    "parallel.tensor": {"tensor"},
+    "parallel.context": {"context"},
+}
+FLAGS = STRATEGY_NAMES | {"zero"}  # `parallel.pipeline is None`, `room.fsdp`: a branch on which strategy runs
 
 
-def strategy_name_comparisons(tree: ast.AST) -> list[int]:
-    """Lines comparing with a strategy's name (== "fsdp", in ("fsdp", "zero3"), .startswith("zero"))."""
-    lines = []
+def strategy_name_comparisons(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, name) of each comparison with a strategy's name (== "fsdp", in ("fsdp", "zero3"), a match case,
+    .startswith("zero")) and each flag read off the Parallel object or a room (parallel.pipeline, room.fsdp)."""
+    found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare):
             for operand in [node.left, *node.comparators]:
                 values = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
-                if any(isinstance(v, ast.Constant) and v.value in STRATEGY_NAMES for v in values):
-                    lines.append(node.lineno)
+                found += [(node.lineno, v.value) for v in values if isinstance(v, ast.Constant) and v.value in STRATEGY_NAMES]
+        elif isinstance(node, ast.MatchValue) and isinstance(node.value, ast.Constant) and node.value.value in STRATEGY_NAMES:
+            found.append((node.lineno, node.value.value))
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "startswith":
-            if any(isinstance(a, ast.Constant) and a.value == "zero" for a in node.args):
-                lines.append(node.lineno)
-        elif isinstance(node, ast.Attribute) and node.attr in SPLIT_RUNTIMES:
+            found += [(node.lineno, "zero") for a in node.args if isinstance(a, ast.Constant) and a.value == "zero"]
+        elif isinstance(node, ast.Attribute) and node.attr in FLAGS:
             owner = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", None)
-            if owner == "parallel":  # `parallel.pipeline is None`: a branch on which strategy runs
-                lines.append(node.lineno)
-    return lines
+            if owner in ("parallel", "room"):
+                found.append((node.lineno, node.attr))
+    return found
 
 
-def test_no_strategy_name_is_compared_outside_parallel():
-    """Every other floor asks a strategy's declaration (parallel/strategies.py) or the Parallel object."""
+def test_no_strategy_name_is_compared_outside_its_own_room():
+    """Every other module asks a strategy's declaration (parallel/strategies.py, splits.py) or the Parallel object,
+    which hands each question to the room that runs (parallel/room.py)."""
     offenders = [
-        f"{path.relative_to(PKG)}:{line}"
+        f"{path.relative_to(PKG)}:{line} ({name})"
         for module, path in code_files().items()
-        if unit_of(module).split(".")[0] != "parallel"
-        for line in strategy_name_comparisons(ast.parse(path.read_text()))
+        for line, name in strategy_name_comparisons(ast.parse(path.read_text()))
+        if name not in ROOM_NAMES.get(module.removeprefix("finetune."), set())
     ]
-    assert not offenders, f"strategy names compared outside finetune/parallel/: {offenders}"
+    assert not offenders, f"strategy names compared outside their room: {offenders}"
     probe = ast.parse(
         'if cfg.distributed.strategy == "fsdp" or s.sharding in ("ddp",) or x.startswith("zero") or p.strategy != "tensor"'
-        " or self.parallel.pipeline is None or parallel.context: pass"
+        " or self.parallel.pipeline is None or parallel.context or self.room.fsdp: pass\n"
+        'match kind:\n    case "pipeline": pass'
     )
-    assert len(strategy_name_comparisons(probe)) == 6  # the check sees each form it forbids
+    assert len(strategy_name_comparisons(probe)) == 8  # the check sees each form it forbids
+    assert strategy_name_comparisons(ast.parse('if room == "ddp": pass'))  # in parallel/ too, outside ddp.py
 
 
 def test_every_package_ships():

@@ -14,7 +14,7 @@ from finetune.data import IGNORE_INDEX
 from finetune.errors import ConfigError
 from finetune.objectives.loss import CausalLMLoss
 from finetune.parallel.layout import Layout, launch_problems
-from finetune.parallel.pipeline import Stage, pad_window, stage_placement
+from finetune.parallel.stages import Stage, pad_window, stage_placement
 
 
 def test_ranks_are_numbered_pipeline_outermost():
@@ -147,20 +147,20 @@ def test_a_trainer_that_overrides_compute_loss_is_refused_under_a_pipeline():
     from types import SimpleNamespace
 
     from finetune.parallel.pipeline import Pipeline
-    from finetune.parallel.runtime import Parallel
+    from finetune.parallel.room import Room
     from finetune.trainer import Trainer
 
     class Custom(Trainer):
         def compute_loss(self, model, batch):
             return super().compute_loss(model, batch)
 
-    stages = SimpleNamespace(objective=None, fit_objective=lambda *a: Pipeline.fit_objective(stages, *a))
-    pipelined = SimpleNamespace(pipeline=stages, is_main=False)
+    main = SimpleNamespace(is_main_process=False)
+    stages = SimpleNamespace(objective=None, accelerator=main)
     with pytest.raises(ConfigError, match="Custom overrides compute_loss, which a pipeline cannot call"):
-        Parallel.fit_objective(pipelined, Custom, Trainer.compute_loss, "loss")
-    Parallel.fit_objective(pipelined, Trainer, Trainer.compute_loss, "loss")  # the trainer's own: runs
+        Pipeline.fit_objective(stages, Custom, Trainer.compute_loss, "loss")  # type: ignore[arg-type]
+    Pipeline.fit_objective(stages, Trainer, Trainer.compute_loss, "loss")  # type: ignore[arg-type]  # the trainer's own: runs
     assert stages.objective == "loss"
-    Parallel.fit_objective(SimpleNamespace(pipeline=None), Custom, Trainer.compute_loss, "loss")  # no pipeline: runs
+    Room.fit_objective(SimpleNamespace(), Custom, Trainer.compute_loss, "loss")  # type: ignore[arg-type]  # no pipeline: runs
 
 
 def test_a_stage_reads_only_its_own_weights(tmp_path, checkpoint_reads):

@@ -186,7 +186,7 @@ def test_a_ranks_planned_weights_are_what_its_loaded_stage_holds(tmp_path):
 
     from finetune.config.schema import build_recipe
     from finetune.model.load import load_model
-    from finetune.parallel.pipeline import stage_placement
+    from finetune.parallel.stages import stage_placement
 
     build_tiny_llama(tmp_path, vocab_size=512, hidden=256, layers=4)
     recipe = {"model": {"path": str(tmp_path)}, "data": {"path": "d.jsonl"}, "output_dir": "o", "precision": "fp32"}

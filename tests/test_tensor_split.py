@@ -102,7 +102,7 @@ def test_a_split_stage_reads_only_its_share_of_its_own_layers(tmp_path, checkpoi
 
     from finetune.config.schema import build_recipe
     from finetune.model.load import load_model
-    from finetune.parallel.pipeline import stage_placement
+    from finetune.parallel.stages import stage_placement
 
     build_tiny_llama(tmp_path, vocab_size=64, hidden=128)
     layout = Layout(2, 1, 3, tp=2)
@@ -216,7 +216,7 @@ def test_a_split_stages_planned_weights_are_what_its_loaded_share_holds(tmp_path
     from finetune.config.schema import build_recipe
     from finetune.gpus import find_gpu
     from finetune.model.load import load_model
-    from finetune.parallel.pipeline import stage_placement
+    from finetune.parallel.stages import stage_placement
     from finetune.plan import plan_recipe
     from finetune.plan.recipe import planning_inputs, setup_of
     from finetune.plan.stages import _ranks
@@ -251,12 +251,17 @@ def test_a_split_stages_planned_weights_are_what_its_loaded_share_holds(tmp_path
 
 def test_a_layout_refuses_the_fp16_that_precision_auto_chose_at_launch():
     # (the recipe rules refuse precision=fp16; auto picks fp16 only on a GPU without bf16, known at launch)
-    from finetune.errors import ConfigError
-    from finetune.parallel.runtime import Parallel
+    from types import SimpleNamespace
 
-    parallel = Parallel.__new__(Parallel)
-    parallel.layout = Layout(2, 1, 0, tp=2)
+    from finetune.errors import ConfigError
+    from finetune.parallel.pipeline import Pipeline
+    from finetune.parallel.tensor import TensorParallel
+
+    both = SimpleNamespace(distributed=SimpleNamespace(pipeline_parallel=2, tensor_parallel=2))
     with pytest.raises(
         ConfigError, match="pipeline_parallel=2 x distributed.tensor_parallel=2 with fp16: each rank's GradScaler"
     ):
-        parallel.shard(None, None, torch.float16)
+        Pipeline.shard(SimpleNamespace(cfg=both), None, torch.float16)  # type: ignore[arg-type]  # before any model
+    split = SimpleNamespace(distributed=SimpleNamespace(pipeline_parallel=1, tensor_parallel=2))
+    with pytest.raises(ConfigError, match=r"- distributed.tensor_parallel=2 with fp16"):
+        TensorParallel.shard(SimpleNamespace(cfg=split), None, torch.float16)  # type: ignore[arg-type]

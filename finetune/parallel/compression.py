@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from finetune.errors import Rule, broken
+from finetune.parallel.strategies import of_recipe
 
 # Plain all-reduce steps before PowerSGD when distributed.powersgd_warmup_steps is null: torch's
 # advice is no fewer than the lr warm-up steps (early training is the most sensitive to gradient
@@ -37,19 +38,20 @@ def describe(cfg: Any) -> str:
 
 class Launch(NamedTuple):
     """What the rules read: the recipe, and the strategy distributed.strategy=auto chose at launch (None:
-    the recipe alone, its own key)."""
+    the recipe alone, its own key) with whether it keeps a whole replica per process (DDP's all-reduce)."""
 
     cfg: Any
     auto_chose: str | None
+    chosen_replicates: bool = True
 
     @property
-    def strategy(self) -> str:
-        return self.auto_chose or self.cfg.distributed.strategy
+    def replicates(self) -> bool:
+        return self.chosen_replicates if self.auto_chose is not None else of_recipe(self.cfg).replicates
 
     @property
     def by(self) -> str:
         if self.auto_chose is None:
-            return f"distributed.strategy={self.strategy}"
+            return f"distributed.strategy={self.cfg.distributed.strategy}"
         return f"distributed.strategy=auto chose {self.auto_chose} here"
 
 
@@ -61,7 +63,7 @@ def _changed(cfg: Any) -> list[str]:
 
 RULES: tuple[Rule[Launch], ...] = (
     Rule(
-        lambda x: x.cfg.distributed.grad_compression != "none" and x.strategy not in ("auto", "ddp", "single"),
+        lambda x: x.cfg.distributed.grad_compression != "none" and not x.replicates,
         lambda x: (
             f"distributed.grad_compression={x.cfg.distributed.grad_compression} compresses DDP's gradient all-reduce, "
             f"but {x.by}, which reduces gradients its own way (no DDP all-reduce to compress). Set distributed.strategy=ddp "
@@ -79,7 +81,7 @@ RULES: tuple[Rule[Launch], ...] = (
 )
 
 
-def problems(cfg: Any, strategy: str | None = None) -> list[str]:
-    """What distributed.grad_compression cannot run with. strategy: the one distributed.strategy=auto
-    chose at launch (None: the recipe's own key)."""
-    return broken(RULES, Launch(cfg, strategy))
+def problems(cfg: Any, auto_chose: str | None = None, replicates: bool = True) -> list[str]:
+    """What distributed.grad_compression cannot run with. auto_chose: the strategy distributed.strategy=auto
+    chose at launch, and whether it replicates (None: the recipe's own key)."""
+    return broken(RULES, Launch(cfg, auto_chose, replicates))

@@ -3,13 +3,13 @@ its length, so that a rank's activations are those of seq/N tokens. (TRL's and a
 DeepSpeed-Ulysses; torch's own context_parallel dispatches only CUDA kernels, so the ring here is ours, on
 torch.distributed point-to-point, and runs on CPUs with gloo too.)
 
-    cp = ContextParallel(layout, mode)      # a process group per context-parallel group
-    cp.attach(model)                        # our attention: the ring or Ulysses for split rows, varlen otherwise
-    part = cp.part(batch)                   # this rank's tokens of every row, and how the rows are split
+    cp = ContextParallel(accelerator, cfg, layout)   # the room: a process group per context-parallel group
+    cp.shard(model, dtype)                  # our attention: the ring or Ulysses for split rows, varlen otherwise
+    part = cp.local_part(batch)             # this rank's tokens of every row, and how the rows are split
 
 The ranks of a group train the same rows (the data order counts the group as one replica) and each holds
 the whole model; each rank's loss is summed over its own targets and the gradients are summed over every
-process after the window's backward (runtime.Parallel.sync_gradients), so the step's loss stays the token
+process after the window's backward (sync_gradients), so the step's loss stays the token
 mean of the whole window. No DDP wrapper: each rank may stream its own copy of the layers from host RAM
 (memory.base_weights=cpu), as one process does, which is what lets a rank's part reach one card's length.
 
@@ -29,8 +29,10 @@ import torch
 from finetune.data import IGNORE_INDEX, count_tokens
 from finetune.errors import ConfigError
 from finetune.model import varlen
+from finetune.parallel.grads import sum_over
 from finetune.parallel.layout import Layout
 from finetune.parallel.ring import SplitRows, expand_heads, ring_attention, ulysses_attention
+from finetune.parallel.room import SplitRoom
 
 NAME = "context_parallel"
 KEY = "context_part"  # the keyword a part travels under, from the model's forward to every attention call
@@ -102,13 +104,17 @@ def _whole_rows(module, part: ContextPart, scale: float):
     return attend
 
 
-class ContextParallel:
+class ContextParallel(SplitRoom):
     """This rank's context-parallel group and how it splits a batch."""
 
-    def __init__(self, layout: Layout, mode: str) -> None:
+    name = "context"
+    trains_alone = True  # each rank holds and streams its own copy of the layers (no DDP wrapper holds them)
+
+    def __init__(self, accelerator, cfg: Any, layout: Layout) -> None:
         import torch.distributed as dist
 
-        self.layout, self.mode = layout, mode
+        super().__init__(accelerator, cfg, layout)
+        self.mode = cfg.distributed.context_parallel_mode
         self.ranks = tuple(layout.context_ranks())
         self.group = None
         for first in range(0, layout.world, layout.cp * layout.tp):  # every rank creates every group, in one order
@@ -118,15 +124,20 @@ class ContextParallel:
                 if tuple(ranks) == self.ranks:
                     self.group = group
 
+    @classmethod
+    def problems(cls, cfg: Any, accelerator) -> list[str]:
+        return runtime_problems(cfg, accelerator.device)
+
     @property
     def size(self) -> int:
         return self.layout.cp
 
-    def describe(self, replicas: int) -> str:
+    def describe(self) -> str:
+        replicas = self.layout.replicas
         many = f"{replicas} replica{'s' if replicas > 1 else ''}"
-        return f"context parallel ({self.mode}), each sequence split over {self.size} processes x {many}"
+        return f"parallel: context parallel ({self.mode}), each sequence split over {self.size} processes x {many}"
 
-    def attach(self, model) -> None:
+    def shard(self, model, compute_dtype: torch.dtype):
         """Our attention in every layer of the model (whatever it was loaded with)."""
         from finetune.model.load import head_owner
 
@@ -140,10 +151,14 @@ class ContextParallel:
                     "only. Set distributed.context_parallel=1."
                 ]
             )
+        return model
 
-    def part(self, batch: dict[str, Any]) -> dict[str, Any]:
+    def local_part(self, batch: dict[str, Any]) -> dict[str, Any]:
         """This rank's part of every row of a collated batch (see the module's docstring)."""
         return split_batch(batch, self.ranks, self.layout.cp_rank, self.group, self.mode)
+
+    def sync_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        sum_over(params, None)  # every rank's gradient is of its own part of the rows (and replicas')
 
 
 def split_batch(batch: dict[str, Any], ranks: tuple[int, ...], index: int, group: Any, mode: str) -> dict[str, Any]:

@@ -1,168 +1,90 @@
-"""Pipeline parallelism on torch.distributed.pipelining: each rank runs its stages' decoder layers,
+"""Pipeline parallelism's room, on torch.distributed.pipelining: each rank runs its stages' decoder layers,
 micro-batches pass between ranks, the schedule (GPipe, 1F1B, interleaved 1F1B) orders them.
 
-    placement = stage_placement(layout, layers, tied, device)    # what this rank loads (the rest: meta)
-    pipeline = Pipeline(model, layout, cfg, device)
-    loss_sum = pipeline.train_window(batches, objective, scale)   # forward + backward of the whole window
-    pipeline.sum_gradients(params)                                # over the stage's replicas
+    pipeline = Pipeline(accelerator, cfg, layout, model_config, tensor)   # before loading: placement()
+    model = pipeline.shard(model, dtype)                          # this rank's stages (of its tensor shares)
+    loss_sum = pipeline.train_window(...)                         # forward + backward of the whole window
+    pipeline.sync_gradients(params)                               # over the stage's replicas
 
 A stage runs the model's own decoder forward (its masks, rotary angles, checkpointed layers) with the
-decoder's layers swapped for the stage's, the embeddings used only by the first stage and the final
-norm only by the last; the last stage's output goes to the objective's head_loss (the chunked loss
-kept). Each rank loads only its stages' modules (model/partial.py); a checkpoint gathers the stages'
+decoder's layers swapped for the stage's (parallel/stages.py), the embeddings used only by the first stage
+and the final norm only by the last; the last stage's output goes to the objective's head_loss (the chunked
+loss kept). Each rank loads only its stages' modules (model/partial.py); a checkpoint gathers the stages'
 adapter and optimizer state into the numbering one process uses, so any layout resumes any other.
 Layout and rules: parallel/layout.py.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from finetune.data import IGNORE_INDEX
 from finetune.errors import ConfigError, TrainingError
 from finetune.model.load import head_owner
 from finetune.parallel.grads import clip_to, squares, sum_over
-from finetune.parallel.layout import Layout
+from finetune.parallel.layout import Layout, launch_problems
+from finetune.parallel.room import SplitRoom, refuse_fp16
+from finetune.parallel.splits import TENSOR
 from finetune.parallel.stage_time import BusyClock
+from finetune.parallel.stages import (
+    Stage,
+    _model_inputs,
+    _padded_pairs,
+    _padded_rows,
+    _untrained,
+    balanced_layers,
+    pad_window,
+    stage_placement,
+)
+from finetune.parallel.tensor import TensorParallel
 
 
-@contextmanager
-def _swapped(decoder: nn.Module, **parts: nn.Module):
-    """The decoder with some of its submodules replaced for one forward (the stage's layers, no norm)."""
-    kept = {name: getattr(decoder, name) for name in parts}
-    for name, part in parts.items():
-        setattr(decoder, name, part)
-    try:
-        yield decoder
-    finally:
-        for name, part in kept.items():
-            setattr(decoder, name, part)
-
-
-class Stage(nn.Module):
-    """Decoder layers [lo, hi): the first stage embeds input ids, the last applies the final norm.
-    Only the stage's layers are registered here (what the pipeline engine sees of it); the decoder
-    it runs through is held outside the module tree."""
-
-    def __init__(self, decoder: Any, lo: int, hi: int, first: bool, last: bool):
-        super().__init__()
-        self.layers = nn.ModuleList(list(decoder.layers)[lo:hi])
-        self.first, self.last = first, last
-        self._decoder = [decoder]  # a list: not a submodule
-
-    def forward(
-        self, x: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        decoder = self._decoder[0]
-        inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        parts: dict[str, nn.Module] = {"layers": self.layers}
-        if not self.last:
-            parts["norm"] = nn.Identity()
-        with _swapped(decoder, **parts):
-            out = decoder(**inputs, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-        return out.last_hidden_state
-
-
-# Windows are padded to a multiple of this many tokens: the engine infers the shapes it sends with one
-# extra forward per new shape, so lengths are bucketed (a few shapes per run, not one per step).
-PAD_TO = 64
-
-
-def pad_window(batches: list[dict[str, torch.Tensor]], longest: int) -> dict[str, torch.Tensor]:
-    """The window's micro-batches as one batch, right-padded to a multiple of PAD_TO (at most `longest`,
-    data.max_seq_len, unless a row is longer): the engine sends tensors of one shape between stages.
-    Padding trains nothing and no real token sees it (causal attention; packed rows: padding is a
-    segment of its own, positions 0, 1, ... as the Collator gives it), so each micro-batch computes
-    what it computes alone. Packed rows carry position_ids and no attention_mask."""
-    rows_max = max(b["input_ids"].shape[1] for b in batches)
-    length = max(rows_max, min(-(-rows_max // PAD_TO) * PAD_TO, longest))
-    packed = "position_ids" in batches[0]
-    fill = {"input_ids": 0, "labels": IGNORE_INDEX, **({"position_ids": 0} if packed else {"attention_mask": 0})}
-    joined = {}
-    for key, value in fill.items():
-        joined[key] = torch.cat([nn.functional.pad(b[key], (0, length - b[key].shape[1]), value=value) for b in batches])
-    ramp = torch.arange(length, device=joined["input_ids"].device)
-    if packed:  # the padding its own segment: positions 0, 1, ... from where each row's content ends
-        widths = torch.cat([torch.full((b["input_ids"].shape[0],), b["input_ids"].shape[1]) for b in batches])
-        after = (ramp.unsqueeze(0) - widths.to(ramp.device).unsqueeze(1)).clamp(min=0)
-        joined["position_ids"] = torch.where(
-            ramp.unsqueeze(0) < widths.to(ramp.device).unsqueeze(1), joined["position_ids"], after
-        )
-    else:
-        joined["position_ids"] = ramp.expand(joined["input_ids"].shape[0], -1).contiguous()
-    return joined
-
-
-def _model_inputs(window: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What every stage is called with besides its input: the mask (none for packed rows) and positions."""
-    return {k: window[k] for k in ("attention_mask", "position_ids") if k in window}
-
-
-def _padded_rows(batch: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
-    """A batch grown to `rows` rows with rows that train nothing (a short last eval batch): the schedule
-    splits a window into micro-batches of equal rows."""
-    extra = rows - batch["input_ids"].shape[0]
-    if extra <= 0:
-        return batch
-    fill = {"input_ids": 0, "labels": IGNORE_INDEX, "attention_mask": 1}
-    grown = {
-        k: torch.cat([v, torch.full((extra, v.shape[1]), fill[k], dtype=v.dtype, device=v.device)])
-        for k, v in batch.items()
-        if k in fill
-    }
-    if "position_ids" in batch:  # packed rows: each added row one segment
-        ramp = torch.arange(batch["position_ids"].shape[1], device=batch["position_ids"].device)
-        grown["position_ids"] = torch.cat([batch["position_ids"], ramp.expand(extra, -1)])
-    return grown
-
-
-def _padded_pairs(batch: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
-    """A batch of pairs (chosen rows, then rejected ones) grown to `rows` pairs with filler pairs at the end of
-    each half, so that the halves stay aligned; the loss counts only the real ones (head_loss's real)."""
-    half = batch["input_ids"].shape[0] // 2
-    if half >= rows:
-        return batch
-    grown = (
-        _padded_rows({k: v[:half] for k, v in batch.items()}, rows),
-        _padded_rows({k: v[half:] for k, v in batch.items()}, rows),
-    )
-    return {k: torch.cat([grown[0][k], grown[1][k]]) for k in grown[0]}
-
-
-def _untrained(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A micro-batch of the same shape that counts nothing (fills the last eval window)."""
-    return {**batch, "labels": torch.full_like(batch["labels"], IGNORE_INDEX)}
-
-
-def stage_placement(layout: Layout, layers: int, tied: bool, device: torch.device) -> dict[str, Any]:
-    """The loader's device_map for this rank: its stages' decoder layers, the embeddings on the first
-    stage (and on the last when the head shares their weight), the final norm and head on the last, on
-    `device`; every other module on the meta device, never read. Names of the families in
-    layout.FAMILIES, which all lay out model.embed_tokens, model.layers.N, model.norm, model.rotary_emb, lm_head."""
-    stages = layout.stages_of_rank
-    held = {i for s in stages for i in range(*layout.layer_range(s, layers))}
-    first, last = 0 in stages, layout.stage_count - 1 in stages
-    place = {
-        "model.embed_tokens": device if first or (last and tied) else "meta",
-        **{f"model.layers.{i}": device if i in held else "meta" for i in range(layers)},
-        "model.norm": device if last else "meta",
-        "model.rotary_emb": device,  # angles only: every stage computes its own
-        "lm_head": device if last else "meta",
-    }
-    return place
-
-
-class Pipeline:
+class Pipeline(SplitRoom):
     """This rank's stages, and the schedules that run them (one per window shape)."""
 
-    def __init__(self, model: nn.Module, layout: Layout, cfg: Any, device: torch.device):
-        self.layout, self.cfg, self.device = layout, cfg, device
+    name = "pipeline"
+    holds_whole_model = False  # each process holds its stages: no generating, no pair scoring
+
+    def __init__(self, accelerator, cfg: Any, layout: Layout, model_config: Any, tensor: TensorParallel | None = None) -> None:
+        if cfg.distributed.pipeline_layers == "auto":
+            layout = replace(layout, splits=balanced_layers(cfg, layout.world, accelerator.device))
+        super().__init__(accelerator, cfg, layout)
+        self.device, self.model_config = accelerator.device, model_config  # the model's (text) config.json
+        self.tensor = tensor  # distributed.tensor_parallel: each stage's split (parallel/tensor.py)
+        self.objective: Any = None  # the Loss whose head_loss the last stage runs (the trainer sets it)
+        self._schedules: dict[tuple[int, ...], Any] = {}  # one per window shape and mode (train or forward only)
+        self._head: Any = None  # what _loss computes on the last stage (set before each run of a schedule)
+        self.clock = BusyClock(self.device)  # the last window's busy and whole seconds on this rank
+
+    @classmethod
+    def build(cls, accelerator, cfg: Any, layout: Layout, model_config: Any) -> Pipeline:
+        """A pipeline, of tensor-parallel shares where distributed.tensor_parallel asks (each stage split)."""
+        tensor = TensorParallel(accelerator, cfg, layout, model_config) if TENSOR.asked(cfg) else None
+        return cls(accelerator, cfg, layout, model_config, tensor)
+
+    def placement(self, device: torch.device) -> dict[str, Any]:
+        """This rank's stages' modules on `device`, the rest on the meta device, never read."""
+        tied = bool(getattr(self.model_config, "tie_word_embeddings", False))
+        return stage_placement(self.layout, self.model_config.num_hidden_layers, tied, device)
+
+    def split(self) -> Any:
+        return self.tensor.split() if self.tensor is not None else None
+
+    def shard(self, model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
+        """This rank's stages (of its tensor-parallel shares)."""
+        refuse_fp16(self.cfg, compute_dtype)
+        if self.tensor is not None:
+            model = self.tensor.shard(model, compute_dtype)
         owner: Any = head_owner(model)
+        if owner is not None:  # a model given in memory (Trainer.from_parts) is checked here
+            text = owner.config.get_text_config()
+            problems = launch_problems(self.cfg, self.layout.world, text.num_hidden_layers, text.model_type)
+            if problems:
+                raise ConfigError(problems)
         if owner is None or not hasattr(owner, "model") or not hasattr(owner.model, "layers"):
             raise TrainingError(
                 "distributed.pipeline_parallel: found no decoder (model.model.layers) to split into stages",
@@ -170,12 +92,11 @@ class Pipeline:
             )
         self.owner, self.decoder = owner, owner.model  # the *ForCausalLM (head, config) and its decoder
         self.model: Any = model  # the PeftModel: its adapter is switched off for a DPO reference pass
-        n = len(self.decoder.layers)
+        n, layout = len(self.decoder.layers), self.layout
         self.stages = [
             Stage(self.decoder, *layout.layer_range(s, n), first=s == 0, last=s == layout.stage_count - 1)
             for s in layout.stages_of_rank
         ]
-        self.tensor: Any = None  # distributed.tensor_parallel: the stage's split (parallel/tensor.py), set by Parallel
         self.group, self.replica_group = self._groups()
         # Checkpoint gathers travel in host RAM: over NCCL an object gathered passes through GPU memory, and
         # rank 0 would receive every stage's adapter and optimizer state there at once.
@@ -188,10 +109,7 @@ class Pipeline:
         if self.is_last:
             owned += [self.decoder.norm, owner.lm_head]
         self.owned = {id(p) for m in owned for p in m.parameters()}
-        self.objective: Any = None  # the Loss whose head_loss the last stage runs (the trainer sets it)
-        self._schedules: dict[tuple[int, ...], Any] = {}  # one per window shape and mode (train or forward only)
-        self._head: Any = None  # what _loss computes on the last stage (set before each run of a schedule)
-        self.clock = BusyClock(device)  # the last window's busy and whole seconds on this rank
+        return model
 
     def _groups(self) -> tuple[Any, Any]:
         """(this rank's pipeline: its replica's stages; its stage's replicas), as process groups; with tensor
@@ -216,12 +134,12 @@ class Pipeline:
         return any(s.last for s in self.stages)
 
     @property
-    def reports(self) -> bool:
+    def counts_window(self) -> bool:
         """Whether this rank's losses count: the last stage's (its first tensor-parallel rank's, when split:
-        the group's ranks compute one loss)."""
+        the group's ranks compute one loss); every stage holds its replica's window."""
         return self.is_last and (self.tensor is None or self.tensor.tp_rank == 0)
 
-    def fit_objective(self, trainer_class: Any, base_compute_loss, objective, is_main: bool) -> None:
+    def fit_objective(self, trainer_class: Any, base_compute_loss, objective) -> None:
         """Take the objective the last stage runs. A Trainer subclass's compute_loss cannot run: the model runs
         split over processes and the last stage computes the objective's head_loss."""
         if trainer_class.compute_loss is not base_compute_loss:
@@ -233,14 +151,14 @@ class Pipeline:
                 ]
             )
         self.objective = objective
-        if getattr(objective, "ranks_pairs", False) and is_main:
+        if getattr(objective, "ranks_pairs", False) and self.accelerator.is_main_process:
             print(
                 "eval: preference accuracy is not scored in a pipeline (each process holds its stage); "
                 f"`finetune eval {self.cfg.output_dir}` scores it"
             )
 
     @property
-    def ideal_idle(self) -> float:
+    def ideal_idle(self) -> float:  # type: ignore[override]  # a class-wide 0 in the other rooms
         """The schedule's idle share of a window, (P - 1) / V over m + (P - 1) / V."""
         layout, m = self.layout, self.cfg.train.grad_accum
         fill = (layout.pp - 1) / layout.virtual_stages
@@ -254,7 +172,7 @@ class Pipeline:
         m = self.cfg.train.grad_accum
         idle = self.ideal_idle
         return (
-            f"pipeline: {layout.stage_count} stages of {layers} layers over {layout.pp} processes"
+            f"parallel: pipeline: {layout.stage_count} stages of {layers} layers over {layout.pp} processes"
             + (f" x {layout.tp} tensor-parallel ranks (each layer split)" if layout.tp > 1 else "")
             + f" x {layout.replicas} "
             f"replica{'s' if layout.replicas > 1 else ''}, {d.pipeline_schedule}, {m} micro-batches per step (ideal idle time {idle:.0%}; "
@@ -263,7 +181,7 @@ class Pipeline:
 
     def held_out_sums(self, batches: list[dict[str, torch.Tensor]], rows: int) -> tuple[float, float]:
         """(summed loss, units) of this replica's share of the eval batches (each of at most `rows` rows), run
-        forward through the stages grad_accum at a time; (0, 0) where they do not count (reports)."""
+        forward through the stages grad_accum at a time; (0, 0) where they do not count (counts_window)."""
         mine, m, objective = batches[self.layout.replica :: self.layout.replicas], self.cfg.train.grad_accum, self.objective
         total = count = 0.0
         pairs = objective.ranks_pairs  # a batch of pairs is filled with pairs, its real ones counted
@@ -275,7 +193,7 @@ class Pipeline:
             joined = pad_window(window, self.cfg.data.max_seq_len)
             self._head = self._objective_head(objective, 1.0, self._extras(objective, joined, real), {})
             losses = self._run(joined, train=False)
-            if self.reports:
+            if self.counts_window:
                 total += sum(float(loss) for loss in losses)
                 count += sum(objective.count(b) for b in given)
         return total, count
@@ -355,21 +273,21 @@ class Pipeline:
             extras = [{**e, "reference": r} for e, r in zip(extras, found)]
         return extras
 
-    def train_window(self, batches: list[dict[str, torch.Tensor]], objective, scale: float) -> tuple[float, dict[str, float]]:
-        """Forward and backward of the window's micro-batches through the stages, each micro-batch's summed
-        loss multiplied by `scale` (1 / the window's units). (The summed loss, the objective's metric sums)
-        where they count (reports), else zeros."""
+    def train_window(self, model, batches: list, objective, scale: float, micro_step, saving) -> tuple[float, dict[str, float]]:
+        """Forward and backward of the window's micro-batches through the stages at once, each micro-batch's summed
+        loss multiplied by `scale` (1 / the window's units); `saving` (the activations' context) held over the
+        whole schedule. (The summed loss, the objective's metric sums) where they count (counts_window), else zeros."""
         window = pad_window(batches, self.cfg.data.max_seq_len)
         sums: dict[int, dict[str, float]] = {}
-        with self.clock.window():
+        with self.clock.window(), saving(), self.accelerator.autocast():  # autocast: no prepared model casts
             self._head = self._objective_head(objective, scale, self._extras(objective, window, None), sums)
             losses = self._run(window, train=True)
-        totals = {k: sum(s.get(k, 0.0) for s in sums.values()) if self.reports else 0.0 for k in objective.metric_keys}
-        if not self.reports:
+        totals = {k: sum(s.get(k, 0.0) for s in sums.values()) if self.counts_window else 0.0 for k in objective.metric_keys}
+        if not self.counts_window:
             return 0.0, totals
         return sum(float(loss.detach()) for loss in losses) / scale, totals
 
-    def sum_gradients(self, params: list[nn.Parameter]) -> None:
+    def sync_gradients(self, params: list[nn.Parameter]) -> None:
         """Each stage's gradients summed over its replicas (the same parameters, other examples); split over
         a tensor-parallel group, the group's partial ones first."""
         if self.tensor is not None:
@@ -390,7 +308,20 @@ class Pipeline:
             return self.tensor.whole(name, t)
         return t.detach().cpu()
 
+    def stage_times(self, every_rank) -> list[tuple[float, ...]]:
+        """Each stage's (busy, whole) seconds in the last window, of replica 0's pipeline (tensor-parallel rank 0's);
+        every_rank: the collective that brings every rank's values."""
+        every = every_rank(*self.clock.last)
+        return [every[r] for r in self.layout.pipeline_ranks(0, 0)]
+
     # ------------------------------------------------------------------ whole states for a checkpoint
+
+    def full_states(self, model, optimizer) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+        unwrapped = self.unwrap(model)
+        return self.whole_trainable_state(unwrapped), self.whole_optimizer_state(unwrapped, optimizer)
+
+    def full_weights(self, model) -> dict[str, torch.Tensor] | None:
+        return self.whole_trainable_state(model)
 
     def _gathered(self, mine: Any) -> list[Any] | None:
         """Every rank's object on rank 0 (a collective); only the first replica's first tensor-parallel rank sends
@@ -432,17 +363,3 @@ class Pipeline:
         state = {index: s for part in parts if part for index, s in sorted(part.items())}
         group = {**sd["param_groups"][0], "params": list(range(len(trainable)))}
         return {"state": dict(sorted(state.items())), "param_groups": [group]}
-
-
-def balanced_layers(cfg: Any, world: int, device: torch.device) -> tuple[int, ...]:
-    """distributed.pipeline_layers=auto: the planner's balanced split for this GPU (any on a CPU: its peaks
-    are compared, not checked against a card)."""
-    from finetune.gpus import gpu_for_device
-    from finetune.plan.recipe import planning_inputs, setup_of
-    from finetune.plan.stages import balanced_layers as balanced
-
-    gpu = None
-    if device.type == "cuda":
-        gpu = gpu_for_device(torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory)
-    shape, facts, kw = planning_inputs(cfg, gpu)
-    return balanced(shape, facts, setup_of(cfg, world), gpu, **kw)

@@ -6,7 +6,7 @@ parallel/pipeline.py, tensor.py and context.py.
     for split in SPLITS: split.asked(cfg), split.size(cfg), split.rules
     problems(cfg)                            # every split's rules broken by this recipe, in SPLITS' order
 
-This module imports nothing of ours but the rule type: config asks it.
+This module imports nothing of ours but the rule type and the strategies' declarations: config asks it.
 """
 
 from __future__ import annotations
@@ -15,20 +15,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.errors import Rule, broken
+from finetune.parallel.strategies import of_recipe
 
 
+# The rules below ask their declaration (PIPELINE, TENSOR, CONTEXT, at the end) when they run.
 def _pipelined(cfg: Any) -> bool:
-    return cfg.distributed.pipeline_parallel > 1
+    return PIPELINE.asked(cfg)
 
 
 def pipeline_asked(cfg: Any) -> str:
-    """The recipe's ask in its own words, as every message names it."""
-    return f"distributed.pipeline_parallel={cfg.distributed.pipeline_parallel}"
+    return PIPELINE.said(cfg)
+
+
+def _shards(cfg: Any) -> bool:
+    """The recipe asks a strategy that shards gradients (FSDP, ZeRO), which a split cannot hold."""
+    return not of_recipe(cfg).replicates
 
 
 RULES: tuple[Rule[Any], ...] = (
     Rule(
-        lambda c: _pipelined(c) and c.distributed.strategy in ("fsdp", "deepspeed"),
+        lambda c: _pipelined(c) and _shards(c),
         lambda c: (
             f"{pipeline_asked(c)} with distributed.strategy={c.distributed.strategy}: a pipeline keeps whole stages and "
             "all-reduces their gradients over its replicas itself; it does not shard them. Set "
@@ -135,16 +141,16 @@ RULES += (
 
 
 def _split(cfg: Any) -> bool:
-    return cfg.distributed.tensor_parallel > 1
+    return TENSOR.asked(cfg)
 
 
 def tensor_asked(cfg: Any) -> str:
-    return f"distributed.tensor_parallel={cfg.distributed.tensor_parallel}"
+    return TENSOR.said(cfg)
 
 
 TENSOR_RULES: tuple[Rule[Any], ...] = (
     Rule(
-        lambda c: _split(c) and c.distributed.strategy in ("fsdp", "deepspeed"),
+        lambda c: _split(c) and _shards(c),
         lambda c: (
             f"{tensor_asked(c)} with distributed.strategy={c.distributed.strategy}: a tensor-parallel group all-reduces "
             "its replicas' gradients itself; it does not shard them. Set distributed.strategy=auto."
@@ -187,11 +193,11 @@ TENSOR_RULES: tuple[Rule[Any], ...] = (
 
 
 def _context(cfg: Any) -> bool:
-    return cfg.distributed.context_parallel > 1
+    return CONTEXT.asked(cfg)
 
 
 def context_asked(cfg: Any) -> str:
-    return f"distributed.context_parallel={cfg.distributed.context_parallel}"
+    return CONTEXT.said(cfg)
 
 
 CONTEXT_RULES: tuple[Rule[Any], ...] = (
@@ -204,7 +210,7 @@ CONTEXT_RULES: tuple[Rule[Any], ...] = (
         ),
     ),
     Rule(
-        lambda c: _context(c) and c.distributed.strategy in ("fsdp", "deepspeed"),
+        lambda c: _context(c) and _shards(c),
         lambda c: (
             f"{context_asked(c)} with distributed.strategy={c.distributed.strategy}: context-parallel ranks each hold the "
             "whole model and all-reduce their gradients as DDP does; sharding them is not supported yet. Set "
@@ -260,6 +266,10 @@ class Split:
 
     def asked(self, cfg: Any) -> bool:
         return self.size(cfg) > 1
+
+    def said(self, cfg: Any) -> str:
+        """The recipe's ask in its own words, as every message names it: distributed.<size key>=N."""
+        return f"{self.key}={getattr(cfg.distributed, self.key.split('.', 1)[1])}"
 
 
 PIPELINE = Split(

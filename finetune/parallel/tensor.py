@@ -5,7 +5,8 @@ ranks of a group, on a 4-bit base. torch's DTensor cannot hold bitsandbytes' Par
     config = narrowed(text_config, tp)           # the model a rank builds: heads / tp, kv heads / tp, MLP / tp
     with sliced_reads(split_dim, rank, tp):      # model/partial.py: a rank reads only its rows or columns
         model = from_pretrained(..., config=config)   # bitsandbytes quantizes the rank's slice alone
-    tensor = TensorParallel(model, layout, seed)
+    tensor = TensorParallel(accelerator, cfg, layout, text_config)   # the room, before loading: split()
+    model = tensor.shard(model, dtype)           # the group's hooks; LoRA drawn as one process draws it
 
 q, k, v, gate and up are column-parallel (their output features split: whole heads, a slice of the MLP),
 o and down row-parallel (their input features split): attention and the MLP each run on a rank's share
@@ -28,9 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from finetune.errors import TrainingError
+from finetune.errors import ConfigError, TrainingError
 from finetune.parallel.grads import clip_to, squares, sum_over
 from finetune.parallel.layout import COLUMN, ROW, Layout
+from finetune.parallel.room import SplitRoom, refuse_fp16
 
 
 def split_dim(name: str) -> int | None:
@@ -118,11 +120,55 @@ class _FromGroup(torch.autograd.Function):
         return grad, None
 
 
-class TensorParallel:
+class TensorParallel(SplitRoom):
     """This rank's share of every decoder layer, and what the loop asks of it (gradients, norm, states)."""
 
-    def __init__(self, model: nn.Module, layout: Layout, device: torch.device):
-        self.tp, self.tp_rank, self.replicas, self.device = layout.tp, layout.tp_rank, layout.replicas, device
+    name = "tensor"
+
+    def __init__(self, accelerator, cfg: Any, layout: Layout, model_config: Any) -> None:
+        super().__init__(accelerator, cfg, layout)
+        self.tp, self.tp_rank, self.replicas, self.device = layout.tp, layout.tp_rank, layout.replicas, accelerator.device
+        self.model_config = model_config  # the whole model's (text) config.json
+
+    @classmethod
+    def build(cls, accelerator, cfg: Any, layout: Layout, model_config: Any) -> TensorParallel:
+        return cls(accelerator, cfg, layout, model_config)
+
+    def describe(self) -> str:
+        many = f"{self.replicas} replica{'s' if self.replicas > 1 else ''}"
+        return f"parallel: tensor parallel, each decoder layer split over {self.tp} processes x {many}"
+
+    def split(self) -> Any:
+        """This rank's reading: its share of every split weight, its narrowed config."""
+        from transformers import AutoConfig
+
+        from finetune.model.load import model_source
+        from finetune.model.partial import Split
+
+        cfg = self.cfg
+        whole = AutoConfig.from_pretrained(
+            model_source(cfg), revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+        )
+        return Split(split_dim, self.tp_rank, self.tp, narrowed(whole, self.tp))
+
+    def shard(self, model: Any, compute_dtype: torch.dtype) -> Any:
+        """This rank's share of each layer (loaded split), its LoRA drawn as one process's."""
+        refuse_fp16(self.cfg, compute_dtype)
+        config = model.config.get_text_config()
+        if config.num_attention_heads * self.tp != getattr(self.model_config, "num_attention_heads", None):
+            raise ConfigError(
+                [
+                    f"distributed.tensor_parallel={self.tp}: the model was not loaded split (a model given in memory "
+                    "holds every head); let the trainer load it from model.path, or set distributed.tensor_parallel=1"
+                ]
+            )
+        self._attach(model, self.layout)
+        draw_lora_as_one_process(model, self, self.cfg.seed)
+        model.finetune_local_slice = self.local  # a checkpoint's whole tensors, sliced
+        return model
+
+    def _attach(self, model: nn.Module, layout: Layout) -> None:
+        """The group's process groups, the row-parallel biases added once, f and g around attention and MLP."""
         # Every rank creates every group, in one order (torch's rule for new_group). Under a pipeline the
         # replicas of a stage's share are summed by the pipeline (parallel/pipeline.py): no groups across here.
         groups = [dist.new_group(layout.tensor_ranks(b)) for b in range(layout.world // layout.tp)]
@@ -132,7 +178,7 @@ class TensorParallel:
             across = [dist.new_group(layout.stage_ranks(0, t)) for t in range(layout.tp)]
             self.replica_group = across[layout.tp_rank]
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.sharded = {id(p) for n, p in named if split_dim(n) is not None}
+        self.split_params = {id(p) for n, p in named if split_dim(n) is not None}
         self.partial = {id(p) for n, p in named if partial_gradient(n)}
         self.names = {id(p): n for n, p in named}
         if self.tp_rank:  # a row-parallel layer's bias is added once, by the first rank: the group's sum adds the others'
@@ -159,6 +205,13 @@ class TensorParallel:
 
     # ------------------------------------------------------------------ the step
 
+    @property
+    def counts_window(self) -> bool:
+        return self.tp_rank == 0  # the group's ranks hold one window and compute one loss: its first counts it
+
+    def sync_gradients(self, params: list[nn.Parameter]) -> None:
+        self.sum_gradients(params)  # (a name of its own: a pipeline of shares calls it for its group)
+
     def sum_gradients(self, params: list[nn.Parameter]) -> None:
         """The whole LoRA tensors whose gradient is a share's part summed over the group (partial_gradient);
         then every gradient summed over the replicas (other examples), unless a pipeline sums them."""
@@ -168,15 +221,23 @@ class TensorParallel:
 
     def squares(self, params: list[nn.Parameter]) -> torch.Tensor:
         """The sum of the group's gradient squares: split tensors' summed over the group, whole ones once."""
-        split = squares([p for p in params if id(p) in self.sharded], self.device)
+        split = squares([p for p in params if id(p) in self.split_params], self.device)
         dist.all_reduce(split, group=self.group)
-        return split + squares([p for p in params if id(p) not in self.sharded], self.device)
+        return split + squares([p for p in params if id(p) not in self.split_params], self.device)
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
         """The whole gradient's norm, and clipping to max_norm with it by torch's rule."""
+        self.accelerator.unscale_gradients()  # fp16: the GradScaler's factor out first, as accelerate does
         return clip_to(params, float(self.squares(params).sqrt()), max_norm)
 
     # ------------------------------------------------------------------ whole states for a checkpoint
+
+    def full_states(self, model, optimizer) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+        unwrapped = self.unwrap(model)
+        return self.whole_trainable_state(unwrapped), self.whole_optimizer_state(unwrapped, optimizer)
+
+    def full_weights(self, model) -> dict[str, torch.Tensor] | None:
+        return self.whole_trainable_state(model)
 
     def whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """A tensor of `name` whole: the group's slices concatenated (a collective), or itself."""

@@ -40,11 +40,10 @@ from finetune.parallel.distribute import (
     is_sharded,
     load_full_trainable_state,
     shard_optimizer_state,
-    zero_load,
-    zero_optimizer,
 )
 from finetune.parallel.rank_state import RankState, read_powersgd, restore_rng_states, save_rank_states
 from finetune.parallel.splits import RESUME_HARMLESS as SPLITS_RESUME_HARMLESS
+from finetune.parallel.zero import zero_load, zero_optimizer
 
 RUN_MARKERS = ("recipe.yaml", "metrics.jsonl", "adapter", "checkpoints")
 MANIFEST = "manifest.json"

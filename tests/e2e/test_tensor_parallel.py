@@ -105,7 +105,7 @@ from finetune.trainer import Trainer
 if os.environ.get("UNSUMMED"):  # the whole LoRA tensors' partial gradients left unsummed over the group
     summed = TensorParallel.sum_gradients
     def unsummed(self, params):
-        self.sharded = {id(p) for p in params}  # every tensor taken for a split one
+        self.split_params = {id(p) for p in params}  # every tensor taken for a split one
         summed(self, params)
     TensorParallel.sum_gradients = unsummed
 Trainer(load_recipe(sys.argv[1]), progress=False).train()
