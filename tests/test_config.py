@@ -188,10 +188,10 @@ def test_grad_compression_at_launch_refused_under_autos_fsdp_and_said_useless_on
 
     import torch
 
-    from finetune.parallel import compression
+    from finetune.declarations import compression
+    from finetune.declarations.layout import Layout
     from finetune.parallel import runtime as parallel
     from finetune.parallel.ddp import DDP
-    from finetune.parallel.layout import Layout
     from finetune.parallel.room import Room
 
     cfg = build_recipe({**MINIMAL, "distributed": {"grad_compression": "powersgd"}})
@@ -227,9 +227,9 @@ def test_runs_from_before_grad_compression_resume_and_turning_it_on_changes_the_
 
 
 def test_each_split_declares_its_recipe_keys_and_a_resume_may_change_them():
-    # parallel/splits.py is where a split strategy's keys live: runs/checkpoint.py reads them, lists none.
+    # declarations/splits.py is where a split strategy's keys live: runs/checkpoint.py reads them, lists none.
     from finetune.config.sections import DistributedConfig
-    from finetune.parallel.splits import SPLITS
+    from finetune.declarations.splits import SPLITS
     from finetune.runs.checkpoint import recipe_changes
 
     assert [s.name for s in SPLITS] == ["pipeline", "tensor", "context"]
@@ -289,7 +289,7 @@ def test_deepspeed_keys_and_what_zero_cannot_run_with():
 def test_deepspeed_missing_says_how_to_install_it(monkeypatch):
     import sys
 
-    from finetune.parallel import zero_config
+    from finetune.declarations import zero_config
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
     with pytest.raises(ConfigError) as err:
@@ -300,7 +300,7 @@ def test_deepspeed_missing_says_how_to_install_it(monkeypatch):
 def test_deepspeed_config_leaves_accumulation_to_the_trainer_and_runs_from_before_it_resume():
     import json
 
-    from finetune.parallel import zero_config
+    from finetune.declarations import zero_config
     from finetune.runs.checkpoint import recipe_changes
 
     cfg = build_recipe(

@@ -428,7 +428,7 @@ def test_a_completion_ends_at_its_end_token_or_its_first_stop_string_once_begun(
 def test_sampling_takes_no_setting_from_the_models_generation_config(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.data.prompts import collate_prompts
+    from finetune.data.dataset import collate_prompts
     from finetune.objectives.sampling import complete, end_ids
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

@@ -282,7 +282,7 @@ def test_the_search_never_proposes_tables_in_host_ram_to_a_liger_recipe_and_fp32
     cfg = load_recipe("qlora-1x24gb", base)
     shape, recipe = read_model_shape(LLAMA_31_8B), RecipeFacts.from_config(cfg, "bf16")
     tried = candidates(setup_of(cfg), 1, recipe)
-    assert tried and not any(s.embeddings == "cpu" for s in tried)  # memory/techniques refuses liger + cpu tables
+    assert tried and not any(s.embeddings == "cpu" for s in tried)  # declarations/techniques refuses liger + cpu tables
     assert any(s.embeddings == "cpu" for s in candidates(setup_of(load_recipe("qlora-1x24gb", base[:3])), 1, recipe))
     # fp32 without checkpointing: only an MLP tile is rebuilt in backward, never a negative term.
     fp32 = load_recipe("qlora-1x24gb", base[:3] + ["memory.activation_checkpointing=none", "precision=fp32"])

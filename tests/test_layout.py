@@ -7,119 +7,37 @@ from pathlib import Path
 
 import finetune
 
-# The floors of docs/design.md, top to bottom: a unit imports only units above it (or itself).
-# A unit is a top-level module, a folder, or one module of a folder that stands above the rest
-# of it: the declarations config asks (rules tables import no model code, so config can ask them).
+# The floors of docs/design.md, top to bottom: a folder (or a helper module) imports only those above it.
 ORDER = [
     "errors",  # the helpers every floor may use
     "hardware",
     "gpus",
     "metrics",
-    "adapters",  # declarations: keys, rules, defaults
-    "parallel.strategies",
-    "parallel.splits",
-    "memory.techniques",
-    "objectives.table",
-    "parallel.zero_config",
-    "parallel.compression",
-    "parallel.layout",
+    "adapters",  # adapter methods: peft arguments and rules
+    "declarations",  # what config asks, with no model code: techniques, objectives, strategies, splits, their rules
     "config",  # the recipe, read and checked
     "data",  # records -> tokens and masks
     "model",  # the base model loaded, quantized, adapted
     "memory",  # where a step's bytes wait
     "plan",  # memory and speed before loading
-    "parallel",  # how a run spreads over processes
+    "parallel",  # how a run spreads over processes: one room per strategy
     "runs",  # a run's directory: checkpoints, resume, evaluate, open
     "export",  # a run turned into something else: adapter, merged model, GGUF
     "objectives",  # what a step minimises
     "trainer",  # the loop
     "cli",  # imports them all
 ]
-# Inside a folder, the same rule between its modules.
-PACKAGE_ORDER = {
-    "config": ["messages", "files", "older_runs", "sections", "schema"],
-    "model": ["shards", "moe", "varlen", "partial", "vision", "targets", "load", "kernels"],
-    "memory": [
-        "techniques",
-        "linear_ce",
-        "tiled_mlp",
-        "activation_offload",
-        "optimizer_offload",
-        "stream",
-        "host_tables",
-        "apply",
-    ],
-    "plan": [
-        "images",
-        "shape",
-        "inputs",
-        "speed",
-        "terms",
-        "activations",
-        "host",
-        "memory",
-        "context",
-        "stages",
-        "recipe",
-        "fitting",
-        "render",
-        "rewrite",
-        "check",
-        "command",
-    ],
-    "parallel": [
-        "strategies",
-        "splits",
-        "zero_config",
-        "compression",
-        "layout",
-        "distribute",
-        "grads",
-        "stage_time",
-        "room",  # what every strategy's room answers (one process's answers)
-        "fsdp",  # the rooms, one module each
-        "zero",
-        "ddp_hooks",
-        "ddp",
-        "tensor",
-        "stages",
-        "pipeline",
-        "ring",
-        "context",
-        "split_checks",
-        "rank_state",
-        "health",
-        "runtime",  # Parallel: chooses a room and hands it the loop's questions
-        "launch",
-    ],
-    "runs": [
-        "report",
-        "checkpoint",
-        "resume",
-        "choices",
-        "evaluate",
-        "preflight",
-        "open",
-    ],
-    "export": ["merge", "serving", "run", "gguf_rope", "gguf_file", "gguf_spm", "gguf_vocab", "modelfile", "gguf_export"],
-    "objectives": ["table", "loss", "preference", "rewards", "sampling", "grpo"],
-    "trainer": ["state", "callbacks", "schedule", "order", "profiling", "watch", "faults", "held_out", "build", "loop"],
-    "cli": ["finished", "commands"],
-}
 PKG = Path(finetune.__file__).parent
 HELPERS = {"errors", "hardware", "gpus", "metrics"}  # design: errors and at most three shared helpers
 
 
 def unit_of(dotted: str) -> str:
-    """The ORDER entry a module belongs to: finetune.memory.techniques -> memory.techniques, finetune.memory.stream -> memory."""
-    parts = dotted.split(".")[1:]
-    if len(parts) >= 2 and ".".join(parts[:2]) in ORDER:
-        return ".".join(parts[:2])
-    return parts[0]
+    """The ORDER entry a module belongs to: finetune.memory.stream -> memory, finetune.errors -> errors."""
+    return dotted.split(".")[1]
 
 
 def imported_modules(path: Path) -> set[str]:
-    """Every finetune module a file imports, dotted (`from finetune.memory import techniques` -> finetune.memory.techniques)."""
+    """Every finetune module a file imports, dotted (`from finetune.declarations import techniques` -> finetune.declarations.techniques)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "finetune":
@@ -149,9 +67,6 @@ def test_every_module_is_placed():
     folders = {p.parent.name for p in PKG.glob("*/__init__.py")} - {"assets"}  # assets: files, no code
     assert {unit_of(m) for m in code_files()} <= set(ORDER), "add the new folder to ORDER"
     assert folders | top == {u.split(".")[0] for u in ORDER}, "ORDER names a folder that is gone"
-    for package, order in PACKAGE_ORDER.items():
-        stems = {p.stem for p in (PKG / package).glob("*.py")} - {"__init__"}
-        assert stems == set(order), f"finetune/{package}/: PACKAGE_ORDER lists {order}, files are {sorted(stems)}"
 
 
 def test_imports_flow_one_way():
@@ -164,19 +79,34 @@ def test_imports_flow_one_way():
             )
 
 
-def test_package_modules_flow_one_way():
-    for module, path in code_files().items():
-        parts = module.split(".")
-        if len(parts) != 3 or parts[1] not in PACKAGE_ORDER:
-            continue
-        package, name = parts[1], parts[2]
-        order = PACKAGE_ORDER[package]
-        later = set(order[order.index(name) + 1 :])
-        for imported in imported_modules(path):
-            bits = imported.split(".")
-            assert not (len(bits) >= 3 and bits[1] == package and bits[2] in later), (
-                f"{module} imports {imported}, which stands after it in finetune/{package}/"
-            )
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each circle of imports found by a depth-first walk (a module that imports, through others, itself)."""
+    circles, state = [], dict[str, int]()  # 1: on the current path, 2: done
+
+    def walk(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for imported in sorted(graph.get(module, ())):
+            if state.get(imported) == 1:
+                circles.append(path[path.index(imported) :] + [imported])
+            elif imported not in state:
+                walk(imported, [*path, imported])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module, [module])
+    return circles
+
+
+def test_no_import_circle_inside_a_folder():
+    """Folders stand in ORDER; inside one, its modules import one another in one direction (any order without a
+    circle: an idea that needs another stands after it)."""
+    graph = {
+        m: {i for i in imported_modules(p) if i in code_files() and unit_of(i) == unit_of(m) and i != m}
+        for m, p in code_files().items()
+    }
+    assert import_circles(graph) == []
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]  # the check sees one
 
 
 STRATEGY_NAMES = {"single", "ddp", "fsdp", "deepspeed", "zero2", "zero3", "pipeline", "tensor", "context"}
@@ -185,7 +115,7 @@ ROOM_NAMES = {
     "parallel.ddp": {"ddp"},
     "parallel.fsdp": {"fsdp"},
     "parallel.zero": {"deepspeed", "zero2", "zero3"},
-    "parallel.zero_config": {"deepspeed", "zero2", "zero3"},  # its recipe keys' declaration
+    "declarations.zero_config": {"deepspeed", "zero2", "zero3"},  # its recipe keys' declaration
     "parallel.pipeline": {"pipeline"},
     "parallel.tensor": {"tensor"},
     "parallel.context": {"context"},
@@ -214,7 +144,7 @@ def strategy_name_comparisons(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def test_no_strategy_name_is_compared_outside_its_own_room():
-    """Every other module asks a strategy's declaration (parallel/strategies.py, splits.py) or the Parallel object,
+    """Every other module asks a strategy's declaration (declarations/strategies.py, splits.py) or the Parallel object,
     which hands each question to the room that runs (parallel/room.py)."""
     offenders = [
         f"{path.relative_to(PKG)}:{line} ({name})"

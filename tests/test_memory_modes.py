@@ -1,4 +1,4 @@
-"""The memory-mode table (finetune/memory/techniques.py): config, the launch and the --fit search read
+"""The memory-mode table (finetune/declarations/techniques.py): config, the launch and the --fit search read
 the same rules, so the search never proposes a setup that the recipe's rules or the launch refuse."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from finetune.config.schema import build_recipe, fsdp_problems, load_recipe
-from finetune.memory import techniques
+from finetune.declarations import techniques
 from finetune.plan.fitting import candidates, mode_settings, runnable
 from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.recipe import setup_of
@@ -54,7 +54,7 @@ def test_fit_search_proposes_only_setups_the_rules_accept(recipe, overrides, max
 
 
 # Each setup the search may try, and the recipe key whose rule refuses it (None: it runs). Written out,
-# not derived from the table: a rule lost or loosened in finetune/memory/techniques.py fails here.
+# not derived from the table: a rule lost or loosened in finetune/declarations/techniques.py fails here.
 INT8 = RecipeFacts(8, False, 16, "all-linear", 0.05, False, 2)
 RUNNABLE = [
     (Setup(1, 1), None, None),

@@ -11,9 +11,9 @@ from test_config import MINIMAL, problems_of
 
 from finetune.config.schema import build_recipe
 from finetune.data import IGNORE_INDEX
+from finetune.declarations.layout import Layout, launch_problems
 from finetune.errors import ConfigError
 from finetune.objectives.loss import CausalLMLoss
-from finetune.parallel.layout import Layout, launch_problems
 from finetune.parallel.stages import Stage, pad_window, stage_placement
 
 

@@ -11,9 +11,9 @@ from test_plan import CONFIGS
 
 from finetune.cli.commands import main
 from finetune.config.schema import load_recipe
+from finetune.declarations.layout import Layout
 from finetune.errors import PlanError
 from finetune.gpus import find_gpu
-from finetune.parallel.layout import Layout
 from finetune.plan import plan_recipe
 from finetune.plan.memory import estimate
 from finetune.plan.recipe import planning_inputs, setup_of

@@ -9,8 +9,8 @@ import torch
 from conftest import build_tiny_llama
 from test_config import MINIMAL, problems_of
 
+from finetune.declarations.layout import Layout
 from finetune.model.partial import Split
-from finetune.parallel.layout import Layout
 from finetune.parallel.tensor import narrowed, problems, split_dim
 
 L = "base_model.model.model.layers.3"
@@ -172,9 +172,9 @@ def test_a_ranks_planned_weights_are_what_its_loaded_share_holds_and_the_step_ad
     from transformers import AutoConfig
 
     from finetune.config.schema import build_recipe
+    from finetune.declarations.strategies import DDP
     from finetune.gpus import find_gpu
     from finetune.model.load import load_model
-    from finetune.parallel.strategies import DDP
     from finetune.plan import plan_recipe
     from finetune.plan.memory import estimate
     from finetune.plan.recipe import planning_inputs, setup_of

@@ -255,7 +255,7 @@ def test_zero_bucket_sizes_come_from_a_vlms_text_config(families, tiny_model_dir
 
     from transformers import AutoConfig
 
-    from finetune.parallel import zero_config
+    from finetune.declarations import zero_config
 
     def filled(config) -> dict:
         zero = {"stage": 3, **dict.fromkeys(("reduce_bucket_size", "stage3_prefetch_bucket_size"), "auto")}

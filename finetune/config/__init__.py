@@ -5,8 +5,8 @@
     older_runs  an older run's recipe as this version spells it (resume compares recipes)
     sections    the recipe's sections (model, data, ..., memory): the only place defaults live
     schema      RecipeConfig: the sections together and the cross-field rules, asked of the
-                declarations that stand before it (adapters/, memory/techniques, objectives/table,
-                parallel/zero_config and parallel/compression)
+                declarations that stand before it (adapters/, declarations/techniques, declarations/objectives,
+                declarations/zero_config and declarations/compression)
 
 The schema's entry points are re-exported here: `from finetune.config import load_recipe`.
 """

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from finetune import adapters
-from finetune.parallel import zero_config
+from finetune.declarations import zero_config
 
 # Keys added after runs were written, with the value that reproduces what those runs did.
 _OLDER_RUNS: dict[str, dict[str, Any]] = {

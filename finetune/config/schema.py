@@ -50,10 +50,8 @@ from finetune.config.sections import (  # noqa: F401 - re-exported: the config A
     TrainConfig,
     _Section,
 )
+from finetune.declarations import compression, objectives, splits, techniques, zero_config
 from finetune.errors import ConfigError
-from finetune.memory import techniques
-from finetune.objectives import table as objectives
-from finetune.parallel import compression, splits, zero_config
 
 
 class RecipeConfig(_Section):
@@ -105,7 +103,7 @@ def resolve_offload_dir(cfg: RecipeConfig) -> str | None:
 
 
 def memory_problems(cfg: RecipeConfig) -> list[str]:
-    """What the memory.* and FSDP offload modes cannot run with (finetune/memory/techniques.py's table)."""
+    """What the memory.* and FSDP offload modes cannot run with (finetune/declarations/techniques.py's table)."""
     return techniques.problems(techniques.recipe_settings(cfg))
 
 

@@ -9,8 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from finetune import adapters
-from finetune.memory import techniques
-from finetune.parallel import zero_config
+from finetune.declarations import techniques, zero_config
 
 # data.format: the formats of finetune/data/formats/, one module each (that package checks this
 # list against its registry on import; config cannot import it: imports flow one way).
@@ -186,7 +185,7 @@ class TrainConfig(_Section):
         "sft",
         description="sft: next-token loss on the responses; dpo, orpo, simpo: preference tuning on "
         "data.format=preference pairs; grpo: online RL from train.rewards on data.format=prompt "
-        "(finetune/objectives/table.py)",
+        "(finetune/declarations/objectives.py)",
     )
     beta: float | None = Field(
         None,
@@ -268,7 +267,7 @@ class CheckpointConfig(_Section):
 class DistributedConfig(_Section):
     strategy: Literal["auto", "ddp", "fsdp", "deepspeed"] = Field(
         "auto",
-        description="ddp: a replica per process; fsdp: weights and optimizer state sharded; deepspeed: ZeRO (parallel/zero_config.py)",
+        description="ddp: a replica per process; fsdp: weights and optimizer state sharded; deepspeed: ZeRO (declarations/zero_config.py)",
     )
     cpu_offload: bool = Field(False, description="fsdp: sharded parameters, gradients and optimizer state live in CPU RAM")
     reshard_after_forward: bool = Field(True, description="fsdp: free gathered layers after forward (less memory, more traffic)")
@@ -284,7 +283,7 @@ class DistributedConfig(_Section):
         1,
         ge=1,
         description="decoder layers split into this many stages, one per process (--nproc = stages x replicas): "
-        "a model too large for one GPU without sharding it; 1: no pipeline (parallel/layout.py)",
+        "a model too large for one GPU without sharding it; 1: no pipeline (declarations/layout.py)",
     )
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
         "1f1b",

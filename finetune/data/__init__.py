@@ -27,8 +27,8 @@ from finetune.data.dataset import Collator, DataBundle, DataStats, TokenizedData
 from finetune.data.formats import FORMATS, get_format
 from finetune.data.packing import length_grouped, pack_rows
 from finetune.data.pairs import PreferencePairs
-from finetune.data.pipeline import build_datasets, build_examples, check_sample, held_out_indices, held_out_records
-from finetune.data.records import check_data_source
+from finetune.data.pipeline import build_datasets, build_examples, check_sample, held_out_records
+from finetune.data.records import check_data_source, held_out_indices
 from finetune.data.sources import load_records
 from finetune.data.templates import BUILTIN_TEMPLATES, use_template
 from finetune.data.tokenize import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, IGNORE_INDEX, generation_prompt, prompt_and_answer

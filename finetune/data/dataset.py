@@ -208,8 +208,6 @@ class Collator:
         if not examples:
             raise ValueError("Collator got an empty batch")
         if "record" in examples[0]:  # prompts of an online objective (data/prompts.py): left-padded
-            from finetune.data.prompts import collate_prompts
-
             return collate_prompts(examples, self.pad_token_id)
         if "chosen" in examples[0]:  # preference pairs: B chosen rows, then their B rejected rows
             batch = self([ex["chosen"] for ex in examples] + [ex["rejected"] for ex in examples])
@@ -246,3 +244,22 @@ class Collator:
 def count_tokens(batch: dict[str, Any]) -> int:
     """Non-padding tokens of a collated batch."""
     return int(batch["num_tokens"]) if "num_tokens" in batch else int(batch["attention_mask"].sum())
+
+
+def collate_prompts(examples: list[dict], pad_token_id: int) -> dict[str, Any]:
+    """Prompts left-padded (generation continues every row from its last token), with their texts and records."""
+    import torch
+
+    width = max(len(x["input_ids"]) for x in examples)
+    ids = torch.full((len(examples), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, x in enumerate(examples):
+        n = len(x["input_ids"])
+        ids[row, width - n :] = torch.tensor(x["input_ids"])
+        mask[row, width - n :] = 1
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "prompts": [x["prompt"] for x in examples],
+        "records": [x["record"] for x in examples],
+    }

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import random
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,14 +22,12 @@ from finetune.data.images import absolute_images, image_token_ids, processor_of
 from finetune.data.masks import FIXES, Finding, enforce, example_findings, merge_findings
 from finetune.data.packing import pack_rows
 from finetune.data.pairs import EncodedPair, PreferencePairs, encode_pairs
-from finetune.data.records import usable_records
+from finetune.data.records import Item, load_usable, split_held_out, usable_records
 from finetune.data.sources import (
     Source,
-    Spec,
     _load,
     content_id,
     eval_spec,
-    load_source,
     looks_like_hub_name,
     source_specs,
     weighted_indices,
@@ -39,7 +36,6 @@ from finetune.data.templates import end_of_turn_ids, use_template
 from finetune.data.tokenize import CHAT_FORMATS, IGNORE_INDEX, Encoded, encode_records
 from finetune.errors import DataError
 
-Item = tuple[int, int]  # (source index, record index)
 # Formats whose errors name the source only: prompt/response records (one batched tokenizer call).
 PLAIN_FORMATS = tuple(name for name, f in FORMATS.items() if not f.chat and f.pairs is None)
 _CHUNK = 2000  # records per tokenizing task: big enough for batched tokenizer calls, small enough to balance
@@ -172,31 +168,11 @@ def _fit(enc: Encoded, max_len: int, truncation: str, image_ids: set[int]) -> tu
     return ids, labels, cut
 
 
-def held_out_indices(n_records: int, cfg: RecipeConfig) -> list[int]:
-    """Which of n usable records form the eval split (sorted): max(1, round(n * eval_fraction)), seeded.
-
-    The same function picks them in training and in `finetune eval` (runs/open.py).
-    """
-    n_eval = max(1, round(n_records * cfg.data.eval_fraction))
-    if n_eval >= n_records:
-        raise DataError(
-            f"data.eval_fraction={cfg.data.eval_fraction} of {n_records} records leaves nothing to train on",
-            hint="lower data.eval_fraction or pass data.eval_path=FILE",
-        )
-    return sorted(random.Random(cfg.seed).sample(range(n_records), n_eval))
-
-
-def _split_eval(cfg: RecipeConfig, pool: list[Item]) -> tuple[list[Item], list[Item]]:
-    """(train, eval) items of the pool of usable records of all sources."""
-    chosen = set(held_out_indices(len(pool), cfg))
-    return [x for j, x in enumerate(pool) if j not in chosen], [x for j, x in enumerate(pool) if j in chosen]
-
-
 def held_out_records(cfg: RecipeConfig) -> list[dict]:
     """The records data.eval_fraction held out in training (all sources, bad rows skipped as training did)."""
     sources, pool = [], []
     for s, spec in enumerate(source_specs(cfg)):
-        src, keep, _ = _load_usable(spec, cfg.data.skip_bad_rows)
+        src, keep, _ = load_usable(spec, cfg.data.skip_bad_rows)
         sources.append(src)
         pool += [(s, i) for i in keep]
     formats = {src.format for src in sources}
@@ -205,7 +181,7 @@ def held_out_records(cfg: RecipeConfig) -> list[dict]:
             f"the held-out split mixes data formats ({', '.join(sorted(formats))}), which one eval cannot score",
             hint="pass --data FILE with records of one format",
         )
-    held = _split_eval(cfg, pool)[1]
+    held = split_held_out(cfg, pool)[1]
     return [absolute_images([sources[s].records[i]], sources[s].folder(i), sources[s].where(i))[0] for s, i in held]
 
 
@@ -219,19 +195,6 @@ def build_examples(
     items = [(0, i) for i in keep]
     encoded = _encode_items(items, [src], tokenizer, cfg.data.train_on, 1, cfg.data.max_seq_len)
     return _finish(items, encoded, [src], cfg, tokenizer, {}, 0, False)
-
-
-def _load_usable(spec: Spec, skip_bad_rows: bool) -> tuple[Source, list[int], list[str]]:
-    """(source, indices of usable records, descriptions of skipped rows); a source with none usable is an error."""
-    src = load_source(spec, skip_bad_rows)
-    keep, bad = usable_records(src, src.columns, skip_bad_rows)
-    if not keep:
-        raise DataError(
-            f"{spec.key}: every one of its {len(src.records) + len(src.skipped)} records is malformed; "
-            f"first: {(src.skipped + bad)[0]}",
-            hint="fix the data, or check this source's format and columns",
-        )
-    return src, keep, src.skipped + bad
 
 
 def _content_ids(cfg: RecipeConfig) -> list[str]:
@@ -300,7 +263,7 @@ def _tokenized(cfg: RecipeConfig, tokenizer: Any, use_cache: bool | None) -> Dat
     skipped: dict[str, list[str]] = {"train": [], "eval": []}
     usable: list[list[int]] = []
     for spec in source_specs(cfg):
-        src, keep, bad = _load_usable(spec, d.skip_bad_rows)
+        src, keep, bad = load_usable(spec, d.skip_bad_rows)
         sources.append(src)
         usable.append(keep)
         skipped["train"] += bad
@@ -308,13 +271,13 @@ def _tokenized(cfg: RecipeConfig, tokenizer: Any, use_cache: bool | None) -> Dat
     eval_items: list[Item] = []
     ev_spec = eval_spec(cfg)
     if ev_spec is not None:  # loaded before any tokenizing, so a wrong path fails at once
-        ev, keep, bad = _load_usable(ev_spec, d.skip_bad_rows)
+        ev, keep, bad = load_usable(ev_spec, d.skip_bad_rows)
         skipped["eval"] += bad
         sources.append(ev)
         eval_items = [(len(sources) - 1, i) for i in keep]
         train_pool = pool
     elif d.eval_fraction > 0:
-        train_pool, eval_items = _split_eval(cfg, pool)
+        train_pool, eval_items = split_held_out(cfg, pool)
     else:
         train_pool = pool
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from finetune.config.schema import RecipeConfig
 from finetune.data.dataset import DataBundle, DataStats
-from finetune.data.pipeline import _load_usable, _split_eval
+from finetune.data.records import load_usable, split_held_out
 from finetune.data.sources import eval_spec, source_specs
 from finetune.errors import DataError
 
@@ -71,14 +71,14 @@ def build_prompts(cfg: RecipeConfig, tokenizer: Any) -> DataBundle:
     d = cfg.data
     pool: list[dict] = []
     for spec in source_specs(cfg):
-        src, keep, _ = _load_usable(spec, d.skip_bad_rows)
+        src, keep, _ = load_usable(spec, d.skip_bad_rows)
         pool += [src.records[i] for i in keep]
     ev = eval_spec(cfg)
     if ev is not None:
-        src, keep, _ = _load_usable(ev, d.skip_bad_rows)
+        src, keep, _ = load_usable(ev, d.skip_bad_rows)
         train_records, eval_records = pool, [src.records[i] for i in keep]
     elif d.eval_fraction > 0:
-        train_items, eval_items = _split_eval(cfg, [(0, i) for i in range(len(pool))])
+        train_items, eval_items = split_held_out(cfg, [(0, i) for i in range(len(pool))])
         train_records, eval_records = [pool[i] for _, i in train_items], [pool[i] for _, i in eval_items]
     else:
         train_records, eval_records = pool, []
@@ -91,22 +91,3 @@ def build_prompts(cfg: RecipeConfig, tokenizer: Any) -> DataBundle:
         )
     evals, eval_stats = encode_prompts(eval_records, cfg, tokenizer) if eval_records else (None, None)
     return DataBundle(train, evals, train_stats, eval_stats)
-
-
-def collate_prompts(examples: list[dict], pad_token_id: int) -> dict[str, Any]:
-    """Prompts left-padded (generation continues every row from its last token), with their texts and records."""
-    import torch
-
-    width = max(len(x["input_ids"]) for x in examples)
-    ids = torch.full((len(examples), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, x in enumerate(examples):
-        n = len(x["input_ids"])
-        ids[row, width - n :] = torch.tensor(x["input_ids"])
-        mask[row, width - n :] = 1
-    return {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "prompts": [x["prompt"] for x in examples],
-        "records": [x["record"] for x in examples],
-    }

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import difflib
 import os
+import random
 
 from finetune.config.schema import RecipeConfig, resolve_path
 from finetune.data.formats import FORMATS, get_format
 from finetune.data.formats.base import Problem
-from finetune.data.sources import Source, Spec, _load, eval_spec, looks_like_hub_name, source_specs
+from finetune.data.sources import Source, Spec, _load, eval_spec, load_source, looks_like_hub_name, source_specs
 from finetune.errors import DataError
 
 
@@ -120,3 +121,39 @@ def check_data_source(cfg: RecipeConfig) -> list[str]:
                 problems.append(f"{source.where(i)} {problem[0]}; {problem[1]}")
                 break
     return problems
+
+
+Item = tuple[int, int]  # (source index, record index)
+
+
+def load_usable(spec: Spec, skip_bad_rows: bool) -> tuple[Source, list[int], list[str]]:
+    """(source, indices of usable records, descriptions of skipped rows); a source with none usable is an error."""
+    src = load_source(spec, skip_bad_rows)
+    keep, bad = usable_records(src, src.columns, skip_bad_rows)
+    if not keep:
+        raise DataError(
+            f"{spec.key}: every one of its {len(src.records) + len(src.skipped)} records is malformed; "
+            f"first: {(src.skipped + bad)[0]}",
+            hint="fix the data, or check this source's format and columns",
+        )
+    return src, keep, src.skipped + bad
+
+
+def held_out_indices(n_records: int, cfg: RecipeConfig) -> list[int]:
+    """Which of n usable records form the eval split (sorted): max(1, round(n * eval_fraction)), seeded.
+
+    The same function picks them in training and in `finetune eval` (runs/open.py).
+    """
+    n_eval = max(1, round(n_records * cfg.data.eval_fraction))
+    if n_eval >= n_records:
+        raise DataError(
+            f"data.eval_fraction={cfg.data.eval_fraction} of {n_records} records leaves nothing to train on",
+            hint="lower data.eval_fraction or pass data.eval_path=FILE",
+        )
+    return sorted(random.Random(cfg.seed).sample(range(n_records), n_eval))
+
+
+def split_held_out(cfg: RecipeConfig, pool: list[Item]) -> tuple[list[Item], list[Item]]:
+    """(train, eval) items of the pool of usable records of all sources."""
+    chosen = set(held_out_indices(len(pool), cfg))
+    return [x for j, x in enumerate(pool) if j not in chosen], [x for j, x in enumerate(pool) if j in chosen]

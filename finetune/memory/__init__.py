@@ -1,7 +1,5 @@
 """Memory techniques: where the bytes of a training step wait, never what is computed.
 
-techniques   one declaration per technique (keys, --fit choices, resume, host RAM) and every
-             memory.* / strategy rule; stands before config/ and imports no model code
 linear_ce    memory.loss=chunked: the LM head and the loss over chunks of targets
 tiled_mlp    memory.tiled_mlp: each decoder MLP over tiles of the sequence, each tile a checkpoint
 activation_offload  memory.activation_offload: saved activations (and checkpointed layers' inputs) in host RAM

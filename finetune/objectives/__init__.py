@@ -1,7 +1,5 @@
 """Training objectives: what a step minimises.
 
-table       train.objective (sft | dpo | orpo | simpo | grpo): what each needs, one table (config, planner);
-            stands before config/
 loss        the Loss protocol every objective implements (summed loss and units, metric sums, prepare);
             CausalLMLoss, the user's function as FunctionLoss
 preference  dpo / orpo / simpo losses, the adapter-off reference and its precomputed table

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from finetune.declarations import objectives
 from finetune.errors import TrainingError
 from finetune.memory.linear_ce import logits_transform
-from finetune.objectives import table as objectives
 from finetune.objectives.loss import Loss, target_positions
 from finetune.runs.evaluate import chosen_wins, held_out_loss, row_logps
 from finetune.runs.resume import data_fingerprint

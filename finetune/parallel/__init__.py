@@ -1,16 +1,16 @@
-"""How a run is spread over processes: DDP, FSDP2 or DeepSpeed ZeRO, and launching them.
+"""How a run is spread over processes: one room per strategy, and launching them. (Each strategy's declaration,
+what config and the planner ask, is in declarations/.)
 
-strategies   one declaration per strategy (ddp, fsdp, zero2, zero3): what the planner, --fit and the
-             rules ask of it; stands before config/, and no other floor compares a strategy's name
-splits       one declaration per split strategy (pipeline, tensor, context): recipe keys, rules, traits; stands
-             before config/
-zero         distributed.strategy=deepspeed: ZeRO-2/3 rules and DeepSpeed's config; stands before config/
-compression  distributed.grad_compression rules and defaults; stands before config/
-strategy     which strategy a run uses, FSDP2 sharding, whole (gathered) states for checkpoints
+room         what the loop asks of a strategy (Room), answered for one process; SplitRoom for those that sum
+             their own gradients
+ddp, fsdp, zero   the data-parallel rooms: DDP (+ ddp_hooks: grad_compression), FSDP2, DeepSpeed ZeRO
+pipeline, tensor, context   the split rooms: stages on torch.distributed.pipelining (stages: the stage modules,
+             what a rank loads, windows), Megatron's split of each layer, each sequence split (ring: the ring
+             attention and Ulysses)
+distribute   which data-parallel strategy a launch runs; whole checkpoint states read back into shards
 split_checks what a launch of N processes cannot split, read from the model's config.json before loading
 rank_state   what each process holds alone (generators, PowerSGD state) for a checkpoint
-ddp_hooks    the DDP communication hooks of grad_compression
-runtime      Parallel: the one object the loop asks (gradient sync, global sums, whole states); the accelerator
+runtime      Parallel: chooses the room and hands it the loop's questions; the accelerator
 launch       torchrun for `finetune run --nproc N`, signals passed on, exit 75 of a rank that left restartable
 health       the start-up check: every rank's versions and recipe agree, its memory said
 """

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from finetune.data import IGNORE_INDEX, count_tokens
+from finetune.declarations.layout import Layout
 from finetune.errors import ConfigError
 from finetune.model import varlen
 from finetune.parallel.grads import sum_over
-from finetune.parallel.layout import Layout
 from finetune.parallel.ring import SplitRows, expand_heads, ring_attention, ulysses_attention
 from finetune.parallel.room import SplitRoom
 

@@ -1,4 +1,4 @@
-"""The DDP communication hooks of distributed.grad_compression (rules and defaults: parallel/compression.py).
+"""The DDP communication hooks of distributed.grad_compression (rules and defaults: declarations/compression.py).
 
     hook = register(ddp_model, cfg)              # Parallel.prepare; a PowerSGD, or None (none/fp16/bf16)
     tensors, scalars = hook.state_dict()         # PowerSGD: this rank's state, for its checkpoint
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from finetune.config.schema import RecipeConfig
-from finetune.parallel.compression import powersgd_warmup
+from finetune.declarations.compression import powersgd_warmup
 
 # A column of zeros (a LoRA A's gradient is zero while its B is still at its zero init, e.g. at lr 0
 # in warm-up) would divide 0 by 0 in the orthogonalisation and put NaN into the error feedback for

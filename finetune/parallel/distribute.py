@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from finetune.config.schema import RecipeConfig
-from finetune.parallel.splits import SPLITS
-from finetune.parallel.strategies import of_recipe
+from finetune.declarations.splits import SPLITS
+from finetune.declarations.strategies import of_recipe
 
 
 def resolve_strategy(cfg: RecipeConfig, world_size: int, device: torch.device | None = None) -> str:

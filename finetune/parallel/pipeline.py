@@ -11,7 +11,7 @@ decoder's layers swapped for the stage's (parallel/stages.py), the embeddings us
 and the final norm only by the last; the last stage's output goes to the objective's head_loss (the chunked
 loss kept). Each rank loads only its stages' modules (model/partial.py); a checkpoint gathers the stages'
 adapter and optimizer state into the numbering one process uses, so any layout resumes any other.
-Layout and rules: parallel/layout.py.
+Layout and rules: declarations/layout.py.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from finetune.declarations.layout import Layout, launch_problems
+from finetune.declarations.splits import TENSOR
 from finetune.errors import ConfigError, TrainingError
 from finetune.model.load import head_owner
 from finetune.parallel.grads import clip_to, squares, sum_over
-from finetune.parallel.layout import Layout, launch_problems
 from finetune.parallel.room import SplitRoom, refuse_fp16
-from finetune.parallel.splits import TENSOR
 from finetune.parallel.stage_time import BusyClock
 from finetune.parallel.stages import (
     Stage,

@@ -20,11 +20,11 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from finetune.config.schema import RecipeConfig
+from finetune.declarations import compression
+from finetune.declarations.layout import Layout
+from finetune.declarations.splits import PIPELINE, TENSOR
+from finetune.declarations.strategies import of_recipe
 from finetune.errors import ConfigError
-from finetune.parallel import compression
-from finetune.parallel.layout import Layout
-from finetune.parallel.splits import PIPELINE, TENSOR
-from finetune.parallel.strategies import of_recipe
 
 
 class Room:
@@ -33,7 +33,7 @@ class Room:
     name = "single"  # what a run's choices.json records
     replicates = True  # every process a whole replica, its gradients all-reduced (what grad_compression compresses)
     sharded = False  # the weights partitioned over the processes: 4-bit storage in the compute dtype, forwards together
-    wraps_layers = False  # FSDP2's units around each decoder layer (memory/techniques' FSDP rules apply)
+    wraps_layers = False  # FSDP2's units around each decoder layer (declarations/techniques' FSDP rules apply)
     updates_in_backward = False  # the engine steps inside the last micro-batch's backward (DeepSpeed)
     sums_own_gradients = False  # no DDP wrapper: the room sums gradients after the window (split strategies)
     holds_whole_model = True  # this process can generate and score pairs (a pipeline stage cannot)

@@ -20,9 +20,11 @@ from typing import Any
 import torch
 
 from finetune.config.schema import RecipeConfig
+from finetune.declarations import compression, layout, techniques
+from finetune.declarations.splits import CONTEXT, PIPELINE, TENSOR, Split
+from finetune.declarations.strategies import of_recipe
 from finetune.errors import ConfigError
-from finetune.memory import techniques
-from finetune.parallel import compression, layout, zero
+from finetune.parallel import zero
 from finetune.parallel.context import ContextParallel
 from finetune.parallel.ddp import DDP
 from finetune.parallel.distribute import resolve_strategy, vision_problems
@@ -31,8 +33,6 @@ from finetune.parallel.pipeline import Pipeline
 from finetune.parallel.rank_state import RankState, rng_states
 from finetune.parallel.room import Room
 from finetune.parallel.split_checks import split_problems, text_config
-from finetune.parallel.splits import CONTEXT, PIPELINE, TENSOR, Split
-from finetune.parallel.strategies import of_recipe
 from finetune.parallel.tensor import TensorParallel
 
 SETUP_TIMEOUT_S = 1800  # collectives' timeout before training starts and after it ends (gloo's default)

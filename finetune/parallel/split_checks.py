@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from finetune.config.schema import RecipeConfig
+from finetune.declarations import layout
 from finetune.model.load import model_source
-from finetune.parallel import layout
 from finetune.parallel.context import problems as context_problems
 from finetune.parallel.tensor import problems as tensor_problems
 

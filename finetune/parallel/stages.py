@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from finetune.data import IGNORE_INDEX
-from finetune.parallel.layout import Layout
+from finetune.declarations.layout import Layout
 
 
 @contextmanager

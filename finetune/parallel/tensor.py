@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from finetune.declarations.layout import COLUMN, ROW, Layout
 from finetune.errors import ConfigError, TrainingError
 from finetune.parallel.grads import clip_to, squares, sum_over
-from finetune.parallel.layout import COLUMN, ROW, Layout
 from finetune.parallel.room import SplitRoom, refuse_fp16
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from finetune.config.schema import RecipeConfig
-from finetune.parallel import zero_config
+from finetune.declarations import zero_config
 from finetune.parallel.room import Room
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 
 from finetune.config.schema import RecipeConfig
+from finetune.declarations.splits import PIPELINE, SPLITS
 from finetune.errors import FinetuneError
 from finetune.gpus import GiB
-from finetune.parallel.splits import PIPELINE, SPLITS
 from finetune.plan.fitting import search
 from finetune.plan.inputs import RecipeFacts
 from finetune.plan.memory import gib

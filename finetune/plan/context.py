@@ -31,11 +31,11 @@ import math
 from dataclasses import replace
 from typing import Any
 
+from finetune.declarations.layout import Layout
+from finetune.declarations.splits import problems as split_problems
+from finetune.declarations.strategies import DDP
 from finetune.errors import PlanError
 from finetune.gpus import GpuSpec
-from finetune.parallel.layout import Layout
-from finetune.parallel.splits import problems as split_problems
-from finetune.parallel.strategies import DDP
 from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.memory import Estimate, estimate
 from finetune.plan.shape import ModelShape
@@ -167,7 +167,7 @@ def _with_split_attention(
 
 def context_choices(cfg: Any, shape: ModelShape, max_gpus: int) -> tuple[int, ...]:
     """Context-parallel ranks the search may try on up to max_gpus when the recipe asks distributed.context_parallel:
-    every count the recipe runs with (parallel/layout.py's rules) and the model's heads divide under Ulysses."""
+    every count the recipe runs with (declarations/layout.py's rules) and the model's heads divide under Ulysses."""
     d = cfg.distributed
     if d.context_parallel <= 1:
         return ()

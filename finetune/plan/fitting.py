@@ -9,11 +9,11 @@ from itertools import product
 from typing import Any
 
 from finetune.config.schema import RecipeConfig
+from finetune.declarations import techniques
+from finetune.declarations.strategies import DDP, STRATEGIES
+from finetune.declarations.techniques import TECHNIQUES, Technique
 from finetune.errors import PlanError
 from finetune.gpus import GiB, GpuSpec
-from finetune.memory import techniques
-from finetune.memory.techniques import TECHNIQUES, Technique
-from finetune.parallel.strategies import DDP, STRATEGIES
 from finetune.plan.context import context_choices
 from finetune.plan.inputs import RecipeFacts, Setup, describe_setup
 from finetune.plan.memory import Estimate, gib
@@ -54,7 +54,7 @@ KNOBS: list[Knob] = [
     # FSDP only means something on more than one GPU; candidates() drops fsdp x 1 GPU.
     Knob("sharding", "distributed.strategy", lambda s, max_gpus: SEARCHED if max_gpus > 1 else [s.sharding]),
     Knob("cpu_offload", "distributed.cpu_offload", lambda s, max_gpus: [False, True] if max_gpus > 1 else [s.cpu_offload]),
-    # Every memory technique that declares its --fit choices (finetune/memory/techniques.py), the batch
+    # Every memory technique that declares its --fit choices (finetune/declarations/techniques.py), the batch
     # after activation checkpointing: the order the search has always met (and broken ties in).
     _TECHNIQUE_KNOBS[0],
     Knob("batch_size", "train.batch_size", lambda s, _: _divisors(s.global_batch)),
@@ -63,7 +63,7 @@ KNOBS: list[Knob] = [
 
 
 def mode_settings(s: Setup, recipe: RecipeFacts | None = None) -> techniques.Settings:
-    """A setup as finetune/memory/techniques.py's rules read it (recipe None: a 4-bit LoRA recipe)."""
+    """A setup as finetune/declarations/techniques.py's rules read it (recipe None: a 4-bit LoRA recipe)."""
     # A context-parallel rank streams its own copy of the layers, as one process does (parallel/runtime.py).
     processes = 1 if s.context_parallel > 1 else s.gpus
     settings = techniques.Settings(
@@ -75,7 +75,7 @@ def mode_settings(s: Setup, recipe: RecipeFacts | None = None) -> techniques.Set
 
 
 def runnable(s: Setup, recipe: RecipeFacts | None = None) -> bool:
-    """Whether the trainer runs this combination: no rule of finetune/memory/techniques.py's table refuses it.
+    """Whether the trainer runs this combination: no rule of finetune/declarations/techniques.py's table refuses it.
     A sharding strategy on one GPU is left out too: it runs as one process, the same setup as DDP's."""
     if s.gpus == 1 and not s.strategy.replicates:
         return False

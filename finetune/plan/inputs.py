@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 from finetune import adapters
 from finetune.config.schema import RecipeConfig
-from finetune.memory.techniques import TECHNIQUES, Modes
+from finetune.declarations.strategies import Strategy, planned
+from finetune.declarations.techniques import TECHNIQUES, Modes
 from finetune.model.varlen import auto_cuts_packed_rows
 from finetune.model.vision import VISION_TOWER
-from finetune.parallel.strategies import Strategy, planned
 from finetune.plan.images import processor_max_pixels
 from finetune.plan.shape import LinearGroup, ModelShape
 
@@ -19,19 +19,19 @@ from finetune.plan.shape import LinearGroup, ModelShape
 @dataclass(frozen=True)
 class Setup(Modes):
     """One way to run a recipe: the knobs the search turns, and the sequence length. The memory
-    techniques' fields come from finetune/memory/techniques.py's Modes, under the recipe's names:
+    techniques' fields come from finetune/declarations/techniques.py's Modes, under the recipe's names:
     a new technique adds none here."""
 
     batch_size: int
     grad_accum: int
     gpus: int = 1
     seq_len: int = 2048
-    # ddp: a full copy per GPU; fsdp: layers sharded; zero2 | zero3: DeepSpeed ZeRO (parallel/zero_config.py)
+    # ddp: a full copy per GPU; fsdp: layers sharded; zero2 | zero3: DeepSpeed ZeRO (declarations/zero_config.py)
     sharding: str = "ddp"
     cpu_offload: bool = False  # fsdp: the shards (weights, grads, optimizer state) live in host RAM; zero3: the weights
-    sequences_per_example: int = 1  # preference pairs: chosen and rejected in one forward (finetune/objectives/table.py)
+    sequences_per_example: int = 1  # preference pairs: chosen and rejected in one forward (finetune/declarations/objectives.py)
     reference_passes: int = 0  # dpo: forwards without gradients (adapter off) per micro-batch, for the reference
-    head_in_chunks: bool = True  # the objective's loss can chunk its head (objectives/table.py): not the preference ones
+    head_in_chunks: bool = True  # the objective's loss can chunk its head (declarations/objectives.py): not the preference ones
     sampled_tokens: int = 0  # grpo: train.max_new_tokens sampled for each row before its forward (0: nothing sampled)
     # distributed.pipeline_parallel: gpus = stages x replicas, each rank planned apart (finetune/plan/stages.py)
     pipeline_parallel: int = 1
@@ -45,7 +45,7 @@ class Setup(Modes):
 
     @property
     def strategy(self) -> Strategy:
-        """The declaration of `sharding` (parallel/strategies.py): what it partitions, where it loads."""
+        """The declaration of `sharding` (declarations/strategies.py): what it partitions, where it loads."""
         return planned(self.sharding)
 
     @property

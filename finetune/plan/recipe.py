@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from finetune.config.schema import RecipeConfig
+from finetune.declarations import objectives
+from finetune.declarations.strategies import DDP, STRATEGIES, Strategy, of_recipe
+from finetune.declarations.techniques import modes
 from finetune.gpus import GpuSpec
-from finetune.memory.techniques import modes
 from finetune.model.load import model_source
-from finetune.objectives import table as objectives
-from finetune.parallel.strategies import DDP, STRATEGIES, Strategy, of_recipe
 from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.memory import Estimate, estimate
 from finetune.plan.shape import ModelShape, read_model_shape
@@ -133,13 +133,13 @@ def replica_ranks(cfg: RecipeConfig) -> int:
 
 
 # `finetune plan --gpus N`: the recipe under each way of spreading it over the GPUs, side by side:
-# every strategy's `compared` rows (label, Setup fields), in the order parallel/strategies.py declares them.
+# every strategy's `compared` rows (label, Setup fields), in the order declarations/strategies.py declares them.
 COMPARED: tuple[tuple[str, Strategy, dict[str, Any]], ...] = tuple(
     (label, strategy, {"sharding": strategy.name, **fields})
     for strategy in STRATEGIES.values()
     for label, fields in strategy.compared
 )
-# memory.embeddings=cpu is for one process or DDP (finetune/memory/techniques.py): the sharded rows place the tables on the GPUs.
+# memory.embeddings=cpu is for one process or DDP (finetune/declarations/techniques.py): the sharded rows place the tables on the GPUs.
 SHARDED_TABLES = {"embeddings": "device"}
 
 

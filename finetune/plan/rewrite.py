@@ -7,9 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from finetune.config.schema import RecipeConfig, build_recipe, read_recipe_file
-from finetune.memory import techniques
-from finetune.parallel import zero_config
-from finetune.parallel.strategies import of_recipe
+from finetune.declarations import techniques, zero_config
+from finetune.declarations.strategies import of_recipe
 from finetune.plan.fitting import KNOBS
 from finetune.plan.inputs import Setup, describe_setup
 from finetune.plan.memory import Estimate, gib
@@ -34,7 +33,7 @@ def setup_changes(setup: Setup, base: Setup, cfg: RecipeConfig | None = None) ->
     """Recipe keys to write so a run of `base`'s recipe (cfg, when given) uses `setup`.
 
     With cfg, also the keys a setup makes moot that the recipe's rules would still read
-    (finetune/memory/techniques.py): distributed.strategy=fsdp and cpu_offload for a setup that
+    (finetune/declarations/techniques.py): distributed.strategy=fsdp and cpu_offload for a setup that
     does not shard (one GPU: the Setup of such a recipe says ddp), memory.offload_dir for one
     that does not stream from disk.
     """

@@ -30,11 +30,11 @@ import math
 from dataclasses import replace
 from typing import Any
 
+from finetune.declarations.layout import COLUMN, FAMILIES, ROW, Layout
+from finetune.declarations.splits import problems as split_problems
+from finetune.declarations.strategies import DDP
 from finetune.errors import PlanError
 from finetune.gpus import GpuSpec
-from finetune.parallel.layout import COLUMN, FAMILIES, ROW, Layout
-from finetune.parallel.splits import problems as split_problems
-from finetune.parallel.strategies import DDP
 from finetune.plan.context import plan_context_parallel
 from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.memory import Estimate, estimate, gib

@@ -32,8 +32,9 @@ from finetune.config.older_runs import current_spelling
 from finetune.config.schema import RecipeConfig
 from finetune.data.images import processor_of
 from finetune.data.sources import file_digest
+from finetune.declarations.splits import RESUME_HARMLESS as SPLITS_RESUME_HARMLESS
+from finetune.declarations.techniques import RESUME_HARMLESS
 from finetune.errors import CheckpointError, OutputDirError
-from finetune.memory.techniques import RESUME_HARMLESS
 from finetune.parallel.distribute import (
     held_indices,
     held_optimizer_state,
@@ -42,7 +43,6 @@ from finetune.parallel.distribute import (
     shard_optimizer_state,
 )
 from finetune.parallel.rank_state import RankState, read_powersgd, restore_rng_states, save_rank_states
-from finetune.parallel.splits import RESUME_HARMLESS as SPLITS_RESUME_HARMLESS
 from finetune.parallel.zero import zero_load, zero_optimizer
 
 RUN_MARKERS = ("recipe.yaml", "metrics.jsonl", "adapter", "checkpoints")
@@ -195,7 +195,7 @@ HARMLESS_CHANGES = (
     "model.attn_implementation",
     "model.kernels",
     "train.compile",
-    # The memory techniques that declare themselves harmless on resume (finetune/memory/techniques.py).
+    # The memory techniques that declare themselves harmless on resume (finetune/declarations/techniques.py).
     *RESUME_HARMLESS,
     # How the processes share the work, not what they compute (checkpoints hold whole tensors; the
     # reduction order differs in the last bits): a ZeRO run resumes under DDP, FSDP or on one process.
@@ -204,7 +204,7 @@ HARMLESS_CHANGES = (
     "distributed.offload_optimizer",
     "distributed.offload_params",
     "distributed.nvme_dir",
-    *SPLITS_RESUME_HARMLESS,  # pipeline, tensor and context parallelism's keys (finetune/parallel/splits.py)
+    *SPLITS_RESUME_HARMLESS,  # pipeline, tensor and context parallelism's keys (finetune/declarations/splits.py)
     # How long a rank waits, what it warns about, whether a step is retried: not what a step computes.
     *("distributed.timeout_s", "distributed.straggler_ratio", "distributed.straggler_steps", "train.oom_backoff"),
 )

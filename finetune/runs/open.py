@@ -25,11 +25,11 @@ import yaml
 
 from finetune.config.schema import RecipeConfig, build_recipe, resolve_path
 from finetune.data import build_examples, held_out_records, load_records
+from finetune.declarations import objectives
 from finetune.errors import ConfigError, DataError, FinetuneError, HardwareError, ModelError, RunDirError
 from finetune.hardware import cpu_device, device_free_bytes, resolve_precision
 from finetune.metrics import human_bytes
 from finetune.model.load import default_device, load_base_model, load_tokenizer, model_source, peft_arguments
-from finetune.objectives import table as objectives
 from finetune.plan import loaded_weight_bytes
 from finetune.runs.evaluate import Scores, score
 

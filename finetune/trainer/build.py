@@ -14,6 +14,7 @@ import torch
 
 from finetune.config.schema import RecipeConfig, build_recipe, resolve_offload_dir
 from finetune.data import IGNORE_INDEX, DataBundle, DataStats, build_datasets, build_examples
+from finetune.declarations import objectives
 from finetune.errors import ConfigError
 from finetune.memory.apply import Applied, apply_techniques
 from finetune.memory.optimizer_offload import HostAdamW
@@ -24,7 +25,6 @@ from finetune.model.load import (
     load_model,
     wrap_lora,
 )
-from finetune.objectives import table as objectives
 from finetune.objectives.grpo import GRPOLoss
 from finetune.objectives.loss import CausalLMLoss, Loss
 from finetune.objectives.preference import PreferenceLoss
@@ -156,7 +156,7 @@ def describe_store(stream: WeightStream, device, say: Callable[[str], None]) -> 
 
 
 def default_loss(cfg: RecipeConfig, reward_fns: Sequence[Callable] = ()) -> Loss:
-    """The loss of train.objective (finetune/objectives/table.py); grpo's with the recipe's rewards, then yours."""
+    """The loss of train.objective (finetune/declarations/objectives.py); grpo's with the recipe's rewards, then yours."""
     objective = objectives.get(cfg.train.objective)
     if objective.online:
         return GRPOLoss(cfg.train, build_rewards(cfg.train.rewards, reward_fns), cfg.seed)

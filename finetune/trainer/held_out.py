@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from finetune.data.prompts import collate_prompts, encode_prompts
+from finetune.data.dataset import collate_prompts
+from finetune.data.prompts import encode_prompts
 from finetune.errors import DataError
 from finetune.metrics import read_metrics
 from finetune.objectives.grpo import GRPOLoss

@@ -28,6 +28,7 @@ import torch
 
 from finetune.config.schema import RecipeConfig
 from finetune.data import Collator, DataBundle, count_tokens, use_template
+from finetune.declarations.layout import Layout
 from finetune.errors import OutputDirError, Preempted
 from finetune.hardware import detect_device, torch_dtype
 from finetune.memory.apply import Applied
@@ -36,7 +37,6 @@ from finetune.model.load import load_tokenizer
 from finetune.objectives.loss import Loss, as_loss, count_targets
 from finetune.objectives.preference import attach_reference
 from finetune.parallel import health
-from finetune.parallel.layout import Layout
 from finetune.parallel.runtime import Parallel, make_accelerator
 from finetune.runs import choices
 from finetune.runs.checkpoint import checkpoint_dir, output_dir_problem, prepare_output_dir, save_adapter

@@ -17,8 +17,8 @@ import torch
 
 from finetune.config.schema import RecipeConfig
 from finetune.data import Collator, length_grouped
+from finetune.declarations import splits, strategies
 from finetune.errors import ConfigError, DataError
-from finetune.parallel import splits, strategies
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from finetune.declarations.strategies import of_recipe
 from finetune.errors import Rule, broken
-from finetune.parallel.strategies import of_recipe
 
 # Plain all-reduce steps before PowerSGD when distributed.powersgd_warmup_steps is null: torch's
 # advice is no fewer than the lr warm-up steps (early training is the most sensitive to gradient

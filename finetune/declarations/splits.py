@@ -1,6 +1,6 @@
 """The split strategies, one declaration each: distributed.pipeline_parallel (stages), tensor_parallel (each layer's
 weights) and context_parallel (each sequence). What its recipe keys are, which of them a resume may change, and
-what a recipe cannot run with it (its rules); how the processes form its grid is parallel/layout.py, how it runs
+what a recipe cannot run with it (its rules); how the processes form its grid is declarations/layout.py, how it runs
 parallel/pipeline.py, tensor.py and context.py.
 
     for split in SPLITS: split.asked(cfg), split.size(cfg), split.rules
@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from finetune.declarations.strategies import of_recipe
 from finetune.errors import Rule, broken
-from finetune.parallel.strategies import of_recipe
 
 
 # The rules below ask their declaration (PIPELINE, TENSOR, CONTEXT, at the end) when they run.

@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from finetune import errors
-from finetune.parallel import strategies
+from finetune.declarations import strategies
 
 # Rule groups. RECIPE rules need the recipe only; FSDP rules apply whenever FSDP runs (the recipe
 # asks for it, or distributed.strategy=auto chose it at launch); LAUNCH rules need the number of

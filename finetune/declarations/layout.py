@@ -1,6 +1,6 @@
 """distributed.pipeline_parallel, tensor_parallel and context_parallel: how a launch's processes form a grid of
 pipeline stages x data-parallel replicas x context-parallel ranks x tensor-parallel ranks, and what a launch's process
-count and model cannot split (`launch_problems`; what a recipe cannot run with: parallel/splits.py).
+count and model cannot split (`launch_problems`; what a recipe cannot run with: declarations/splits.py).
 
     layout = Layout.of(cfg, rank, world)     # layout.stage, layout.replica, layout.replicas
     layout.stages_of_rank                    # the stage indices this rank runs (interleaved: virtual_stages of them)
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.parallel.splits import context_asked, pipeline_asked, tensor_asked
+from finetune.declarations.splits import context_asked, pipeline_asked, tensor_asked
 
 # The decoder families whose forward a stage runs as it is (embeddings, then layers, then norm, with
 # nothing between them that a stage would repeat or skip): Gemma scales its embeddings inside the

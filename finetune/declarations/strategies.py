@@ -6,7 +6,7 @@
 
 A declaration says what a strategy does to memory and which recipe keys choose it; how it runs
 (wrapping, gradient sync, whole states for a checkpoint) is parallel/distribute.py and runtime.py.
-This module imports nothing of ours: config, memory/techniques and plan/ ask it.
+This module imports nothing of ours: config, declarations/techniques and plan/ ask it.
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ class Strategy:
     partitions_optimizer: bool = False  # gradients and AdamW state split over the GPUs
     partitions_root: bool = False  # the embeddings, head and final norm split too (FSDP keeps its root unit whole)
     wraps_layers: bool = False  # each decoder layer wrapped by FSDP2's fully_shard: the memory rules' FSDP rows apply
-    # Runs through DeepSpeed's engine: its keys (parallel/zero_config.py) set the offloads, and
+    # Runs through DeepSpeed's engine: its keys (declarations/zero_config.py) set the offloads, and
     # distributed.cpu_offload means its weight partitions (offload_params), not every shard as under FSDP.
     deepspeed: bool = False
     loads_whole_on_host: bool = False  # each process builds the whole model in CPU RAM before it shards
     starts_whole_on_gpu: bool = False  # the engine is built from the whole model on each GPU, partitioned after
     searched: bool = False  # `plan --fit` tries it
     # `plan --gpus N` compares these rows: (label, Setup fields); memory.* as the recipe writes them
-    # for a replica, the vocabulary tables on the GPUs for the rest (memory/techniques.py).
+    # for a replica, the vocabulary tables on the GPUs for the rest (declarations/techniques.py).
     compared: tuple[tuple[str, dict[str, Any]], ...] = ()
 
     def describe(self, cpu_offload: bool, optimizer_offload: bool) -> str:

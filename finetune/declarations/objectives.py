@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from finetune.declarations import splits, strategies
 from finetune.errors import Rule, broken
-from finetune.parallel import splits, strategies
 
 
 @dataclass(frozen=True)
