@@ -123,7 +123,7 @@ def test_max_seq_over_two_gpus_is_twice_one_card(monkeypatch):
 
 def test_the_recipe_fits_two_cards_and_plan_max_seq_says_how_long(capsys):
     e = plan_recipe(recipe(), GPU, gpus=2)
-    assert e.setup.context_parallel == 2 and e.setup.seq_len == 262_140
+    assert e.setup.cp == 2 and e.setup.seq_len == 262_140
     assert e.peak_bytes <= (1 - FIT_HEADROOM) * GPU.memory_bytes
     args = ["plan", str(RECIPE), f"model.path={CONFIGS / 'llama-3.1-8b'}", "--gpu", "rtx4090", "--gpus", "2"]
     assert main(args) == 0
@@ -135,4 +135,4 @@ def test_the_recipe_fits_two_cards_and_plan_max_seq_says_how_long(capsys):
     assert f"as written      {longest.as_written:,} tokens" in out
     assert longest.best >= longest.as_written >= 330_000  # issue 28's target: twice one card's 167,478
     four = longest_trainable_seq(recipe(), GPU, max_gpus=4)  # the search splits over the 4 GPUs
-    assert four.best_setup is not None and four.best_setup.context_parallel == 4 and four.best >= 2 * longest.as_written
+    assert four.best_setup is not None and four.best_setup.cp == 4 and four.best >= 2 * longest.as_written

@@ -69,7 +69,7 @@ def test_a_pipeline_plans_its_fullest_rank_and_the_step_with_its_bubble():
     gpu = find_gpu("rtx4090")
     e = plan_recipe(cfg, gpu, gpus=4)
     shape, facts, kw = planning_inputs(cfg, gpu)
-    one = replace(setup_of(cfg, 4), gpus=1, pipeline_parallel=1)
+    one = replace(setup_of(cfg, 4), gpus=1, pp=1)
     whole = estimate(shape, facts, one, gpu, **kw)
     assert e.component("weights_quantized") * 4 == whole.component("weights_quantized")  # a quarter of the layers
     # Rank 0 (embeddings, 4 micro-batches held) is the fullest; its 20 layers' checkpointed inputs x 4.
@@ -114,15 +114,15 @@ def test_fit_searches_pipelines_and_tensor_parallel_layouts_and_writes_the_one_i
     gpu, cfg = find_gpu("rtx4090"), recipe()
     current, best = fit(cfg, gpu, max_gpus=4, host_ram=64 * 2**30)
     s = best.setup
-    assert not current.fits and (s.gpus, s.pipeline_parallel, s.tensor_parallel) == (4, 4, 1), s  # README's "Why"
+    assert not current.fits and (s.gpus, s.pp, s.tp) == (4, 4, 1), s  # README's "Why"
     assert s.global_batch == current.setup.global_batch and best.peak_bytes <= 0.9 * gpu.memory_bytes
     source = tmp_path / "ddp.yaml"
     source.write_text((Path(__file__).parents[1] / "recipes" / f"{RECIPE}.yaml").read_text())
     fitted = write_fitted_recipe(source, tmp_path / "fit.yaml", {"model.path": str(CONFIGS / "llama-3-70b")}, current, best, "t")
     written = build_recipe(read_recipe_file(fitted.path), str(fitted.path)).distributed
     assert (written.pipeline_parallel, written.tensor_parallel, written.pipeline_schedule) == (
-        s.pipeline_parallel,
-        s.tensor_parallel,
+        s.pp,
+        s.tp,
         s.pipeline_schedule,
     )
     assert fitted.command.endswith("--nproc 4")
@@ -132,7 +132,7 @@ def test_fit_searches_pipelines_and_tensor_parallel_layouts_and_writes_the_one_i
 
     nodes = replace(gpu, gpus_per_node=2, node_link_gbps=10 / 8)
     _, far = fit(cfg, nodes, max_gpus=4, host_ram=64 * 2**30)
-    assert (far.setup.pipeline_parallel, far.setup.tensor_parallel) == (2, 2), far.setup
+    assert (far.setup.pp, far.setup.tp) == (2, 2), far.setup
     spread = write_fitted_recipe(source, tmp_path / "far.yaml", {"model.path": str(CONFIGS / "llama-3-70b")}, current, far, "t")
     assert "--nproc 2 --nnodes 2 --node-rank R" in spread.command
     assert node_ram(far, nodes) == pytest.approx(far.host_ram_bytes / 2)
@@ -192,7 +192,7 @@ def test_a_ranks_planned_weights_are_what_its_loaded_stage_holds(tmp_path):
     recipe = {"model": {"path": str(tmp_path)}, "data": {"path": "d.jsonl"}, "output_dir": "o", "precision": "fp32"}
     cfg = build_recipe({**recipe, "lora": {"r": 8}, "distributed": {"pipeline_parallel": 2, "pipeline_schedule": "gpipe"}})
     shape, facts, kw = planning_inputs(cfg, None)
-    one = replace(setup_of(cfg, 2), gpus=1, pipeline_parallel=1)
+    one = replace(setup_of(cfg, 2), gpus=1, pp=1)
     for rank in (0, 1):
         planned = estimate(rank_shape(shape, Layout(2, 1, rank)), facts, one, None, **kw)
         place = stage_placement(Layout(2, 1, rank), 4, False, torch.device("cpu"))

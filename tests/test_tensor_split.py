@@ -193,7 +193,7 @@ def test_a_ranks_planned_weights_are_what_its_loaded_share_holds_and_the_step_ad
         if getattr(getattr(m, "weight", None), "quant_state", None) is not None
     )
     shape, facts, kw = planning_inputs(cfg, None)
-    one = replace(setup_of(cfg, 2), gpus=1, sharding=DDP.name, tensor_parallel=1)
+    one = replace(setup_of(cfg, 2), gpus=1, sharding=DDP.name, tp=1)
     planned = estimate(tensor_rank_shape(shape, 2), facts, one, None, **kw)
     terms = ("weights_quantized", "quant_constants", "weights_unquantized", "lora_weights")
     assert held + constants == pytest.approx(sum(planned.component(k) for k in terms), rel=0.01)

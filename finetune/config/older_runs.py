@@ -9,6 +9,7 @@ from typing import Any
 
 from finetune import adapters
 from finetune.declarations import zero_config
+from finetune.declarations.splits import SPLITS
 
 # Keys added after runs were written, with the value that reproduces what those runs did.
 _OLDER_RUNS: dict[str, dict[str, Any]] = {
@@ -19,12 +20,10 @@ _OLDER_RUNS: dict[str, dict[str, Any]] = {
         "powersgd_rank": 1,
         "powersgd_warmup_steps": None,
         **zero_config.DEFAULTS,
-        "pipeline_parallel": 1,
+        **{split.field: 1 for split in SPLITS},  # nothing split
         "pipeline_schedule": "1f1b",
         "virtual_stages": 1,
-        "tensor_parallel": 1,
         "pipeline_layers": "even",
-        "context_parallel": 1,
         "context_parallel_mode": "ring",
     },
     "profile": {"steps": None, "memory_timeline": True},

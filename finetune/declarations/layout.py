@@ -1,4 +1,4 @@
-"""distributed.pipeline_parallel, tensor_parallel and context_parallel: how a launch's processes form a grid of
+"""The split strategies' grid (declarations/splits.py: its dimensions pp, tp, cp): how a launch's processes form a grid of
 pipeline stages x data-parallel replicas x context-parallel ranks x tensor-parallel ranks, and what a launch's process
 count and model cannot split (`launch_problems`; what a recipe cannot run with: declarations/splits.py).
 
@@ -6,7 +6,7 @@ count and model cannot split (`launch_problems`; what a recipe cannot run with: 
     layout.stages_of_rank                    # the stage indices this rank runs (interleaved: virtual_stages of them)
 
 Ranks are numbered pipeline-outermost and tensor-parallel innermost, as Megatron-LM and torchtitan number
-them: rank = ((stage x replicas + replica) x cp + cp_rank) x tp + tp_rank. On 2 nodes x 2 GPUs with pipeline_parallel=2, a node then holds one stage of both
+them: rank = ((stage x replicas + replica) x cp + cp_rank) x tp + tp_rank. On 2 nodes x 2 GPUs with 2 stages, a node then holds one stage of both
 replicas: the gradient all-reduce stays inside the node, and only the activations of one micro-batch at
 a time cross between nodes. How the stages run: finetune/parallel/pipeline.py.
 This module imports nothing of ours but the split declarations: config asks it.
@@ -17,13 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.declarations.splits import context_asked, pipeline_asked, tensor_asked
+from finetune.declarations.splits import CONTEXT, PIPELINE, TENSOR, context_asked, pipeline_asked, tensor_asked
 
 # The decoder families whose forward a stage runs as it is (embeddings, then layers, then norm, with
 # nothing between them that a stage would repeat or skip): Gemma scales its embeddings inside the
 # forward (a later stage would scale its input again); MoE models add a router loss over all layers.
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-# distributed.tensor_parallel splits these decoder linears (parallel/tensor.py; the planner reads them too):
+# tensor parallelism splits these decoder linears (parallel/tensor.py; the planner reads them too):
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features split: rows of W, and its bias
 ROW = ("o_proj", "down_proj")  # input features split: columns of W
 
@@ -46,7 +46,7 @@ class Layout:
     def of(cls, cfg: Any, rank: int, world: int) -> Layout:
         """The recipe's grid (distributed.pipeline_layers=auto: an even split until runtime.Parallel balances it)."""
         d = cfg.distributed
-        pp, tp, cp = max(1, d.pipeline_parallel), max(1, d.tensor_parallel), max(1, d.context_parallel)
+        pp, tp, cp = PIPELINE.size(cfg), TENSOR.size(cfg), CONTEXT.size(cfg)
         splits = tuple(d.pipeline_layers) if isinstance(d.pipeline_layers, list) else ()
         return cls(pp, max(1, world // (pp * tp * cp)), rank, d.virtual_stages if pp > 1 else 1, tp, splits, cp)
 
@@ -134,7 +134,7 @@ class Layout:
 def launch_problems(cfg: Any, world: int, layers: int | None, model_type: str | None) -> list[str]:
     """What this launch's process count and model cannot split as the recipe asks (before any weight loads);
     layers and model_type None: not known yet (checked again on the loaded model)."""
-    pp, tp = cfg.distributed.pipeline_parallel, cfg.distributed.tensor_parallel
+    pp, tp = PIPELINE.size(cfg), TENSOR.size(cfg)
     out = []
     if pp > 1 and tp > 1 and world % (pp * tp):
         out.append(
@@ -151,7 +151,7 @@ def launch_problems(cfg: Any, world: int, layers: int | None, model_type: str | 
             f"{pipeline_asked(cfg)} on {world} processes: the processes must be stages x replicas. "
             f"Launch with --nproc {pp} or a multiple of it ({pp}, {2 * pp}, ...)."
         )
-    cp = cfg.distributed.context_parallel
+    cp = CONTEXT.size(cfg)
     if cp > 1 and world % cp:
         out.append(
             f"{context_asked(cfg)} on {world} processes: the processes must be context-parallel ranks x replicas. "
@@ -162,7 +162,7 @@ def launch_problems(cfg: Any, world: int, layers: int | None, model_type: str | 
         asked, runs = (pipeline_asked(cfg), "stages run") if pp > 1 else (tensor_asked(cfg), "the split is written for")
         out.append(
             f"{asked}: the model is a {model_type!r} model; {runs} the decoder families {', '.join(FAMILIES)}. "
-            "Use distributed.pipeline_parallel=1 and tensor_parallel=1 (DDP or FSDP) for this model."
+            f"Use {PIPELINE.key}=1 and {TENSOR.field}=1 (DDP or FSDP) for this model."
         )
     return out
 
@@ -171,7 +171,7 @@ def _stage_problems(cfg: Any, layers: int | None) -> list[str]:
     """What the model's decoder layers cannot split into as distributed.pipeline_layers asks."""
     if layers is None:
         return []
-    pp, v, given = cfg.distributed.pipeline_parallel, cfg.distributed.virtual_stages, cfg.distributed.pipeline_layers
+    pp, v, given = PIPELINE.size(cfg), cfg.distributed.virtual_stages, cfg.distributed.pipeline_layers
     stages = pp * v
     if isinstance(given, list) and sum(given) != layers:
         return [
@@ -182,7 +182,7 @@ def _stage_problems(cfg: Any, layers: int | None) -> list[str]:
         fits = [n for n in range(2, layers + 1) if layers % (n * v) == 0][:6]
         return [
             f"{pipeline_asked(cfg)} x distributed.virtual_stages={v} = {stages} stages, but the model has {layers} decoder "
-            f"layers, which do not split evenly into {stages}. pipeline_parallel values that do: "
+            f"layers, which do not split evenly into {stages}. {PIPELINE.field} values that do: "
             f"{', '.join(map(str, fits)) or 'none'}; or distributed.pipeline_layers=auto (or a count per stage)."
         ]
     return []

@@ -255,6 +255,7 @@ class Split:
 
     name: str  # pipeline | tensor | context
     key: str  # distributed.<its size>: 1 leaves it off
+    dim: str  # its dimension of the grid, as the planner's Setup and the Layout name it (pp, tp, cp)
     # Its recipe keys, each harmless to a resume: a checkpoint holds whole tensors (gathered from every
     # rank), so any layout reads it back and the numbers continue the same (runs/checkpoint.py).
     keys: tuple[str, ...]
@@ -262,19 +263,29 @@ class Split:
     fixes_micro_batches: bool = False  # its schedule takes train.batch_size x grad_accum as the recipe says them
 
     def size(self, cfg: Any) -> int:
-        return max(1, getattr(cfg.distributed, self.key.split(".", 1)[1]))
+        return max(1, getattr(cfg.distributed, self.field))
 
     def asked(self, cfg: Any) -> bool:
         return self.size(cfg) > 1
 
+    @property
+    def field(self) -> str:
+        """Its size key's name in distributed.* (what a written recipe and plan --json call it)."""
+        return self.key.split(".", 1)[1]
+
+    def resized(self, cfg: Any, size: int) -> Any:
+        """The recipe with this split's size set to `size` (the planner's search tries layouts so)."""
+        return cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={self.field: size})})
+
     def said(self, cfg: Any) -> str:
         """The recipe's ask in its own words, as every message names it: distributed.<size key>=N."""
-        return f"{self.key}={getattr(cfg.distributed, self.key.split('.', 1)[1])}"
+        return f"{self.key}={getattr(cfg.distributed, self.field)}"
 
 
 PIPELINE = Split(
     "pipeline",
     "distributed.pipeline_parallel",  # every stage's adapter and optimizer state are whole in a checkpoint
+    "pp",
     (
         "distributed.pipeline_parallel",
         "distributed.pipeline_schedule",
@@ -287,12 +298,14 @@ PIPELINE = Split(
 TENSOR = Split(
     "tensor",
     "distributed.tensor_parallel",  # the split tensors are gathered whole into a checkpoint, sliced again on load
+    "tp",
     ("distributed.tensor_parallel",),
     TENSOR_RULES,
 )
 CONTEXT = Split(
     "context",
     "distributed.context_parallel",  # every rank of a context-parallel group holds the whole adapter, as DDP's do
+    "cp",
     ("distributed.context_parallel", "distributed.context_parallel_mode"),
     CONTEXT_RULES,
 )

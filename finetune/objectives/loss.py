@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from finetune.data import IGNORE_INDEX
 from finetune.data.images import IMAGE_INPUTS, TOKEN_TYPE_INPUTS
+from finetune.declarations.splits import PIPELINE
 from finetune.errors import ConfigError
 from finetune.memory.linear_ce import (
     CaptureHead,
@@ -116,8 +117,8 @@ class Loss:
         stage computes (finetune/parallel/pipeline.py). Only the causal-LM loss has one."""
         raise ConfigError(
             [
-                f"distributed.pipeline_parallel: the last stage computes the loss from hidden states, which "
-                f"{type(self).__name__} does not (only the causal-LM loss does). Set distributed.pipeline_parallel=1."
+                f"{PIPELINE.key}: the last stage computes the loss from hidden states, which "
+                f"{type(self).__name__} does not (only the causal-LM loss does). Set {PIPELINE.key}=1."
             ]
         )
 

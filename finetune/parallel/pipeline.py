@@ -54,7 +54,7 @@ class Pipeline(SplitRoom):
             layout = replace(layout, splits=balanced_layers(cfg, layout.world, accelerator.device))
         super().__init__(accelerator, cfg, layout)
         self.device, self.model_config = accelerator.device, model_config  # the model's (text) config.json
-        self.tensor = tensor  # distributed.tensor_parallel: each stage's split (parallel/tensor.py)
+        self.tensor = tensor  # tensor parallelism: each stage split over a group (parallel/tensor.py)
         self.objective: Any = None  # the Loss whose head_loss the last stage runs (the trainer sets it)
         self._schedules: dict[tuple[int, ...], Any] = {}  # one per window shape and mode (train or forward only)
         self._head: Any = None  # what _loss computes on the last stage (set before each run of a schedule)
@@ -62,7 +62,7 @@ class Pipeline(SplitRoom):
 
     @classmethod
     def build(cls, accelerator, cfg: Any, layout: Layout, model_config: Any) -> Pipeline:
-        """A pipeline, of tensor-parallel shares where distributed.tensor_parallel asks (each stage split)."""
+        """A pipeline, of tensor-parallel shares where the recipe asks for them (each stage split)."""
         tensor = TensorParallel(accelerator, cfg, layout, model_config) if TENSOR.asked(cfg) else None
         return cls(accelerator, cfg, layout, model_config, tensor)
 

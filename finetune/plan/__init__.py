@@ -20,7 +20,7 @@ Modules, in the order a plan is made (each imports only those above it):
     speed      step time: compute, dequantization, GPU-link and host-link transfers, an online objective's sampling
     host       host RAM and disk of a setup
     memory     estimate: every per-GPU tensor with its reason, host RAM, disk; the memory constants
-    context    distributed.context_parallel: a rank's part of every sequence, the ring's or Ulysses' buffers and traffic
+    context    context parallelism: a rank's part of every sequence, the ring's or Ulysses' buffers and traffic
     stages     pipeline and tensor-parallel ranks, each planned as its part; plan_setup: any setup
     recipe     a RecipeConfig on a GPU: plan_recipe, setup_of; loaded_weight_bytes (inference loads)
     fitting    the search over KNOBS for the fastest setup that fits: fit

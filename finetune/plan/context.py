@@ -32,6 +32,7 @@ from dataclasses import replace
 from typing import Any
 
 from finetune.declarations.layout import Layout
+from finetune.declarations.splits import CONTEXT
 from finetune.declarations.splits import problems as split_problems
 from finetune.declarations.strategies import DDP
 from finetune.errors import PlanError
@@ -53,14 +54,14 @@ def rank_tokens(seq_len: int, cp: int) -> tuple[int, int]:
 
 def attention_shape(shape: ModelShape, setup: Setup) -> ModelShape:
     """The model as a rank's attention holds it: Ulysses repeats K/V heads that do not divide over the ranks."""
-    repeats = setup.context_parallel_mode == "ulysses" and shape.kv_heads % setup.context_parallel
+    repeats = setup.cp_mode == "ulysses" and shape.kv_heads % setup.cp
     return replace(shape, kv_heads=shape.heads) if repeats else shape
 
 
 def buffer_bytes_per_token(shape: ModelShape, recipe: RecipeFacts, setup: Setup) -> int:
     """A split attention's buffers per token of a rank's part, at their largest (a layer's backward)."""
     b, qd, kvd = recipe.compute_bytes, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    if setup.context_parallel_mode == "ulysses":
+    if setup.cp_mode == "ulysses":
         return 2 * b * (2 * qd + 2 * kvd)  # q, k, v, out: the copy sent and the one received
     # ring.py runs one ring per K/V head and its query heads: a ring's buffers are one head group's.
     qd, kvd = qd // shape.kv_heads, kvd // shape.kv_heads
@@ -85,9 +86,9 @@ def attention_rebuilt_bytes_per_token(shape: ModelShape, recipe: RecipeFacts, se
     return layer_saved_bytes_per_token(only, recipe, setup.rows) - 4 * shape.hidden + grads  # less the MLP's norm
 
 
-def plan_context_parallel(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec | None, **kw: Any) -> Estimate:
-    """The plan of setup.gpus processes as setup.context_parallel ranks x replicas (see the module)."""
-    cp, world, mode = setup.context_parallel, setup.gpus, setup.context_parallel_mode
+def plan_context_split(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec | None, **kw: Any) -> Estimate:
+    """The plan of setup.gpus processes as setup.cp ranks x replicas (see the module)."""
+    cp, world, mode = setup.cp, setup.gpus, setup.cp_mode
     if world % cp:
         raise PlanError(
             f"distributed.context_parallel={cp} on {world} GPUs: the GPUs must be context-parallel ranks x replicas",
@@ -136,7 +137,7 @@ def _with_split_attention(
 ) -> tuple[dict[str, float], float]:
     """(parts, step) of a rank with its attention over the whole sequence: one's plan attends over its own tokens
     only; add the rest of the span, and the link time the ring cannot hide or Ulysses' all-to-alls."""
-    cp, rate, m = setup.context_parallel, gpu.bf16_tflops * 1e12 * MATMUL_EFFICIENCY, setup.grad_accum
+    cp, rate, m = setup.cp, gpu.bf16_tflops * 1e12 * MATMUL_EFFICIENCY, setup.grad_accum
     part, local = rank_tokens(setup.seq_len, cp)
     tokens = setup.rows * local
     whole, own = (token_flops(shape, recipe, one, trainable, seq_len=span) for span in (cp * part, local))
@@ -145,7 +146,7 @@ def _with_split_attention(
     link = gpu.link_gbps(Layout(1, setup.gpus // cp, 0, cp=cp).context_ranks()) * 1e9 * LINK_EFFICIENCY
     b, kvd, qd = recipe.compute_bytes, shape.kv_heads * shape.head_dim, shape.heads * shape.head_dim
     ckpt = setup.checkpointed_layers(shape.layers) / shape.layers  # the share of layers whose forward reruns
-    if setup.context_parallel_mode == "ulysses":
+    if setup.cp_mode == "ulysses":
         sent = (cp - 1) / cp * tokens * b * (2 * qd + 2 * kvd) / link  # one pass of one layer
         traffic = exposed = shape.layers * (2 + ckpt) * sent * m
     else:
@@ -168,14 +169,13 @@ def _with_split_attention(
 def context_choices(cfg: Any, shape: ModelShape, max_gpus: int) -> tuple[int, ...]:
     """Context-parallel ranks the search may try on up to max_gpus when the recipe asks distributed.context_parallel:
     every count the recipe runs with (declarations/layout.py's rules) and the model's heads divide under Ulysses."""
-    d = cfg.distributed
-    if d.context_parallel <= 1:
+    if not CONTEXT.asked(cfg):
         return ()
     out = []
     for cp in range(2, max_gpus + 1):
-        if d.context_parallel_mode == "ulysses" and shape.heads % cp:
+        if cfg.distributed.context_parallel_mode == "ulysses" and shape.heads % cp:
             continue
-        as_layout = cfg.model_copy(update={"distributed": d.model_copy(update={"context_parallel": cp})})
+        as_layout = CONTEXT.resized(cfg, cp)
         if not split_problems(as_layout):
             out.append(cp)
     return tuple(out)

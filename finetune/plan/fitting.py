@@ -65,7 +65,7 @@ KNOBS: list[Knob] = [
 def mode_settings(s: Setup, recipe: RecipeFacts | None = None) -> techniques.Settings:
     """A setup as finetune/declarations/techniques.py's rules read it (recipe None: a 4-bit LoRA recipe)."""
     # A context-parallel rank streams its own copy of the layers, as one process does (parallel/runtime.py).
-    processes = 1 if s.context_parallel > 1 else s.gpus
+    processes = 1 if s.cp > 1 else s.gpus
     settings = techniques.Settings(
         **techniques.modes(s), fsdp=s.strategy.wraps_layers and s.gpus > 1, cpu_offload=s.cpu_offload, processes=processes
     )
@@ -94,14 +94,14 @@ def candidates(
     (context-parallel ranks) on the GPUs that hold a whole number of its replicas."""
     out = []
     names = [k.name for k in KNOBS]
-    one = replace(base, pipeline_parallel=1, tensor_parallel=1, virtual_stages=1, pipeline_layers=(), context_parallel=1)
+    one = replace(base, pp=1, tp=1, virtual_stages=1, pipeline_layers=(), cp=1)
     grids = ((1, 1, 1), *((pp, tp, 1) for pp, tp in layouts), *((1, 1, cp) for cp in contexts))
     if one.pipeline_schedule == "interleaved_1f1b":
         one = replace(one, pipeline_schedule="1f1b")  # interleaving needs virtual stages: not a pipeline's setting here
     for values in product(*(k.candidates(base, max_gpus) for k in KNOBS)):
         s = replace(one, **dict(zip(names, values)))
         # checked as each layout runs it: a context-parallel rank may stream its own layers (mode_settings)
-        ok = {cp: runnable(replace(s, context_parallel=cp), recipe) for cp in {g[2] for g in grids}}
+        ok = {cp: runnable(replace(s, cp=cp), recipe) for cp in {g[2] for g in grids}}
         for pp, tp, cp in grids:
             if not ok[cp]:
                 continue
@@ -127,11 +127,11 @@ def _laid_out(s: Setup, base: Setup, pp: int, tp: int, cp: int = 1) -> Setup | N
     if per_replica < 1 or per_replica != int(per_replica):
         return None
     m = int(per_replica)
-    own = base.pipeline_layers if pp == base.pipeline_parallel else ()  # the recipe's split (auto: as balanced)
-    s = replace(s, pipeline_parallel=pp, tensor_parallel=tp, context_parallel=cp, grad_accum=m, pipeline_layers=own)
+    own = base.pipeline_layers if pp == base.pp else ()  # the recipe's split (auto: as balanced)
+    s = replace(s, pp=pp, tp=tp, cp=cp, grad_accum=m, pipeline_layers=own)
     if pp == 1:
         return s
-    if base.pipeline_parallel == pp and base.pipeline_schedule == "interleaved_1f1b" and m % max(1, m // pp) == 0:
+    if base.pp == pp and base.pipeline_schedule == "interleaved_1f1b" and m % max(1, m // pp) == 0:
         return replace(s, pipeline_schedule=base.pipeline_schedule, virtual_stages=base.virtual_stages)
     return replace(s, pipeline_schedule="1f1b" if m >= pp else "gpipe", virtual_stages=1)
 

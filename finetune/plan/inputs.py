@@ -33,15 +33,14 @@ class Setup(Modes):
     reference_passes: int = 0  # dpo: forwards without gradients (adapter off) per micro-batch, for the reference
     head_in_chunks: bool = True  # the objective's loss can chunk its head (declarations/objectives.py): not the preference ones
     sampled_tokens: int = 0  # grpo: train.max_new_tokens sampled for each row before its forward (0: nothing sampled)
-    # distributed.pipeline_parallel: gpus = stages x replicas, each rank planned apart (finetune/plan/stages.py)
-    pipeline_parallel: int = 1
+    # The grid, as the split declarations name its dimensions (declarations/splits.py: each split's `dim`).
+    pp: int = 1  # pipeline stages: gpus = stages x replicas, each rank planned apart (finetune/plan/stages.py)
     pipeline_schedule: str = "1f1b"
     virtual_stages: int = 1
     pipeline_layers: tuple[int, ...] = ()  # decoder layers per stage; (): even (distributed.pipeline_layers)
-    tensor_parallel: int = 1  # distributed.tensor_parallel: gpus = ranks x replicas (finetune/plan/stages.py)
-    # distributed.context_parallel: gpus = ranks x replicas, each rank seq/N + 1 tokens (finetune/plan/context.py)
-    context_parallel: int = 1
-    context_parallel_mode: str = "ring"  # ring | ulysses
+    tp: int = 1  # tensor-parallel ranks: gpus = ranks x replicas (finetune/plan/stages.py)
+    cp: int = 1  # context-parallel ranks: gpus = ranks x replicas, each rank seq/N + 1 tokens (finetune/plan/context.py)
+    cp_mode: str = "ring"  # ring | ulysses
 
     @property
     def strategy(self) -> Strategy:
@@ -73,7 +72,7 @@ class Setup(Modes):
     @property
     def ranks_per_replica(self) -> int:
         """The GPUs one copy of the model spans: its pipeline stages x tensor-parallel x context-parallel ranks."""
-        return self.pipeline_parallel * self.tensor_parallel * self.context_parallel
+        return self.pp * self.tp * self.cp
 
     @property
     def loss_rows(self) -> int:
@@ -200,18 +199,18 @@ def lora_targets(shape: ModelShape, target: str | tuple[str, ...]) -> list[Linea
 
 
 def _sharding_label(s: Setup) -> str:
-    if s.pipeline_parallel > 1:
+    if s.pp > 1:
         interleaved = f" x {s.virtual_stages} virtual" if s.pipeline_schedule == "interleaved_1f1b" else ""
-        replicas = s.gpus // (s.pipeline_parallel * s.tensor_parallel)
-        split = f" x {s.tensor_parallel} tensor-parallel ranks" if s.tensor_parallel > 1 else ""
-        return f" (pipeline: {s.pipeline_parallel} stages{interleaved}{split} x {replicas} replica{'s' if replicas > 1 else ''}, {s.pipeline_schedule})"
-    if s.tensor_parallel > 1:
-        replicas = s.gpus // s.tensor_parallel
-        return f" (tensor parallel: {s.tensor_parallel} ranks x {replicas} replica{'s' if replicas > 1 else ''})"
-    if s.context_parallel > 1:
-        replicas = s.gpus // s.context_parallel
+        replicas = s.gpus // (s.pp * s.tp)
+        split = f" x {s.tp} tensor-parallel ranks" if s.tp > 1 else ""
+        return f" (pipeline: {s.pp} stages{interleaved}{split} x {replicas} replica{'s' if replicas > 1 else ''}, {s.pipeline_schedule})"
+    if s.tp > 1:
+        replicas = s.gpus // s.tp
+        return f" (tensor parallel: {s.tp} ranks x {replicas} replica{'s' if replicas > 1 else ''})"
+    if s.cp > 1:
+        replicas = s.gpus // s.cp
         many = f"{replicas} replica{'s' if replicas > 1 else ''}"
-        return f" (context parallel, {s.context_parallel_mode}: each sequence over {s.context_parallel} ranks x {many})"
+        return f" (context parallel, {s.cp_mode}: each sequence over {s.cp} ranks x {many})"
     return s.strategy.describe(s.cpu_offload, s.optimizer_offload) if s.gpus > 1 else ""
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from finetune.declarations.splits import CONTEXT, SPLITS
 from finetune.gpus import GiB, GpuSpec
 from finetune.plan.activations import OFFLOAD_LAYERS_IN_FLIGHT, Activations, activation_terms  # noqa: F401 - re-exported
 from finetune.plan.host import DEFAULT_SHARD_BYTES, HOST_BASELINE_BYTES, disk_needs, host_ram_needs  # noqa: F401 - re-exported
@@ -45,9 +46,14 @@ STREAMED_LAYERS_RESIDENT = 3  # memory/stream.py: the layer computing, the prefe
 _JSON_FIRST = ("batch_size", "grad_accum", "gpus", "checkpoint_every", "seq_len", "sharding", "cpu_offload")
 
 
+# The grid's dimensions under the names a recipe gives them (plan --json's setup speaks the recipe's words).
+_JSON_NAMES = {**{split.dim: split.field for split in SPLITS}, "cp_mode": f"{CONTEXT.field}_mode"}
+
+
 def _in_json_order(setup: dict[str, Any]) -> dict[str, Any]:
     rank = {key: i for i, key in enumerate(_JSON_FIRST)}
-    return dict(sorted(setup.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+    named = {_JSON_NAMES.get(key, key): value for key, value in setup.items()}
+    return dict(sorted(named.items(), key=lambda kv: rank.get(kv[0], len(rank))))
 
 
 @dataclass
@@ -429,7 +435,7 @@ def _notes(setup: Setup, gpu: GpuSpec | None, st: _Static, zero3_start: int = 0)
 
 
 def _split_label(setup: Setup) -> str:
-    if setup.context_parallel_mode == "ulysses":
+    if setup.cp_mode == "ulysses":
         return "Ulysses all-to-all buffers (q, k, v, out sent and received)"
     return "ring attention buffers (K/V blocks in flight, fp32 accumulators)"
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from finetune.config.schema import RecipeConfig
 from finetune.declarations import objectives
+from finetune.declarations.splits import CONTEXT, PIPELINE, SPLITS, TENSOR
 from finetune.declarations.strategies import DDP, STRATEGIES, Strategy, of_recipe
 from finetune.declarations.techniques import modes
 from finetune.gpus import GpuSpec
@@ -57,12 +58,12 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
         else objective.reference_passes,
         head_in_chunks=objective.head_in_chunks,
         sampled_tokens=cfg.train.max_new_tokens if objective.online else 0,
-        pipeline_parallel=cfg.distributed.pipeline_parallel,
+        pp=PIPELINE.size(cfg),
         pipeline_schedule=cfg.distributed.pipeline_schedule,
-        virtual_stages=cfg.distributed.virtual_stages if cfg.distributed.pipeline_parallel > 1 else 1,
-        tensor_parallel=cfg.distributed.tensor_parallel,
-        context_parallel=cfg.distributed.context_parallel,
-        context_parallel_mode=cfg.distributed.context_parallel_mode,
+        virtual_stages=cfg.distributed.virtual_stages if PIPELINE.asked(cfg) else 1,
+        tp=TENSOR.size(cfg),
+        cp=CONTEXT.size(cfg),
+        cp_mode=cfg.distributed.context_parallel_mode,
         pipeline_layers=tuple(cfg.distributed.pipeline_layers) if isinstance(cfg.distributed.pipeline_layers, list) else (),
         batch_size=cfg.train.batch_size,
         grad_accum=cfg.train.grad_accum,
@@ -98,7 +99,7 @@ def plan_recipe(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int = 1, setup: Se
     if setup is None:
         ranks = replica_ranks(cfg)
         setup = setup_of(cfg, gpus if gpus >= ranks else ranks)
-        if setup.pipeline_parallel > 1 and cfg.distributed.pipeline_layers == "auto":
+        if setup.pp > 1 and cfg.distributed.pipeline_layers == "auto":
             setup = replace(setup, pipeline_layers=balanced_layers(shape, recipe, setup, gpu, **kw))
     e = _watchdog_note(plan_setup(shape, recipe, setup, gpu, **kw), cfg, max(gpus, replica_ranks(cfg)))
     if objectives.get(cfg.train.objective).online:
@@ -128,8 +129,7 @@ def _watchdog_note(e: Estimate, cfg: RecipeConfig, processes: int) -> Estimate:
 
 def replica_ranks(cfg: RecipeConfig) -> int:
     """The GPUs one replica of the recipe spans: its pipeline stages x tensor- x context-parallel ranks."""
-    d = cfg.distributed
-    return d.pipeline_parallel * d.tensor_parallel * d.context_parallel
+    return math.prod(split.size(cfg) for split in SPLITS)
 
 
 # `finetune plan --gpus N`: the recipe under each way of spreading it over the GPUs, side by side:
@@ -147,9 +147,9 @@ def compare_strategies(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int) -> lis
     """(label, estimate) of the recipe under each of COMPARED on `gpus` GPUs; memory.* modes as written.
     A pipelined recipe's own layout comes first, the others as they would run without it, then the other
     pipeline and tensor-parallel layouts of these GPUs."""
-    base = replace(setup_of(cfg, gpus), pipeline_parallel=1, virtual_stages=1, tensor_parallel=1, context_parallel=1)
+    base = replace(setup_of(cfg, gpus), pp=1, virtual_stages=1, tp=1, cp=1)
     ddp_offload = {"optimizer_offload": cfg.memory.optimizer_offload}  # the recipe's own HostAdamW, one replica each
-    pp, tp, cp = cfg.distributed.pipeline_parallel, cfg.distributed.tensor_parallel, cfg.distributed.context_parallel
+    pp, tp, cp = PIPELINE.size(cfg), TENSOR.size(cfg), CONTEXT.size(cfg)
     split = f" x {tp} tensor-parallel ranks" if tp > 1 else ""
     own = [(f"pipeline {pp} stages{split} (as written)", plan_recipe(cfg, gpu, gpus))] if pp > 1 and gpus % (pp * tp) == 0 else []
     own += [(f"tensor parallel {tp} ranks (as written)", plan_recipe(cfg, gpu, gpus))] if pp == 1 < tp and gpus % tp == 0 else []
@@ -177,7 +177,7 @@ def _layouts(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int, base: Setup) -> 
     (plan/stages.layout_choices) but the recipe's own: even stages, 1F1B (GPipe with fewer micro-batches than
     stages), the layers on the GPUs (a split's tables too), the recipe's batch per replica."""
     shape, recipe, kw = planning_inputs(cfg, gpu)
-    own = (cfg.distributed.pipeline_parallel, cfg.distributed.tensor_parallel)
+    own = (PIPELINE.size(cfg), TENSOR.size(cfg))
     rows = []
     for pp, tp in layout_choices(cfg, shape, gpus, plan_precision(cfg, gpu)):
         if gpus % (pp * tp) or (pp, tp) == own:
@@ -185,8 +185,8 @@ def _layouts(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int, base: Setup) -> 
         kept: dict[str, Any] = {"embeddings": "device", "optimizer_offload": False} if tp > 1 else {}
         setup = replace(
             base,
-            pipeline_parallel=pp,
-            tensor_parallel=tp,
+            pp=pp,
+            tp=tp,
             pipeline_schedule="1f1b" if base.grad_accum >= pp else "gpipe",
             pipeline_layers=(),
             sharding=DDP.name,

@@ -73,7 +73,7 @@ def report(e: Estimate) -> str:
             if "tensor_allreduce" in p:
                 said.append(f"all-reduces inside each layer {p['tensor_allreduce']:.2f} s/step")
             if "context_traffic" in p:
-                how = "ring K/V passes" if e.setup.context_parallel_mode == "ring" else "Ulysses all-to-alls"
+                how = "ring K/V passes" if e.setup.cp_mode == "ring" else "Ulysses all-to-alls"
                 said.append(
                     f"{how} {p['context_traffic']:.2f} s/step on the GPU link, {p['context_exposed']:.2f} s/step not hidden"
                 )

@@ -8,13 +8,19 @@ from typing import Any
 
 from finetune.config.schema import RecipeConfig, build_recipe, read_recipe_file
 from finetune.declarations import techniques, zero_config
+from finetune.declarations.splits import SPLITS
 from finetune.declarations.strategies import of_recipe
 from finetune.plan.fitting import KNOBS
 from finetune.plan.inputs import Setup, describe_setup
 from finetune.plan.memory import Estimate, gib
 
-# The Setup fields of a layout, each written as distributed.<field> (a pipeline's split: pipeline_layers).
-LAYOUT_FIELDS = ("pipeline_parallel", "tensor_parallel", "context_parallel", "pipeline_schedule", "virtual_stages")
+# The Setup fields of a layout and the recipe keys they are written as: each split's size (its grid dimension),
+# a pipeline's schedule (and its split of layers: pipeline_layers, below).
+LAYOUT_FIELDS = {
+    **{split.dim: split.key for split in SPLITS},
+    "pipeline_schedule": "distributed.pipeline_schedule",
+    "virtual_stages": "distributed.virtual_stages",
+}
 
 
 def recipe_value(knob: str, value: Any) -> Any:
@@ -43,17 +49,13 @@ def setup_changes(setup: Setup, base: Setup, cfg: RecipeConfig | None = None) ->
             out[knob.recipe_key] = recipe_value(knob.name, getattr(setup, knob.name))
     if setup.grad_accum != base.grad_accum:
         out["train.grad_accum"] = setup.grad_accum
-    for field in LAYOUT_FIELDS:  # the layout the search chose (fitting._laid_out): its stages, ranks and schedule
+    for field, key in LAYOUT_FIELDS.items():  # the layout the search chose (fitting._laid_out): its stages, ranks, schedule
         if getattr(setup, field) != getattr(base, field):
-            out[f"distributed.{field}"] = getattr(setup, field)
+            out[key] = getattr(setup, field)
     given = cfg.distributed.pipeline_layers if cfg is not None else "even"
     # The recipe's split where the search kept its stages (fitting._laid_out); auto balances any other
     # pipeline; counts for another number of stages, or any split without a pipeline, would be refused.
-    if (
-        given != "even"
-        and setup.pipeline_parallel != base.pipeline_parallel
-        and (given != "auto" or setup.pipeline_parallel == 1)
-    ):
+    if given != "even" and setup.pp != base.pp and (given != "auto" or setup.pp == 1):
         out["distributed.pipeline_layers"] = "even"
     if cfg is not None:
         chosen = setup.strategy
@@ -64,7 +66,7 @@ def setup_changes(setup: Setup, base: Setup, cfg: RecipeConfig | None = None) ->
         if of_recipe(cfg).deepspeed and not chosen.deepspeed:
             # The search tries DDP and FSDP (not ZeRO): ZeRO's keys would be refused without strategy=deepspeed.
             out.update({f"distributed.{k}": v for k, v in zero_config.DEFAULTS.items() if getattr(cfg.distributed, k) != v})
-        if setup.pipeline_parallel * setup.tensor_parallel > 1 and cfg.distributed.grad_compression != "none":
+        if setup.pp * setup.tp > 1 and cfg.distributed.grad_compression != "none":
             out["distributed.grad_compression"] = "none"  # a hook of DDP's all-reduce, which a layout does not use
         if cfg.memory.offload_dir is not None and setup.base_weights != "disk":
             out["memory.offload_dir"] = None

@@ -31,11 +31,12 @@ from dataclasses import replace
 from typing import Any
 
 from finetune.declarations.layout import COLUMN, FAMILIES, ROW, Layout
+from finetune.declarations.splits import CONTEXT, PIPELINE, TENSOR
 from finetune.declarations.splits import problems as split_problems
 from finetune.declarations.strategies import DDP
 from finetune.errors import PlanError
 from finetune.gpus import GpuSpec
-from finetune.plan.context import plan_context_parallel
+from finetune.plan.context import plan_context_split
 from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.memory import Estimate, estimate, gib
 from finetune.plan.shape import ModelShape
@@ -86,8 +87,8 @@ def bubble_factor(schedule: str, pp: int, virtual_stages: int, micro_batches: in
 
 
 def plan_pipeline(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec | None, **kw: Any) -> Estimate:
-    """The plan of setup.gpus processes as setup.pipeline_parallel stages x replicas (see the module)."""
-    pp, schedule, v, tp = setup.pipeline_parallel, setup.pipeline_schedule, setup.virtual_stages, setup.tensor_parallel
+    """The plan of setup.gpus processes as setup.pp stages x replicas (see the module)."""
+    pp, schedule, v, tp = setup.pp, setup.pipeline_schedule, setup.virtual_stages, setup.tp
     world, splits = setup.gpus, setup.pipeline_layers
     uneven = sum(splits) != shape.layers if splits else shape.layers % (pp * v)
     if world % (pp * tp) or uneven:
@@ -136,9 +137,9 @@ def _ranks(
 ) -> list[tuple[Layout, Estimate, float]]:
     """(layout, estimate, micro-batches held) of replica 0's first tensor-parallel rank at each place along the pipe
     (the others hold the same); split over tensor-parallel ranks, each its share, its all-reduces in its step."""
-    pp, tp = setup.pipeline_parallel, setup.tensor_parallel
+    pp, tp = setup.pp, setup.tp
     replicas = setup.gpus // (pp * tp)
-    one = replace(setup, gpus=replicas, sharding=DDP.name, pipeline_parallel=1, pipeline_layers=(), tensor_parallel=1)
+    one = replace(setup, gpus=replicas, sharding=DDP.name, pp=1, pipeline_layers=(), tp=1)
     out = []
     for stage in range(pp):
         layout = Layout(pp, replicas, stage * replicas * tp, setup.virtual_stages, tp, setup.pipeline_layers)
@@ -159,7 +160,7 @@ def balanced_layers(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: G
     """distributed.pipeline_layers=auto: layers per stage so that the fullest rank's planned peak is as low as
     moving one layer at a time from it to another rank makes it (the first rank holds the embeddings and the
     most micro-batches, the last the head and the loss), from as even a split as the layers allow."""
-    pp, n = setup.pipeline_parallel, shape.layers
+    pp, n = setup.pp, shape.layers
     splits = [n // pp + (1 if i < n % pp else 0) for i in range(pp)]
 
     def peaks(counts: list[int]) -> list[int]:
@@ -220,16 +221,16 @@ def tensor_rank_shape(shape: ModelShape, tp: int) -> ModelShape:
     )
 
 
-def plan_tensor_parallel(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec | None, **kw: Any) -> Estimate:
-    """The plan of setup.gpus processes as setup.tensor_parallel ranks x replicas (see the module)."""
-    tp, world = setup.tensor_parallel, setup.gpus
+def plan_tensor_split(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec | None, **kw: Any) -> Estimate:
+    """The plan of setup.gpus processes as setup.tp ranks x replicas (see the module)."""
+    tp, world = setup.tp, setup.gpus
     if world % tp:
         raise PlanError(
             f"distributed.tensor_parallel={tp} on {world} GPUs: the GPUs must be ranks x replicas",
             hint=f"plan with --gpus {tp} (or a multiple)",
         )
     replicas = world // tp
-    one = replace(setup, gpus=replicas, sharding=DDP.name, tensor_parallel=1)
+    one = replace(setup, gpus=replicas, sharding=DDP.name, tp=1)
     layout = Layout(1, replicas, 0, tp=tp)
     e = estimate(tensor_rank_shape(shape, tp), recipe, one, gpu and _as_seen_by(gpu, layout.stage_ranks(0)), **kw)
     parts, step = dict(e.step_time_parts), e.step_time_s
@@ -264,8 +265,8 @@ def _allreduces(shape: ModelShape, setup: Setup) -> float:
 
 def tensor_allreduce_s(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec) -> float:
     """Seconds per step of the all-reduces of `shape`'s layers (a whole model, or a pipeline rank's part) over
-    setup.tensor_parallel ranks: each a ring of one micro-batch's hidden states on the GPU link, not overlapped."""
-    tp = setup.tensor_parallel
+    setup.tp ranks: each a ring of one micro-batch's hidden states on the GPU link, not overlapped."""
+    tp = setup.tp
     hidden_states = setup.rows * setup.seq_len * shape.hidden * recipe.compute_bytes
     ring = 2 * (tp - 1) / tp * hidden_states / (gpu.interconnect_gbps * 1e9 * LINK_EFFICIENCY)
     return _allreduces(shape, setup) * ring * setup.grad_accum
@@ -274,12 +275,12 @@ def tensor_allreduce_s(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu
 def plan_setup(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec | None, **kw: Any) -> Estimate:
     """The plan of any setup: a pipeline (of split stages or not), tensor or context parallelism, or one replica
     per GPU."""
-    if setup.pipeline_parallel > 1:
+    if setup.pp > 1:
         return plan_pipeline(shape, recipe, setup, gpu, **kw)
-    if setup.tensor_parallel > 1:
-        return plan_tensor_parallel(shape, recipe, setup, gpu, **kw)
-    if setup.context_parallel > 1:
-        return plan_context_parallel(shape, recipe, setup, gpu, **kw)
+    if setup.tp > 1:
+        return plan_tensor_split(shape, recipe, setup, gpu, **kw)
+    if setup.cp > 1:
+        return plan_context_split(shape, recipe, setup, gpu, **kw)
     return estimate(shape, recipe, setup, gpu, **kw)
 
 
@@ -291,7 +292,7 @@ def _as_seen_by(gpu: GpuSpec, ranks: list[int]) -> GpuSpec:
 
 def _send_link(setup: Setup, gpu: GpuSpec) -> float:
     """The slowest link a pipeline's sends cross: the nodes' link if any stage boundary spans two nodes."""
-    pp, tp = setup.pipeline_parallel, setup.tensor_parallel
+    pp, tp = setup.pp, setup.tp
     layout = Layout(pp, setup.gpus // (pp * tp), 0, tp=tp)
     boundaries = [
         (a, b)
@@ -319,9 +320,9 @@ def layout_choices(cfg: Any, shape: ModelShape, max_gpus: int, precision: str) -
                     "precision": precision,
                     "distributed": cfg.distributed.model_copy(
                         update={
-                            "pipeline_parallel": pp,
-                            "tensor_parallel": tp,
-                            "context_parallel": 1,  # a recipe's split sequences give way to the layout tried
+                            PIPELINE.field: pp,
+                            TENSOR.field: tp,
+                            CONTEXT.field: 1,  # a recipe's split sequences give way to the layout tried
                             "strategy": "auto",
                             "grad_compression": "none",
                             "pipeline_schedule": "gpipe",
