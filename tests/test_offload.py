@@ -358,7 +358,10 @@ def test_optimizer_offload_trains_like_the_plain_optimizer(recipe_dict, tmp_path
     def losses(offload):
         data = {**recipe_dict, "output_dir": str(tmp_path / f"opt{offload}")}
         data["memory"] = {"activation_checkpointing": "none", "optimizer_offload": offload}
-        result = Trainer(build_recipe(data), progress=False).train()
+        trainer = Trainer(build_recipe(data), progress=False)
+        result = trainer.train()
+        built = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside accelerate's wrapper
+        assert isinstance(built, HostAdamW) == offload, type(built)  # the technique acted (memory/apply.py's step)
         return [r["loss"] for r in read_metrics(result.metrics_path) if "loss" in r]
 
     assert losses(True) == (losses(False) if EXACT else pytest.approx(losses(False), rel=1e-5))

@@ -21,11 +21,12 @@ import torch
 from finetune.config.schema import RecipeConfig, resolve_offload_dir
 from finetune.memory.activation_offload import ActivationOffload, NoActivationOffload, offloaded_checkpoint
 from finetune.memory.host_tables import HostTables
+from finetune.memory.optimizer_offload import HostAdamW
 from finetune.memory.stream import DiskStore, WeightStream
 from finetune.memory.tiled_mlp import tile_mlps
 from finetune.metrics import human_bytes
 from finetune.model.kernels import apply_kernels
-from finetune.model.load import checkpoint_with, compile_decoder_layers, count_parameters
+from finetune.model.load import checkpoint_with, compile_decoder_layers, count_parameters, enable_gradient_checkpointing
 
 
 @dataclass
@@ -37,6 +38,8 @@ class Applied:
     activations: ActivationOffload | NoActivationOffload = field(default_factory=NoActivationOffload)
     kernels: str = "none"  # what model.kernels chose (a run records what auto chose: runs/choices.py)
     tiled_mlps: int = 0  # decoder-layer MLPs memory.tiled_mlp tiles
+    optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW  # the recipe's AdamW: in host RAM, or torch's
+    loss_memory: tuple[str, int] = ("full", 0)  # memory.loss and its chunk: how the objective runs its head
 
 
 @dataclass
@@ -55,6 +58,12 @@ class Step:
     name: str
     why: str  # why it stands where it does in STEPS
     apply: Callable[[Any, Applying], str | None]
+
+
+def _checkpointing(model, a: Applying) -> str | None:
+    if a.cfg.memory.checkpoint_every:
+        enable_gradient_checkpointing(model, a.cfg.memory.checkpoint_every)
+    return None
 
 
 def _kernels(model, a: Applying) -> str | None:
@@ -86,6 +95,16 @@ def _compile(model, a: Applying) -> str | None:
     return None
 
 
+def _optimizer_offload(model, a: Applying) -> str | None:
+    a.applied.optimizer = HostAdamW if a.cfg.memory.optimizer_offload else torch.optim.AdamW
+    return None
+
+
+def _chunked_loss(model, a: Applying) -> str | None:
+    a.applied.loss_memory = (a.cfg.memory.loss, a.cfg.memory.loss_chunk)  # the objective takes it (Loss.use_memory)
+    return None
+
+
 def _summary(model, a: Applying) -> str | None:
     return model_summary(a.cfg, model)
 
@@ -109,6 +128,11 @@ def _host_tables(model, a: Applying) -> str | None:
 
 
 STEPS = (
+    Step(
+        "activation checkpointing",
+        "marks the decoder layers that recompute in backward and gives them torch's checkpoint, which offload replaces",
+        _checkpointing,
+    ),
     Step("kernels", "fused modules replace the model's own before any wrapper below captures them", _kernels),
     Step(
         "activation offload",
@@ -120,7 +144,20 @@ STEPS = (
     Step("summary", "counts parameters while they are still on the model (the store takes them next)", _summary),
     Step("streaming", "moves the frozen layer weights to their store; the model is complete by now", _stream),
     Step("host tables", "after the stream, whose model.to(device) would bring the tables back", _host_tables),
+    Step(
+        "optimizer offload", "AdamW over the trainable parameters the model now holds, its state in host RAM", _optimizer_offload
+    ),
+    Step("chunked loss", "the head and loss over chunks of targets: the objective runs it, on this model", _chunked_loss),
 )
+
+
+def weights_capture(cfg: RecipeConfig) -> DiskStore | None:
+    """memory.base_weights=disk: the file the load writes the 4-bit weights into as bitsandbytes quantizes them (the
+    whole quantized model, ~37 GB for 70B, is never in RAM, not even while loading); None where nothing is captured
+    (DoRA reads and PiSSA rewrites every base weight when it wraps the model). The one step that acts while loading."""
+    if cfg.memory.base_weights != "disk" or (cfg.lora is not None and cfg.lora.adapter.wrap_touches_base):
+        return None
+    return DiskStore(resolve_offload_dir(cfg))
 
 
 def apply_techniques(

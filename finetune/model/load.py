@@ -487,11 +487,10 @@ def load_model(
     placement: dict[str, Any] | None = None,
     split: Split | None = None,
 ):
-    """Base model -> frozen, quantized per cfg.quant -> checkpointing -> LoRA. Ready for the trainer.
+    """Base model -> frozen, quantized per cfg.quant -> LoRA. The memory techniques (activation checkpointing
+    among them) are memory/apply.py's, for a model that trains.
     placement, split: see load_base_model (LoRA of meta modules is drawn as on one process, then left on meta)."""
     model = load_base_model(cfg, precision=precision, device=device, shardable=shardable, placement=placement, split=split)
-    if cfg.memory.checkpoint_every:
-        enable_gradient_checkpointing(model, cfg.memory.checkpoint_every)
     if cfg.lora is not None:
         model = wrap_lora(cfg, model)
     else:

@@ -12,16 +12,14 @@ from typing import Any
 
 import torch
 
-from finetune.config.schema import RecipeConfig, build_recipe, resolve_offload_dir
+from finetune.config.schema import RecipeConfig, build_recipe
 from finetune.data import IGNORE_INDEX, DataBundle, DataStats, build_datasets, build_examples
 from finetune.declarations import objectives
 from finetune.errors import ConfigError
-from finetune.memory.apply import Applied, apply_techniques
-from finetune.memory.optimizer_offload import HostAdamW
-from finetune.memory.stream import DiskStore, WeightStream
+from finetune.memory.apply import Applied, apply_techniques, weights_capture
+from finetune.memory.stream import WeightStream
 from finetune.metrics import human_bytes
 from finetune.model.load import (
-    enable_gradient_checkpointing,
     load_model,
     wrap_lora,
 )
@@ -86,16 +84,14 @@ def bundle_from_parts(cfg: RecipeConfig, tokenizer, train: Sequence[dict], eval:
 
 
 def ready_given_model(cfg: RecipeConfig, model):
-    """A model built by the user, made ready as load_model makes a loaded one: activation
-    checkpointing per memory.*, and LoRA per lora.* unless it carries adapters already."""
+    """A model built by the user, made ready as load_model makes a loaded one: LoRA per lora.* unless it
+    carries adapters already (memory.*, activation checkpointing among them, is memory/apply.py's, for both)."""
     from peft import PeftModel
 
     if isinstance(model, PeftModel) or cfg.lora is None:
         return model
     for p in model.parameters():
         p.requires_grad_(False)
-    if cfg.memory.checkpoint_every:
-        enable_gradient_checkpointing(model, cfg.memory.checkpoint_every)
     torch.manual_seed(cfg.seed)  # LoRA's init, drawn as a recipe's run draws it
     wrapped = wrap_lora(cfg, model)
     # The generator as a recipe's run leaves it after the init: setup() resumes from here, so
@@ -120,11 +116,8 @@ def load_model_and_store(
         if model is None:
             torch.manual_seed(cfg.seed)  # LoRA init is drawn from the global RNG: the same on every rank
             load_on = parallel.load_device(streaming)
-            if cfg.memory.base_weights == "disk" and not (cfg.lora and cfg.lora.adapter.wrap_touches_base):
-                # 4-bit weights go to the file as bitsandbytes quantizes them: the whole
-                # quantized model (~37 GB for 70B) is never in RAM, not even while loading.
-                # (DoRA reads, PiSSA rewrites, every base weight when it wraps the model: no capture then.)
-                disk_store = DiskStore(resolve_offload_dir(cfg))
+            disk_store = weights_capture(cfg)
+            if disk_store is not None:
                 with disk_store.capture():
                     model = load_model(cfg, precision=precision, device=load_on, shardable=parallel.sharded)
             else:
@@ -171,13 +164,13 @@ def default_loss(cfg: RecipeConfig, reward_fns: Sequence[Callable] = ()) -> Loss
 
 
 def build_optimizer(
-    cfg: RecipeConfig, params: list[torch.nn.Parameter], given: OptimizerArg, parallel: Parallel
+    cfg: RecipeConfig, params: list[torch.nn.Parameter], given: OptimizerArg, parallel: Parallel, applied: Applied
 ) -> torch.optim.Optimizer:
-    """AdamW (in host RAM with memory.optimizer_offload), or the user's: an optimizer, or a function
-    of the trainable parameters that builds one (needed under FSDP, whose parameters are the shards)."""
+    """The recipe's AdamW (the class memory/apply.py chose: in host RAM with memory.optimizer_offload), or the user's:
+    an optimizer, or a function of the trainable parameters that builds one (needed under FSDP, whose parameters are
+    the shards)."""
     if given is None:
-        adamw = HostAdamW if cfg.memory.optimizer_offload else torch.optim.AdamW
-        return adamw(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        return applied.optimizer(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     if cfg.memory.optimizer_offload:
         raise ConfigError(
             [

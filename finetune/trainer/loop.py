@@ -183,7 +183,7 @@ class Trainer:
         self.model, self.memory = build.load_model_and_store(run_cfg, self.precision, parallel, self.say, given=self.model)
         self.loss_fn.fit(self.model)
         self.loss_fn.use_tokenizer(self.tokenizer)
-        self.loss_fn.use_memory(cfg.memory.loss, cfg.memory.loss_chunk, parallel.device, parallel.sharded)
+        self.loss_fn.use_memory(*self.memory.loss_memory, parallel.device, parallel.sharded)
         if self.memory.stream is not None:
             build.describe_store(self.memory.stream, acc.device, self.say)
         if parallel.is_main:
@@ -197,7 +197,7 @@ class Trainer:
         self.say(choices.changes(ran, self.state.choices))
 
         self.params = [p for p in self.model.parameters() if p.requires_grad and not p.is_meta]  # meta: other stages'
-        optimizer = build.build_optimizer(cfg, self.params, self._given_optimizer, parallel)
+        optimizer = build.build_optimizer(cfg, self.params, self._given_optimizer, parallel, self.memory)
         self.scheduler = build.build_lr_schedule(cfg, optimizer, self.state.total_steps, self._given_scheduler)
         self.model, self.optimizer = parallel.prepare(self.model, optimizer)
         if cfg.train.precompute_reference:  # one pass over the pairs with the adapter off, cached
