@@ -7,6 +7,7 @@ ddp, fsdp, zero   the data-parallel rooms: DDP (+ ddp_hooks: grad_compression), 
 pipeline, tensor, context   the split rooms: stages on torch.distributed.pipelining (stages: the stage modules,
              what a rank loads, windows), Megatron's split of each layer, each sequence split (ring: the ring
              attention and Ulysses)
+mesh         the launch's DeviceMesh over the split dimensions (pp, dp, cp, tp): each split room's process groups
 distribute   which data-parallel strategy a launch runs; whole checkpoint states read back into shards
 split_checks what a launch of N processes cannot split, read from the model's config.json before loading
 rank_state   what each process holds alone (generators, PowerSGD state) for a checkpoint

@@ -31,6 +31,7 @@ from finetune.declarations.layout import Layout
 from finetune.errors import ConfigError
 from finetune.model import varlen
 from finetune.parallel.grads import sum_over
+from finetune.parallel.mesh import dim_group
 from finetune.parallel.ring import SplitRows, expand_heads, ring_attention, ulysses_attention
 from finetune.parallel.room import SplitRoom
 
@@ -110,19 +111,11 @@ class ContextParallel(SplitRoom):
     name = "context"
     trains_alone = True  # each rank holds and streams its own copy of the layers (no DDP wrapper holds them)
 
-    def __init__(self, accelerator, cfg: Any, layout: Layout) -> None:
-        import torch.distributed as dist
-
-        super().__init__(accelerator, cfg, layout)
+    def __init__(self, accelerator, cfg: Any, layout: Layout, mesh: Any = None) -> None:
+        super().__init__(accelerator, cfg, layout, mesh)
         self.mode = cfg.distributed.context_parallel_mode
         self.ranks = tuple(layout.context_ranks())
-        self.group = None
-        for first in range(0, layout.world, layout.cp * layout.tp):  # every rank creates every group, in one order
-            for t in range(layout.tp):
-                ranks = [first + c * layout.tp + t for c in range(layout.cp)]
-                group = dist.new_group(ranks)
-                if tuple(ranks) == self.ranks:
-                    self.group = group
+        self.group = dim_group(mesh, "cp")  # this rank's context-parallel group
 
     @classmethod
     def problems(cls, cfg: Any, accelerator) -> list[str]:

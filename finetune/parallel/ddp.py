@@ -12,8 +12,8 @@ from finetune.parallel.room import Room, data_parallel_line
 class DDP(Room):
     name = "ddp"
 
-    def __init__(self, accelerator, cfg, layout) -> None:
-        super().__init__(accelerator, cfg, layout)
+    def __init__(self, accelerator, cfg, layout, mesh=None) -> None:
+        super().__init__(accelerator, cfg, layout, mesh)
         self.powersgd: ddp_hooks.PowerSGD | None = None  # its state goes into every checkpoint, per rank
 
     def describe(self) -> str:

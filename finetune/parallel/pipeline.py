@@ -28,6 +28,7 @@ from finetune.declarations.splits import TENSOR
 from finetune.errors import ConfigError, TrainingError
 from finetune.model.load import head_owner
 from finetune.parallel.grads import clip_to, squares, sum_over
+from finetune.parallel.mesh import dim_group
 from finetune.parallel.room import SplitRoom, refuse_fp16
 from finetune.parallel.stage_time import BusyClock
 from finetune.parallel.stages import (
@@ -49,10 +50,12 @@ class Pipeline(SplitRoom):
     name = "pipeline"
     holds_whole_model = False  # each process holds its stages: no generating, no pair scoring
 
-    def __init__(self, accelerator, cfg: Any, layout: Layout, model_config: Any, tensor: TensorParallel | None = None) -> None:
+    def __init__(
+        self, accelerator, cfg: Any, layout: Layout, model_config: Any, tensor: TensorParallel | None = None, mesh: Any = None
+    ) -> None:
         if cfg.distributed.pipeline_layers == "auto":
             layout = replace(layout, splits=balanced_layers(cfg, layout.world, accelerator.device))
-        super().__init__(accelerator, cfg, layout)
+        super().__init__(accelerator, cfg, layout, mesh)
         self.device, self.model_config = accelerator.device, model_config  # the model's (text) config.json
         self.tensor = tensor  # tensor parallelism: each stage split over a group (parallel/tensor.py)
         self.objective: Any = None  # the Loss whose head_loss the last stage runs (the trainer sets it)
@@ -61,10 +64,10 @@ class Pipeline(SplitRoom):
         self.clock = BusyClock(self.device)  # the last window's busy and whole seconds on this rank
 
     @classmethod
-    def build(cls, accelerator, cfg: Any, layout: Layout, model_config: Any) -> Pipeline:
+    def build(cls, accelerator, cfg: Any, layout: Layout, model_config: Any, mesh: Any) -> Pipeline:
         """A pipeline, of tensor-parallel shares where the recipe asks for them (each stage split)."""
-        tensor = TensorParallel(accelerator, cfg, layout, model_config) if TENSOR.asked(cfg) else None
-        return cls(accelerator, cfg, layout, model_config, tensor)
+        tensor = TensorParallel(accelerator, cfg, layout, model_config, mesh) if TENSOR.asked(cfg) else None
+        return cls(accelerator, cfg, layout, model_config, tensor, mesh)
 
     def placement(self, device: torch.device) -> dict[str, Any]:
         """This rank's stages' modules on `device`, the rest on the meta device, never read."""
@@ -97,7 +100,8 @@ class Pipeline(SplitRoom):
             Stage(self.decoder, *layout.layer_range(s, n), first=s == 0, last=s == layout.stage_count - 1)
             for s in layout.stages_of_rank
         ]
-        self.group, self.replica_group = self._groups()
+        # This rank's pipeline (its replica's stages of its tensor-parallel share), and its stage's replicas.
+        self.group, self.replica_group = dim_group(self.mesh, "pp"), dim_group(self.mesh, "dp")
         # Checkpoint gathers travel in host RAM: over NCCL an object gathered passes through GPU memory, and
         # rank 0 would receive every stage's adapter and optimizer state there at once.
         self.host_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
@@ -110,24 +114,6 @@ class Pipeline(SplitRoom):
             owned += [self.decoder.norm, owner.lm_head]
         self.owned = {id(p) for m in owned for p in m.parameters()}
         return model
-
-    def _groups(self) -> tuple[Any, Any]:
-        """(this rank's pipeline: its replica's stages; its stage's replicas), as process groups; with tensor
-        parallelism, of this rank's share (each tp rank runs a pipeline of its shares). Every rank creates
-        every group, in one order. One replica and no split: the pipeline is the whole world (None)."""
-        layout = self.layout
-        pipe = replicas = None
-        if layout.replicas == 1 and layout.tp == 1:
-            return None, None
-        for replica in range(layout.replicas):
-            for t in range(layout.tp):
-                group = dist.new_group(layout.pipeline_ranks(replica, t))
-                pipe = group if (replica, t) == (layout.replica, layout.tp_rank) else pipe
-        for stage in range(layout.pp):
-            for t in range(layout.tp):
-                group = dist.new_group(layout.stage_ranks(stage, t)) if layout.replicas > 1 else None
-                replicas = group if (stage, t) == (layout.stage, layout.tp_rank) else replicas
-        return pipe, replicas
 
     @property
     def is_last(self) -> bool:

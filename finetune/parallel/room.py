@@ -40,14 +40,15 @@ class Room:
     trains_alone = False  # each rank holds and streams its own copy of the layers: the memory rules see one process
     ideal_idle = 0.0  # the schedule's idle share of a window (a pipeline's fill and drain)
 
-    def __init__(self, accelerator, cfg: RecipeConfig, layout: Layout) -> None:
+    def __init__(self, accelerator, cfg: RecipeConfig, layout: Layout, mesh: Any = None) -> None:
         self.accelerator, self.cfg, self.layout = accelerator, cfg, layout
+        self.mesh = mesh  # the split dimensions' DeviceMesh (parallel/mesh.py): a room takes its groups from its own
 
     @classmethod
-    def build(cls, accelerator, cfg: RecipeConfig, layout: Layout, model_config: Any) -> Room:
+    def build(cls, accelerator, cfg: RecipeConfig, layout: Layout, model_config: Any, mesh: Any) -> Room:
         """The room for this launch, before any weight loads (model_config: the model's text config.json where a
-        split strategy needs it, else None)."""
-        return cls(accelerator, cfg, layout)
+        split strategy needs it, else None; mesh: parallel/mesh.build_mesh's, None when nothing is split)."""
+        return cls(accelerator, cfg, layout, mesh)
 
     @classmethod
     def problems(cls, cfg: RecipeConfig, accelerator) -> list[str]:

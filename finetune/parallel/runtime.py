@@ -29,6 +29,7 @@ from finetune.parallel.context import ContextParallel
 from finetune.parallel.ddp import DDP
 from finetune.parallel.distribute import resolve_strategy, vision_problems
 from finetune.parallel.fsdp import FSDP
+from finetune.parallel.mesh import build_mesh
 from finetune.parallel.pipeline import Pipeline
 from finetune.parallel.rank_state import RankState, rng_states
 from finetune.parallel.room import Room
@@ -91,7 +92,8 @@ class Parallel:
             problems += compression.problems(cfg, kind.name, kind.replicates)
         if problems:
             raise ConfigError(problems)
-        return cls(accelerator, cfg, kind.build(accelerator, cfg, grid, config))
+        mesh = build_mesh(grid, accelerator.device) if asked else None  # every rank, here: a collective
+        return cls(accelerator, cfg, kind.build(accelerator, cfg, grid, config, mesh))
 
     # ------------------------------------------------------------------ who and where
 

@@ -32,6 +32,7 @@ from torch import nn
 from finetune.declarations.layout import COLUMN, ROW, Layout
 from finetune.errors import ConfigError, TrainingError
 from finetune.parallel.grads import clip_to, squares, sum_over
+from finetune.parallel.mesh import dim_group
 from finetune.parallel.room import SplitRoom, refuse_fp16
 
 
@@ -125,14 +126,14 @@ class TensorParallel(SplitRoom):
 
     name = "tensor"
 
-    def __init__(self, accelerator, cfg: Any, layout: Layout, model_config: Any) -> None:
-        super().__init__(accelerator, cfg, layout)
+    def __init__(self, accelerator, cfg: Any, layout: Layout, model_config: Any, mesh: Any = None) -> None:
+        super().__init__(accelerator, cfg, layout, mesh)
         self.tp, self.tp_rank, self.replicas, self.device = layout.tp, layout.tp_rank, layout.replicas, accelerator.device
         self.model_config = model_config  # the whole model's (text) config.json
 
     @classmethod
-    def build(cls, accelerator, cfg: Any, layout: Layout, model_config: Any) -> TensorParallel:
-        return cls(accelerator, cfg, layout, model_config)
+    def build(cls, accelerator, cfg: Any, layout: Layout, model_config: Any, mesh: Any) -> TensorParallel:
+        return cls(accelerator, cfg, layout, model_config, mesh)
 
     def describe(self) -> str:
         many = f"{self.replicas} replica{'s' if self.replicas > 1 else ''}"
@@ -162,21 +163,16 @@ class TensorParallel(SplitRoom):
                     "holds every head); let the trainer load it from model.path, or set distributed.tensor_parallel=1"
                 ]
             )
-        self._attach(model, self.layout)
+        self._attach(model)
         draw_lora_as_one_process(model, self, self.cfg.seed)
         model.finetune_local_slice = self.local  # a checkpoint's whole tensors, sliced
         return model
 
-    def _attach(self, model: nn.Module, layout: Layout) -> None:
+    def _attach(self, model: nn.Module) -> None:
         """The group's process groups, the row-parallel biases added once, f and g around attention and MLP."""
-        # Every rank creates every group, in one order (torch's rule for new_group). Under a pipeline the
-        # replicas of a stage's share are summed by the pipeline (parallel/pipeline.py): no groups across here.
-        groups = [dist.new_group(layout.tensor_ranks(b)) for b in range(layout.world // layout.tp)]
-        self.group = groups[layout.rank // layout.tp]
-        self.replica_group = None
-        if not layout.pipelined and layout.replicas > 1:
-            across = [dist.new_group(layout.stage_ranks(0, t)) for t in range(layout.tp)]
-            self.replica_group = across[layout.tp_rank]
+        self.group = dim_group(self.mesh, "tp")
+        # Under a pipeline the replicas of a stage's share are summed by the pipeline (parallel/pipeline.py).
+        self.replica_group = None if self.layout.pipelined else dim_group(self.mesh, "dp")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.split_params = {id(p) for n, p in named if split_dim(n) is not None}
         self.partial = {id(p) for n, p in named if partial_gradient(n)}

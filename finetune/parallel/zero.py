@@ -42,8 +42,8 @@ class Zero(Room):
     replicates = False
     updates_in_backward = True  # a non-finite step is then skipped only by fp16's loss scaler
 
-    def __init__(self, accelerator, cfg, layout) -> None:
-        super().__init__(accelerator, cfg, layout)
+    def __init__(self, accelerator, cfg, layout, mesh=None) -> None:
+        super().__init__(accelerator, cfg, layout, mesh)
         self._groups: list[list[torch.nn.Parameter]] = []  # the optimizer's parameters, as built
 
     @classmethod

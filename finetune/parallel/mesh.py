@@ -1,0 +1,39 @@
+"""The launch's processes as one torch DeviceMesh over the split dimensions, numbered as declarations/layout.Layout
+numbers them (pipeline outermost, tensor-parallel innermost): each split room takes its process group from its own
+dimension of it (torchtitan's ParallelDims), none builds groups of its own.
+
+    mesh = build_mesh(layout, device)    # None for one process or data parallelism alone (DDP, FSDP, ZeRO use the world)
+    group = dim_group(mesh, "tp")        # this rank's tensor-parallel group; None where the dimension is 1
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from finetune.declarations.layout import Layout
+
+DIMS = ("pp", "dp", "cp", "tp")  # the grid's dimensions, outermost first: Layout's rank numbering
+
+
+def sizes(layout: Layout) -> dict[str, int]:
+    return {"pp": layout.pp, "dp": layout.replicas, "cp": layout.cp, "tp": layout.tp}
+
+
+def build_mesh(layout: Layout, device: torch.device) -> Any:
+    """The mesh of the dimensions larger than 1 (a dimension of 1 would cost a process group per rank), or None when
+    nothing is split. A collective: every rank builds it, at the same point of the launch."""
+    if layout.pp * layout.cp * layout.tp == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    used = [(name, n) for name, n in sizes(layout).items() if n > 1]
+    return init_device_mesh(device.type, tuple(n for _, n in used), mesh_dim_names=tuple(name for name, _ in used))
+
+
+def dim_group(mesh: Any, dim: str) -> Any:
+    """This rank's process group along `dim`, or None where the dimension is 1 (no group: nothing to sum over)."""
+    if mesh is None or dim not in (mesh.mesh_dim_names or ()):
+        return None
+    return mesh[dim].get_group()
