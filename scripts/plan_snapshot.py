@@ -1,7 +1,7 @@
-"""Every shipped recipe's `finetune plan` output in one file, the commands run in this one process (what
-scripts/plan_snapshot.sh runs as 200 launches): run before and after a refactor and `cmp` the two.
+"""Every shipped recipe's `finetune plan` output in one file (text, --gpus 2, --json, --max-seq, --fit with the recipe
+it writes, on 4 model configs), the commands run in this one process: run before and after a refactor and `cmp` the two.
 
-    python scripts/plan_snapshot.py OUT       # ~3 min on 2 cores; PYTHONPATH=<a worktree> for another commit
+    python scripts/plan_snapshot.py OUT       # ~1 min on 2 cores; PYTHONPATH=<a worktree> for another commit
 """
 
 from __future__ import annotations
