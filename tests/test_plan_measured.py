@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from finetune.config.schema import build_recipe
-from finetune.model.load import load_model
+from finetune.model.load import enable_gradient_checkpointing, load_model
 from finetune.plan import RecipeFacts, Setup, estimate, read_model_shape
 from finetune.trainer import loss_sum_and_count
 
@@ -102,6 +102,16 @@ def quant_state_tensors(model):
             yield qs.code
 
 
+def trained_model(cfg):
+    """The model as the trainer trains it: loaded, with memory.activation_checkpointing applied (memory/apply.py's
+    first step; the other memory techniques these measurements turn on are applied by the test itself)."""
+    torch.manual_seed(0)
+    model = load_model(cfg, precision="fp32", device=torch.device("cpu"))
+    if cfg.memory.checkpoint_every:
+        enable_gradient_checkpointing(model, cfg.memory.checkpoint_every)
+    return model
+
+
 def measure(model_dir, tmp_path, *, checkpointing: bool, dropout: float, batch: int, seq: int, quant: int | None = 4):
     cfg = build_recipe(
         {
@@ -115,8 +125,7 @@ def measure(model_dir, tmp_path, *, checkpointing: bool, dropout: float, batch: 
             "memory": {"activation_checkpointing": "all" if checkpointing else "none"},
         }
     )
-    torch.manual_seed(0)
-    model = load_model(cfg, precision="fp32", device=torch.device("cpu"))
+    model = trained_model(cfg)
     model.train()
     lora = [p for p in model.parameters() if p.requires_grad]
     frozen = [p for p in model.parameters() if not p.requires_grad]
@@ -228,8 +237,7 @@ def measure_step_peak(model_dir, tmp_path, *, seq: int, tiles: int, chunk: int) 
             "memory": memory,
         }
     )
-    torch.manual_seed(0)
-    model = load_model(cfg, precision="fp32", device=torch.device("cpu"))
+    model = trained_model(cfg)
     assert tile_mlps(model, tiles) == model.config.num_hidden_layers
     model.train()
     loss_fn = CausalLMLoss(chunk_rows=chunk)
