@@ -4,6 +4,8 @@ checkpoint (no other bytes). The multi-process runs: tests/e2e/test_tensor_paral
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import build_tiny_llama
@@ -265,3 +267,62 @@ def test_a_layout_refuses_the_fp16_that_precision_auto_chose_at_launch():
     split = SimpleNamespace(distributed=SimpleNamespace(pipeline_parallel=1, tensor_parallel=2))
     with pytest.raises(ConfigError, match=r"- distributed.tensor_parallel=2 with fp16"):
         TensorParallel.shard(SimpleNamespace(cfg=split), None, torch.float16)  # type: ignore[arg-type]
+
+
+def test_a_ranks_4bit_share_is_one_process_quantization_bit_for_bit(tmp_path):
+    # NF4 with double quant, as the recipes quantize: each rank's share, cut from the whole weight's
+    # quantization, dequantizes to exactly one process's values; quantized alone it does not (double quant's
+    # offset is the mean of the whole tensor's absmax, and its groups of 256 blocks are the whole's).
+    from bitsandbytes.functional import dequantize_4bit
+    from transformers import AutoConfig
+
+    from finetune.config.schema import build_recipe
+    from finetune.model.load import load_base_model
+    from finetune.model.partial import Split
+    from finetune.parallel.tensor import cut_shares_from_whole
+
+    build_tiny_llama(tmp_path, vocab_size=64, hidden=128)  # every share whole blocks of 64
+    cfg = build_recipe({**MINIMAL, "model": {"path": str(tmp_path)}, "precision": "fp32"})
+    assert (cfg.quant.bits, cfg.quant.quant_type, cfg.quant.double_quant) == (4, "nf4", True)
+
+    def dequantized(model) -> dict[str, torch.Tensor]:
+        return {
+            n: dequantize_4bit(m.weight.data, m.weight.quant_state)
+            for n, m in model.named_modules()
+            if type(getattr(m, "weight", None)).__name__ == "Params4bit" and split_dim(n + ".weight") is not None
+        }
+
+    one = dequantized(load_base_model(cfg, "fp32", torch.device("cpu")))
+    conf, alone_differs = narrowed(AutoConfig.from_pretrained(tmp_path), 2), 0
+    for rank in (0, 1):
+        share = load_base_model(cfg, "fp32", torch.device("cpu"), split=Split(split_dim, rank, 2, conf))
+        alone = dequantized(share)
+        cut_shares_from_whole(share, cfg, 2, rank)
+        cut = dequantized(share)
+        assert cut.keys() == one.keys() and len(cut) == 14  # 7 split linears x 2 layers
+        for name, whole in one.items():
+            dim = split_dim(name + ".weight")
+            n = whole.shape[dim] // 2
+            assert torch.equal(cut[name], whole.narrow(dim, rank * n, n)), name
+            alone_differs += not torch.equal(alone[name], whole.narrow(dim, rank * n, n))
+    assert alone_differs == 28  # every share quantized alone differs: what the cut mends
+
+
+def test_shares_that_straddle_4bit_blocks_are_said_before_loading_with_the_exact_degrees():
+    from transformers import AutoConfig
+
+    from finetune.model.partial import share_blocks
+    from finetune.parallel.tensor import exactness_note
+
+    demo = AutoConfig.from_pretrained(Path(__file__).parents[1] / "finetune" / "assets" / "tiny-llama")
+    assert exactness_note(demo, 2) == (
+        "note: distributed.tensor_parallel=2: the shares of o_proj (80 columns), down_proj (224 columns) are not whole "
+        "64-element blocks of the whole weights' 4-bit quantization, so each rank quantizes its own and the base "
+        "differs from one process's; tensor_parallel values exact for this model: none"
+    )
+    llama8b = AutoConfig.from_pretrained(Path(__file__).parent / "fixtures" / "configs" / "llama-3.1-8b")
+    assert exactness_note(llama8b, 2) is None and exactness_note(llama8b, 8) is None
+    # Golden blocks: rows split (one run) and columns split (a run in every row) of a (4, 256) weight.
+    assert share_blocks((4, 256), 0, 1, 2, 64).tolist() == [8, 9, 10, 11, 12, 13, 14, 15]
+    assert share_blocks((4, 256), 1, 1, 2, 64).tolist() == [2, 3, 6, 7, 10, 11, 14, 15]
+    assert share_blocks((4, 160), 1, 0, 2, 64) is None  # 80 columns: a block straddles

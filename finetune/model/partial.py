@@ -17,6 +17,7 @@ import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -124,3 +125,74 @@ def only_placed(placement: dict[str, Any] | None, split: Split | None = None) ->
         names["safe_open"] = open_file
         if dispatch is not None:
             names["accelerate_dispatch"] = dispatch
+
+
+def whole_blocks(shape: tuple[int, int], dim: int, size: int, blocksize: int) -> bool:
+    """Whether every rank's share along `dim` is made of whole quantization blocks of the whole weight (blocksize
+    consecutive elements of it, row-major: bitsandbytes' layout), none straddling a share's edge."""
+    rows, cols = shape
+    if dim == 0:  # a share of whole rows: one run of elements
+        return (rows // size) * cols % blocksize == 0
+    return cols % blocksize == 0 and (cols // size) % blocksize == 0  # a run of columns in every row
+
+
+def share_blocks(shape: tuple[int, int], dim: int, rank: int, size: int, blocksize: int) -> torch.Tensor | None:
+    """The whole weight's quantization blocks that make up one rank's share along `dim`, in the share's own
+    row-major order; None when a block straddles a share's edge (no share can be cut from the whole's)."""
+    if not whole_blocks(shape, dim, size, blocksize):
+        return None
+    rows, cols = shape
+    if dim == 0:
+        count = (rows // size) * cols // blocksize
+        return torch.arange(rank * count, (rank + 1) * count)
+    width = cols // size
+    per_row, first = cols // blocksize, rank * width // blocksize
+    return (torch.arange(rows)[:, None] * per_row + first + torch.arange(width // blocksize)[None, :]).reshape(-1)
+
+
+def cut_from_whole(weight: Any, whole: torch.Tensor, blocks: torch.Tensor) -> None:
+    """A rank's 4-bit share (bitsandbytes' Params4bit, quantized alone by the loader) replaced by its blocks of the
+    whole weight's quantization, as one process quantizes it: the same 4-bit codes and, with double quant, the
+    whole's absmax as one process's dequantization computes it (offset and 256-block groups are the whole tensor's),
+    kept in fp32. The share then dequantizes to exactly one process's values."""
+    import bitsandbytes.functional as bnbf
+
+    state = weight.quant_state
+    packed, full = bnbf.quantize_4bit(
+        whole.to(device=weight.device, dtype=state.dtype).contiguous(),
+        blocksize=state.blocksize,
+        compress_statistics=weight.compress_statistics,
+        quant_type=state.quant_type,
+        quant_storage=weight.quant_storage,
+    )
+    absmax = full.absmax
+    if full.nested:  # as bitsandbytes' dequantize_4bit computes it, step for step
+        absmax = bnbf.dequantize_blockwise(full.absmax, full.state2)
+        absmax += full.offset
+        absmax = absmax.float()
+    codes = packed.view(torch.uint8).reshape(-1, state.blocksize // 2)[blocks.to(packed.device)].reshape(-1)
+    weight.data = codes.view(weight.quant_storage).reshape(weight.data.shape)
+    weight.quant_state = bnbf.QuantState(
+        absmax=absmax[blocks.to(absmax.device)].contiguous(),
+        shape=state.shape,
+        code=full.code,
+        blocksize=state.blocksize,
+        quant_type=state.quant_type,
+        dtype=state.dtype,
+    )
+    weight.compress_statistics = False  # its absmax is the whole's, in fp32: not quantized again
+
+
+def checkpoint_tensors(source: str, revision: str | None) -> dict[str, Path]:
+    """Each tensor name of a model's safetensors checkpoint, and its file (a hub model: the copy the loader
+    downloaded; nothing is fetched)."""
+    from finetune.model.shards import read_header, weight_files
+
+    path = Path(source)
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+
+        path = Path(
+            snapshot_download(source, revision=revision, local_files_only=True, allow_patterns=["*.safetensors", "*.json"])
+        )
+    return {name: f for f in weight_files(path) for name in read_header(f).tensors}

@@ -31,9 +31,12 @@ from torch import nn
 
 from finetune.declarations.layout import COLUMN, ROW, Layout
 from finetune.errors import ConfigError, TrainingError
+from finetune.model.load import model_source
+from finetune.model.partial import checkpoint_tensors, cut_from_whole, share_blocks, whole_blocks
 from finetune.parallel.grads import clip_to, squares, sum_over
 from finetune.parallel.mesh import dim_group
 from finetune.parallel.room import SplitRoom, refuse_fp16
+from finetune.plan.terms import NF4_BLOCK
 
 
 def split_dim(name: str) -> int | None:
@@ -77,6 +80,45 @@ def narrowed(config: Any, tp: int) -> Any:
     return out
 
 
+def _split_linears(config: Any) -> dict[str, tuple[tuple[int, int], int]]:
+    """Each split linear's whole weight shape (out, in) and the dimension its shares are cut along."""
+    text = config.get_text_config()
+    heads, hidden, inter = text.num_attention_heads, text.hidden_size, text.intermediate_size
+    kv, hd = getattr(text, "num_key_value_heads", None) or heads, getattr(text, "head_dim", None) or hidden // heads
+    return {
+        "q_proj": ((heads * hd, hidden), 0),
+        "k_proj": ((kv * hd, hidden), 0),
+        "v_proj": ((kv * hd, hidden), 0),
+        "o_proj": ((hidden, heads * hd), 1),
+        "gate_proj": ((inter, hidden), 0),
+        "up_proj": ((inter, hidden), 0),
+        "down_proj": ((hidden, inter), 1),
+    }
+
+
+def inexact_shares(config: Any, tp: int) -> list[str]:
+    """The split linears whose shares over tp ranks are not whole blocks of the whole weight's 4-bit quantization:
+    each rank quantizes its own share of those, so the base differs from one process's (e.g. 'o_proj (80 columns)')."""
+    return [
+        f"{name} ({shape[dim] // tp} {'rows' if dim == 0 else 'columns'})"
+        for name, (shape, dim) in _split_linears(config).items()
+        if not whole_blocks(shape, dim, tp, NF4_BLOCK)
+    ]
+
+
+def exactness_note(config: Any, tp: int) -> str | None:
+    """What a 4-bit tensor-parallel run says before loading when its shares cannot be one process's quantization."""
+    inexact = inexact_shares(config, tp)
+    if not inexact:
+        return None
+    exact = [t for t in range(2, 9) if not problems(config, t) and not inexact_shares(config, t)]
+    return (
+        f"note: distributed.tensor_parallel={tp}: the shares of {', '.join(inexact)} are not whole {NF4_BLOCK}-element "
+        "blocks of the whole weights' 4-bit quantization, so each rank quantizes its own and the base differs from "
+        f"one process's; tensor_parallel values exact for this model: {', '.join(map(str, exact)) or 'none'}"
+    )
+
+
 def problems(config: Any, tp: int) -> list[str]:
     """What does not split over `tp` ranks in this model's config (heads, kv heads, the MLP)."""
     text = config.get_text_config()
@@ -90,6 +132,28 @@ def problems(config: Any, tp: int) -> list[str]:
                 f"split heads, key/value heads and the MLP: {', '.join(map(str, fits)) or 'none'}"
             )
     return out
+
+
+def cut_shares_from_whole(model: nn.Module, cfg: Any, tp: int, tp_rank: int) -> None:
+    """Each split 4-bit weight whose shares are whole blocks replaced by this rank's blocks of the whole weight's
+    quantization (read whole from the checkpoint, one weight at a time): the group's base is one process's, bit
+    for bit, double quant included. The others (exactness_note said which) stay as this rank quantized them."""
+    from safetensors import safe_open
+
+    files = checkpoint_tensors(model_source(cfg), cfg.model.revision)
+    for name, module in model.named_modules():
+        weight: Any = getattr(module, "weight", None)
+        if type(weight).__name__ != "Params4bit" or weight.is_meta:  # another stage's layer: never loaded
+            continue
+        key = name.removeprefix("base_model.model.").replace(".base_layer", "") + ".weight"
+        dim = split_dim(key)
+        rows, cols = weight.quant_state.shape
+        whole_shape = (rows * tp, cols) if dim == 0 else (rows, cols * tp)
+        blocks = share_blocks(whole_shape, dim, tp_rank, tp, NF4_BLOCK) if dim is not None else None
+        if blocks is None or key not in files:
+            continue
+        with safe_open(str(files[key]), framework="pt") as f:
+            cut_from_whole(weight, f.get_tensor(key), blocks)
 
 
 class _ToGroup(torch.autograd.Function):
@@ -130,6 +194,9 @@ class TensorParallel(SplitRoom):
         super().__init__(accelerator, cfg, layout, mesh)
         self.tp, self.tp_rank, self.replicas, self.device = layout.tp, layout.tp_rank, layout.replicas, accelerator.device
         self.model_config = model_config  # the whole model's (text) config.json
+        note = exactness_note(model_config, self.tp) if cfg.quant.bits == 4 and model_config is not None else None
+        if note and accelerator.is_main_process:
+            print(note, flush=True)  # before any weight loads
 
     @classmethod
     def build(cls, accelerator, cfg: Any, layout: Layout, model_config: Any, mesh: Any) -> TensorParallel:
@@ -143,7 +210,6 @@ class TensorParallel(SplitRoom):
         """This rank's reading: its share of every split weight, its narrowed config."""
         from transformers import AutoConfig
 
-        from finetune.model.load import model_source
         from finetune.model.partial import Split
 
         cfg = self.cfg
@@ -163,6 +229,8 @@ class TensorParallel(SplitRoom):
                     "holds every head); let the trainer load it from model.path, or set distributed.tensor_parallel=1"
                 ]
             )
+        if self.cfg.quant.bits == 4:
+            cut_shares_from_whole(model, self.cfg, self.tp, self.tp_rank)
         self._attach(model)
         draw_lora_as_one_process(model, self, self.cfg.seed)
         model.finetune_local_slice = self.local  # a checkpoint's whole tensors, sliced
