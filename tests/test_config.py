@@ -204,10 +204,10 @@ def test_grad_compression_at_launch_refused_under_autos_fsdp_and_said_useless_on
         parallel.Parallel.choose(cfg, accelerator)
     # One process: nothing to all-reduce. Said, not refused (a multi-GPU recipe tried on one).
     grid = Layout.of(cfg, 0, 2)
-    assert parallel.Parallel(accelerator, cfg, Room(accelerator, cfg, grid)).describe() == (
+    assert parallel.Parallel(accelerator, Room(accelerator, cfg, grid)).describe() == (
         "distributed.grad_compression=powersgd has no effect: one process has no gradients to all-reduce"
     )
-    assert parallel.Parallel(accelerator, cfg, DDP(accelerator, cfg, grid)).describe() == (
+    assert parallel.Parallel(accelerator, DDP(accelerator, cfg, grid)).describe() == (
         "parallel: ddp over 2 processes, gradients all-reduced as rank-1 PowerSGD factors from step 11"
     )
 

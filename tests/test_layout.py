@@ -115,7 +115,6 @@ ROOM_NAMES = {
     "parallel.ddp": {"ddp"},
     "parallel.fsdp": {"fsdp"},
     "parallel.zero": {"deepspeed", "zero2", "zero3"},
-    "declarations.zero_config": {"deepspeed", "zero2", "zero3"},  # its recipe keys' declaration
     "parallel.pipeline": {"pipeline"},
     "parallel.tensor": {"tensor"},
     "parallel.context": {"context"},

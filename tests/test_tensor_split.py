@@ -306,6 +306,13 @@ def test_a_ranks_4bit_share_is_one_process_quantization_bit_for_bit(tmp_path):
             assert torch.equal(cut[name], whole.narrow(dim, rank * n, n)), name
             alone_differs += not torch.equal(alone[name], whole.narrow(dim, rank * n, n))
     assert alone_differs == 28  # every share quantized alone differs: what the cut mends
+    # Without double quant a share of whole blocks quantizes alone as the whole does: TensorParallel reads nothing.
+    single = build_recipe({**MINIMAL, "model": {"path": str(tmp_path)}, "precision": "fp32", "quant": {"double_quant": False}})
+    one = dequantized(load_base_model(single, "fp32", torch.device("cpu")))
+    alone = dequantized(load_base_model(single, "fp32", torch.device("cpu"), split=Split(split_dim, 1, 2, conf)))
+    for name, whole in one.items():
+        dim = split_dim(name + ".weight")
+        assert torch.equal(alone[name], whole.narrow(dim, whole.shape[dim] // 2, whole.shape[dim] // 2)), name
 
 
 def test_shares_that_straddle_4bit_blocks_are_said_before_loading_with_the_exact_degrees():

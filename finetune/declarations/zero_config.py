@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from finetune.declarations.strategies import of_recipe
 from finetune.errors import ConfigError, Rule, broken
 
 Offload = Literal["none", "cpu", "nvme"]  # where offload_optimizer / offload_params put their tensors
@@ -50,7 +51,7 @@ def _changed(cfg: Any) -> list[str]:
 
 
 def _zero(cfg: Any) -> bool:
-    return cfg.distributed.strategy == "deepspeed"
+    return of_recipe(cfg).deepspeed
 
 
 def _nvme(cfg: Any) -> list[str]:

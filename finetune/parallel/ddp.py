@@ -17,7 +17,7 @@ class DDP(Room):
         self.powersgd: ddp_hooks.PowerSGD | None = None  # its state goes into every checkpoint, per rank
 
     def describe(self) -> str:
-        return data_parallel_line(self, self.accelerator.num_processes)
+        return data_parallel_line(self)
 
     def prepare(self, model, optimizer):
         """accelerate's DDP wrapper, with the compression hook registered by us: accelerate's own comm_hook option

@@ -32,7 +32,7 @@ class FSDP(Room):
         return fsdp_problems(cfg, "FSDP (chosen by distributed.strategy=auto)") if cfg.distributed.strategy == "auto" else []
 
     def describe(self) -> str:
-        return data_parallel_line(self, self.accelerator.num_processes)
+        return data_parallel_line(self)
 
     def load_device(self, device: torch.device, streaming: bool) -> torch.device:
         """CPU RAM, and only this rank's shard moves to the GPU: a whole 4-bit 70B model (~37 GB) would not fit

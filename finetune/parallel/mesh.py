@@ -14,12 +14,6 @@ import torch
 
 from finetune.declarations.layout import Layout
 
-DIMS = ("pp", "dp", "cp", "tp")  # the grid's dimensions, outermost first: Layout's rank numbering
-
-
-def sizes(layout: Layout) -> dict[str, int]:
-    return {"pp": layout.pp, "dp": layout.replicas, "cp": layout.cp, "tp": layout.tp}
-
 
 def build_mesh(layout: Layout, device: torch.device) -> Any:
     """The mesh of the dimensions larger than 1 (a dimension of 1 would cost a process group per rank), or None when
@@ -28,7 +22,8 @@ def build_mesh(layout: Layout, device: torch.device) -> Any:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    used = [(name, n) for name, n in sizes(layout).items() if n > 1]
+    grid = {"pp": layout.pp, "dp": layout.replicas, "cp": layout.cp, "tp": layout.tp}  # outermost first: Layout's numbering
+    used = [(name, n) for name, n in grid.items() if n > 1]
     return init_device_mesh(device.type, tuple(n for _, n in used), mesh_dim_names=tuple(name for name, _ in used))
 
 

@@ -176,7 +176,7 @@ def refuse_fp16(cfg: RecipeConfig, compute_dtype: torch.dtype) -> None:
         )
 
 
-def data_parallel_line(room: Room, world: int) -> str:
+def data_parallel_line(room: Room) -> str:
     """The launch log's line for a strategy that holds the batch's rows apart (DDP, FSDP)."""
-    where = f"parallel: {room.name} over {world} processes"
+    where = f"parallel: {room.name} over {room.accelerator.num_processes} processes"
     return where if room.cfg.distributed.grad_compression == "none" else f"{where}, {compression.describe(room.cfg)}"

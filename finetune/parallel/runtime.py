@@ -1,7 +1,7 @@
 """One object for how a run is spread over processes; each strategy's room answers for it.
 
     parallel = Parallel.choose(cfg, accelerator)      # resolves distributed.strategy=auto; the room that runs
-    model = parallel.shard(model, cfg, dtype)          # FSDP: before the optimizer exists
+    model = parallel.shard(model, dtype)               # FSDP: before the optimizer exists
     model, optimizer = parallel.prepare(model, optimizer)    # DDP: distributed.grad_compression's hook too
     loss, sums = parallel.train_window(model, batches, objective, scale, micro_step, saving)
 
@@ -64,9 +64,8 @@ def make_accelerator(precision: str, cfg: RecipeConfig | None = None):
 
 
 class Parallel:
-    def __init__(self, accelerator, cfg: RecipeConfig, room: Room):
+    def __init__(self, accelerator, room: Room):
         self.accelerator = accelerator
-        self.cfg = cfg
         self.room = room  # the strategy that runs: every question about it goes there
         self._gloo = None
 
@@ -78,8 +77,7 @@ class Parallel:
         asked = [room for split, room in SPLIT_ROOMS if split.asked(cfg)]
         config = text_config(cfg) if asked else None  # before any weight loads: config.json alone
         kind = asked[0] if asked else ROOMS[resolve_strategy(cfg, world, accelerator.device)]
-        split = bool(asked)
-        problems = (split_problems(cfg, world, config) if split else []) + kind.problems(cfg, accelerator)
+        problems = split_problems(cfg, world, config) + kind.problems(cfg, accelerator)  # [] when nothing is split
         problems += vision_problems(cfg, world)
         if problems:
             raise ConfigError(problems)
@@ -93,7 +91,7 @@ class Parallel:
         if problems:
             raise ConfigError(problems)
         mesh = build_mesh(grid, accelerator.device) if asked else None  # every rank, here: a collective
-        return cls(accelerator, cfg, kind.build(accelerator, cfg, grid, config, mesh))
+        return cls(accelerator, kind.build(accelerator, cfg, grid, config, mesh))
 
     # ------------------------------------------------------------------ who and where
 
@@ -165,7 +163,7 @@ class Parallel:
 
     # ------------------------------------------------------------------ wrapping
 
-    def shard(self, model, cfg: RecipeConfig, compute_dtype: torch.dtype):
+    def shard(self, model, compute_dtype: torch.dtype):
         """The model as this process trains it, before the optimizer exists (FSDP's shards, a tensor-parallel
         rank's share of each layer, a pipeline's stages, context parallelism's attention)."""
         return self.room.shard(model, compute_dtype)

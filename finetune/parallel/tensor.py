@@ -136,11 +136,13 @@ def problems(config: Any, tp: int) -> list[str]:
 
 def cut_shares_from_whole(model: nn.Module, cfg: Any, tp: int, tp_rank: int) -> None:
     """Each split 4-bit weight whose shares are whole blocks replaced by this rank's blocks of the whole weight's
-    quantization (read whole from the checkpoint, one weight at a time): the group's base is one process's, bit
-    for bit, double quant included. The others (exactness_note said which) stay as this rank quantized them."""
+    quantization (read whole from the checkpoint, one weight at a time, each file opened once): the group's base is
+    one process's, bit for bit, double quant included. The others (exactness_note said which) stay as this rank
+    quantized them."""
     from safetensors import safe_open
 
     files = checkpoint_tensors(model_source(cfg), cfg.model.revision)
+    cuts: dict[Any, list[tuple[str, Any, torch.Tensor]]] = {}  # file -> (key, weight, its blocks)
     for name, module in model.named_modules():
         weight: Any = getattr(module, "weight", None)
         if type(weight).__name__ != "Params4bit" or weight.is_meta:  # another stage's layer: never loaded
@@ -150,10 +152,12 @@ def cut_shares_from_whole(model: nn.Module, cfg: Any, tp: int, tp_rank: int) -> 
         rows, cols = weight.quant_state.shape
         whole_shape = (rows * tp, cols) if dim == 0 else (rows, cols * tp)
         blocks = share_blocks(whole_shape, dim, tp_rank, tp, NF4_BLOCK) if dim is not None else None
-        if blocks is None or key not in files:
-            continue
-        with safe_open(str(files[key]), framework="pt") as f:
-            cut_from_whole(weight, f.get_tensor(key), blocks)
+        if blocks is not None and key in files:
+            cuts.setdefault(files[key], []).append((key, weight, blocks))
+    for path, weights in cuts.items():
+        with safe_open(str(path), framework="pt") as f:
+            for key, weight, blocks in weights:
+                cut_from_whole(weight, f.get_tensor(key), blocks)
 
 
 class _ToGroup(torch.autograd.Function):
@@ -229,7 +233,9 @@ class TensorParallel(SplitRoom):
                     "holds every head); let the trainer load it from model.path, or set distributed.tensor_parallel=1"
                 ]
             )
-        if self.cfg.quant.bits == 4:
+        # Without double quant a share of whole blocks quantizes alone as the whole does (its blocks' own absmax):
+        # only double quant's offset and groups belong to the whole tensor, so only then is the whole read.
+        if self.cfg.quant.bits == 4 and self.cfg.quant.double_quant:
             cut_shares_from_whole(model, self.cfg, self.tp, self.tp_rank)
         self._attach(model)
         draw_lora_as_one_process(model, self, self.cfg.seed)

@@ -189,7 +189,7 @@ class Trainer:
         if parallel.is_main:
             prepare_output_dir(cfg)
         parallel.wait()
-        self.model = parallel.shard(self.model, cfg, torch_dtype(self.precision))
+        self.model = parallel.shard(self.model, torch_dtype(self.precision))
         parallel.fit_objective(type(self), Trainer.compute_loss, self.loss_fn)
         self.say(parallel.describe())
         chunked = getattr(self.loss_fn, "chunk_rows", None) is not None
