@@ -168,12 +168,12 @@ def test_what_a_split_sequence_cannot_run_with_is_refused_before_loading():
     with pytest.raises(ConfigError) as said:
         _recipe(
             "distributed.context_parallel=2",
-            "train.objective=dpo",
+            "train.objective=grpo",
             "distributed.strategy=fsdp",
             "model.attn_implementation=eager",
         )
     text = str(said.value)
-    assert "train.objective=dpo: a preference loss needs each sequence's whole log-probability" in text
+    assert "train.objective=grpo: GRPO's training forward is not split over a context-parallel group yet" in text
     assert "distributed.strategy=fsdp: context-parallel ranks each hold the whole model" in text
     assert "model.attn_implementation=eager: context parallelism runs its own attention" in text
 

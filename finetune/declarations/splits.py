@@ -218,11 +218,10 @@ CONTEXT_RULES: tuple[Rule[Any], ...] = (
         ),
     ),
     Rule(
-        lambda c: _context(c) and c.train.objective != "sft",
+        lambda c: _context(c) and c.train.objective == "grpo",
         lambda c: (
-            f"{context_asked(c)} with train.objective={c.train.objective}: a preference loss needs each sequence's whole "
-            "log-probability, which no rank of a split sequence holds; not supported yet. Set train.objective=sft, "
-            "or distributed.context_parallel=1."
+            f"{context_asked(c)} with train.objective=grpo: GRPO's training forward is not split over a context-parallel "
+            "group yet (sft, dpo, orpo and simpo are). Set distributed.context_parallel=1."
         ),
     ),
     Rule(

@@ -10,7 +10,8 @@ torch.distributed point-to-point, and runs on CPUs with gloo too.)
 The ranks of a group train the same rows (the data order counts the group as one replica) and each holds
 the whole model; each rank's loss is summed over its own targets and the gradients are summed over every
 process after the window's backward (sync_gradients), so the step's loss stays the token
-mean of the whole window. No DDP wrapper: each rank may stream its own copy of the layers from host RAM
+mean of the whole window. A preference loss scores whole rows: each rank's per-row sums are added over the
+group (whole_row_sums) and every rank computes the pairs' loss from them. No DDP wrapper: each rank may stream its own copy of the layers from host RAM
 (memory.base_weights=cpu), as one process does, which is what lets a rank's part reach one card's length.
 
 A part carries one token more than its share: labels are shifted before the split (a token's target may
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from finetune.data import IGNORE_INDEX, count_tokens
 from finetune.declarations.layout import Layout
@@ -37,6 +39,7 @@ from finetune.parallel.room import SplitRoom
 
 NAME = "context_parallel"
 KEY = "context_part"  # the keyword a part travels under, from the model's forward to every attention call
+WHOLE_ROW_KEYS = ("reference_logps",)  # a batch's values of whole rows (a preference pair's precomputed reference): kept
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,20 @@ def split_batch(batch: dict[str, Any], ranks: tuple[int, ...], index: int, group
         "labels": torch.cat([torch.full_like(one, IGNORE_INDEX), targets[:, mine]], dim=1),
         "num_tokens": torch.tensor(count_tokens(batch) if split.index == 0 else 0),  # the group's tokens, counted once
         KEY: ContextPart(split, mode, positions, length),
+        **{k: batch[k] for k in WHOLE_ROW_KEYS if k in batch},
     }
+
+
+def whole_row_sums(part: ContextPart, sums: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row sums of a part (a row's log-probability, its target count) as the whole rows' sums: the group's
+    parts added. Every rank then computes the same pairs' loss and counts its pairs; the sum's backward adds
+    the group's gradients of it, so each part's gradient is the whole loss's (the units counted once per rank
+    divide it back), and sync_gradients sums the parts."""
+    from torch.distributed.nn.functional import all_reduce
+
+    counts = counts.clone()
+    dist.all_reduce(counts, group=part.split.group)
+    return all_reduce(sums, group=part.split.group), counts
 
 
 def problems(config: Any, cfg: Any) -> list[str]:

@@ -29,6 +29,7 @@ from finetune.data.images import absolute_images, image_inputs, processor_of
 from finetune.data.templates import end_of_turn_ids
 from finetune.data.tokenize import prompt_images
 from finetune.model.load import compute_device
+from finetune.parallel import context
 from finetune.parallel.distribute import is_sharded
 from finetune.parallel.runtime import Parallel
 
@@ -96,7 +97,7 @@ def row_logps(model, batch: dict[str, torch.Tensor], head_on_targets_only: bool 
 
     head_on_targets_only: the LM head runs only where a target is predicted (a boolean
     logits_to_keep), so a pair's prompt costs no logits."""
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", context.KEY) if k in batch}
     labels = batch["labels"]
     targets = shifted_targets(labels)
     mask = targets != IGNORE_INDEX
@@ -110,7 +111,8 @@ def row_logps(model, batch: dict[str, torch.Tensor], head_on_targets_only: bool 
     token_logps = -F.cross_entropy(logits.float(), targets[mask], reduction="none")
     row_of_token = mask.nonzero()[:, 0]
     sums = torch.zeros(rows, dtype=token_logps.dtype, device=token_logps.device).index_add(0, row_of_token, token_logps)
-    return sums, mask.sum(dim=1)
+    part: Any = batch.get(context.KEY)  # a context-parallel rank's part of each row: the group's parts added
+    return context.whole_row_sums(part, sums, mask.sum(dim=1)) if part is not None else (sums, mask.sum(dim=1))
 
 
 def chosen_wins(
