@@ -247,3 +247,22 @@ def test_a_ring_of_one_rank_equals_causal_attention_in_cudas_flash_kernel():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("needs an Ampere or newer CUDA GPU")
     _one_rank_ring("cuda", torch.bfloat16)
+
+
+def test_a_split_sequence_composes_with_tensor_parallel_shares_not_yet_with_a_pipeline():
+    from types import SimpleNamespace
+
+    from finetune.errors import ConfigError
+    from finetune.parallel.split_checks import split_problems
+
+    both = _recipe("distributed.context_parallel=2", "distributed.tensor_parallel=2")  # accepted
+    with pytest.raises(ConfigError, match="does not compose with pipeline parallelism yet"):
+        _recipe("distributed.context_parallel=2", "distributed.pipeline_parallel=2", "distributed.pipeline_layers=even")
+    # Ulysses trades the sequence for a share's heads: 8 heads over tp=2 leave 4, which 4 ranks split and 8 do not.
+    eight = SimpleNamespace(model_type="llama", num_attention_heads=8, num_key_value_heads=8, intermediate_size=64)
+    eight.num_hidden_layers, eight.get_text_config = 2, lambda: eight
+    ulysses = ("distributed.context_parallel_mode=ulysses", "distributed.tensor_parallel=2")
+    assert split_problems(_recipe("distributed.context_parallel=4", *ulysses), 8, eight) == []
+    assert split_problems(both, 4, eight) == []
+    (heads,) = split_problems(_recipe("distributed.context_parallel=8", *ulysses), 16, eight)
+    assert "the 4 attention heads of a tensor-parallel share do not divide over 8 ranks (values that do: 2, 4)" in heads

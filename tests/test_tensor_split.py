@@ -274,6 +274,7 @@ def test_a_ranks_4bit_share_is_one_process_quantization_bit_for_bit(tmp_path):
     # quantization, dequantizes to exactly one process's values; quantized alone it does not (double quant's
     # offset is the mean of the whole tensor's absmax, and its groups of 256 blocks are the whole's).
     from bitsandbytes.functional import dequantize_4bit
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig
 
     from finetune.config.schema import build_recipe
@@ -287,7 +288,7 @@ def test_a_ranks_4bit_share_is_one_process_quantization_bit_for_bit(tmp_path):
 
     def dequantized(model) -> dict[str, torch.Tensor]:
         return {
-            n: dequantize_4bit(m.weight.data, m.weight.quant_state)
+            n.replace(".base_layer", ""): dequantize_4bit(m.weight.data, m.weight.quant_state)
             for n, m in model.named_modules()
             if type(getattr(m, "weight", None)).__name__ == "Params4bit" and split_dim(n + ".weight") is not None
         }
@@ -297,7 +298,9 @@ def test_a_ranks_4bit_share_is_one_process_quantization_bit_for_bit(tmp_path):
     for rank in (0, 1):
         share = load_base_model(cfg, "fp32", torch.device("cpu"), split=Split(split_dim, rank, 2, conf))
         alone = dequantized(share)
-        cut_shares_from_whole(share, cfg, 2, rank)
+        # As the trainer cuts: under peft's wrappers, whose .weight is their base layer's (each weight cut once).
+        wrapped = get_peft_model(share, LoraConfig(r=4, target_modules="all-linear"))
+        cut_shares_from_whole(wrapped, cfg, 2, rank)
         cut = dequantized(share)
         assert cut.keys() == one.keys() and len(cut) == 14  # 7 split linears x 2 layers
         for name, whole in one.items():

@@ -202,11 +202,10 @@ def context_asked(cfg: Any) -> str:
 
 CONTEXT_RULES: tuple[Rule[Any], ...] = (
     Rule(
-        lambda c: _context(c) and (_pipelined(c) or _split(c)),
+        lambda c: _context(c) and _pipelined(c),
         lambda c: (
-            f"{context_asked(c)} with "
-            + (pipeline_asked(c) if _pipelined(c) else tensor_asked(c))
-            + ": context parallelism does not compose with pipeline or tensor parallelism yet. Set one of them to 1."
+            f"{context_asked(c)} with {pipeline_asked(c)}: context parallelism does not compose with pipeline "
+            "parallelism yet (it does with tensor parallelism). Set one of them to 1."
         ),
     ),
     Rule(

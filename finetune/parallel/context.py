@@ -30,12 +30,14 @@ import torch.distributed as dist
 
 from finetune.data import IGNORE_INDEX, count_tokens
 from finetune.declarations.layout import Layout
+from finetune.declarations.splits import TENSOR
 from finetune.errors import ConfigError
 from finetune.model import varlen
 from finetune.parallel.grads import sum_over
 from finetune.parallel.mesh import dim_group
 from finetune.parallel.ring import SplitRows, expand_heads, ring_attention, ulysses_attention
 from finetune.parallel.room import SplitRoom
+from finetune.parallel.tensor import TensorParallel
 
 NAME = "context_parallel"
 KEY = "context_part"  # the keyword a part travels under, from the model's forward to every attention call
@@ -109,16 +111,23 @@ def _whole_rows(module, part: ContextPart, scale: float):
 
 
 class ContextParallel(SplitRoom):
-    """This rank's context-parallel group and how it splits a batch."""
+    """This rank's context-parallel group and how it splits a batch; with tensor parallelism (cp x tp), each rank of
+    the group holds its tensor-parallel share of every layer, and the share's room answers for the weights."""
 
     name = "context"
     trains_alone = True  # each rank holds and streams its own copy of the layers (no DDP wrapper holds them)
 
-    def __init__(self, accelerator, cfg: Any, layout: Layout, mesh: Any = None) -> None:
+    def __init__(self, accelerator, cfg: Any, layout: Layout, mesh: Any = None, tensor: TensorParallel | None = None) -> None:
         super().__init__(accelerator, cfg, layout, mesh)
         self.mode = cfg.distributed.context_parallel_mode
         self.ranks = tuple(layout.context_ranks())
         self.group = dim_group(mesh, "cp")  # this rank's context-parallel group
+        self.tensor = tensor  # tensor parallelism: each rank's share of the layers (parallel/tensor.py)
+
+    @classmethod
+    def build(cls, accelerator, cfg: Any, layout: Layout, model_config: Any, mesh: Any) -> ContextParallel:
+        tensor = TensorParallel(accelerator, cfg, layout, model_config, mesh) if TENSOR.asked(cfg) else None
+        return cls(accelerator, cfg, layout, mesh, tensor)
 
     @classmethod
     def problems(cls, cfg: Any, accelerator) -> list[str]:
@@ -131,12 +140,18 @@ class ContextParallel(SplitRoom):
     def describe(self) -> str:
         replicas = self.layout.replicas
         many = f"{replicas} replica{'s' if replicas > 1 else ''}"
-        return f"parallel: context parallel ({self.mode}), each sequence split over {self.size} processes x {many}"
+        shares = f" x {self.layout.tp} tensor-parallel ranks (each layer split)" if self.tensor is not None else ""
+        return f"parallel: context parallel ({self.mode}), each sequence split over {self.size} processes{shares} x {many}"
+
+    def split(self) -> Any:
+        return self.tensor.split() if self.tensor is not None else None
 
     def shard(self, model, compute_dtype: torch.dtype):
-        """Our attention in every layer of the model (whatever it was loaded with)."""
+        """Our attention in every layer of the model (whatever it was loaded with), over this rank's share."""
         from finetune.model.load import head_owner
 
+        if self.tensor is not None:
+            model = self.tensor.shard(model, compute_dtype)
         owner: Any = head_owner(model) or model
         owner.set_attn_implementation(register())
         if owner.config._attn_implementation != NAME:  # transformers only warns for a class that cannot switch
@@ -153,8 +168,26 @@ class ContextParallel(SplitRoom):
         """This rank's part of every row of a collated batch (see the module's docstring)."""
         return split_batch(batch, self.ranks, self.layout.cp_rank, self.group, self.mode)
 
+    @property
+    def counts_window(self) -> bool:
+        return self.tensor is None or self.tensor.counts_window  # a share's group computes one loss: its first counts
+
     def sync_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        sum_over(params, None)  # every rank's gradient is of its own part of the rows (and replicas')
+        if self.tensor is not None:  # the share's partial gradients over its group, then over the parts and replicas
+            self.tensor.sum_gradients(params)
+        else:
+            sum_over(params, None)  # every rank's gradient is of its own part of the rows (and replicas')
+
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        if self.tensor is not None:
+            return self.tensor.clip_grad_norm(params, max_norm)
+        return super().clip_grad_norm(params, max_norm)
+
+    def full_states(self, model, optimizer) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+        return self.tensor.full_states(model, optimizer) if self.tensor is not None else (None, None)
+
+    def full_weights(self, model) -> dict[str, torch.Tensor] | None:
+        return self.tensor.full_weights(model) if self.tensor is not None else None
 
 
 def split_batch(batch: dict[str, Any], ranks: tuple[int, ...], index: int, group: Any, mode: str) -> dict[str, Any]:
@@ -203,12 +236,14 @@ def problems(config: Any, cfg: Any) -> list[str]:
     asked = f"distributed.context_parallel={n}"
     fix = "Set distributed.context_parallel=1."
     out = [f"{asked}: {why}. {fix}" for why in _unsplittable(config, cfg.data.max_seq_len)]
-    heads = config.num_attention_heads
+    tp = TENSOR.size(cfg)
+    heads = config.num_attention_heads // tp  # a rank's share of them under tensor parallelism
     if mode == "ulysses" and heads % n:
         fits = [d for d in range(2, heads + 1) if heads % d == 0][:6]
+        whose = f"the model's {heads} attention heads" if tp == 1 else f"the {heads} attention heads of a tensor-parallel share"
         out.append(
-            f"{asked} with context_parallel_mode=ulysses: the model's {heads} attention heads do not divide over "
-            f"{n} ranks (values that do: {', '.join(map(str, fits))}). Set context_parallel_mode=ring (any head "
+            f"{asked} with context_parallel_mode=ulysses: {whose} do not divide over "
+            f"{n} ranks (values that do: {', '.join(map(str, fits)) or 'none'}). Set context_parallel_mode=ring (any head "
             "count), or one of those values."
         )
     return out

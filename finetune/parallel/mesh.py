@@ -4,6 +4,7 @@ dimension of it (torchtitan's ParallelDims), none builds groups of its own.
 
     mesh = build_mesh(layout, device)    # None for one process or data parallelism alone (DDP, FSDP, ZeRO use the world)
     group = dim_group(mesh, "tp")        # this rank's tensor-parallel group; None where the dimension is 1
+    group = dims_group(mesh, ("dp", "cp"))   # the ranks holding the same share: data x context flattened
 """
 
 from __future__ import annotations
@@ -32,3 +33,12 @@ def dim_group(mesh: Any, dim: str) -> Any:
     if mesh is None or dim not in (mesh.mesh_dim_names or ()):
         return None
     return mesh[dim].get_group()
+
+
+def dims_group(mesh: Any, dims: tuple[str, ...]) -> Any:
+    """This rank's process group over several dimensions at once (their ranks flattened, as torchtitan's dp_cp), or
+    None where every one is 1. A collective: every rank asks, at the same point."""
+    names = tuple(d for d in dims if mesh is not None and d in (mesh.mesh_dim_names or ()))
+    if len(names) <= 1:
+        return dim_group(mesh, names[0]) if names else None
+    return mesh[names]._flatten().get_group()

@@ -34,7 +34,7 @@ from finetune.errors import ConfigError, TrainingError
 from finetune.model.load import model_source
 from finetune.model.partial import checkpoint_tensors, cut_from_whole, share_blocks, whole_blocks
 from finetune.parallel.grads import clip_to, squares, sum_over
-from finetune.parallel.mesh import dim_group
+from finetune.parallel.mesh import dim_group, dims_group
 from finetune.parallel.room import SplitRoom, refuse_fp16
 from finetune.plan.terms import NF4_BLOCK
 
@@ -143,10 +143,12 @@ def cut_shares_from_whole(model: nn.Module, cfg: Any, tp: int, tp_rank: int) -> 
 
     files = checkpoint_tensors(model_source(cfg), cfg.model.revision)
     cuts: dict[Any, list[tuple[str, Any, torch.Tensor]]] = {}  # file -> (key, weight, its blocks)
+    seen: set[int] = set()  # peft's wrapper answers .weight with its base layer's: cut each weight once
     for name, module in model.named_modules():
         weight: Any = getattr(module, "weight", None)
-        if type(weight).__name__ != "Params4bit" or weight.is_meta:  # another stage's layer: never loaded
+        if type(weight).__name__ != "Params4bit" or weight.is_meta or id(weight) in seen:  # is_meta: another stage's
             continue
+        seen.add(id(weight))
         key = name.removeprefix("base_model.model.").replace(".base_layer", "") + ".weight"
         dim = split_dim(key)
         rows, cols = weight.quant_state.shape
@@ -245,8 +247,9 @@ class TensorParallel(SplitRoom):
     def _attach(self, model: nn.Module) -> None:
         """The group's process groups, the row-parallel biases added once, f and g around attention and MLP."""
         self.group = dim_group(self.mesh, "tp")
-        # Under a pipeline the replicas of a stage's share are summed by the pipeline (parallel/pipeline.py).
-        self.replica_group = None if self.layout.pipelined else dim_group(self.mesh, "dp")
+        # The ranks holding this share: other replicas' rows, other context-parallel parts of them. Under a pipeline
+        # the replicas of a stage's share are summed by the pipeline (parallel/pipeline.py).
+        self.replica_group = None if self.layout.pipelined else dims_group(self.mesh, ("dp", "cp"))
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.split_params = {id(p) for n, p in named if split_dim(n) is not None}
         self.partial = {id(p) for n, p in named if partial_gradient(n)}

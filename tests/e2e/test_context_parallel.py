@@ -102,6 +102,21 @@ def test_a_sequence_split_over_two_ranks_trains_as_one_process(base, one_process
     assert eval_losses(out) == pytest.approx(eval_losses(reference), rel=1e-5) and len(eval_losses(out)) == 2  # split too
 
 
+def test_a_sequence_split_over_tensor_parallel_shares_trains_as_one_process(base, one_process):
+    # cp2 x tp2 (4 processes, 1 replica): each rank holds half of every layer (2 of the 4 heads, half the MLP) and
+    # half of every row; the ring runs over the shares' heads, the shares' partial gradients are summed over
+    # their tensor-parallel group, then over the context-parallel parts. The 4-bit shares are the whole weights'
+    # blocks (hidden 128: whole 64-element blocks), so the base is one process's.
+    root, recipe = base
+    distributed = {"context_parallel": 2, "tensor_parallel": 2}
+    path, out = write(root, recipe, "cp2-tp2", distributed=distributed)
+    proc = finetune(str(path), "--nproc", "4", cwd=root)
+    assert "each sequence split over 2 processes x 2 tensor-parallel ranks (each layer split) x 1 replica" in proc.stdout
+    assert_same_steps(one_process, out, rel=1e-5)
+    assert_adapters_close(adapter(one_process), adapter(out))
+    assert eval_losses(out) == pytest.approx(eval_losses(one_process), rel=1e-5)
+
+
 def eval_losses(out: Path) -> list[float]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["eval_loss"] for r in rows if "eval_loss" in r]
@@ -143,6 +158,9 @@ if cap:  # no forward of the model may see more tokens a row than the cap
 if os.environ.get("OWN_KEYS_ONLY"):  # the ring broken: each rank's queries see only its own keys
     pairs = ring._pairs
     ring._pairs = lambda split, mine, theirs: pairs(split, mine, theirs) if mine == theirs else iter(())
+if os.environ.get("PARTS_UNSUMMED"):  # broken: a share's gradient never summed over the context-parallel parts
+    from finetune.parallel import tensor
+    tensor.dims_group = lambda mesh, dims: None
 Trainer(load_recipe(sys.argv[1]), progress=False).train()
 """
 
@@ -155,6 +173,16 @@ def test_keys_that_never_travel_fail_the_comparison(base, one_process, tmp_path)
     assert loss_bad != pytest.approx(loss_one, rel=1e-3)
     with pytest.raises(AssertionError, match="differ"):
         assert_same_steps(one_process, out, rel=1e-5)
+
+
+def test_shares_whose_parts_are_never_summed_fail_the_comparison(base, one_process, tmp_path):
+    root, recipe_dict = base
+    distributed = {"context_parallel": 2, "tensor_parallel": 2}
+    recipe, out = write(tmp_path, recipe_dict, "unsummed", distributed=distributed, train__max_steps=2)
+    run_driver(tmp_path, DRIVER, recipe, nproc=4, PARTS_UNSUMMED="1")
+    (loss_one, norm_one), (loss_bad, norm_bad) = step_rows(one_process)[0], step_rows(out)[0]
+    assert loss_bad == pytest.approx(loss_one, rel=1e-5)  # the forward is right; each part's gradient stays its own
+    assert norm_bad != pytest.approx(norm_one, rel=1e-3)
 
 
 def test_rows_longer_than_one_process_takes_train_on_two(base, tmp_path):

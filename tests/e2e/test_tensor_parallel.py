@@ -1,8 +1,8 @@
 """Tensor parallelism (distributed.tensor_parallel) on CPU, gloo, a tiny Llama in 4-bit, fp32: each rank
 reads and quantizes its share of every layer, and the group trains as one process does (losses, pre-clip
 gradient norms, adapter), alone and with replicas; a checkpoint of one process resumes split. Through the
-real launcher. Double quantization is off here: its second-level constants group 256 blocks, which a
-row-parallel split regroups (the base differs from the unsplit one by that rounding, not by the split).
+real launcher. Double quantization on, as the recipes quantize: each share is cut from the whole weight's
+quantization (tensor.cut_shares_from_whole), so the base is one process's.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def base(tmp_path_factory) -> tuple[Path, dict]:
         "seed": 0,
         "report": {"plot": False},  # no loss.png: ~0.5 s of matplotlib a run
         "precision": "fp32",
-        "quant": {"bits": 4, "double_quant": False},
+        "quant": {"bits": 4},  # double quant on (the default)
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
         "train": {
             "max_steps": STEPS,
