@@ -277,3 +277,69 @@ def test_a_run_from_before_the_long_context_keys_resumes_with_the_changes_said()
         "model.attn_implementation: 'sdpa' -> 'auto'",
     ]
     assert recipe_changes(old, {**new, "seed": 1})[0] == ["seed: 0 -> 1"]  # real changes are still refused
+
+
+class Clocked(Trainer):
+    """Each step takes 40 s of a fake clock (trainer/saving.py's), and each background write 0.3 s of real time, so
+    the next steps change the weights while it writes."""
+
+    def step_batches(self, step):
+        CLOCK[0] += 40.0
+        return super().step_batches(step)
+
+
+CLOCK = [0.0]
+
+
+def test_checkpoints_by_the_minute_are_written_off_the_training_thread_and_resume_exactly(recipe_dict, tmp_path, monkeypatch):
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from finetune.runs import resume
+    from finetune.runs.background import BackgroundWriter
+    from finetune.trainer import saving
+
+    monkeypatch.setattr(saving, "time", SimpleNamespace(monotonic=lambda: CLOCK[0]))
+    written, save = {}, resume.save_checkpoint
+
+    def slow_save(out, step, *args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.3)
+        written[step] = threading.current_thread().name
+        return save(out, step, *args, **kwargs)
+
+    monkeypatch.setattr(resume, "save_checkpoint", slow_save)
+    timed = {"train.max_steps": 7, "checkpoint.every_steps": None, "checkpoint.every_minutes": 1.0, "checkpoint.keep_last": 9}
+    run = Clocked(cfg_for(recipe_dict, tmp_path / "timed", **timed), progress=False)
+    run.train()
+    # 40 s a step: 80 s have passed at steps 2, 4 and 6 (each a minute or more after the last); 7 is the last step.
+    assert written == {2: "checkpoint-step-2", 4: "checkpoint-step-4", 6: "checkpoint-step-6", 7: "MainThread"}
+    # Each written in the background holds its own step's state (weights, optimizer, schedule, generators), byte for
+    # byte as a checkpoint written on the spot, and the run resumed from one ends as the uninterrupted run.
+    monkeypatch.setattr(BackgroundWriter, "submit", lambda self, step, write: (write(), self._done.append(step)))
+    every = {"train.max_steps": 7, "checkpoint.every_steps": 2, "checkpoint.keep_last": 9}
+    Trainer(cfg_for(recipe_dict, tmp_path / "steps", **every), progress=False).train()
+    assert written == {2: "MainThread", 4: "MainThread", 6: "MainThread", 7: "MainThread"}
+    for step in (2, 4, 6):
+        for name in ("adapter/adapter_model.safetensors", "optimizer.safetensors", "scheduler.json", "rng.safetensors"):
+            a, b = (tmp_path / d / "checkpoints" / f"step-{step}" / name for d in ("timed", "steps"))
+            assert a.read_bytes() == b.read_bytes(), (step, name)
+    resumed = Trainer(
+        cfg_for(recipe_dict, tmp_path / "timed", **timed, resume=str(tmp_path / "timed/checkpoints/step-4")), progress=False
+    )
+    resumed.train()
+    assert rows(tmp_path / "timed") == rows(tmp_path / "steps")
+
+
+def test_a_background_write_that_fails_stops_the_run_and_leaves_no_checkpoint(recipe_dict, tmp_path, monkeypatch):
+    from finetune.runs import checkpoint
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "write_manifest", full_disk)  # the last file of a checkpoint
+    out = tmp_path / "full"
+    with pytest.raises(OSError, match="No space left on device"):
+        Trainer(cfg_for(recipe_dict, out, **{"train.max_steps": 8, "checkpoint.every_steps": 2}), progress=False).train()
+    assert not list((out / "checkpoints").glob("step-*")) and not list((out / "checkpoints").glob(".tmp-*"))

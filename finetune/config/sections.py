@@ -261,6 +261,9 @@ class EvalConfig(_Section):
 
 class CheckpointConfig(_Section):
     every_steps: int | None = Field(None, ge=1)
+    every_minutes: float | None = Field(
+        None, gt=0, description="also a checkpoint once this many minutes passed since the last: a hang loses at most that"
+    )
     keep_last: int | None = Field(2, ge=1)
 
 

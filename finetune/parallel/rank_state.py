@@ -52,8 +52,9 @@ OBJECTIVE_DIR = "objective"
 
 def save_rank_states(directory: Path, states: list[RankState]) -> None:
     """rng.safetensors (`name.rankN`, and rank 0's plain), and each rank's PowerSGD state and objective state in
-    files of their own (into a checkpoint's temporary directory: the checkpoint's manifest covers them)."""
-    rng = rng_states()
+    files of their own (into a checkpoint's temporary directory: the checkpoint's manifest covers them). Rank 0's
+    plain states are those gathered with the others (a write in the background runs after the step moved them on)."""
+    rng = {name: t.clone() for name, t in states[0].rng.items()} if states else rng_states()
     for r, state in enumerate(states):
         rng.update({f"{name}.rank{r}": t.clone() for name, t in state.rng.items()})  # own storage each
         if state.powersgd is not None:

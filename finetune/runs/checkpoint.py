@@ -289,8 +289,10 @@ def save_checkpoint(
     model_state: dict[str, torch.Tensor] | None = None,
     optimizer_state: dict[str, Any] | None = None,
     rank_states: list[RankState] | None = None,
+    scheduler_state: dict[str, Any] | None = None,
 ) -> Path:
-    """model_state / optimizer_state: full (gathered) states when the model and optimizer hold shards (FSDP).
+    """model_state / optimizer_state: full (gathered) states when the model and optimizer hold shards (FSDP), or
+    snapshots (written in the background); scheduler_state: a snapshot of the scheduler's, likewise.
 
     rank_states: what every process holds alone (generators, PowerSGD), so that each continues
     its own dropout stream and error feedback on resume (with the same number of processes).
@@ -306,12 +308,36 @@ def save_checkpoint(
         tensors, meta = _optimizer_to_tensors(optimizer_state or optimizer.state_dict())
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         write_json(tmp / "optimizer.json", meta)
-        write_json(tmp / "scheduler.json", scheduler.state_dict())
+        write_json(tmp / "scheduler.json", scheduler_state if scheduler_state is not None else scheduler.state_dict())
         save_rank_states(tmp, rank_states or [])
         write_json(tmp / "trainer_state.json", {"step": step, **trainer_state})
         write_manifest(tmp, {"step": step})
     prune_checkpoints(output_dir, keep_last)
     return final
+
+
+def snapshot(
+    model, optimizer, scheduler, model_state: dict[str, torch.Tensor] | None, optimizer_state: dict[str, Any] | None
+) -> dict[str, Any]:
+    """save_checkpoint's model_state, optimizer_state and scheduler_state as host-RAM copies taken now (gathered states
+    are copies already): what a background write needs while the next steps change the originals."""
+
+    def copied(obj: Any) -> Any:
+        if torch.is_tensor(obj):
+            return obj.detach().to("cpu", copy=True)
+        if isinstance(obj, dict):
+            return {k: copied(v) for k, v in obj.items()}
+        if isinstance(obj, list | tuple):
+            return type(obj)(copied(v) for v in obj)
+        return obj
+
+    if model_state is None:
+        model_state = copied({n: p for n, p in model.named_parameters() if p.requires_grad})
+    return {
+        "model_state": model_state,
+        "optimizer_state": optimizer_state if optimizer_state is not None else copied(optimizer.state_dict()),
+        "scheduler_state": copied(scheduler.state_dict()),
+    }
 
 
 def list_checkpoints(output_dir: Path) -> list[Path]:

@@ -183,9 +183,11 @@ class Resume:
         model_state: dict[str, torch.Tensor] | None = None,
         optimizer_state: dict[str, Any] | None = None,
         rank_states: list[RankState] | None = None,
+        scheduler_state: dict[str, Any] | None = None,
     ) -> Path:
-        """Write checkpoints/step-N (rank 0 only calls this; the states are gathered already). A note of an
-        out-of-memory restart goes once a checkpoint holds the smaller micro-batch it asked for."""
+        """Write checkpoints/step-N (rank 0 only calls this; the states are gathered already, or snapshots for a
+        write in the background). A note of an out-of-memory restart goes once a checkpoint holds the smaller
+        micro-batch it asked for."""
         (self.out / OOM_BACKOFF).unlink(missing_ok=True)
         return save_checkpoint(
             self.out,
@@ -198,4 +200,5 @@ class Resume:
             model_state=model_state,
             optimizer_state=optimizer_state,
             rank_states=rank_states,
+            scheduler_state=scheduler_state,
         )

@@ -48,6 +48,7 @@ from finetune.trainer.callbacks import Callback, CallbackList
 from finetune.trainer.held_out import HeldOutScores
 from finetune.trainer.order import DataOrder, Window
 from finetune.trainer.profiling import StepClock
+from finetune.trainer.saving import Saving
 from finetune.trainer.state import StepTotals, TrainResult, TrainState, stop_signals
 
 LossFn = Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
@@ -204,6 +205,7 @@ class Trainer:
             self.data = attach_reference(self, parallel.unwrap(self.model))
             self.order.train = self.data.train
         self.resume = Resume(cfg, self.out, self.data.train, self.say, parallel.is_main)
+        self.saving = Saving(cfg)
         sinks = open_sinks(cfg, self.out) if parallel.is_main else []
         self.metrics = MetricsWriter(self.out / "metrics.jsonl", enabled=parallel.is_main, sinks=sinks)
 
@@ -331,16 +333,16 @@ class Trainer:
         cfg, done = self.cfg, self.state.step
         if cfg.eval.every_steps and (done % cfg.eval.every_steps == 0 or self._last_step()):
             self._eval_and_log(progress)
-        saved = False
+        saving, saved, last = self.saving, False, self._last_step()
+        saving.poll(self)
         # The last step is checkpointed too: a finished run can be extended (more steps,
         # resume=auto) from where it ended instead of silently starting over.
-        if cfg.checkpoint.every_steps and (done % cfg.checkpoint.every_steps == 0 or self._last_step()):
-            self.save_checkpoint(done)
+        if saving.periodic and (saving.due(self, done) or last):
+            self.save_checkpoint(done, background=not last)
             saved = True
         # A stop signal on any rank stops every rank, or one would wait forever in the next collective.
-        if not self._last_step() and self.parallel.global_sum(1.0 if self.state.stop_signal else 0.0) > 0:
-            if not saved:
-                self.save_checkpoint(done)
+        if not last and self.parallel.global_sum(1.0 if self.state.stop_signal else 0.0) > 0:
+            saving.wait(self) if saved else self.save_checkpoint(done)
             raise Preempted(
                 f"{self.state.stop_signal or 'stop signal'} received: saved {checkpoint_dir(self.out, done)} "
                 f"and stopped after step {done} of {self.state.total_steps}",
@@ -389,10 +391,12 @@ class Trainer:
                     self._log_step(row, finite, progress)
                     with dog.paused():  # an eval or a save: bounded by their own collectives
                         self._after_step(progress)
+            self.saving.wait(self)  # a checkpoint in flight written (or its failure raised) before the run ends
         except RuntimeError as err:
             faults.leave_if_peer_lost(err, self.ranks, self.parallel)  # exit 75: restartable
             raise
         finally:
+            self.saving.wait(self, raise_errors=False)  # the run failed already: its error is the one to see
             progress.close()
             self.metrics.close()
             self.callbacks("on_train_exit", state, {"step": state.step})  # also after an error: release
@@ -438,26 +442,10 @@ class Trainer:
         self.callbacks("on_save", self.state, {"step": self.state.step, "path": str(adapter_dir), "kind": "adapter"})
         return adapter_dir
 
-    def save_checkpoint(self, step: int) -> None:
-        """Checkpoint after `step` completed optimizer steps (all ranks call this)."""
-        parallel = self.parallel
-        parallel.wait()
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        model_state, optimizer_state = parallel.full_states(self.model, optimizer)  # collectives: every rank
-        rank_states = parallel.every_rank_state(self.loss_fn.state_dict())  # grpo: completions sampled ahead
-        if parallel.is_main:
-            self.resume.save(
-                step,
-                parallel.unwrap(self.model),
-                optimizer,
-                self.scheduler,
-                self.state.counters(),
-                model_state,
-                optimizer_state,
-                rank_states,
-            )
-        parallel.wait()
-        self.callbacks("on_save", self.state, {"step": step, "path": str(checkpoint_dir(self.out, step)), "kind": "checkpoint"})
+    def save_checkpoint(self, step: int, background: bool = False) -> None:
+        """Checkpoint after `step` completed optimizer steps (all ranks call this); background: written off the
+        training thread where the run allows it (trainer/saving.py)."""
+        self.saving.save(self, step, background)
 
     # ------------------------------------------------------------------ eval
 
