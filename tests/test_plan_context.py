@@ -17,6 +17,7 @@ from finetune.gpus import find_gpu
 from finetune.plan import longest_trainable_seq, plan_recipe
 from finetune.plan.context import rank_tokens
 from finetune.plan.fitting import FIT_HEADROOM, longest_fitting_seq
+from finetune.plan.inputs import describe_setup
 from finetune.plan.recipe import planning_inputs, setup_of
 
 RECIPE = Path(__file__).parents[1] / "recipes" / "qlora-longctx-2x24gb.yaml"
@@ -136,3 +137,23 @@ def test_the_recipe_fits_two_cards_and_plan_max_seq_says_how_long(capsys):
     assert longest.best >= longest.as_written >= 330_000  # issue 28's target: twice one card's 167,478
     four = longest_trainable_seq(recipe(), GPU, max_gpus=4)  # the search splits over the 4 GPUs
     assert four.best_setup is not None and four.best_setup.cp == 4 and four.best >= 2 * longest.as_written
+
+
+def test_cp_x_tp_plans_a_share_of_every_layer_over_a_part_of_every_sequence():
+    # 4 GPUs as cp2 x tp2: a rank holds tp2's share of the layers (its weights, its LoRA) and runs cp2's part of
+    # each sequence (its activations, the ring over the share's 16 heads); the tp all-reduces carry a part's
+    # hidden states: half of tp2's at the whole sequence.
+    device = ("memory.base_weights=device", "memory.embeddings=device", "memory.activation_offload=false")
+    seq = ("data.max_seq_len=65536",)
+    both = plan_recipe(recipe(*device, *seq, "distributed.tensor_parallel=2"), GPU, gpus=4)
+    tp = plan_recipe(recipe(*device, *seq, "distributed.tensor_parallel=2", "distributed.context_parallel=1"), GPU, gpus=2)
+    cp = plan_recipe(recipe(*device, *seq), GPU, gpus=2)
+    assert "tensor parallel: 2 ranks x 2 context-parallel ranks (ring) x 1 replica" in describe_setup(both.setup)
+    for key in ("weights_quantized", "lora_weights", "optimizer_state"):
+        assert both.component(key) == tp.component(key) > 0, key
+    assert both.component("activations") == cp.component("activations") == 32769 * (L * H * B + 2 * HD * B)
+    assert both.component("recompute_layer") < cp.component("recompute_layer")  # the share's heads and MLP only
+    parts = both.step_time_parts
+    assert parts["tensor_allreduce"] == pytest.approx(tp.step_time_parts["tensor_allreduce"] * 32769 / 65536, rel=1e-9)
+    assert parts["context_traffic"] == pytest.approx(cp.step_time_parts["context_traffic"] / 2, rel=1e-9)  # 8 -> 4 K/V heads
+    assert both.peak_bytes < min(tp.peak_bytes, cp.peak_bytes)

@@ -90,12 +90,17 @@ def candidates(
     contexts: tuple[int, ...] = (),
 ) -> list[Setup]:
     """Every runnable setup the knobs allow that keeps the global batch (batch x accum x replicas): one replica
-    per GPU (DDP, FSDP, ZeRO), each of `layouts` (pipeline stages, tensor-parallel ranks) and of `contexts`
-    (context-parallel ranks) on the GPUs that hold a whole number of its replicas."""
+    per GPU (DDP, FSDP, ZeRO), each of `layouts` (pipeline stages, tensor-parallel ranks), of `contexts`
+    (context-parallel ranks) and of their compositions cp x tp, on the GPUs that hold a whole number of its replicas."""
     out = []
     names = [k.name for k in KNOBS]
     one = replace(base, pp=1, tp=1, virtual_stages=1, pipeline_layers=(), cp=1)
-    grids = ((1, 1, 1), *((pp, tp, 1) for pp, tp in layouts), *((1, 1, cp) for cp in contexts))
+    grids = (
+        (1, 1, 1),
+        *((pp, tp, 1) for pp, tp in layouts),
+        *((1, 1, cp) for cp in contexts),
+        *((1, tp, cp) for pp, tp in layouts if pp == 1 for cp in contexts),  # a part of each sequence on each share
+    )
     if one.pipeline_schedule == "interleaved_1f1b":
         one = replace(one, pipeline_schedule="1f1b")  # interleaving needs virtual stages: not a pipeline's setting here
     for values in product(*(k.candidates(base, max_gpus) for k in KNOBS)):

@@ -205,8 +205,9 @@ def _sharding_label(s: Setup) -> str:
         split = f" x {s.tp} tensor-parallel ranks" if s.tp > 1 else ""
         return f" (pipeline: {s.pp} stages{interleaved}{split} x {replicas} replica{'s' if replicas > 1 else ''}, {s.pipeline_schedule})"
     if s.tp > 1:
-        replicas = s.gpus // s.tp
-        return f" (tensor parallel: {s.tp} ranks x {replicas} replica{'s' if replicas > 1 else ''})"
+        replicas = s.gpus // (s.tp * s.cp)
+        parts = f" x {s.cp} context-parallel ranks ({s.cp_mode})" if s.cp > 1 else ""
+        return f" (tensor parallel: {s.tp} ranks{parts} x {replicas} replica{'s' if replicas > 1 else ''})"
     if s.cp > 1:
         replicas = s.gpus // s.cp
         many = f"{replicas} replica{'s' if replicas > 1 else ''}"

@@ -36,7 +36,7 @@ from finetune.declarations.splits import problems as split_problems
 from finetune.declarations.strategies import DDP
 from finetune.errors import PlanError
 from finetune.gpus import GpuSpec
-from finetune.plan.context import plan_context_split
+from finetune.plan.context import plan_context_split, rank_tokens
 from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.memory import Estimate, estimate, gib
 from finetune.plan.shape import ModelShape
@@ -229,17 +229,23 @@ def plan_tensor_split(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu:
             f"distributed.tensor_parallel={tp} on {world} GPUs: the GPUs must be ranks x replicas",
             hint=f"plan with --gpus {tp} (or a multiple)",
         )
-    replicas = world // tp
+    replicas = world // tp  # the processes holding one share: data-parallel replicas x context-parallel ranks
     one = replace(setup, gpus=replicas, sharding=DDP.name, tp=1)
-    layout = Layout(1, replicas, 0, tp=tp)
-    e = estimate(tensor_rank_shape(shape, tp), recipe, one, gpu and _as_seen_by(gpu, layout.stage_ranks(0)), **kw)
+    layout = Layout(1, replicas // setup.cp, 0, tp=tp, cp=setup.cp)
+    same_share = [i * tp for i in range(replicas)]  # tp rank 0 of every replica and context-parallel rank
+    # cp x tp: a share's rank runs its part of every sequence (plan/context.py), over the share's heads
+    plan = plan_context_split if setup.cp > 1 else estimate
+    e = plan(tensor_rank_shape(shape, tp), recipe, one, gpu and _as_seen_by(gpu, same_share), **kw)
     parts, step = dict(e.step_time_parts), e.step_time_s
-    hidden_states = setup.rows * setup.seq_len * shape.hidden * recipe.compute_bytes  # one micro-batch's
+    reduced = replace(setup, seq_len=rank_tokens(setup.seq_len, setup.cp)[1]) if setup.cp > 1 else setup
+    hidden_states = reduced.rows * reduced.seq_len * shape.hidden * recipe.compute_bytes  # one micro-batch's (part)
     if gpu is not None:
-        parts["tensor_allreduce"] = tensor_allreduce_s(shape, recipe, setup, _as_seen_by(gpu, layout.tensor_ranks(0)))
+        parts["tensor_allreduce"] = tensor_allreduce_s(shape, recipe, reduced, _as_seen_by(gpu, layout.tensor_ranks(0)))
         step += parts["tensor_allreduce"]
+    many = f"{replicas // setup.cp} replica{'s' if replicas > setup.cp else ''}"
+    split = f"{setup.cp} context-parallel ranks x " if setup.cp > 1 else ""
     note = (
-        f"tensor parallel: {tp} ranks x {replicas} replica{'s' if replicas > 1 else ''}; each rank holds 1/{tp} of every "
+        f"tensor parallel: {tp} ranks x {split}{many}; each rank holds 1/{tp} of every "
         f"decoder linear and its LoRA, the embeddings, head and norms whole; {_allreduces(shape, setup):.0f} all-reduces of "
         f"{hidden_states / 2**20:.1f} MiB per micro-batch on the GPU link"
     )
