@@ -109,7 +109,8 @@ def plan_pipeline(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: Gpu
         busy = step - parts["communication"] - parts["optimizer"]  # the micro-batches, without the step's end
         parts["pipeline_bubble"] = busy * (bubble_factor(schedule, pp, v, m) - 1)
         boundary = setup.rows * setup.seq_len * shape.hidden * recipe.compute_bytes  # one micro-batch's activations
-        parts["pipeline_p2p"] = 2 * (m + pp - 1) * boundary / (_send_link(setup, gpu) * 1e9 * LINK_EFFICIENCY)
+        link, sharing = _send_link(setup, gpu)
+        parts["pipeline_p2p"] = 2 * (m + pp - 1) * boundary * sharing / (link * 1e9 * LINK_EFFICIENCY)
         step += parts["pipeline_bubble"] + parts["pipeline_p2p"]
     notes = [_describe_rank(layout, e, held, shape) for layout, e, held in ranks]
     bubble = bubble_factor(schedule, pp, v, m)
@@ -296,8 +297,10 @@ def _as_seen_by(gpu: GpuSpec, ranks: list[int]) -> GpuSpec:
     return replace(gpu, interconnect_gbps=gpu.link_gbps(ranks), gpus_per_node=0)
 
 
-def _send_link(setup: Setup, gpu: GpuSpec) -> float:
-    """The slowest link a pipeline's sends cross: the nodes' link if any stage boundary spans two nodes."""
+def _send_link(setup: Setup, gpu: GpuSpec) -> tuple[float, int]:
+    """The slowest link a pipeline's sends cross (the nodes' link if any stage boundary spans two nodes), and how many
+    sends share it at once: a stage's tensor-parallel ranks each send their whole hidden states to their peer of the
+    next stage, all through the one nodes' link between the two (within a node each pair has its GPUs' own)."""
     pp, tp = setup.pp, setup.tp
     layout = Layout(pp, setup.gpus // (pp * tp), 0, tp=tp)
     boundaries = [
@@ -306,7 +309,8 @@ def _send_link(setup: Setup, gpu: GpuSpec) -> float:
         for r in range(layout.replicas)
         for a, b in zip(layout.pipeline_ranks(r, t), layout.pipeline_ranks(r, t)[1:])
     ]
-    return min((gpu.link_gbps(pair) for pair in boundaries), default=gpu.interconnect_gbps)
+    link = min((gpu.link_gbps(pair) for pair in boundaries), default=gpu.interconnect_gbps)
+    return link, tp if link < gpu.interconnect_gbps else 1
 
 
 def layout_choices(cfg: Any, shape: ModelShape, max_gpus: int, precision: str) -> tuple[tuple[int, int], ...]:
