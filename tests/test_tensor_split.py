@@ -336,3 +336,36 @@ def test_shares_that_straddle_4bit_blocks_are_said_before_loading_with_the_exact
     assert share_blocks((4, 256), 0, 1, 2, 64).tolist() == [8, 9, 10, 11, 12, 13, 14, 15]
     assert share_blocks((4, 256), 1, 1, 2, 64).tolist() == [2, 3, 6, 7, 10, 11, 14, 15]
     assert share_blocks((4, 160), 1, 0, 2, 64) is None  # 80 columns: a block straddles
+
+
+def test_rows_padded_for_sequence_parallelism_train_and_count_what_they_did():
+    from finetune.parallel.sequence import SPLIT_KEY, pad_rows
+
+    batch = {
+        "input_ids": torch.tensor([[1, 5, 6, 7, 2], [1, 8, 2, 0, 0]]),
+        "labels": torch.tensor([[-100, -100, 6, 7, 2], [-100, 8, 2, -100, -100]]),
+        "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]),
+    }
+    out = pad_rows(batch, 2)
+    assert out["input_ids"].tolist() == [[1, 5, 6, 7, 2, 0], [1, 8, 2, 0, 0, 0]]
+    assert out["labels"].tolist() == [[-100, -100, 6, 7, 2, -100], [-100, 8, 2, -100, -100, -100]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]]
+    assert int(out["num_tokens"]) == 8 and out[SPLIT_KEY] is True
+    packed = {"input_ids": torch.tensor([[1, 5, 2, 1, 6, 7, 2]]), "labels": torch.tensor([[-100, 5, 2, -100, 6, 7, 2]])}
+    packed |= {"position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3]]), "num_tokens": torch.tensor(7)}
+    out = pad_rows(packed, 4)  # positions go on from the last example's: after every real token, never attended
+    assert out["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]] and int(out["num_tokens"]) == 7
+    assert pad_rows(batch, 5)["input_ids"] is batch["input_ids"]  # a multiple already: as it was
+
+
+def test_sequence_parallelism_is_refused_where_it_does_not_split_yet():
+    alone = problems_of({**MINIMAL, "distributed": {"sequence_parallel": True}})
+    assert any("distributed.sequence_parallel=true splits the sequence between a tensor-parallel group" in p for p in alone)
+    both = {"tensor_parallel": 2, "context_parallel": 2, "sequence_parallel": True}
+    said = problems_of({**MINIMAL, "distributed": both})
+    assert any("sequence_parallel=true with distributed.context_parallel=2: not yet" in p for p in said)
+    from finetune.config.schema import build_recipe
+
+    assert build_recipe(
+        {**MINIMAL, "distributed": {"tensor_parallel": 2, "sequence_parallel": True}}
+    ).distributed.sequence_parallel

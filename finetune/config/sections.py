@@ -307,6 +307,12 @@ class DistributedConfig(_Section):
         description="each decoder layer split over this many processes, Megatron style (attention heads and the "
         "MLP; --nproc = this x replicas): the 4-bit layers of a model too large for one GPU; 1: none (parallel/tensor.py)",
     )
+    sequence_parallel: bool = Field(
+        False,
+        description="tensor_parallel: the norms, the residual stream and the checkpointed layer inputs split along the "
+        "sequence over the tensor-parallel ranks (Megatron's; the same traffic as the all-reduces it replaces): less "
+        "activation memory per rank (parallel/sequence.py)",
+    )
     context_parallel: int = Field(
         1,
         ge=1,

@@ -189,6 +189,21 @@ TENSOR_RULES: tuple[Rule[Any], ...] = (
             f"{tensor_asked(c)} does not use DDP's all-reduce, which grad_compression hooks. Set distributed.grad_compression=none."
         ),
     ),
+    Rule(
+        lambda c: c.distributed.sequence_parallel and not _split(c),
+        lambda c: (
+            "distributed.sequence_parallel=true splits the sequence between a tensor-parallel group's split linears; "
+            f"{tensor_asked(c)} has none. Set distributed.tensor_parallel to 2 or more, or sequence_parallel=false."
+        ),
+    ),
+    Rule(
+        lambda c: c.distributed.sequence_parallel and _split(c) and (_pipelined(c) or _context(c) or c.train.objective == "grpo"),
+        lambda c: (
+            "distributed.sequence_parallel=true with "
+            + (pipeline_asked(c) if _pipelined(c) else context_asked(c) if _context(c) else "train.objective=grpo")
+            + ": not yet (tensor parallelism alone, for sft, dpo, orpo and simpo). Set distributed.sequence_parallel=false."
+        ),
+    ),
 )
 
 
@@ -297,7 +312,7 @@ TENSOR = Split(
     "tensor",
     "distributed.tensor_parallel",  # the split tensors are gathered whole into a checkpoint, sliced again on load
     "tp",
-    ("distributed.tensor_parallel",),
+    ("distributed.tensor_parallel", "distributed.sequence_parallel"),
     TENSOR_RULES,
 )
 CONTEXT = Split(

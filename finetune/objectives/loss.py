@@ -53,8 +53,9 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     but only without a KV cache (use_cache=False), which transformers would otherwise take as a
     sign of generation and ignore the packing. A vision-language batch carries its images' inputs
     (finetune/data/images.py). A context-parallel rank's part carries context_part, which
-    the model hands to every attention call (finetune/parallel/context.py)."""
-    keys = ("input_ids", "attention_mask", "position_ids", "context_part", *IMAGE_INPUTS, *TOKEN_TYPE_INPUTS)
+    the model hands to every attention call (finetune/parallel/context.py); a batch padded for sequence
+    parallelism sequence_split, which the decoder layers' hooks take (finetune/parallel/sequence.py)."""
+    keys = ("input_ids", "attention_mask", "position_ids", "context_part", "sequence_split", *IMAGE_INPUTS, *TOKEN_TYPE_INPUTS)
     return {k: batch[k] for k in keys if k in batch}
 
 

@@ -31,11 +31,12 @@ from torch import nn
 
 from finetune.declarations.layout import COLUMN, ROW, Layout
 from finetune.errors import ConfigError, TrainingError
-from finetune.model.load import model_source
+from finetune.model.load import decoder_layers, head_owner, model_source
 from finetune.model.partial import checkpoint_tensors, cut_from_whole, share_blocks, whole_blocks
 from finetune.parallel.grads import clip_to, squares, sum_over
 from finetune.parallel.mesh import dim_group, dims_group
 from finetune.parallel.room import SplitRoom, refuse_fp16
+from finetune.parallel.sequence import SequenceSplit, pad_rows
 from finetune.plan.terms import NF4_BLOCK
 
 
@@ -261,17 +262,36 @@ class TensorParallel(SplitRoom):
                     if leaf in ROW and not name.endswith(("lora_A", "lora_B")) and getattr(module, "bias", None) is not None:
                         module.bias.zero_()
         self.hooks = []
+        # distributed.sequence_parallel: its hooks, registered first, take the layers' forwards whose batch it padded
+        self.sequence = SequenceSplit(self.group) if self.cfg.distributed.sequence_parallel else None
+        if self.sequence is not None:
+            first = decoder_layers(model, "distributed.sequence_parallel", "set distributed.sequence_parallel=false")[0]
+            self.hooks.append(first.register_forward_pre_hook(self.sequence.first_layer_in, with_kwargs=True))
+            owner: Any = head_owner(model)
+            self.hooks.append(owner.get_decoder().norm.register_forward_hook(self.sequence.after_norm))
         for name, module in model.named_modules():
             if name.endswith(".self_attn") or name.endswith(".mlp"):
+                if self.sequence is not None:
+                    into = self.sequence.attention_in if name.endswith(".self_attn") else self.sequence.mlp_in
+                    self.hooks.append(module.register_forward_pre_hook(into, with_kwargs=True))
+                    self.hooks.append(module.register_forward_hook(self.sequence.from_shares))
                 self.hooks.append(module.register_forward_pre_hook(self._into, with_kwargs=True))
                 self.hooks.append(module.register_forward_hook(self._out))
 
+    def local_part(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """A batch padded to split its rows' positions over the group (sequence parallelism), else as it is."""
+        return pad_rows(batch, self.tp) if self.cfg.distributed.sequence_parallel else batch
+
     def _into(self, module: nn.Module, args: tuple, kwargs: dict):
+        if self.sequence is not None and self.sequence.active:
+            return None  # gathered by the sequence split's own hook
         if args:
             return (_ToGroup.apply(args[0], self.group), *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": _ToGroup.apply(kwargs["hidden_states"], self.group)}
 
     def _out(self, module: nn.Module, args: tuple, output: Any):
+        if self.sequence is not None and self.sequence.active:
+            return None  # reduce-scattered by the sequence split's own hook
         if isinstance(output, tuple):  # attention: (output, weights)
             return (_FromGroup.apply(output[0], self.group), *output[1:])
         return _FromGroup.apply(output, self.group)

@@ -32,6 +32,7 @@ from finetune.model.load import compute_device
 from finetune.parallel import context
 from finetune.parallel.distribute import is_sharded
 from finetune.parallel.runtime import Parallel
+from finetune.parallel.sequence import SPLIT_KEY
 
 
 @dataclass
@@ -97,7 +98,7 @@ def row_logps(model, batch: dict[str, torch.Tensor], head_on_targets_only: bool 
 
     head_on_targets_only: the LM head runs only where a target is predicted (a boolean
     logits_to_keep), so a pair's prompt costs no logits."""
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", context.KEY) if k in batch}
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", context.KEY, SPLIT_KEY) if k in batch}
     labels = batch["labels"]
     targets = shifted_targets(labels)
     mask = targets != IGNORE_INDEX

@@ -58,10 +58,13 @@ def one_process(base) -> Path:
     return out
 
 
-@pytest.mark.parametrize("nproc, batch", [(2, 4), (4, 2)], ids=["tp2", "tp2xdp2"])
-def test_tensor_parallel_matches_one_process(base, one_process, nproc, batch):
+@pytest.mark.parametrize("nproc, batch, sp", [(2, 4, False), (4, 2, False), (2, 4, True)], ids=["tp2", "tp2xdp2", "tp2-sp"])
+def test_tensor_parallel_matches_one_process(base, one_process, nproc, batch, sp):
+    # sp: sequence parallelism, each rank's norms and residual stream over half of every row's positions (rows
+    # padded to an even length), all-gathered into the split linears and reduce-scattered out of them.
     root, recipe = base
-    path, out = write(root, recipe, f"tp-{nproc}", train__batch_size=batch, distributed={"tensor_parallel": 2})
+    split = {"tensor_parallel": 2, "sequence_parallel": sp}
+    path, out = write(root, recipe, f"tp-{nproc}-{sp}", train__batch_size=batch, distributed=split)
     proc = finetune(str(path), "--nproc", str(nproc), cwd=root)
     replicas = "1 replica" if nproc == 2 else "2 replicas"
     assert f"parallel: tensor parallel, each decoder layer split over 2 processes x {replicas}" in proc.stdout
@@ -102,6 +105,9 @@ from finetune.config.schema import load_recipe
 from finetune.parallel.tensor import TensorParallel
 from finetune.trainer import Trainer
 
+if os.environ.get("UNREDUCED"):  # sequence parallelism's reduce-scatter keeps each rank's partial sum
+    from finetune.parallel import sequence
+    sequence._scattered = lambda x, group: sequence._own(x, group)
 if os.environ.get("UNSUMMED"):  # the whole LoRA tensors' partial gradients left unsummed over the group
     summed = TensorParallel.sum_gradients
     def unsummed(self, params):
@@ -123,6 +129,14 @@ def test_a_gradient_not_summed_over_the_group_fails_the_comparison(base, one_pro
         assert_same_steps(one_process, out, rel=1e-5)
 
 
+def test_positions_whose_partial_outputs_are_never_summed_fail_the_comparison(base, one_process, tmp_path):
+    root, recipe_dict = base
+    split = {"tensor_parallel": 2, "sequence_parallel": True}
+    recipe, out = write(tmp_path, recipe_dict, "unreduced", distributed=split, train__max_steps=1)
+    run_driver(tmp_path, DRIVER, recipe, UNREDUCED="1")
+    assert step_rows(out)[0][0] != pytest.approx(step_rows(one_process)[0][0], rel=1e-3)  # the forward itself
+
+
 def test_dpo_split_over_two_ranks_matches_one_process(base, tmp_path):
     # Preference pairs: chosen and rejected in one forward, the reference with the adapter switched off on
     # every rank; the loss a mean over the step's pairs, its metrics counted once per group.
@@ -134,7 +148,8 @@ def test_dpo_split_over_two_ranks_matches_one_process(base, tmp_path):
     dpo = {"data": {"path": str(pairs), "format": "preference", "max_seq_len": 64}, "train__objective": "dpo", "train__lr": 1e-2}
     one, one_out = write(tmp_path, recipe, "one", **dpo)
     finetune(str(one), cwd=tmp_path)
-    split, out = write(tmp_path, recipe, "split", distributed={"tensor_parallel": 2}, **dpo)
+    # With sequence parallelism: a pair's rows padded to an even length, the log-probabilities of the gathered rows.
+    split, out = write(tmp_path, recipe, "split", distributed={"tensor_parallel": 2, "sequence_parallel": True}, **dpo)
     finetune(str(split), "--nproc", "2", cwd=tmp_path)
     assert step_rows(one_out)[0][0] == pytest.approx(0.6931472, abs=1e-6)
     assert_same_steps(one_out, out, rel=1e-5)
