@@ -106,8 +106,8 @@ from finetune.parallel.tensor import TensorParallel
 from finetune.trainer import Trainer
 
 if os.environ.get("UNREDUCED"):  # sequence parallelism's reduce-scatter keeps each rank's partial sum
-    from finetune.parallel import sequence
-    sequence._scattered = lambda x, group: sequence._own(x, group)
+    import torch.distributed as dist
+    dist.reduce_scatter = lambda out, parts, group=None: out.copy_(parts[dist.get_rank(group)])
 if os.environ.get("UNSUMMED"):  # the whole LoRA tensors' partial gradients left unsummed over the group
     summed = TensorParallel.sum_gradients
     def unsummed(self, params):
