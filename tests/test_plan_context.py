@@ -157,3 +157,18 @@ def test_cp_x_tp_plans_a_share_of_every_layer_over_a_part_of_every_sequence():
     assert parts["tensor_allreduce"] == pytest.approx(tp.step_time_parts["tensor_allreduce"] * 32769 / 65536, rel=1e-9)
     assert parts["context_traffic"] == pytest.approx(cp.step_time_parts["context_traffic"] / 2, rel=1e-9)  # 8 -> 4 K/V heads
     assert both.peak_bytes < min(tp.peak_bytes, cp.peak_bytes)
+
+
+def test_sequence_parallelism_plans_a_share_of_the_residual_streams_positions():
+    # tp2 with sequence parallelism: a checkpointed layer's input, the two norms' fp32 inputs and the final norm's
+    # are half of the positions on each rank; what the split linears keep (gathered) is unchanged.
+    device = ("memory.base_weights=device", "memory.embeddings=device", "memory.activation_offload=false")
+    tp = (*device, "data.max_seq_len=65536", "distributed.tensor_parallel=2", "distributed.context_parallel=1")
+    plain, sp = (plan_recipe(recipe(*tp, f"distributed.sequence_parallel={on}"), GPU, gpus=2) for on in ("false", "true"))
+    assert "sequence parallel" in describe_setup(sp.setup) and "sequence parallel" not in describe_setup(plain.setup)
+    tokens = 65536
+    assert plain.component("activations") == L * tokens * H * B + 2 * tokens * HD * B
+    assert sp.component("activations") == L * tokens * H * B // 2 + 2 * tokens * HD * B
+    assert sp.component("final_norm") * 2 == plain.component("final_norm") == tokens * 4 * H
+    assert plain.component("recompute_layer") - sp.component("recompute_layer") == tokens * 2 * 4 * H // 2
+    assert sp.step_time_s == plain.step_time_s  # an all-gather and a reduce-scatter carry an all-reduce's bytes

@@ -35,16 +35,21 @@ def activation_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: 
     b, L, T, B = recipe.compute_bytes, shape.layers, setup.seq_len, setup.rows  # sequences per forward
     tokens = B * T
     checkpointed = setup.checkpointed_layers(L)
-    input_only = tokens * b * shape.hidden  # a checkpointed layer's input, kept for the recompute
-    full_layer = tokens * layer_saved_bytes_per_token(shape, recipe, B) + expert_stack_saved_bytes(shape, recipe)
+    # Sequence parallelism (setup.positions_split): the residual stream, so a checkpointed layer's input and the two
+    # norms' fp32 inputs, is 1/N of the positions; what the split linears see is gathered whole.
+    n = setup.positions_split
+    input_only = tokens * b * shape.hidden // n  # a checkpointed layer's input, kept for the recompute
+    norms_kept = tokens * 2 * 4 * shape.hidden * (n - 1) // n  # the norms' inputs other ranks hold
+    full_layer = tokens * layer_saved_bytes_per_token(shape, recipe, B) - norms_kept + expert_stack_saved_bytes(shape, recipe)
     rebuilt = full_layer  # what one layer's recomputation holds
     tiles = 1 if shape.experts else setup.mlp_tiles(shape.hidden)  # memory/tiled_mlp.py leaves MoE blocks whole
     if tiles > 1:
         # memory.tiled_mlp: each MLP tile is a checkpoint, so a layer keeps only the MLP's input, and
         # one tile's intermediate (gate, SiLU, up; down_proj's LoRA input) exists at a time.
         mlp = tokens * mlp_saved_bytes_per_token(shape, recipe)
-        full_layer = full_layer - mlp + input_only
-        rebuilt = rebuilt - mlp + input_only + mlp // tiles
+        mlp_input = tokens * b * shape.hidden  # gathered whole under sequence parallelism
+        full_layer = full_layer - mlp + mlp_input
+        rebuilt = rebuilt - mlp + mlp_input + mlp // tiles
     layers_saved = checkpointed * input_only + (L - checkpointed) * full_layer
     host = host_ram = 0
     if setup.activation_offload:

@@ -133,7 +133,9 @@ def _laid_out(s: Setup, base: Setup, pp: int, tp: int, cp: int = 1) -> Setup | N
         return None
     m = int(per_replica)
     own = base.pipeline_layers if pp == base.pp else ()  # the recipe's split (auto: as balanced)
-    s = replace(s, pp=pp, tp=tp, cp=cp, grad_accum=m, pipeline_layers=own)
+    # Sequence parallelism wherever it runs (tensor parallelism alone, no sampling): less memory, the same traffic.
+    sp = tp > 1 and pp == cp == 1 and not s.sampled_tokens
+    s = replace(s, pp=pp, tp=tp, cp=cp, sp=sp, grad_accum=m, pipeline_layers=own)
     if pp == 1:
         return s
     if base.pp == pp and base.pipeline_schedule == "interleaved_1f1b" and m % max(1, m // pp) == 0:

@@ -41,6 +41,8 @@ class Setup(Modes):
     tp: int = 1  # tensor-parallel ranks: gpus = ranks x replicas (finetune/plan/stages.py)
     cp: int = 1  # context-parallel ranks: gpus = ranks x replicas, each rank seq/N + 1 tokens (finetune/plan/context.py)
     cp_mode: str = "ring"  # ring | ulysses
+    sp: bool = False  # distributed.sequence_parallel: a tensor-parallel rank's residual stream is 1/tp of the positions
+    positions_split: int = 1  # what a rank's plan divides the residual stream's positions by (plan/stages.py sets tp)
 
     @property
     def strategy(self) -> Strategy:
@@ -207,7 +209,8 @@ def _sharding_label(s: Setup) -> str:
     if s.tp > 1:
         replicas = s.gpus // (s.tp * s.cp)
         parts = f" x {s.cp} context-parallel ranks ({s.cp_mode})" if s.cp > 1 else ""
-        return f" (tensor parallel: {s.tp} ranks{parts} x {replicas} replica{'s' if replicas > 1 else ''})"
+        sp = ", sequence parallel" if s.sp else ""
+        return f" (tensor parallel: {s.tp} ranks{parts} x {replicas} replica{'s' if replicas > 1 else ''}{sp})"
     if s.cp > 1:
         replicas = s.gpus // s.cp
         many = f"{replicas} replica{'s' if replicas > 1 else ''}"

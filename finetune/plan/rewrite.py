@@ -20,6 +20,7 @@ LAYOUT_FIELDS = {
     **{split.dim: split.key for split in SPLITS},
     "pipeline_schedule": "distributed.pipeline_schedule",
     "virtual_stages": "distributed.virtual_stages",
+    "sp": "distributed.sequence_parallel",
 }
 
 

@@ -231,7 +231,7 @@ def plan_tensor_split(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu:
             hint=f"plan with --gpus {tp} (or a multiple)",
         )
     replicas = world // tp  # the processes holding one share: data-parallel replicas x context-parallel ranks
-    one = replace(setup, gpus=replicas, sharding=DDP.name, tp=1)
+    one = replace(setup, gpus=replicas, sharding=DDP.name, tp=1, positions_split=tp if setup.sp else 1)
     layout = Layout(1, replicas // setup.cp, 0, tp=tp, cp=setup.cp)
     same_share = [i * tp for i in range(replicas)]  # tp rank 0 of every replica and context-parallel rank
     # cp x tp: a share's rank runs its part of every sequence (plan/context.py), over the share's heads

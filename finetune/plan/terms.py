@@ -184,7 +184,7 @@ def transient_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, impl: 
     head = shape.head_matmul_params > 0  # a pipeline rank without the last stage computes no loss
     return Transient(
         mask=B * T * T if recipe.attention_mask(B) else 0,
-        final_norm=tokens * 4 * shape.hidden if head else 0,
+        final_norm=tokens * 4 * shape.hidden // setup.positions_split if head else 0,  # sequence parallel: a share
         loss=loss_peak_bytes(min(targets, setup.loss_rows) if setup.loss_rows else targets, shape.vocab, logits_bytes, impl)
         if head
         else 0,
