@@ -28,6 +28,15 @@ _DS = ("train.batch_size=4", "train.grad_accum=4")
 _OFFLOADS = ("memory.activation_offload=true", "memory.embeddings=cpu")
 _ALL = ("memory.activation_checkpointing=all",)
 _PP2TP2 = ("distributed.pipeline_parallel=2", "distributed.tensor_parallel=2")
+_DEVICE = ("memory.base_weights=device", "memory.embeddings=device")  # a tensor-parallel rank keeps its share on the GPU
+_TP_ALONE = ("distributed.context_parallel=1",)
+_TP2_70B_8K = (
+    "distributed.pipeline_parallel=1",
+    "distributed.pipeline_layers=even",
+    "distributed.tensor_parallel=2",
+    "memory.embeddings=device",
+    "data.max_seq_len=8192",
+)
 # name: (recipe, fixture model, overrides, --gpu, --gpus)
 PLANS: dict[str, tuple[str, str, tuple[str, ...], str, int]] = {
     "q7": ("qlora-1x24gb", "qwen2.5-7b", (), "rtx4090", 1),
@@ -123,6 +132,23 @@ PLANS: dict[str, tuple[str, str, tuple[str, ...], str, int]] = {
         ("distributed.pipeline_parallel=1", "distributed.tensor_parallel=4"),
         "rtx4090/2nodes",
         4,
+    ),
+    "lc4-cp": ("qlora-longctx-2x24gb", "llama-3.1-8b", ("distributed.context_parallel=4",), "rtx4090", 4),
+    "lc-cp2tp2": ("qlora-longctx-2x24gb", "llama-3.1-8b", ("distributed.tensor_parallel=2", *_DEVICE), "rtx4090", 4),
+    "lc-tp4-sp": (
+        "qlora-longctx-2x24gb",
+        "llama-3.1-8b",
+        (*_TP_ALONE, "distributed.tensor_parallel=4", *_DEVICE, "distributed.sequence_parallel=true"),
+        "rtx4090",
+        4,
+    ),
+    "tp2-70b-8k": ("qlora-pipeline-70b-2x24gb", "llama-3-70b", _TP2_70B_8K, "rtx4090", 2),
+    "tp2-70b-8k-sp": (
+        "qlora-pipeline-70b-2x24gb",
+        "llama-3-70b",
+        (*_TP2_70B_8K, "distributed.sequence_parallel=true"),
+        "rtx4090",
+        2,
     ),
     "st": ("qlora-stream-70b-1x24gb", "llama-3-70b", (), "rtx4090", 1),
     "st-q72": ("qlora-stream-70b-1x24gb", "qwen2.5-72b", (), "rtx4090", 1),
@@ -357,6 +383,39 @@ ROWS: dict[str, list[tuple[str, Value, str]]] = {
         ("for Llama-3-70B instead of {}).", lambda: host("st"), ".1f"),
     ],
     BM: [
+        ("distributed.context_parallel=4 --gpu rtx4090 --gpus 4` | {} GiB |", lambda: peak("lc4-cp"), ".2f"),
+        ("distributed.context_parallel=4 --gpu rtx4090 --gpus 4` | {*} GiB | {} GiB |", lambda: host("lc4-cp"), ".2f"),
+        ("distributed.context_parallel=4 --gpu rtx4090 --gpus 4` | {*} GiB | {*} GiB | ~{} s", lambda: step("lc4-cp"), ".0f"),
+        (
+            "distributed.context_parallel=4 --gpu rtx4090 --gpus 4` | {*} GiB | {*} GiB | ~{*} s, {} |",
+            lambda: tps("lc4-cp"),
+            ",.0f",
+        ),
+        ("distributed.tensor_parallel=2 $D --gpu rtx4090 --gpus 4` | {} GiB |", lambda: peak("lc-cp2tp2"), ".2f"),
+        ("distributed.tensor_parallel=2 $D --gpu rtx4090 --gpus 4` | {*} GiB | {} GiB |", lambda: host("lc-cp2tp2"), ".2f"),
+        (
+            "distributed.tensor_parallel=2 $D --gpu rtx4090 --gpus 4` | {*} GiB | {*} GiB | ~{} s",
+            lambda: step("lc-cp2tp2"),
+            ".0f",
+        ),
+        (
+            "distributed.tensor_parallel=2 $D --gpu rtx4090 --gpus 4` | {*} GiB | {*} GiB | ~{*} s, {} |",
+            lambda: tps("lc-cp2tp2"),
+            ",.0f",
+        ),
+        ("sequence_parallel=true --gpu rtx4090 --gpus 4` | {} GiB |", lambda: peak("lc-tp4-sp"), ".2f"),
+        ("sequence_parallel=true --gpu rtx4090 --gpus 4` | {*} GiB | {} GiB |", lambda: host("lc-tp4-sp"), ".2f"),
+        ("sequence_parallel=true --gpu rtx4090 --gpus 4` | {*} GiB | {*} GiB | ~{} s", lambda: step("lc-tp4-sp"), ".0f"),
+        ("sequence_parallel=true --gpu rtx4090 --gpus 4` | {*} GiB | {*} GiB | ~{*} s, {} |", lambda: tps("lc-tp4-sp"), ",.0f"),
+        ("--gpus 2`): {} GiB without sequence parallelism", lambda: peak("tp2-70b-8k"), ".2f"),
+        ("GiB without sequence parallelism, {} GiB with it", lambda: peak("tp2-70b-8k-sp"), ".2f"),
+        ("whole on each rank ({} GiB: a vocabulary-parallel", lambda: comp("tp2-70b-8k-sp", "weights_unquantized"), ".2f"),
+        ("one layer's recomputation ({} GiB)", lambda: comp("tp2-70b-8k-sp", "recompute_layer"), ".2f"),
+        (
+            "both its ranks hold ~{} GiB of 4-bit layers",
+            lambda: comp("pp2-70b", "weights_quantized") + comp("pp2-70b", "quant_constants"),
+            ".1f",
+        ),
         ("| full, off | {} GiB |", lambda: comp("bm-full", "logits_loss"), ".2f"),
         ("| full, off | {*} GiB | {} GiB |", lambda: peak("bm-full"), ".2f"),
         ("| full, off | {*} GiB | {*} GiB | {} |", lambda: longest("bm-full").as_written, ",.0f"),
