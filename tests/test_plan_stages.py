@@ -253,3 +253,25 @@ def test_a_split_that_does_not_add_up_to_the_models_layers_is_refused_at_launch(
         split_problems(recipe("distributed.pipeline_parallel=3", "train.grad_accum=3", "distributed.pipeline_layers=auto"), 3)
         == []
     )
+
+
+def test_a_tensor_parallel_rank_keeps_its_row_shares_absmax_in_fp32():
+    # model/partial.cut_from_whole: a column-parallel share of a real model is whole 256-block groups and keeps
+    # double quant; a row-parallel share's blocks are strided over the rows, so its absmax is kept in fp32.
+    from finetune.plan.stages import tensor_rank_shape
+    from finetune.plan.terms import quantized_bytes
+
+    cfg = recipe("distributed.pipeline_parallel=1", "distributed.tensor_parallel=2")
+    e = plan_recipe(cfg, find_gpu("rtx4090"), gpus=2)
+    share = tensor_rank_shape(read_model_shape(str(CONFIGS / "llama-3-70b")), 2)
+    expected = 0
+    for g in share.linears:
+        double = g.name not in ("o_proj", "down_proj")
+        expected += quantized_bytes(g.in_features * g.out_features, g.out_features, 4, double, 2)[1] * g.count
+    assert e.component("quant_constants") == expected
+    all_double = sum(
+        quantized_bytes(g.in_features * g.out_features, g.out_features, 4, True, 2)[1] * g.count for g in share.linears
+    )
+    assert (
+        0.5 * 2**30 < expected - all_double < 0.6 * 2**30
+    )  # Llama-3-70B at tp2: o and down, 189M blocks a rank, 3 bytes more each

@@ -282,7 +282,9 @@ def test_a_ranks_4bit_share_is_one_process_quantization_bit_for_bit(tmp_path):
     from finetune.model.partial import Split
     from finetune.parallel.tensor import cut_shares_from_whole
 
-    build_tiny_llama(tmp_path, vocab_size=64, hidden=128)  # every share whole blocks of 64
+    # hidden 256: every share whole blocks of 64, each column-parallel share (q, k, v, gate, up) also whole groups of
+    # 256 blocks (k: 64 rows x 256 = 256 blocks), so it keeps double quant; o's and down's are strided over the rows.
+    build_tiny_llama(tmp_path, vocab_size=64, hidden=256)
     cfg = build_recipe({**MINIMAL, "model": {"path": str(tmp_path)}, "precision": "fp32"})
     assert (cfg.quant.bits, cfg.quant.quant_type, cfg.quant.double_quant) == (4, "nf4", True)
 
@@ -303,6 +305,18 @@ def test_a_ranks_4bit_share_is_one_process_quantization_bit_for_bit(tmp_path):
         cut_shares_from_whole(wrapped, cfg, 2, rank)
         cut = dequantized(share)
         assert cut.keys() == one.keys() and len(cut) == 14  # 7 split linears x 2 layers
+        kinds = {
+            n.removesuffix(".base_layer").rsplit(".", 1)[-1]: m.weight.quant_state
+            for n, m in share.named_modules()
+            if type(getattr(m, "weight", None)).__name__ == "Params4bit"
+        }
+        assert {n for n, q in kinds.items() if q.nested} == {
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "gate_proj",
+            "up_proj",
+        }  # o, down: fp32
         for name, whole in one.items():
             dim = split_dim(name + ".weight")
             n = whole.shape[dim] // 2

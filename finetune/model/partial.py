@@ -153,8 +153,10 @@ def share_blocks(shape: tuple[int, int], dim: int, rank: int, size: int, blocksi
 def cut_from_whole(weight: Any, whole: torch.Tensor, blocks: torch.Tensor) -> None:
     """A rank's 4-bit share (bitsandbytes' Params4bit, quantized alone by the loader) replaced by its blocks of the
     whole weight's quantization, as one process quantizes it: the same 4-bit codes and, with double quant, the
-    whole's absmax as one process's dequantization computes it (offset and 256-block groups are the whole tensor's),
-    kept in fp32. The share then dequantizes to exactly one process's values."""
+    whole's absmax. A share that is a run of whole 256-block groups (a column-parallel share of a large weight)
+    keeps them double-quantized: the whole's 8-bit codes, their groups' scales and its offset, sliced. Any other
+    (a row-parallel share's blocks are strided over the rows) keeps the absmax as one process's dequantization
+    computes it, in fp32. The share then dequantizes to exactly one process's values."""
     import bitsandbytes.functional as bnbf
 
     state = weight.quant_state
@@ -165,13 +167,33 @@ def cut_from_whole(weight: Any, whole: torch.Tensor, blocks: torch.Tensor) -> No
         quant_type=state.quant_type,
         quant_storage=weight.quant_storage,
     )
+    codes = packed.view(torch.uint8).reshape(-1, state.blocksize // 2)[blocks.to(packed.device)].reshape(-1)
+    weight.data = codes.view(weight.quant_storage).reshape(weight.data.shape)
+    groups = _whole_groups(blocks, full.state2.blocksize) if full.nested else None
+    if groups is not None:  # double quant kept: the share's codes and scales are runs of the whole's
+        (first, last), (g0, g1) = groups
+        nested = bnbf.QuantState(
+            absmax=full.state2.absmax[g0:g1].contiguous(),
+            code=full.state2.code,
+            blocksize=full.state2.blocksize,
+            dtype=full.state2.dtype,
+        )
+        weight.quant_state = bnbf.QuantState(
+            absmax=full.absmax[first:last].contiguous(),
+            shape=state.shape,
+            code=full.code,
+            blocksize=state.blocksize,
+            quant_type=state.quant_type,
+            dtype=state.dtype,
+            offset=full.offset,
+            state2=nested,
+        )
+        return
     absmax = full.absmax
     if full.nested:  # as bitsandbytes' dequantize_4bit computes it, step for step
         absmax = bnbf.dequantize_blockwise(full.absmax, full.state2)
         absmax += full.offset
         absmax = absmax.float()
-    codes = packed.view(torch.uint8).reshape(-1, state.blocksize // 2)[blocks.to(packed.device)].reshape(-1)
-    weight.data = codes.view(weight.quant_storage).reshape(weight.data.shape)
     weight.quant_state = bnbf.QuantState(
         absmax=absmax[blocks.to(absmax.device)].contiguous(),
         shape=state.shape,
@@ -181,6 +203,14 @@ def cut_from_whole(weight: Any, whole: torch.Tensor, blocks: torch.Tensor) -> No
         dtype=state.dtype,
     )
     weight.compress_statistics = False  # its absmax is the whole's, in fp32: not quantized again
+
+
+def _whole_groups(blocks: torch.Tensor, group: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """((first, last) block, (first, last) group) when `blocks` is one run of whole groups of `group` blocks, else None."""
+    first, count = int(blocks[0]), blocks.numel()
+    if first % group or count % group or not torch.equal(blocks, torch.arange(first, first + count, device=blocks.device)):
+        return None
+    return (first, first + count), (first // group, (first + count) // group)
 
 
 def checkpoint_tensors(source: str, revision: str | None) -> dict[str, Path]:

@@ -43,6 +43,7 @@ class Setup(Modes):
     cp_mode: str = "ring"  # ring | ulysses
     sp: bool = False  # distributed.sequence_parallel: a tensor-parallel rank's residual stream is 1/tp of the positions
     positions_split: int = 1  # what a rank's plan divides the residual stream's positions by (plan/stages.py sets tp)
+    fp32_absmax: tuple[str, ...] = ()  # linears whose double-quant absmax a rank keeps in fp32 (tensor parallelism's row shares)
 
     @property
     def strategy(self) -> Strategy:

@@ -179,7 +179,8 @@ def _static_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, impl: Im
     unq_bytes = impl.unquantized_bytes or b
     q_weight = q_const = linear_blocks = 0
     for g in shape.linears:
-        w, c = quantized_bytes(g.in_features * g.out_features, g.out_features, recipe.quant_bits, recipe.double_quant, b)
+        double = recipe.double_quant and g.name not in setup.fp32_absmax
+        w, c = quantized_bytes(g.in_features * g.out_features, g.out_features, recipe.quant_bits, double, b)
         q_weight += w * g.count
         q_const += c * g.count
         linear_blocks += pinned_block_bytes(w) * g.count  # memory/stream.py pins each linear's weight on its own

@@ -140,7 +140,7 @@ def _ranks(
     (the others hold the same); split over tensor-parallel ranks, each its share, its all-reduces in its step."""
     pp, tp = setup.pp, setup.tp
     replicas = setup.gpus // (pp * tp)
-    one = replace(setup, gpus=replicas, sharding=DDP.name, pp=1, pipeline_layers=(), tp=1)
+    one = replace(setup, gpus=replicas, sharding=DDP.name, pp=1, pipeline_layers=(), tp=1, fp32_absmax=_row_shares(tp))
     out = []
     for stage in range(pp):
         layout = Layout(pp, replicas, stage * replicas * tp, setup.virtual_stages, tp, setup.pipeline_layers)
@@ -231,7 +231,9 @@ def plan_tensor_split(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu:
             hint=f"plan with --gpus {tp} (or a multiple)",
         )
     replicas = world // tp  # the processes holding one share: data-parallel replicas x context-parallel ranks
-    one = replace(setup, gpus=replicas, sharding=DDP.name, tp=1, positions_split=tp if setup.sp else 1)
+    one = replace(
+        setup, gpus=replicas, sharding=DDP.name, tp=1, positions_split=tp if setup.sp else 1, fp32_absmax=_row_shares(tp)
+    )
     layout = Layout(1, replicas // setup.cp, 0, tp=tp, cp=setup.cp)
     same_share = [i * tp for i in range(replicas)]  # tp rank 0 of every replica and context-parallel rank
     # cp x tp: a share's rank runs its part of every sequence (plan/context.py), over the share's heads
@@ -261,6 +263,13 @@ def plan_tensor_split(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu:
         trainable_params=trainable_params(shape, recipe),
         notes=[note, *e.notes],
     )
+
+
+def _row_shares(tp: int) -> tuple[str, ...]:
+    """The linears whose shares keep their double-quant absmax in fp32 over tp ranks (model/partial.cut_from_whole):
+    a row-parallel share's blocks are strided over the rows, never whole 256-block groups; a column-parallel share
+    of a real model's weight is (every dimension a multiple of 256 x 64 x tp)."""
+    return tuple(sorted(ROW)) if tp > 1 else ()
 
 
 def _allreduces(shape: ModelShape, setup: Setup) -> float:
