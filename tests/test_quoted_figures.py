@@ -236,6 +236,20 @@ def grad_bytes() -> int:  # fp32 gradients the DDP recipe all-reduces each step
     return est("ddp").component("gradients")
 
 
+def row_shares_fp32() -> float:  # GiB a tensor-parallel rank of Llama-3-70B at tp2 adds: o's and down's absmax in fp32
+    from finetune.plan.stages import tensor_rank_shape
+    from finetune.plan.terms import quantized_bytes
+
+    share = tensor_rank_shape(read_model_shape(str(CONFIGS / "llama-3-70b")), 2)
+    rows = [g for g in share.linears if g.name in ("o_proj", "down_proj")]
+    extra = sum(
+        (quantized_bytes(g.in_features * g.out_features, g.out_features, 4, dq, 2)[1] * (-1 if dq else 1)) * g.count
+        for g in rows
+        for dq in (False, True)
+    )
+    return extra / GiB
+
+
 def store(n: str) -> float:  # the 4-bit decoder layers as streamed (the base_weights=disk file)
     return est(n).disk_parts["streamed_weights"] / GiB
 
@@ -246,6 +260,7 @@ _Y = "recipes/{}.yaml".format
 # {} is the figure the row checks, {*} any number (another row checks it); runs of whitespace read as one space.
 ROWS: dict[str, list[tuple[str, Value, str]]] = {
     RM: [
+        ("the planner counts it: +{} GiB a rank for Llama-3-70B at tp2", row_shares_fp32, ".2f"),
         ("no packing; predicted {} GiB (Qwen2.5-VL-7B)", lambda: peak("vlm"), ".2f"),
         ("recipe: predicted {} GiB for Qwen2.5-VL-7B on an RTX 4090)", lambda: peak("vlm"), ".2f"),
         ("only its quarter of the checkpoint; predicted {} GiB on the fullest GPU", lambda: peak("pp4"), ".2f"),

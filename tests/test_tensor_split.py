@@ -219,6 +219,7 @@ def test_a_split_stages_planned_weights_are_what_its_loaded_share_holds(tmp_path
     from finetune.gpus import find_gpu
     from finetune.model.load import load_model
     from finetune.parallel.stages import stage_placement
+    from finetune.parallel.tensor import cut_shares_from_whole
     from finetune.plan import plan_recipe
     from finetune.plan.recipe import planning_inputs, setup_of
     from finetune.plan.stages import _ranks
@@ -231,13 +232,18 @@ def test_a_split_stages_planned_weights_are_what_its_loaded_share_holds(tmp_path
     split = Split(split_dim, 1, 2, narrowed(AutoConfig.from_pretrained(tmp_path), 2))
     place = stage_placement(Layout(2, 1, 3, tp=2), 4, False, torch.device("cpu"))
     model = load_model(cfg, "fp32", torch.device("cpu"), placement=place, split=split)
+    cut_shares_from_whole(model, cfg, 2, 1)  # as TensorParallel.shard: the row shares' absmax in fp32
     held = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
-    constants = sum(
-        m.weight.quant_state.absmax.numel() * m.weight.quant_state.absmax.element_size()
-        + m.weight.quant_state.state2.absmax.numel() * 4
+    states = {
+        id(m.weight): m.weight.quant_state
         for m in model.modules()
         if getattr(getattr(m, "weight", None), "quant_state", None) is not None and not m.weight.is_meta
-    )
+    }
+    # each weight once (peft's wrapper answers .weight with its base layer's); double quant: its groups' scales, its
+    # 256-entry code table and offset (the planner's quantized_bytes counts them)
+    nested = [q for q in states.values() if q.nested]
+    constants = sum(q.absmax.numel() * q.absmax.element_size() for q in states.values())
+    constants += sum(q.state2.absmax.numel() * 4 + q.state2.code.numel() * 4 + 4 for q in nested)
     shape, facts, kw = planning_inputs(cfg, None)
     layout, planned, _ = _ranks(shape, facts, setup_of(cfg, 4), None, **kw)[1]
     assert (layout.stage, layout.tp) == (1, 2)
