@@ -310,6 +310,13 @@ def test_checkpoints_by_the_minute_are_written_off_the_training_thread_and_resum
         return save(out, step, *args, **kwargs)
 
     monkeypatch.setattr(resume, "save_checkpoint", slow_save)
+    # As a split room gathers them on a CPU: the whole tensors are the live ones (`.cpu()` copies nothing there).
+    from finetune.parallel.room import Room
+
+    def gathered(self, model, optimizer):
+        return {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}, optimizer.state_dict()
+
+    monkeypatch.setattr(Room, "full_states", gathered)
     timed = {"train.max_steps": 7, "checkpoint.every_steps": None, "checkpoint.every_minutes": 1.0, "checkpoint.keep_last": 9}
     run = Clocked(cfg_for(recipe_dict, tmp_path / "timed", **timed), progress=False)
     run.train()

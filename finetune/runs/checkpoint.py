@@ -319,8 +319,9 @@ def save_checkpoint(
 def snapshot(
     model, optimizer, scheduler, model_state: dict[str, torch.Tensor] | None, optimizer_state: dict[str, Any] | None
 ) -> dict[str, Any]:
-    """save_checkpoint's model_state, optimizer_state and scheduler_state as host-RAM copies taken now (gathered states
-    are copies already): what a background write needs while the next steps change the originals."""
+    """save_checkpoint's model_state, optimizer_state and scheduler_state as host-RAM copies taken now, gathered ones
+    too (a whole tensor gathered on a CPU is the live one: `.cpu()` copies nothing there): what a background write
+    needs while the next steps change the originals."""
 
     def copied(obj: Any) -> Any:
         if torch.is_tensor(obj):
@@ -332,10 +333,10 @@ def snapshot(
         return obj
 
     if model_state is None:
-        model_state = copied({n: p for n, p in model.named_parameters() if p.requires_grad})
+        model_state = {n: p for n, p in model.named_parameters() if p.requires_grad}
     return {
-        "model_state": model_state,
-        "optimizer_state": optimizer_state if optimizer_state is not None else copied(optimizer.state_dict()),
+        "model_state": copied(model_state),
+        "optimizer_state": copied(optimizer_state if optimizer_state is not None else optimizer.state_dict()),
         "scheduler_state": copied(scheduler.state_dict()),
     }
 
