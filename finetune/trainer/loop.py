@@ -342,7 +342,11 @@ class Trainer:
             saved = True
         # A stop signal on any rank stops every rank, or one would wait forever in the next collective.
         if not last and self.parallel.global_sum(1.0 if self.state.stop_signal else 0.0) > 0:
-            saving.wait(self) if saved else self.save_checkpoint(done)
+            if saved:  # written in the background on rank 0: every rank leaves once it is complete (torchrun tears
+                saving.wait(self)  # down the others at the first rank's exit)
+                self.parallel.wait()
+            else:
+                self.save_checkpoint(done)
             raise Preempted(
                 f"{self.state.stop_signal or 'stop signal'} received: saved {checkpoint_dir(self.out, done)} "
                 f"and stopped after step {done} of {self.state.total_steps}",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from finetune.errors import CheckpointError
 from finetune.parallel.rank_state import RankState, rng_states
 from finetune.runs.background import BackgroundWriter
 from finetune.runs.checkpoint import checkpoint_dir, snapshot
@@ -58,8 +59,19 @@ class Saving:
         self.report(trainer, [step])
 
     def poll(self, trainer: Any) -> None:
-        """The background writes that ended since the last poll said (a failed one raised: the run stops on it)."""
-        self.report(trainer, self.writer.finished())
+        """The background writes that ended since the last poll said; a failed one stops the run on every rank (rank 0
+        with its error, the others saying so), not only on rank 0 while the others wait in the next collective."""
+        try:
+            done, failed = self.writer.finished(), None
+        except Exception as err:  # noqa: BLE001 - raised below, on every rank
+            done, failed = [], err
+        parallel = trainer.parallel
+        if self.background and self.periodic and parallel.world > 1:  # every rank asks: a collective each step
+            if parallel.global_sum(1.0 if failed is not None else 0.0) > 0 and failed is None:
+                raise CheckpointError("rank 0's checkpoint written in the background failed; its error is in rank 0's output")
+        if failed is not None:
+            raise failed
+        self.report(trainer, done)
 
     def wait(self, trainer: Any, raise_errors: bool = True) -> None:
         """The background write in flight ended (its on_save said)."""
