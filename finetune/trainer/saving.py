@@ -26,6 +26,12 @@ class Saving:
     def periodic(self) -> bool:
         return bool(self.every_steps or self.every_minutes)
 
+    def writes_behind(self, parallel: Any) -> bool:
+        """Whether periodic checkpoints go to the writer thread. Split rooms (pipeline, tensor, context) write on the
+        spot: a pp2 x tp2 checkpoint written in the background resumed to other losses in the suite
+        (tests/e2e/test_tensor_parallel.py, twice, not reproduced alone)."""
+        return self.background and not parallel.room.sums_own_gradients
+
     def due(self, trainer: Any, step: int) -> bool:
         """Whether `step` is checkpointed now (every rank calls: with every_minutes, a collective on rank 0's clock)."""
         on_step = bool(self.every_steps) and step % self.every_steps == 0
@@ -37,9 +43,7 @@ class Saving:
     def save(self, trainer: Any, step: int, background: bool = False) -> None:
         """Checkpoint after `step` completed optimizer steps (every rank calls: gathering states is a collective)."""
         parallel = trainer.parallel
-        # Split rooms (pipeline, tensor, context) write on the spot: a pp2 x tp2 checkpoint written in the background
-        # resumed to other losses in the suite (tests/e2e/test_tensor_parallel.py, twice, not reproduced alone).
-        background = background and self.background and not parallel.room.sums_own_gradients
+        background = background and self.writes_behind(parallel)
         parallel.wait()
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         model_state, optimizer_state = parallel.full_states(trainer.model, optimizer)  # collectives: every rank
@@ -68,7 +72,7 @@ class Saving:
         except Exception as err:  # noqa: BLE001 - raised below, on every rank
             done, failed = [], err
         parallel = trainer.parallel
-        if self.background and self.periodic and parallel.world > 1 and not parallel.room.sums_own_gradients:
+        if self.periodic and parallel.world > 1 and self.writes_behind(parallel):  # the same answer on every rank
             if parallel.global_sum(1.0 if failed is not None else 0.0) > 0 and failed is None:  # a collective: every rank
                 raise CheckpointError("rank 0's checkpoint written in the background failed; its error is in rank 0's output")
         if failed is not None:
