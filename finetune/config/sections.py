@@ -313,6 +313,12 @@ class DistributedConfig(_Section):
         "sequence over the tensor-parallel ranks (Megatron's; the same traffic as the all-reduces it replaces): less "
         "activation memory per rank (parallel/sequence.py)",
     )
+    vocab_parallel: bool = Field(
+        False,
+        description="tensor_parallel: the input embedding and the LM head split along the vocabulary over the "
+        "tensor-parallel ranks, and the loss computed from each rank's columns (no whole-vocabulary logits): 1/tp of "
+        "the tables per rank (parallel/vocab.py)",
+    )
     context_parallel: int = Field(
         1,
         ge=1,

@@ -148,6 +148,33 @@ def tensor_asked(cfg: Any) -> str:
     return TENSOR.said(cfg)
 
 
+def _tensor_alone(key: str, what: str) -> tuple[Rule[Any], Rule[Any]]:
+    """distributed.KEY (a refinement of tensor parallelism) refused without one, and where it does not run yet."""
+
+    def on(c: Any) -> bool:
+        return bool(getattr(c.distributed, key))
+
+    def beside(c: Any) -> str:
+        return pipeline_asked(c) if _pipelined(c) else context_asked(c) if _context(c) else "train.objective=grpo"
+
+    return (
+        Rule(
+            lambda c: on(c) and not _split(c),
+            lambda c: (
+                f"distributed.{key}=true {what}; {tensor_asked(c)} has none. Set distributed.tensor_parallel to 2 or "
+                f"more, or {key}=false."
+            ),
+        ),
+        Rule(
+            lambda c: on(c) and _split(c) and (_pipelined(c) or _context(c) or c.train.objective == "grpo"),
+            lambda c: (
+                f"distributed.{key}=true with {beside(c)}: not yet (tensor parallelism alone, for sft, dpo, orpo and "
+                f"simpo). Set distributed.{key}=false."
+            ),
+        ),
+    )
+
+
 TENSOR_RULES: tuple[Rule[Any], ...] = (
     Rule(
         lambda c: _split(c) and _shards(c),
@@ -189,22 +216,28 @@ TENSOR_RULES: tuple[Rule[Any], ...] = (
             f"{tensor_asked(c)} does not use DDP's all-reduce, which grad_compression hooks. Set distributed.grad_compression=none."
         ),
     ),
+    *_tensor_alone("sequence_parallel", "splits the sequence between a tensor-parallel group's split linears"),
+    *_tensor_alone("vocab_parallel", "splits the embedding and the head over a tensor-parallel group"),
     Rule(
-        lambda c: c.distributed.sequence_parallel and not _split(c),
+        lambda c: c.distributed.vocab_parallel and _split(c) and c.memory.loss in ("full", "liger"),
         lambda c: (
-            "distributed.sequence_parallel=true splits the sequence between a tensor-parallel group's split linears; "
-            f"{tensor_asked(c)} has none. Set distributed.tensor_parallel to 2 or more, or sequence_parallel=false."
+            f"distributed.vocab_parallel=true with memory.loss={c.memory.loss}: a rank holds only its columns of the "
+            "logits, which the chunked loss takes as they are. Set memory.loss=chunked (or auto)."
         ),
     ),
     Rule(
-        lambda c: c.distributed.sequence_parallel and _split(c) and (_pipelined(c) or _context(c) or c.train.objective == "grpo"),
+        lambda c: c.distributed.vocab_parallel and _split(c) and c.lora is not None and bool(_trained_tables(c)),
         lambda c: (
-            "distributed.sequence_parallel=true with "
-            + (pipeline_asked(c) if _pipelined(c) else context_asked(c) if _context(c) else "train.objective=grpo")
-            + ": not yet (tensor parallelism alone, for sft, dpo, orpo and simpo). Set distributed.sequence_parallel=false."
+            f"distributed.vocab_parallel=true with {', '.join(_trained_tables(c))} in lora.target: the split tables "
+            "are frozen. Take them out of lora.target, or set distributed.vocab_parallel=false."
         ),
     ),
 )
+
+
+def _trained_tables(cfg: Any) -> list[str]:
+    targets = [cfg.lora.target] if isinstance(cfg.lora.target, str) else cfg.lora.target
+    return [t for t in targets if t in ("lm_head", "embed_tokens")]
 
 
 def _context(cfg: Any) -> bool:
@@ -312,7 +345,7 @@ TENSOR = Split(
     "tensor",
     "distributed.tensor_parallel",  # the split tensors are gathered whole into a checkpoint, sliced again on load
     "tp",
-    ("distributed.tensor_parallel", "distributed.sequence_parallel"),
+    ("distributed.tensor_parallel", "distributed.sequence_parallel", "distributed.vocab_parallel"),
     TENSOR_RULES,
 )
 CONTEXT = Split(

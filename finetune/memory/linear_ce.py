@@ -7,7 +7,8 @@ upcast to fp32 for the loss: on one 24 GB card, more than the whole 4-bit 8B mod
 Here the LM head and the loss run together over chunks of target positions; each
 chunk is a checkpoint, so its logits exist only while its loss is computed and again,
 one chunk at a time, while backward recomputes them. The log-sum-exp is taken in
-fp32. Any head works (a LoRA-wrapped or 4-bit one too: it is called as a module),
+fp32. Any head works (a LoRA-wrapped or 4-bit one too: it is called as a module; one split along
+the vocabulary over a tensor-parallel group gives its columns and their loss, parallel/vocab.py),
 and a model's own transform of the logits (Gemma's soft-capping, Cohere's and
 Granite's scales) is applied per chunk.
 
@@ -82,9 +83,12 @@ def chunked_head_matches(model, owner: torch.nn.Module, device: torch.device, to
 def _chunk_loss(
     hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, transform: LogitsTransform | None
 ) -> torch.Tensor:
-    logits = head(hidden)
+    split = getattr(head, "vocab_split", None)  # a head split along the vocabulary (parallel/vocab.py): its columns
+    logits = head(hidden) if split is None else split.local_logits(hidden)
     if transform is not None:
         logits = transform(logits)
+    if split is not None:
+        return split.loss_sum(logits, targets)
     return F.cross_entropy(logits.float(), targets, reduction="sum")
 
 

@@ -210,8 +210,10 @@ class CausalLMLoss(Loss):
     def _cross_entropy(self, model, inputs: dict, labels: torch.Tensor) -> tuple[torch.Tensor, int, object]:
         """(summed cross-entropy, target tokens, the model's output: aux_loss and all)."""
         keep = target_positions(labels)
-        if self.chunk_rows and not (self.chunk_only_above and int(keep.sum()) <= self.chunk_rows):
-            owner = head_owner(model)
+        owner = head_owner(model)
+        # A head split along the vocabulary (parallel/vocab.py) always chunks: no whole-vocabulary logits on any rank.
+        split = owner is not None and hasattr(owner.lm_head, "vocab_split")
+        if self.chunk_rows and (split or not (self.chunk_only_above and int(keep.sum()) <= self.chunk_rows)):
             if owner is not None and self._reproduces_logits(model, owner, inputs["input_ids"].device):
                 self.chunked_batches += 1
                 return self._chunked(model, owner, inputs, labels, keep)
@@ -280,7 +282,13 @@ class CausalLMLoss(Loss):
             hidden = hidden[keep]
         targets = labels[:, 1:][keep[:, :-1]]
         transform = logits_transform(owner.config)
-        if self.fused is not None and transform is None and fusable_head(head) and targets.numel():
+        if (
+            self.fused is not None
+            and transform is None
+            and fusable_head(head)
+            and not hasattr(head, "vocab_split")
+            and targets.numel()
+        ):
             return self.fused(head.weight, hidden, targets, head.bias), int(targets.numel())
         assert self.chunk_rows is not None
         return chunked_linear_cross_entropy(hidden, head, targets, self.chunk_rows, transform), int(targets.numel())

@@ -11,7 +11,8 @@ ranks of a group, on a 4-bit base. torch's DTensor cannot hold bitsandbytes' Par
 q, k, v, gate and up are column-parallel (their output features split: whole heads, a slice of the MLP),
 o and down row-parallel (their input features split): attention and the MLP each run on a rank's share
 and one all-reduce sums their outputs; the input's gradient is all-reduced in backward (Megatron's f and
-g). Embeddings, norms and the head stay whole on every rank. LoRA is split to match, so that the
+g). Norms stay whole on every rank, the embeddings and the head too unless split along the vocabulary
+(distributed.vocab_parallel, vocab.py). LoRA is split to match, so that the
 group computes the unsplit model: a column-parallel layer keeps A whole and splits B by rows, a
 row-parallel one splits A by columns and keeps B whole; each rank's part is what one process draws
 (the same generator, whole shapes, then sliced), so checkpoints gather into one process's adapter.
@@ -35,8 +36,10 @@ from finetune.model.load import decoder_layers, head_owner, model_source
 from finetune.model.partial import checkpoint_tensors, cut_from_whole, share_blocks, whole_blocks
 from finetune.parallel.grads import clip_to, squares, sum_over
 from finetune.parallel.mesh import dim_group, dims_group
+from finetune.parallel.regions import FromGroup, ToGroup
 from finetune.parallel.room import SplitRoom, refuse_fp16
 from finetune.parallel.sequence import SequenceSplit, pad_rows
+from finetune.parallel.vocab import split_vocabulary
 from finetune.plan.terms import NF4_BLOCK
 
 
@@ -163,35 +166,6 @@ def cut_shares_from_whole(model: nn.Module, cfg: Any, tp: int, tp_rank: int) -> 
                 cut_from_whole(weight, f.get_tensor(key), blocks)
 
 
-class _ToGroup(torch.autograd.Function):
-    """Megatron's f: the input, unchanged, to every rank's share; its gradient summed over the group."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _FromGroup(torch.autograd.Function):
-    """Megatron's g: the ranks' partial outputs summed; the gradient passes unchanged."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
 class TensorParallel(SplitRoom):
     """This rank's share of every decoder layer, and what the loop asks of it (gradients, norm, states)."""
 
@@ -211,7 +185,8 @@ class TensorParallel(SplitRoom):
 
     def describe(self) -> str:
         many = f"{self.replicas} replica{'s' if self.replicas > 1 else ''}"
-        return f"parallel: tensor parallel, each decoder layer split over {self.tp} processes x {many}"
+        vocab = ", the vocabulary's tables too" if self.cfg.distributed.vocab_parallel else ""
+        return f"parallel: tensor parallel, each decoder layer split over {self.tp} processes x {many}{vocab}"
 
     def split(self) -> Any:
         """This rank's reading: its share of every split weight, its narrowed config."""
@@ -269,6 +244,8 @@ class TensorParallel(SplitRoom):
             self.hooks.append(first.register_forward_pre_hook(self.sequence.first_layer_in, with_kwargs=True))
             owner: Any = head_owner(model)
             self.hooks.append(owner.get_decoder().norm.register_forward_hook(self.sequence.after_norm))
+        if self.cfg.distributed.vocab_parallel:  # the tables cut to this rank's vocabulary rows
+            self.hooks += split_vocabulary(model, self.group)
         for name, module in model.named_modules():
             if name.endswith(".self_attn") or name.endswith(".mlp"):
                 if self.sequence is not None:
@@ -286,15 +263,15 @@ class TensorParallel(SplitRoom):
         if self.sequence is not None and self.sequence.active:
             return None  # gathered by the sequence split's own hook
         if args:
-            return (_ToGroup.apply(args[0], self.group), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": _ToGroup.apply(kwargs["hidden_states"], self.group)}
+            return (ToGroup.apply(args[0], self.group), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": ToGroup.apply(kwargs["hidden_states"], self.group)}
 
     def _out(self, module: nn.Module, args: tuple, output: Any):
         if self.sequence is not None and self.sequence.active:
             return None  # reduce-scattered by the sequence split's own hook
         if isinstance(output, tuple):  # attention: (output, weights)
-            return (_FromGroup.apply(output[0], self.group), *output[1:])
-        return _FromGroup.apply(output, self.group)
+            return (FromGroup.apply(output[0], self.group), *output[1:])
+        return FromGroup.apply(output, self.group)
 
     # ------------------------------------------------------------------ the step
 

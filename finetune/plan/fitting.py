@@ -133,9 +133,11 @@ def _laid_out(s: Setup, base: Setup, pp: int, tp: int, cp: int = 1) -> Setup | N
         return None
     m = int(per_replica)
     own = base.pipeline_layers if pp == base.pp else ()  # the recipe's split (auto: as balanced)
-    # Sequence parallelism wherever it runs (tensor parallelism alone, no sampling): less memory, the same traffic.
+    # Sequence and vocabulary parallelism wherever they run (tensor parallelism alone, no sampling; the vocabulary's
+    # loss in chunks): less memory, the same traffic (sp), two all-reduces of a chunk's positions (vp).
     sp = tp > 1 and pp == cp == 1 and not s.sampled_tokens
-    s = replace(s, pp=pp, tp=tp, cp=cp, sp=sp, grad_accum=m, pipeline_layers=own)
+    vp = sp and s.loss in ("auto", "chunked")
+    s = replace(s, pp=pp, tp=tp, cp=cp, sp=sp, vp=vp, grad_accum=m, pipeline_layers=own)
     if pp == 1:
         return s
     if base.pp == pp and base.pipeline_schedule == "interleaved_1f1b" and m % max(1, m // pp) == 0:

@@ -42,6 +42,7 @@ class Setup(Modes):
     cp: int = 1  # context-parallel ranks: gpus = ranks x replicas, each rank seq/N + 1 tokens (finetune/plan/context.py)
     cp_mode: str = "ring"  # ring | ulysses
     sp: bool = False  # distributed.sequence_parallel: a tensor-parallel rank's residual stream is 1/tp of the positions
+    vp: bool = False  # distributed.vocab_parallel: a tensor-parallel rank holds 1/tp of the embedding and head rows
     positions_split: int = 1  # what a rank's plan divides the residual stream's positions by (plan/stages.py sets tp)
     fp32_absmax: tuple[str, ...] = ()  # linears whose double-quant absmax a rank keeps in fp32 (tensor parallelism's row shares)
 
@@ -210,7 +211,7 @@ def _sharding_label(s: Setup) -> str:
     if s.tp > 1:
         replicas = s.gpus // (s.tp * s.cp)
         parts = f" x {s.cp} context-parallel ranks ({s.cp_mode})" if s.cp > 1 else ""
-        sp = ", sequence parallel" if s.sp else ""
+        sp = (", sequence parallel" if s.sp else "") + (", vocabulary parallel" if s.vp else "")
         return f" (tensor parallel: {s.tp} ranks{parts} x {replicas} replica{'s' if replicas > 1 else ''}{sp})"
     if s.cp > 1:
         replicas = s.gpus // s.cp

@@ -47,7 +47,12 @@ _JSON_FIRST = ("batch_size", "grad_accum", "gpus", "checkpoint_every", "seq_len"
 
 
 # The grid's dimensions under the names a recipe gives them (plan --json's setup speaks the recipe's words).
-_JSON_NAMES = {**{split.dim: split.field for split in SPLITS}, "cp_mode": f"{CONTEXT.field}_mode", "sp": "sequence_parallel"}
+_JSON_NAMES = {
+    **{split.dim: split.field for split in SPLITS},
+    "cp_mode": f"{CONTEXT.field}_mode",
+    "sp": "sequence_parallel",
+    "vp": "vocab_parallel",
+}
 
 
 def _in_json_order(setup: dict[str, Any]) -> dict[str, Any]:

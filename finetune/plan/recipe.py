@@ -65,6 +65,7 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
         cp=CONTEXT.size(cfg),
         cp_mode=cfg.distributed.context_parallel_mode,
         sp=cfg.distributed.sequence_parallel,
+        vp=cfg.distributed.vocab_parallel,
         pipeline_layers=tuple(cfg.distributed.pipeline_layers) if isinstance(cfg.distributed.pipeline_layers, list) else (),
         batch_size=cfg.train.batch_size,
         grad_accum=cfg.train.grad_accum,

@@ -21,6 +21,7 @@ LAYOUT_FIELDS = {
     "pipeline_schedule": "distributed.pipeline_schedule",
     "virtual_stages": "distributed.virtual_stages",
     "sp": "distributed.sequence_parallel",
+    "vp": "distributed.vocab_parallel",
 }
 
 

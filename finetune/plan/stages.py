@@ -199,8 +199,10 @@ def _describe_rank(layout: Layout, e: Estimate, held: float, shape: ModelShape) 
     )
 
 
-def tensor_rank_shape(shape: ModelShape, tp: int) -> ModelShape:
-    """One tensor-parallel rank's share of every layer, as a ModelShape the single-GPU terms read."""
+def tensor_rank_shape(shape: ModelShape, tp: int, vocab: bool = False, local_logits: bool = False) -> ModelShape:
+    """One tensor-parallel rank's share of every layer, as a ModelShape the single-GPU terms read. vocab: its rows of
+    the embedding and head too (parallel/vocab.py); local_logits: the loss takes its columns of the logits alone
+    (chunked), not the whole logits gathered."""
     linears = tuple(
         replace(g, out_features=g.out_features // tp)
         if g.name in COLUMN
@@ -212,13 +214,18 @@ def tensor_rank_shape(shape: ModelShape, tp: int) -> ModelShape:
     split = sum(g.in_features * g.out_features * g.count for g in shape.linears) - sum(
         g.in_features * g.out_features * g.count for g in linears
     )
+    tables = shape.embedding_params + shape.head_params
+    cut = tables - tables // tp if vocab else 0
     return replace(
         shape,
         heads=shape.heads // tp,
         kv_heads=shape.kv_heads // tp,
         intermediate=shape.intermediate // tp,
         linears=linears,
-        total_params=shape.total_params - split,
+        total_params=shape.total_params - split - cut,
+        embedding_params=shape.embedding_params // tp if vocab else shape.embedding_params,
+        head_params=shape.head_params // tp if vocab else shape.head_params,
+        vocab=-(-shape.vocab // tp) if vocab and local_logits else shape.vocab,
     )
 
 
@@ -238,7 +245,8 @@ def plan_tensor_split(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu:
     same_share = [i * tp for i in range(replicas)]  # tp rank 0 of every replica and context-parallel rank
     # cp x tp: a share's rank runs its part of every sequence (plan/context.py), over the share's heads
     plan = plan_context_split if setup.cp > 1 else estimate
-    e = plan(tensor_rank_shape(shape, tp), recipe, one, gpu and _as_seen_by(gpu, same_share), **kw)
+    rank_shape = tensor_rank_shape(shape, tp, vocab=setup.vp, local_logits=setup.loss_rows > 0)
+    e = plan(rank_shape, recipe, one, gpu and _as_seen_by(gpu, same_share), **kw)
     parts, step = dict(e.step_time_parts), e.step_time_s
     reduced = replace(setup, seq_len=rank_tokens(setup.seq_len, setup.cp)[1]) if setup.cp > 1 else setup
     hidden_states = reduced.rows * reduced.seq_len * shape.hidden * recipe.compute_bytes  # one micro-batch's (part)
@@ -249,7 +257,9 @@ def plan_tensor_split(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu:
     split = f"{setup.cp} context-parallel ranks x " if setup.cp > 1 else ""
     note = (
         f"tensor parallel: {tp} ranks x {split}{many}; each rank holds 1/{tp} of every "
-        f"decoder linear and its LoRA, the embeddings, head and norms whole; {_allreduces(shape, setup):.0f} all-reduces of "
+        f"decoder linear and its LoRA, "
+        + (f"1/{tp} of the embedding and head rows, the norms whole" if setup.vp else "the embeddings, head and norms whole")
+        + f"; {_allreduces(shape, setup):.0f} all-reduces of "
         f"{hidden_states / 2**20:.1f} MiB per micro-batch on the GPU link"
     )
     return replace(
@@ -276,7 +286,8 @@ def _allreduces(shape: ModelShape, setup: Setup) -> float:
     """A micro-batch's tensor-parallel all-reduces over `shape`'s layers: after attention and after the MLP,
     in forward, backward and a checkpointed layer's recompute."""
     passes = 2 + setup.checkpointed_layers(shape.layers) / shape.layers
-    return 2 * shape.layers * passes
+    # vp: the embeddings' sum in forward, the head's input gradient in backward (at most a micro-batch's positions)
+    return 2 * shape.layers * passes + (2 if setup.vp else 0)
 
 
 def tensor_allreduce_s(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec) -> float:

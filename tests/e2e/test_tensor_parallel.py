@@ -58,16 +58,22 @@ def one_process(base) -> Path:
     return out
 
 
-@pytest.mark.parametrize("nproc, batch, sp", [(2, 4, False), (4, 2, False), (2, 4, True)], ids=["tp2", "tp2xdp2", "tp2-sp"])
-def test_tensor_parallel_matches_one_process(base, one_process, nproc, batch, sp):
+@pytest.mark.parametrize(
+    "nproc, batch, sp, vocab",
+    [(2, 4, False, False), (4, 2, False, False), (2, 4, True, False), (2, 4, True, True)],
+    ids=["tp2", "tp2xdp2", "tp2-sp", "tp2-sp-vocab"],
+)
+def test_tensor_parallel_matches_one_process(base, one_process, nproc, batch, sp, vocab):
     # sp: sequence parallelism, each rank's norms and residual stream over half of every row's positions (rows
     # padded to an even length), all-gathered into the split linears and reduce-scattered out of them.
+    # vocab: the embedding and the head split along the vocabulary, the loss from each rank's columns of the logits.
     root, recipe = base
-    split = {"tensor_parallel": 2, "sequence_parallel": sp}
-    path, out = write(root, recipe, f"tp-{nproc}-{sp}", train__batch_size=batch, distributed=split)
+    split = {"tensor_parallel": 2, "sequence_parallel": sp, "vocab_parallel": vocab}
+    path, out = write(root, recipe, f"tp-{nproc}-{sp}-{vocab}", train__batch_size=batch, distributed=split)
     proc = finetune(str(path), "--nproc", str(nproc), cwd=root)
     replicas = "1 replica" if nproc == 2 else "2 replicas"
-    assert f"parallel: tensor parallel, each decoder layer split over 2 processes x {replicas}" in proc.stdout
+    vocabulary = ", the vocabulary's tables too" if vocab else ""
+    assert f"parallel: tensor parallel, each decoder layer split over 2 processes x {replicas}{vocabulary}\n" in proc.stdout
     assert all(norm > 0.5 for _, norm in step_rows(one_process))  # every update clipped
     assert_same_steps(one_process, out, rel=1e-5)
     assert_adapters_close(adapter(one_process), adapter(out))  # gathered whole, as one process writes it
@@ -114,6 +120,13 @@ if os.environ.get("UNSUMMED"):  # the whole LoRA tensors' partial gradients left
         self.split_params = {id(p) for p in params}  # every tensor taken for a split one
         summed(self, params)
     TensorParallel.sum_gradients = unsummed
+if os.environ.get("VOCAB_UNSUMMED"):  # the split head's input gradient left as each rank's columns' part
+    import torch
+    from finetune.parallel import vocab
+    class Unsummed(torch.autograd.Function):  # the head's f without its all-reduce (tensor.py keeps its own)
+        forward = staticmethod(lambda ctx, x, group: x.view_as(x))
+        backward = staticmethod(lambda ctx, grad: (grad, None))
+    vocab.ToGroup = Unsummed
 Trainer(load_recipe(sys.argv[1]), progress=False).train()
 """
 
@@ -135,6 +148,32 @@ def test_positions_whose_partial_outputs_are_never_summed_fail_the_comparison(ba
     recipe, out = write(tmp_path, recipe_dict, "unreduced", distributed=split, train__max_steps=1)
     run_driver(tmp_path, DRIVER, recipe, UNREDUCED="1")
     assert step_rows(out)[0][0] != pytest.approx(step_rows(one_process)[0][0], rel=1e-3)  # the forward itself
+
+
+def test_a_split_head_whose_input_gradient_is_never_summed_fails_the_comparison(base, one_process, tmp_path):
+    root, recipe_dict = base
+    split = {"tensor_parallel": 2, "vocab_parallel": True}
+    recipe, out = write(tmp_path, recipe_dict, "vocab-unsummed", distributed=split, train__max_steps=1)
+    run_driver(tmp_path, DRIVER, recipe, VOCAB_UNSUMMED="1")
+    (loss_one, norm_one), (loss_bad, norm_bad) = step_rows(one_process)[0], step_rows(out)[0]
+    assert loss_bad == pytest.approx(loss_one, rel=1e-5)  # the loss is the group's
+    assert norm_bad != pytest.approx(norm_one, rel=1e-3)  # the gradients below the head are not
+
+
+def test_the_demo_model_with_its_tables_split_trains_and_generates_as_with_them_whole(tmp_path):
+    # The bundled model and its recipe (double quant, tied tables, a 912-token BPE vocabulary whose targets fall in
+    # both ranks' halves, greedy generation for the exact match) at tp2: the vocabulary split changes no number.
+    demo = str(Path(__file__).parents[2] / "recipes" / "demo-cpu.yaml")
+    keys = ["precision=fp32", "lora.dropout=0", "train.max_steps=2", "train.warmup_steps=0", "train.log_every_steps=1"]
+    keys += ["eval.every_steps=2", "eval.max_new_tokens=8", "report.plot=false", "distributed.tensor_parallel=2"]
+    whole = finetune(demo, *keys, f"output_dir={tmp_path / 'whole'}", "--nproc", "2", cwd=tmp_path)
+    split = finetune(
+        demo, *keys, "distributed.vocab_parallel=true", f"output_dir={tmp_path / 'split'}", "--nproc", "2", cwd=tmp_path
+    )
+    assert "the vocabulary's tables too" in split.stdout
+    assert_same_steps(tmp_path / "whole", tmp_path / "split", rel=1e-5)
+    said = [[line for line in p.stdout.splitlines() if "expected" in line or "exact match" in line] for p in (whole, split)]
+    assert len(said[0]) >= 4 and said[0] == said[1]  # the same greedy answers before and after training
 
 
 def test_dpo_split_over_two_ranks_matches_one_process(base, tmp_path):
