@@ -142,11 +142,35 @@ PLANS: dict[str, tuple[str, str, tuple[str, ...], str, int]] = {
         "rtx4090",
         4,
     ),
+    "lc70-4": ("qlora-70b-longctx-4x24gb", "llama-3-70b", (), "rtx4090", 4),
+    "lc70-4-whole": ("qlora-70b-longctx-4x24gb", "llama-3-70b", ("distributed.vocab_parallel=false",), "rtx4090", 4),
+    "lc70-8": ("qlora-70b-longctx-8x24gb", "llama-3-70b", (), "rtx4090", 8),
+    "lc70-8-drop": ("qlora-70b-longctx-8x24gb", "llama-3-70b", ("lora.dropout=0.05",), "rtx4090", 8),
     "tp2-70b-8k": ("qlora-pipeline-70b-2x24gb", "llama-3-70b", _TP2_70B_8K, "rtx4090", 2),
     "tp2-70b-8k-sp": (
         "qlora-pipeline-70b-2x24gb",
         "llama-3-70b",
         (*_TP2_70B_8K, "distributed.sequence_parallel=true"),
+        "rtx4090",
+        2,
+    ),
+    "tp2-70b-8k-vp": (
+        "qlora-pipeline-70b-2x24gb",
+        "llama-3-70b",
+        (*_TP2_70B_8K, "distributed.sequence_parallel=true", "distributed.vocab_parallel=true"),
+        "rtx4090",
+        2,
+    ),
+    "lc-tp2-vp": (
+        "qlora-longctx-2x24gb",
+        "llama-3.1-8b",
+        (
+            *_TP_ALONE,
+            "distributed.tensor_parallel=2",
+            *_DEVICE,
+            "distributed.sequence_parallel=true",
+            "distributed.vocab_parallel=true",
+        ),
         "rtx4090",
         2,
     ),
@@ -260,6 +284,24 @@ _Y = "recipes/{}.yaml".format
 # {} is the figure the row checks, {*} any number (another row checks it); runs of whitespace read as one space.
 ROWS: dict[str, list[tuple[str, Value, str]]] = {
     RM: [
+        ("(Llama-3-70B: {} GiB of bf16 tables a rank", lambda: comp("lc70-4", "weights_unquantized"), ".2f"),
+        ("GiB of bf16 tables a rank at tp4 instead of {})", lambda: comp("lc70-4-whole", "weights_unquantized"), ".2f"),
+        *(
+            row
+            for n, g in (("lc70-4", 4), ("lc70-8", 8))
+            for row in (
+                (
+                    f"over the {g} GPUs (tensor, sequence and vocabulary parallelism); predicted {{}} GiB per GPU",
+                    lambda n=n: peak(n),
+                    ".2f",
+                ),
+                (
+                    f"GiB per GPU, longest row {{}} tokens | `finetune run qlora-70b-longctx-{g}x24gb",
+                    lambda n=n: longest(n).as_written,
+                    ",.0f",
+                ),
+            )
+        ),
         ("the planner counts it: +{} GiB a rank for Llama-3-70B at tp2", row_shares_fp32, ".2f"),
         ("no packing; predicted {} GiB (Qwen2.5-VL-7B)", lambda: peak("vlm"), ".2f"),
         ("recipe: predicted {} GiB for Qwen2.5-VL-7B on an RTX 4090)", lambda: peak("vlm"), ".2f"),
@@ -341,6 +383,24 @@ ROWS: dict[str, list[tuple[str, Value, str]]] = {
         ),
     ],
     RR: [
+        *(
+            row
+            for n, g, rows in (("lc70-4", 4, "16 x 32,768"), ("lc70-8", 8, "4 x 131,072"))
+            for row in (
+                (
+                    f"LoRA dropout 0; {{}} GiB predicted per GPU (Llama-3-70B), {{*}} GiB of host RAM for the {g}",
+                    lambda n=n: peak(n),
+                    ".2f",
+                ),
+                (
+                    f"dropout 0; {{*}} GiB predicted per GPU (Llama-3-70B), {{}} GiB of host RAM for the {g}",
+                    lambda n=n: host(n),
+                    ".2f",
+                ),
+                (f"~{{}} s/step of {rows} tokens", lambda n=n: step(n), ".0f"),
+                (f"on {g} x RTX 4090; longest row that fits: {{}} tokens", lambda n=n: longest(n).as_written, ",.0f"),
+            )
+        ),
         ("checkpointed layer inputs in host RAM; {} GiB predicted on the fullest GPU", lambda: peak("pp2-70b"), ".2f"),
         ("(Llama-3-70B), {} GiB host RAM for the 2 processes", lambda: host("pp2-70b"), ".2f"),
         ("host RAM for the 2 processes, ~{} s/step of 16 x 2048 tokens on 2 x RTX 4090", lambda: step("pp2-70b"), ".2f"),
@@ -398,6 +458,26 @@ ROWS: dict[str, list[tuple[str, Value, str]]] = {
         ("for Llama-3-70B instead of {}).", lambda: host("st"), ".1f"),
     ],
     BM: [
+        *(
+            row
+            for n, g in (("lc70-4", 4), ("lc70-8", 8))
+            for row in (
+                (f"`qlora-70b-longctx-{g}x24gb` (tp{g}) | {{*}} | {{}} GiB |", lambda n=n: peak(n), ".2f"),
+                (f"`qlora-70b-longctx-{g}x24gb` (tp{g}) | {{*}} | {{*}} GiB | {{}} GiB |", lambda n=n: host(n), ".2f"),
+                (
+                    f"`qlora-70b-longctx-{g}x24gb` (tp{g}) | {{*}} | {{*}} GiB | {{*}} GiB | {{}} (target",
+                    lambda n=n: longest(n).as_written,
+                    ",.0f",
+                ),
+            )
+        ),
+        ("`distributed.vocab_parallel=true`) plans {} GiB", lambda: peak("tp2-70b-8k-vp"), ".2f"),
+        (
+            "absmax alone are {} GiB a rank",
+            lambda: comp("tp2-70b-8k-vp", "weights_quantized") + comp("tp2-70b-8k-vp", "quant_constants"),
+            ".2f",
+        ),
+        ("with tp2 + sp + vp: {} tokens (target", lambda: longest("lc-tp2-vp").as_written, ",.0f"),
         ("distributed.context_parallel=4 --gpu rtx4090 --gpus 4` | {} GiB |", lambda: peak("lc4-cp"), ".2f"),
         ("distributed.context_parallel=4 --gpu rtx4090 --gpus 4` | {*} GiB | {} GiB |", lambda: host("lc4-cp"), ".2f"),
         ("distributed.context_parallel=4 --gpu rtx4090 --gpus 4` | {*} GiB | {*} GiB | ~{} s", lambda: step("lc4-cp"), ".0f"),
@@ -522,6 +602,24 @@ ROWS: dict[str, list[tuple[str, Value, str]]] = {
         ("# Tight: {}% of the card", lambda: pct("pp2-70b"), ".0f"),
         ("16 plans {} GiB on the fullest GPU (see the top)", lambda: peak("pp2-70b-r16"), ".2f"),
         ("wait in pinned CPU RAM ({} GiB on the first stage's host)", lambda: hpart("pp2-70b", "activations"), ".2f"),
+    ],
+    _Y("qlora-70b-longctx-4x24gb"): [
+        ("Llama-3-70B): {} GiB per GPU", lambda: peak("lc70-4"), ".2f"),
+        ("GiB per GPU, {} GiB # of host RAM", lambda: host("lc70-4"), ".2f"),
+        ("processes, ~{} s per", lambda: step("lc70-4"), ".0f"),
+        ("-row step, {} tokens/s", lambda: tps("lc70-4"), ",.0f"),
+        ("keeps free: {} tokens", lambda: longest("lc70-4").as_written, ",.0f"),
+        ("a step takes ~{} s (see the top)", lambda: step("lc70-4"), ".0f"),
+    ],
+    _Y("qlora-70b-longctx-8x24gb"): [
+        ("Llama-3-70B): {} GiB per GPU", lambda: peak("lc70-8"), ".2f"),
+        ("GiB per GPU, {} GiB # of host RAM", lambda: host("lc70-8"), ".2f"),
+        ("processes, ~{} s per", lambda: step("lc70-8"), ".0f"),
+        ("-row step, {} tokens/s", lambda: tps("lc70-8"), ",.0f"),
+        ("keeps free: {} tokens", lambda: longest("lc70-8").as_written, ",.0f"),
+        ("a step takes ~{} s (see the top)", lambda: step("lc70-8"), ".0f"),
+        ("recomputation takes # {} GiB instead", lambda: comp("lc70-8-drop", "recompute_layer"), ".2f"),
+        ("GiB instead of {} (it would not fit)", lambda: comp("lc70-8", "recompute_layer"), ".2f"),
     ],
     _Y("qlora-fsdp-2x24gb"): [
         ("batch 1 x 2048): {} GiB per GPU", lambda: peak("fsdp"), ".1f"),
