@@ -21,7 +21,7 @@ from finetune.errors import ConfigError
 from finetune.memory import apply
 from finetune.memory.activation_offload import ActivationOffload, offloaded_checkpoint
 from finetune.memory.optimizer_offload import HostAdamW
-from finetune.memory.stream import in_backward
+from finetune.memory.stream import in_backward, streamable_weights
 from finetune.metrics import read_metrics
 from finetune.model.load import decoder_layers
 from finetune.trainer import Trainer
@@ -90,6 +90,30 @@ def test_streamed_base_weights_train_exactly_like_resident_ones(recipe_dict, fou
             assert store.stat().st_size >= stream.streamed_bytes  # page-aligned tensors, no header
             trainer.close()
             assert not store.exists()
+
+
+def test_the_layers_kept_on_the_device_are_spread_and_some_must_stream():
+    from finetune.memory.stream import stream_kept
+
+    assert stream_kept(4, 2) == {1, 3} and stream_kept(80, 1) == {40} and stream_kept(5, 4) == {0, 1, 3, 4}
+    assert stream_kept(80, 0) == set()
+    with pytest.raises(ConfigError, match="memory.device_layers=4: the model has 4 decoder layers"):
+        stream_kept(4, 4)
+
+
+def test_layers_kept_on_the_device_train_like_streamed_ones_and_only_the_rest_streams(recipe_dict, four_layer_model, tmp_path):
+    # memory.device_layers: 2 of the 4 layers keep their weights where they are (spread: layers 1 and 3), 2 stream.
+    _, ref_losses, ref_adapter = run(recipe(recipe_dict, four_layer_model, tmp_path / "device", 4))
+    cfg = recipe(recipe_dict, four_layer_model, tmp_path / "cpu", 4, base_weights="cpu", device_layers=2)
+    trainer, losses, adapter = run(cfg)
+    assert losses == ref_losses and all(torch.equal(adapter[n], ref_adapter[n]) for n in ref_adapter)
+    stream = trainer.memory.stream
+    streamed = {id(layer) for layer in stream.layers}
+    every = decoder_layers(trainer.model, "test", "test")
+    assert [i for i, layer in enumerate(every) if id(layer) in streamed] == [0, 2]
+    for i in (1, 3):  # the kept layers' 4-bit weights hold their bytes, on the device
+        assert all(w.numel() > 0 for w in streamable_weights(every[i])), i
+    assert stream.loads == 3 * 2 * 2 * 2  # steps x micro-batches x (forward + recomputation) x streamed layers
 
 
 def test_disk_with_dora_trains_like_resident_weights(recipe_dict, four_layer_model, tmp_path):
@@ -420,3 +444,34 @@ def test_disk_trains_a_model_whose_weights_dwarf_its_anonymous_memory(tmp_path):
     assert disk["streamed_bytes"] >= weights  # every layer linear went to the file (+ norms)
     trained_on = disk["rss_anon_train_peak"] - disk["rss_anon_baseline"]
     assert trained_on < weights / 3, f"{trained_on / 2**20:.0f} MiB of heap while training {weights / 2**20:.0f} MiB of weights"
+
+
+def test_a_streaming_run_keeping_layers_loads_on_the_gpu_only_when_its_weights_fit_there(recipe_dict, monkeypatch):
+    # trainer/build.load_device on a (stand-in) CUDA device: memory.device_layers loads where the kept layers stay when
+    # the weights fit the free memory with 10% to spare (the streamed ones then move out), else in host RAM; what the
+    # planner assumes too (plan/memory.streaming_loads_on_gpu). No GPU here: the device and its free memory are faked.
+    from types import SimpleNamespace
+
+    from finetune.plan.recipe import loaded_weight_bytes
+    from finetune.trainer.build import load_device
+
+    cfg = build_recipe({**recipe_dict, "memory": {"base_weights": "cpu", "device_layers": 1}})
+    need = loaded_weight_bytes(cfg, "fp32")
+    cuda, said = torch.device("cuda", 0), []
+    parallel = SimpleNamespace(device=cuda, load_device=lambda streaming: torch.device("cpu") if streaming else cuda)
+    for free, where in ((int(need / 0.9) + 1, cuda), (int(need / 0.9) - 1, torch.device("cpu"))):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 2 * free))
+        assert load_device(cfg, "fp32", parallel, True, said.append) == where
+    assert len(said) == 1 and "the model loads in host RAM first" in said[0]
+    every = build_recipe({**recipe_dict, "memory": {"base_weights": "cpu"}})  # every layer streams: host RAM
+    assert load_device(every, "fp32", parallel, True, said.append) == torch.device("cpu")
+
+
+def test_keeping_every_layer_on_the_device_is_refused_before_a_weight_loads(recipe_dict):
+    from finetune.runs.preflight import preflight
+
+    cfg = build_recipe({**recipe_dict, "memory": {"base_weights": "cpu", "device_layers": 99}})
+    report = preflight(cfg, memory_check=False)
+    assert any("memory.device_layers=99: the model has 2 decoder layers, so none would stream" in p for p in report.problems)
+    fine = build_recipe({**recipe_dict, "memory": {"base_weights": "cpu", "device_layers": 1}})
+    assert not [p for p in preflight(fine, memory_check=False).problems if "device_layers" in p]

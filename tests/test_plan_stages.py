@@ -275,3 +275,37 @@ def test_a_tensor_parallel_rank_keeps_its_row_shares_absmax_in_fp32():
     assert (
         0.5 * 2**30 < expected - all_double < 0.6 * 2**30
     )  # Llama-3-70B at tp2: o and down, 189M blocks a rank, 3 bytes more each
+
+
+def test_layers_kept_on_the_gpu_stream_only_the_rest_and_a_share_that_fits_loads_there():
+    # memory.device_layers under tensor parallelism: a rank's share of 50 of Llama-3-70B's 80 layers stays on the GPU,
+    # of the other 30 it streams from host RAM; its whole share fits the card at load, so host RAM never holds it.
+    from finetune.plan.stages import tensor_rank_shape
+    from finetune.plan.terms import quantized_bytes
+
+    tp2 = ("distributed.pipeline_parallel=1", "distributed.tensor_parallel=2", "memory.embeddings=device")
+    device, kept = (
+        plan_recipe(recipe(*tp2, *m), find_gpu("rtx4090"), gpus=2)
+        for m in ((), ("memory.base_weights=cpu", "memory.device_layers=50"))
+    )
+    share = tensor_rank_shape(read_model_shape(str(CONFIGS / "llama-3-70b")), 2)
+    per_layer = (
+        sum(quantized_bytes(g.in_features * g.out_features, g.out_features, 4, True, 2)[0] * g.count for g in share.linears) / 80
+    )
+    assert device.component("weights_quantized") == pytest.approx(80 * per_layer, rel=1e-6)
+    assert kept.component("weights_quantized") == pytest.approx(50 * per_layer, rel=1e-3)
+    assert kept.component("weights_streamed") == pytest.approx(3 * per_layer, rel=1e-3)  # 3 streamed layers at once
+    assert kept.host_ram_parts["streamed_weights"] >= 30 * per_layer  # pinned blocks: rounded up per weight
+    assert kept.loads_on_gpu and kept.host_ram_parts["loading"] < 5 * 2**30  # one checkpoint shard
+    # On a 12 GB card the whole share does not fit at load: it loads in host RAM, all of it
+    small = plan_recipe(recipe(*tp2, "memory.base_weights=cpu", "memory.device_layers=50"), find_gpu("rtx3060"), gpus=2)
+    assert not small.loads_on_gpu and small.host_ram_parts["loading"] > 80 * per_layer
+
+
+def test_layers_kept_on_the_gpu_need_weights_that_stream():
+    from test_config import MINIMAL, problems_of
+
+    said = problems_of({**MINIMAL, "memory": {"device_layers": 4}})
+    assert any("memory.device_layers=4 keeps that many of the streamed layers on the GPU" in p for p in said)
+    said = problems_of({**MINIMAL, "distributed": {"tensor_parallel": 2}, "memory": {"base_weights": "disk"}})
+    assert any("memory.base_weights=device or cpu" in p for p in said)

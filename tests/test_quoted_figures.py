@@ -144,6 +144,7 @@ PLANS: dict[str, tuple[str, str, tuple[str, ...], str, int]] = {
     ),
     "lc70-4": ("qlora-70b-longctx-4x24gb", "llama-3-70b", (), "rtx4090", 4),
     "lc70-4-whole": ("qlora-70b-longctx-4x24gb", "llama-3-70b", ("distributed.vocab_parallel=false",), "rtx4090", 4),
+    "lc70-2": ("qlora-70b-longctx-2x24gb", "llama-3-70b", (), "rtx4090", 2),
     "lc70-8": ("qlora-70b-longctx-8x24gb", "llama-3-70b", (), "rtx4090", 8),
     "lc70-8-drop": ("qlora-70b-longctx-8x24gb", "llama-3-70b", ("lora.dropout=0.05",), "rtx4090", 8),
     "tp2-70b-8k": ("qlora-pipeline-70b-2x24gb", "llama-3-70b", _TP2_70B_8K, "rtx4090", 2),
@@ -284,6 +285,8 @@ _Y = "recipes/{}.yaml".format
 # {} is the figure the row checks, {*} any number (another row checks it); runs of whitespace read as one space.
 ROWS: dict[str, list[tuple[str, Value, str]]] = {
     RM: [
+        ("(`memory.device_layers: 56`); predicted {} GiB per GPU", lambda: peak("lc70-2"), ".2f"),
+        ("(`memory.device_layers: 56`); predicted {*} GiB per GPU, {} GiB of host RAM in all", lambda: host("lc70-2"), ".2f"),
         ("(Llama-3-70B: {} GiB of bf16 tables a rank", lambda: comp("lc70-4", "weights_unquantized"), ".2f"),
         ("GiB of bf16 tables a rank at tp4 instead of {})", lambda: comp("lc70-4-whole", "weights_unquantized"), ".2f"),
         *(
@@ -383,6 +386,10 @@ ROWS: dict[str, list[tuple[str, Value, str]]] = {
         ),
     ],
     RR: [
+        ("LoRA dropout 0; {} GiB predicted per GPU (Llama-3-70B), {*} GiB of host RAM for the 2", lambda: peak("lc70-2"), ".2f"),
+        ("dropout 0; {*} GiB predicted per GPU (Llama-3-70B), {} GiB of host RAM for the 2", lambda: host("lc70-2"), ".2f"),
+        ("~{} s/step of 16 x 8,192 tokens", lambda: step("lc70-2"), ".0f"),
+        ("on 2 x RTX 4090; longest row that fits: {} tokens", lambda: longest("lc70-2").as_written, ",.0f"),
         *(
             row
             for n, g, rows in (("lc70-4", 4, "16 x 32,768"), ("lc70-8", 8, "4 x 131,072"))
@@ -477,7 +484,10 @@ ROWS: dict[str, list[tuple[str, Value, str]]] = {
             lambda: comp("tp2-70b-8k-vp", "weights_quantized") + comp("tp2-70b-8k-vp", "quant_constants"),
             ".2f",
         ),
-        ("with tp2 + sp + vp: {} tokens (target", lambda: longest("lc-tp2-vp").as_written, ",.0f"),
+        ("tp2 + sp + vp reaches {} (target 330,000)", lambda: longest("lc-tp2-vp").as_written, ",.0f"),
+        ("`qlora-70b-longctx-2x24gb` (tp2, 56 layers kept) | {*} | {} GiB |", lambda: peak("lc70-2"), ".2f"),
+        ("`qlora-70b-longctx-2x24gb` (tp2, 56 layers kept) | {*} | {*} GiB | {} GiB |", lambda: host("lc70-2"), ".2f"),
+        ("56 layers kept) | {*} | {*} GiB | {*} GiB | {} (target", lambda: longest("lc70-2").as_written, ",.0f"),
         ("distributed.context_parallel=4 --gpu rtx4090 --gpus 4` | {} GiB |", lambda: peak("lc4-cp"), ".2f"),
         ("distributed.context_parallel=4 --gpu rtx4090 --gpus 4` | {*} GiB | {} GiB |", lambda: host("lc4-cp"), ".2f"),
         ("distributed.context_parallel=4 --gpu rtx4090 --gpus 4` | {*} GiB | {*} GiB | ~{} s", lambda: step("lc4-cp"), ".0f"),
@@ -610,6 +620,19 @@ ROWS: dict[str, list[tuple[str, Value, str]]] = {
         ("-row step, {} tokens/s", lambda: tps("lc70-4"), ",.0f"),
         ("keeps free: {} tokens", lambda: longest("lc70-4").as_written, ",.0f"),
         ("a step takes ~{} s (see the top)", lambda: step("lc70-4"), ".0f"),
+    ],
+    _Y("qlora-70b-longctx-2x24gb"): [
+        (
+            "the 4-bit layers alone are {} GiB a GPU",
+            lambda: comp("tp2-70b-8k-vp", "weights_quantized") + comp("tp2-70b-8k-vp", "quant_constants"),
+            ".2f",
+        ),
+        ("Llama-3-70B): {} GiB # per GPU", lambda: peak("lc70-2"), ".2f"),
+        ("per GPU, {} GiB of host RAM for the 2", lambda: host("lc70-2"), ".2f"),
+        ("out), ~{} s per 16-row step", lambda: step("lc70-2"), ".0f"),
+        ("16-row step, {} tokens/s", lambda: tps("lc70-2"), ",.0f"),
+        ("keeps free: # {} tokens", lambda: longest("lc70-2").as_written, ",.0f"),
+        ("a step takes ~{} s (see the top)", lambda: step("lc70-2"), ".0f"),
     ],
     _Y("qlora-70b-longctx-8x24gb"): [
         ("Llama-3-70B): {} GiB per GPU", lambda: peak("lc70-8"), ".2f"),

@@ -232,7 +232,7 @@ def test_a_split_stages_planned_weights_are_what_its_loaded_share_holds(tmp_path
     split = Split(split_dim, 1, 2, narrowed(AutoConfig.from_pretrained(tmp_path), 2))
     place = stage_placement(Layout(2, 1, 3, tp=2), 4, False, torch.device("cpu"))
     model = load_model(cfg, "fp32", torch.device("cpu"), placement=place, split=split)
-    cut_shares_from_whole(model, cfg, 2, 1)  # as TensorParallel.shard: the row shares' absmax in fp32
+    cut_shares_from_whole(model, cfg, 2, 1)  # as TensorParallel.loaded: the row shares' absmax in fp32
     held = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
     states = {
         id(m.weight): m.weight.quant_state

@@ -377,6 +377,12 @@ class MemoryConfig(_Section):
     offload_dir: str | None = Field(
         None, description="base_weights=disk: folder for the weight file (put it on an NVMe disk); null: the cache dir"
     )
+    device_layers: int = Field(
+        0,
+        ge=0,
+        description="base_weights=cpu|disk: how many decoder layers keep their frozen weights on the GPU (spread "
+        "evenly between the streamed ones); 0: every layer streams. Fill the GPU with what fits, stream the rest",
+    )
     optimizer_offload: bool = Field(
         False, description="optimizer state and the fp32 step run in CPU RAM (large LoRA ranks, full fine-tuning)"
     )

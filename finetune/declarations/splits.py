@@ -192,10 +192,11 @@ TENSOR_RULES: tuple[Rule[Any], ...] = (
         ),
     ),
     Rule(
-        lambda c: _split(c) and (c.memory.base_weights != "device" or c.memory.embeddings != "device"),
+        lambda c: _split(c) and (c.memory.base_weights == "disk" or c.memory.embeddings != "device"),
         lambda c: (
-            f"{tensor_asked(c)} keeps each rank's share of the layers and the vocabulary tables on its GPU. Set "
-            "memory.base_weights=device and memory.embeddings=device, or distributed.tensor_parallel=1."
+            f"{tensor_asked(c)} keeps each rank's share of the vocabulary tables on its GPU, and of the layers on its "
+            "GPU or in its host RAM (the disk file is written while the whole model loads, not a rank's share). Set "
+            "memory.base_weights=device or cpu and memory.embeddings=device, or distributed.tensor_parallel=1."
         ),
     ),
     Rule(

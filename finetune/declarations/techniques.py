@@ -45,6 +45,7 @@ class Modes:
     loss_chunk: int = 256  # target positions per chunk
     tiled_mlp: str | int = "off"  # off | auto | N (a recipe's default is auto)
     embeddings: str = "device"  # device | cpu: the frozen vocabulary tables in host RAM
+    device_layers: int = 0  # base_weights=cpu|disk: decoder layers whose frozen weights stay on the GPU (0: none)
 
     @property
     def streams_weights(self) -> bool:
@@ -102,7 +103,7 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique(
         "weight streaming",
         "base_weights",
-        ("memory.base_weights", "memory.offload_dir"),
+        ("memory.base_weights", "memory.offload_dir", "memory.device_layers"),
         fit=lambda s: ["device", "cpu", "disk"],
         host_rank=lambda s: {"device": 0, "cpu": 2, "disk": 3}.get(s.base_weights, 3),
         offload_label=lambda s: f"base weights streamed from {s.base_weights}" if s.streams_weights else None,
@@ -209,6 +210,13 @@ RULES: tuple[Rule, ...] = (
         conflicts=lambda s: s.streams_weights and s.checkpoint_every != 1,
         problem=_STREAMED + " brings each layer's weights back for the recomputation in backward,",
         fix="so it needs memory.activation_checkpointing=all (got {activation_checkpointing!r}).",
+    ),
+    Rule(
+        keys=("memory.device_layers", "memory.base_weights"),
+        conflicts=lambda s: s.device_layers > 0 and not s.streams_weights,
+        problem="memory.device_layers={device_layers} keeps that many of the streamed layers on the GPU; "
+        "memory.base_weights=device keeps every layer there.",
+        fix="Set memory.base_weights=cpu (or disk), or memory.device_layers=0.",
     ),
     Rule(
         keys=("memory.base_weights", "quant.bits"),

@@ -112,7 +112,12 @@ def _summary(model, a: Applying) -> str | None:
 def _stream(model, a: Applying) -> str | None:
     if a.cfg.memory.base_weights != "device":
         a.applied.stream = WeightStream.attach(
-            model, a.cfg.memory.base_weights, a.device, resolve_offload_dir(a.cfg), store=a.disk_store
+            model,
+            a.cfg.memory.base_weights,
+            a.device,
+            resolve_offload_dir(a.cfg),
+            store=a.disk_store,
+            device_layers=a.cfg.memory.device_layers,
         )
     return None  # the loop says where the weights went once the accelerator has placed the model
 

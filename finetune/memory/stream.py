@@ -11,7 +11,9 @@ go there as from_pretrained quantizes them, so the whole model is never in RAM) 
 copied in just before a layer runs: in forward, and again in the recomputation that
 activation checkpointing does before the layer's backward. LoRA weights,
 quantization constants (absmax), norms, embeddings and the head stay resident, plus
-at most three layers' streamed weights.
+at most three layers' streamed weights. memory.device_layers keeps some layers' weights resident too
+(spread evenly: each streamed layer's copy then overlaps the kept layers' compute before it): what
+fits on the GPU stays there, only the rest streams.
 
 What the hooks do with layer i's weights:
   layer pre-hook (forward)     use layer i (waiting for its prefetch), prefetch layer i+1
@@ -44,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from finetune.errors import ConfigError
 from finetune.hardware import release_free_heap
 from finetune.model.load import decoder_layers
 
@@ -107,6 +110,19 @@ def _streamed_4bit_forward(self, x: torch.Tensor) -> torch.Tensor:
     return _Saved4bitMatmul.apply(x, self.weight, bias, self.weight.quant_state).to(in_dtype)
 
 
+def stream_kept(layers: int, device_layers: int) -> set[int]:
+    """The indices of the decoder layers that keep their weights on the device (memory.device_layers), spread evenly
+    so that each streamed layer's copy overlaps the compute of the kept layers before it."""
+    if device_layers >= layers:
+        raise ConfigError(
+            [
+                f"memory.device_layers={device_layers}: the model has {layers} decoder layers, so none would stream. "
+                f"Set memory.device_layers below {layers}, or memory.base_weights=device."
+            ]
+        )
+    return {(2 * k + 1) * layers // (2 * device_layers) for k in range(device_layers)}
+
+
 def in_backward() -> bool:
     """True while autograd's engine runs a backward pass (the recomputation of a checkpointed layer)."""
     return torch._C._current_graph_task_id() != -1
@@ -155,15 +171,19 @@ class WeightStream:
         device: torch.device,
         directory: str | os.PathLike[str] | None = None,
         store: DiskStore | None = None,
+        device_layers: int = 0,
     ) -> WeightStream:
         """Move the frozen decoder-layer weights of `model` (on the CPU) to the store, the rest to `device`.
 
         store: for mode=disk, a DiskStore that already holds the weights captured while
         the model loaded (see DiskStore.capture); the others are added here.
+        device_layers: that many layers, spread evenly, keep their weights on `device` (stream_kept).
         """
         if mode not in ("cpu", "disk"):
             raise ValueError(f"mode must be cpu or disk, got {mode!r}")
-        layers = decoder_layers(model, f"memory.base_weights={mode}", "use memory.base_weights=device for this model")
+        every = decoder_layers(model, f"memory.base_weights={mode}", "use memory.base_weights=device for this model")
+        kept = stream_kept(len(every), device_layers)
+        layers = [layer for i, layer in enumerate(every) if i not in kept]
         weights = [streamable_weights(layer) for layer in layers]
         pin = device.type == "cuda"
         if mode == "disk":

@@ -146,6 +146,10 @@ class ContextParallel(SplitRoom):
     def split(self) -> Any:
         return self.tensor.split() if self.tensor is not None else None
 
+    def loaded(self, model) -> None:
+        if self.tensor is not None:
+            self.tensor.loaded(model)
+
     def shard(self, model, compute_dtype: torch.dtype):
         """Our attention in every layer of the model (whatever it was loaded with), over this rank's share."""
         from finetune.model.load import head_owner

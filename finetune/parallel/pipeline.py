@@ -77,6 +77,10 @@ class Pipeline(SplitRoom):
     def split(self) -> Any:
         return self.tensor.split() if self.tensor is not None else None
 
+    def loaded(self, model) -> None:
+        if self.tensor is not None:
+            self.tensor.loaded(model)
+
     def shard(self, model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
         """This rank's stages (of its tensor-parallel shares)."""
         refuse_fp16(self.cfg, compute_dtype)

@@ -74,6 +74,9 @@ class Room:
         """A rank's reading of each weight (model.partial.Split: its share), or None: every weight whole."""
         return None
 
+    def loaded(self, model) -> None:
+        """What the room does to the model it read (split()) before the memory techniques move its weights."""
+
     def load_device(self, device: torch.device, streaming: bool) -> torch.device:
         """Streaming keeps the decoder layers in CPU RAM and moves one at a time."""
         return torch.device("cpu") if streaming else device

@@ -157,6 +157,11 @@ class Parallel:
         config), or None."""
         return self.room.split()
 
+    def loaded(self, model) -> None:
+        """The model as read, finished by the room (a tensor-parallel rank's shares cut from the whole weights'
+        quantization) before the memory techniques move its weights (memory.base_weights streams them)."""
+        self.room.loaded(model)
+
     def load_device(self, streaming: bool) -> torch.device:
         """Where the model is loaded (FSDP and streaming: CPU RAM)."""
         return self.room.load_device(self.device, streaming)

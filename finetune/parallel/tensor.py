@@ -170,6 +170,7 @@ class TensorParallel(SplitRoom):
     """This rank's share of every decoder layer, and what the loop asks of it (gradients, norm, states)."""
 
     name = "tensor"
+    trains_alone = True  # each rank streams its own share of the layers (memory.base_weights=cpu), as one process
 
     def __init__(self, accelerator, cfg: Any, layout: Layout, model_config: Any, mesh: Any = None) -> None:
         super().__init__(accelerator, cfg, layout, mesh)
@@ -200,6 +201,13 @@ class TensorParallel(SplitRoom):
         )
         return Split(split_dim, self.tp_rank, self.tp, narrowed(whole, self.tp))
 
+    def loaded(self, model: Any) -> None:
+        """The shares cut from the whole weights' quantization, before memory.base_weights may stream them.
+        Without double quant a share of whole blocks quantizes alone as the whole does (its blocks' own absmax):
+        only double quant's offset and groups belong to the whole tensor, so only then is the whole read."""
+        if self.cfg.quant.bits == 4 and self.cfg.quant.double_quant:
+            cut_shares_from_whole(model, self.cfg, self.tp, self.tp_rank)
+
     def shard(self, model: Any, compute_dtype: torch.dtype) -> Any:
         """This rank's share of each layer (loaded split), its LoRA drawn as one process's."""
         refuse_fp16(self.cfg, compute_dtype)
@@ -211,10 +219,6 @@ class TensorParallel(SplitRoom):
                     "holds every head); let the trainer load it from model.path, or set distributed.tensor_parallel=1"
                 ]
             )
-        # Without double quant a share of whole blocks quantizes alone as the whole does (its blocks' own absmax):
-        # only double quant's offset and groups belong to the whole tensor, so only then is the whole read.
-        if self.cfg.quant.bits == 4 and self.cfg.quant.double_quant:
-            cut_shares_from_whole(model, self.cfg, self.tp, self.tp_rank)
         self._attach(model)
         draw_lora_as_one_process(model, self, self.cfg.seed)
         model.finetune_local_slice = self.local  # a checkpoint's whole tensors, sliced

@@ -124,7 +124,7 @@ def _laid_out(s: Setup, base: Setup, pp: int, tp: int, cp: int = 1) -> Setup | N
     if s.gpus % (pp * tp * cp):
         return None
     if (pp, tp, cp) != (1, 1, 1):
-        own_copy = s.base_weights == "cpu" and pp == tp == 1  # a context-parallel rank streams its own copy
+        own_copy = s.base_weights == "cpu" and pp == 1  # a context-parallel rank streams its own copy, a tensor one its share
         kept = (s.base_weights == "device" or own_copy) and not (tp > 1 and (s.optimizer_offload or s.embeddings != "device"))
         if not (kept and s.sharding == DDP.name and not s.cpu_offload):
             return None

@@ -37,6 +37,7 @@ def host_ram_needs(
     fsdp: bool,
     shard_bytes: int | None,
     pinned_blocks: bool = False,
+    loads_on_gpu: bool = False,
 ) -> tuple[dict[str, int], bool]:
     """(host RAM per process by part, with "total"; whether disk mode captures 4-bit weights while loading).
 
@@ -48,13 +49,17 @@ def host_ram_needs(
     back (release_free_heap), so the shards it keeps come after that peak, not on top of it.
     DoRA reads them, PiSSA rewrites them, when it wraps the model (trainer/build.py: no capture then).
     pinned_blocks (a GPU run): each pinned store takes a power-of-two block (terms.pinned_block_bytes).
+    loads_on_gpu (memory.device_layers, memory.streaming_loads_on_gpu): the model loads on the GPU, one shard in RAM.
     """
     shard = shard_bytes or min(DEFAULT_SHARD_BYTES, shape.total_params * 2)
     captured = setup.base_weights == "disk" and recipe.quant_bits == 4 and not recipe.adapter.wrap_touches_base
     if fsdp:
         loading = shard + st.whole_model
+    elif loads_on_gpu:
+        loading = shard
     else:
-        resident = st.q_const + st.unquantized + st.host_tables  # the tables go to host RAM after loading
+        # the tables go to host RAM after loading; memory.device_layers' weights to the GPU (q_weight: theirs)
+        resident = st.q_const + st.unquantized + st.host_tables + st.q_weight
         loading = shard + ((resident + (0 if captured else st.streamed_store)) if setup.streams_weights else 0)
     streamed_pinned = st.streamed_store if setup.base_weights == "cpu" else 0
     tables = st.host_tables

@@ -45,6 +45,7 @@ class Setup(Modes):
     vp: bool = False  # distributed.vocab_parallel: a tensor-parallel rank holds 1/tp of the embedding and head rows
     positions_split: int = 1  # what a rank's plan divides the residual stream's positions by (plan/stages.py sets tp)
     fp32_absmax: tuple[str, ...] = ()  # linears whose double-quant absmax a rank keeps in fp32 (tensor parallelism's row shares)
+    tables_at_load: int = 1  # the vocabulary tables load this many times larger than they train (vocab_parallel cuts them)
 
     @property
     def strategy(self) -> Strategy:

@@ -89,6 +89,7 @@ class Estimate:
     host_ram_parts: dict[str, int] = field(default_factory=dict)  # per process; host_ram_bytes is for all of them
     disk_parts: dict[str, int] = field(default_factory=dict)
     loads_whole_model: bool = False  # FSDP and streaming build the whole quantized model in host RAM while loading
+    loads_on_gpu: bool = False  # streaming with memory.device_layers loads on the GPU, then moves the streamed layers
 
     @property
     def memory_bytes(self) -> int | None:
@@ -228,9 +229,12 @@ def _static_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, impl: Im
     elif setup.streams_weights:
         # memory.base_weights=cpu|disk (memory/stream.py): the decoder linears' packed weights wait on the host
         # and at most three layers' worth are on the GPU; their quantization constants stay resident.
-        t.streamed_store = t.q_weight
-        t.streamed_resident = int(min(STREAMED_LAYERS_RESIDENT, L) * t.q_weight / L)
-        t.q_weight = 0
+        # memory.device_layers keep theirs on the GPU: only the others stream.
+        streamed = L - min(setup.device_layers, L)
+        t.streamed_store = int(t.q_weight * streamed / L)
+        t.streamed_resident = int(min(STREAMED_LAYERS_RESIDENT, streamed) * t.q_weight / L)
+        t.linear_blocks = int(t.linear_blocks * streamed / L)
+        t.q_weight -= t.streamed_store
     t.ddp_buckets = t.grads if (multi and strategy.replicates) else 0  # DDP's all-reduce buckets mirror the gradients
     if zero and fsdp and setup.cpu_offload:
         # offload_params: the weight partitions wait in host RAM; gathered to the GPU as each layer runs.
@@ -248,6 +252,23 @@ def _static_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, impl: Im
         t.host_optimizer = (trainable // n_gpu if multi and strategy.partitions_optimizer else trainable) * 4 * 4
         t.optim = 0
     return t
+
+
+LOAD_ON_GPU_MARGIN = 0.10  # of the card kept free when a streaming run loads there first (trainer/build.py)
+
+
+def load_bytes(setup: Setup, st: _Static) -> int:
+    """What a process holds on its device when it loads its (share of the) model whole: every decoder layer's 4-bit
+    weights and absmax, the tables as loaded (before vocab_parallel cuts them; the norms counted alike, a rounding),
+    the adapter."""
+    return st.q_weight + st.streamed_store + st.q_const + st.unquantized * setup.tables_at_load + st.lora
+
+
+def streaming_loads_on_gpu(setup: Setup, st: _Static, card_bytes: int) -> bool:
+    """memory.device_layers: the model loads on the GPU when its whole (share) fits there with LOAD_ON_GPU_MARGIN
+    free, and only the streamed layers move to host RAM (memory/stream.py), which never holds the kept ones."""
+    fits = load_bytes(setup, st) <= (1 - LOAD_ON_GPU_MARGIN) * card_bytes
+    return setup.streams_weights and setup.device_layers > 0 and fits
 
 
 def estimate(
@@ -306,7 +327,8 @@ def estimate(
         exposed_bytes=tr.head_visit + (setup.rows * setup.seq_len * shape.hidden * recipe.compute_bytes if tr.head_visit else 0),
     )
     fsdp_loads = setup.strategy.loads_whole_on_host and n_gpu > 1  # ZeRO loads on the GPU: one shard at a time in RAM
-    host_parts, captured = host_ram_needs(shape, recipe, setup, st, act, fsdp_loads, shard_bytes, pinned_blocks=gpu is not None)
+    on_gpu = gpu is not None and streaming_loads_on_gpu(setup, st, gpu.memory_bytes)
+    host_parts, captured = host_ram_needs(shape, recipe, setup, st, act, fsdp_loads, shard_bytes, gpu is not None, on_gpu)
     disk_parts = disk_needs(shape, st, setup, impl, keep_checkpoints, model_on_disk)
     return Estimate(
         shape=shape,
@@ -325,8 +347,16 @@ def estimate(
         notes=_notes(setup, gpu, st, start) + ([image_note(img, setup.seq_len, recipe.max_pixels)] if img else []),
         host_ram_parts=host_parts,
         disk_parts=disk_parts,
-        loads_whole_model=(setup.streams_weights and not captured) or fsdp_loads,
+        loads_whole_model=(setup.streams_weights and not captured and not on_gpu) or fsdp_loads,
+        loads_on_gpu=on_gpu,
     )
+
+
+def _streamed_label(layers: int, kept: int) -> str:
+    streamed = layers - min(kept, layers)
+    if not kept:
+        return f"base weights streamed ({min(STREAMED_LAYERS_RESIDENT, layers)} of {layers} layers)"
+    return f"base weights streamed ({min(STREAMED_LAYERS_RESIDENT, streamed)} of {streamed} at once; {kept} layers kept)"
 
 
 def _phases(
@@ -371,7 +401,7 @@ def _components(
         Component("weights_quantized", f"base weights ({_quant_label(recipe)})", st.q_weight),
         Component(
             "weights_streamed",
-            f"base weights streamed ({min(STREAMED_LAYERS_RESIDENT, shape.layers)} of {shape.layers} layers)",
+            _streamed_label(shape.layers, setup.device_layers),
             st.streamed_resident,
         ),
         Component("quant_constants", "quantization constants (absmax)", st.q_const),

@@ -17,7 +17,7 @@ from finetune.model.load import model_source
 from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.memory import Estimate, estimate
 from finetune.plan.shape import ModelShape, read_model_shape
-from finetune.plan.stages import balanced_layers, layout_choices, plan_setup
+from finetune.plan.stages import balanced_layers, layout_choices, plan_setup, row_shares, tensor_rank_shape
 
 
 def plan_precision(cfg: RecipeConfig, gpu: GpuSpec | None) -> str:
@@ -207,10 +207,12 @@ def _layouts(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int, base: Setup) -> 
 WEIGHT_COMPONENTS = ("weights_quantized", "quant_constants", "weights_unquantized", "lora_weights")
 
 
-def loaded_weight_bytes(cfg: RecipeConfig, precision: str) -> int:
-    """Bytes of the model's weights when the whole model is loaded on one device in `precision`: quantized per
-    quant.bits, the LoRA adapter included. The recipe's training memory modes (base_weights=cpu|disk, FSDP) do
-    not apply: generate, eval and export load every layer onto the device."""
-    setup = Setup(batch_size=1, grad_accum=1, seq_len=cfg.data.max_seq_len)  # base_weights=device, one process
-    e = estimate(model_shape_of(cfg), RecipeFacts.from_config(cfg, precision), setup, None)
+def loaded_weight_bytes(cfg: RecipeConfig, precision: str, tp: int = 1) -> int:
+    """Bytes of the model's weights when the whole model (a tensor-parallel rank: its share of every decoder linear,
+    the tables whole) is loaded on one device in `precision`: quantized per quant.bits, the LoRA adapter included.
+    The recipe's training memory modes (base_weights=cpu|disk, FSDP) do not apply: generate, eval and export load
+    every layer onto the device, and so does a streaming run that keeps layers there (trainer/build.py)."""
+    setup = Setup(batch_size=1, grad_accum=1, seq_len=cfg.data.max_seq_len, fp32_absmax=row_shares(tp))
+    shape = model_shape_of(cfg)
+    e = estimate(tensor_rank_shape(shape, tp) if tp > 1 else shape, RecipeFacts.from_config(cfg, precision), setup, None)
     return sum(e.component(key) for key in WEIGHT_COMPONENTS)

@@ -112,7 +112,9 @@ def _host_lines(e: Estimate) -> list[str]:
     """Host RAM and disk, with what they hold (host RAM per process is libraries + the larger of
     loading and what stays in RAM while training: pinned offload buffers, FSDP's offloaded shards)."""
     h, d = e.host_ram_parts, e.disk_parts
-    if e.loads_whole_model:
+    if e.loads_on_gpu:
+        held = " (one weight shard: the model loads on the GPU, its streamed layers then move to host RAM)"
+    elif e.loads_whole_model:
         held = " (each process builds the whole model in CPU RAM first)"
     elif e.setup.streams_weights:
         held = " (one weight shard and the resident weights; 4-bit layers go to the file as they load)"

@@ -140,7 +140,7 @@ def _ranks(
     (the others hold the same); split over tensor-parallel ranks, each its share, its all-reduces in its step."""
     pp, tp = setup.pp, setup.tp
     replicas = setup.gpus // (pp * tp)
-    one = replace(setup, gpus=replicas, sharding=DDP.name, pp=1, pipeline_layers=(), tp=1, fp32_absmax=_row_shares(tp))
+    one = replace(setup, gpus=replicas, sharding=DDP.name, pp=1, pipeline_layers=(), tp=1, fp32_absmax=row_shares(tp))
     out = []
     for stage in range(pp):
         layout = Layout(pp, replicas, stage * replicas * tp, setup.virtual_stages, tp, setup.pipeline_layers)
@@ -239,7 +239,13 @@ def plan_tensor_split(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu:
         )
     replicas = world // tp  # the processes holding one share: data-parallel replicas x context-parallel ranks
     one = replace(
-        setup, gpus=replicas, sharding=DDP.name, tp=1, positions_split=tp if setup.sp else 1, fp32_absmax=_row_shares(tp)
+        setup,
+        gpus=replicas,
+        sharding=DDP.name,
+        tp=1,
+        positions_split=tp if setup.sp else 1,
+        fp32_absmax=row_shares(tp),
+        tables_at_load=tp if setup.vp else 1,
     )
     layout = Layout(1, replicas // setup.cp, 0, tp=tp, cp=setup.cp)
     same_share = [i * tp for i in range(replicas)]  # tp rank 0 of every replica and context-parallel rank
@@ -275,7 +281,7 @@ def plan_tensor_split(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu:
     )
 
 
-def _row_shares(tp: int) -> tuple[str, ...]:
+def row_shares(tp: int) -> tuple[str, ...]:
     """The linears whose shares keep their double-quant absmax in fp32 over tp ranks (model/partial.cut_from_whole):
     a row-parallel share's blocks are strided over the rows, never whole 256-block groups; a column-parallel share
     of a real model's weight is (every dimension a multiple of 256 x 64 x tp)."""

@@ -13,12 +13,14 @@ from pathlib import Path
 
 from finetune.config.schema import RecipeConfig
 from finetune.data import check_data_source, check_sample
-from finetune.errors import FinetuneError
+from finetune.errors import ConfigError, FinetuneError
 from finetune.hardware import resolve_precision
+from finetune.memory.stream import stream_kept
 from finetune.model.load import (
     check_model_source,
     load_tokenizer,
     looks_like_hub_id,
+    model_config,
     model_source,
     tokenizer_source,
 )
@@ -44,6 +46,18 @@ def _tokenizer_is_local(cfg: RecipeConfig) -> bool:
     return Path(tokenizer_source(cfg)).is_dir()
 
 
+def kept_layers_problems(cfg: RecipeConfig) -> list[str]:
+    """memory.device_layers against config.json's decoder layers, before a weight loads (a hub config that cannot be
+    read now: loading says it)."""
+    config = model_config(cfg, quiet=True)
+    layers = getattr(config.get_text_config(), "num_hidden_layers", None) if config is not None else None
+    try:
+        stream_kept(layers, cfg.memory.device_layers) if isinstance(layers, int) else None
+    except ConfigError as exc:
+        return exc.problems
+    return []
+
+
 def preflight(cfg: RecipeConfig, memory_check: bool = True, training: bool = True) -> PreflightReport:
     """Every check short of loading weights. memory_check=False turns a predicted out-of-memory into a note.
 
@@ -60,6 +74,7 @@ def preflight(cfg: RecipeConfig, memory_check: bool = True, training: bool = Tru
     target_problems, target_notes = check_lora_targets(cfg)
     report.problems += [] if model_problems else target_problems
     report.notes += [] if model_problems else target_notes  # a damaged config.json is reported once, above
+    report.problems += [] if model_problems or not cfg.memory.device_layers else kept_layers_problems(cfg)
     src = tokenizer_source(cfg)
     # A config.json that is there but damaged (reported above) fails the tokenizer of the same folder too: one problem, not two.
     damaged_config = bool(model_problems) and src == model_source(cfg) and (Path(src) / "config.json").is_file()

@@ -15,6 +15,7 @@ import torch
 from finetune.config.schema import RecipeConfig, build_recipe
 from finetune.data import IGNORE_INDEX, DataBundle, DataStats, build_datasets, build_examples
 from finetune.declarations import objectives
+from finetune.declarations.splits import TENSOR
 from finetune.errors import ConfigError
 from finetune.memory.apply import Applied, apply_techniques, weights_capture
 from finetune.memory.stream import WeightStream
@@ -28,6 +29,8 @@ from finetune.objectives.loss import CausalLMLoss, Loss
 from finetune.objectives.preference import PreferenceLoss
 from finetune.objectives.rewards import build_rewards
 from finetune.parallel.runtime import Parallel
+from finetune.plan.memory import LOAD_ON_GPU_MARGIN
+from finetune.plan.recipe import loaded_weight_bytes
 from finetune.runs.evaluate import exact_match_records
 from finetune.trainer.callbacks import Callback
 from finetune.trainer.profiling import ModelFlops, StageTimes, StepProfiler
@@ -115,7 +118,7 @@ def load_model_and_store(
     try:
         if model is None:
             torch.manual_seed(cfg.seed)  # LoRA init is drawn from the global RNG: the same on every rank
-            load_on = parallel.load_device(streaming)
+            load_on = load_device(cfg, precision, parallel, streaming, say)
             disk_store = weights_capture(cfg)
             if disk_store is not None:
                 with disk_store.capture():
@@ -130,6 +133,7 @@ def load_model_and_store(
                     placement=placement,
                     split=parallel.split(),
                 )
+                parallel.loaded(model)
         if getattr(model, "finetune_attention_note", None):
             say(model.finetune_attention_note)
         applied = apply_techniques(model, cfg, parallel.device, say, given=given is not None, disk_store=disk_store)
@@ -138,6 +142,25 @@ def load_model_and_store(
             disk_store.discard()  # tens of GB written for a model that will not train
         raise
     return model, applied
+
+
+def load_device(cfg: RecipeConfig, precision: str, parallel: Parallel, streaming: bool, say: Callable[[str], None]):
+    """Where the model loads: the room's choice (streaming: host RAM), except that a streaming run keeping layers on
+    a CUDA device (memory.device_layers) loads there when this process's whole (share of the) model fits its free
+    memory with LOAD_ON_GPU_MARGIN to spare: only the streamed layers then move to host RAM, which never holds the
+    kept ones (the planner counts the same: plan/memory.streaming_loads_on_gpu)."""
+    room = parallel.load_device(streaming)
+    if not (streaming and cfg.memory.device_layers and parallel.device.type == "cuda"):
+        return room
+    need = loaded_weight_bytes(cfg, precision, TENSOR.size(cfg))
+    free, _ = torch.cuda.mem_get_info(parallel.device)
+    if need <= (1 - LOAD_ON_GPU_MARGIN) * free:
+        return parallel.device
+    say(
+        f"memory: the model loads in host RAM first ({human_bytes(need)} of weights do not fit the "
+        f"{human_bytes(free)} free on {parallel.device} with {LOAD_ON_GPU_MARGIN:.0%} to spare)"
+    )
+    return room
 
 
 def describe_store(stream: WeightStream, device, say: Callable[[str], None]) -> None:

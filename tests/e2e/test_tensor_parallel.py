@@ -61,16 +61,20 @@ def one_process(base) -> Path:
 @pytest.mark.parametrize(
     "nproc, batch, sp, vocab",
     [(2, 4, False, False), (4, 2, False, False), (2, 4, True, False), (2, 4, True, True)],
-    ids=["tp2", "tp2xdp2", "tp2-sp", "tp2-sp-vocab"],
+    ids=["tp2", "tp2xdp2", "tp2-sp", "tp2-sp-vocab-streamed"],
 )
 def test_tensor_parallel_matches_one_process(base, one_process, nproc, batch, sp, vocab):
     # sp: sequence parallelism, each rank's norms and residual stream over half of every row's positions (rows
     # padded to an even length), all-gathered into the split linears and reduce-scattered out of them.
-    # vocab: the embedding and the head split along the vocabulary, the loss from each rank's columns of the logits.
+    # vocab: the embedding and the head split along the vocabulary, the loss from each rank's columns of the logits;
+    # and each rank's share of the first layer streamed from host RAM, of the second kept (memory.device_layers).
     root, recipe = base
     split = {"tensor_parallel": 2, "sequence_parallel": sp, "vocab_parallel": vocab}
-    path, out = write(root, recipe, f"tp-{nproc}-{sp}-{vocab}", train__batch_size=batch, distributed=split)
+    memory = {"base_weights": "cpu", "device_layers": 1} if vocab else {}
+    path, out = write(root, recipe, f"tp-{nproc}-{sp}-{vocab}", train__batch_size=batch, distributed=split, memory=memory)
     proc = finetune(str(path), "--nproc", str(nproc), cwd=root)
+    if vocab:
+        assert "of frozen decoder-layer weights live in CPU RAM" in proc.stdout
     replicas = "1 replica" if nproc == 2 else "2 replicas"
     vocabulary = ", the vocabulary's tables too" if vocab else ""
     assert f"parallel: tensor parallel, each decoder layer split over 2 processes x {replicas}{vocabulary}\n" in proc.stdout
