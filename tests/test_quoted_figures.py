@@ -285,6 +285,12 @@ _Y = "recipes/{}.yaml".format
 # {} is the figure the row checks, {*} any number (another row checks it); runs of whitespace read as one space.
 ROWS: dict[str, list[tuple[str, Value, str]]] = {
     RM: [
+        ("24 of 80 layers streamed from host RAM): {} tokens/s planned", lambda: tps("lc70-2"), ",.0f"),
+        ("24 of 80 layers streamed from host RAM): {*} tokens/s planned | {} GiB |", lambda: peak("lc70-2"), ".2f"),
+        ("24 of 80 layers streamed from host RAM): {*} tokens/s planned | {*} GiB | {} GiB |", lambda: host("lc70-2"), ".2f"),
+        ("vocabulary parallelism): {} tokens/s planned", lambda: tps("lc70-4"), ",.0f"),
+        ("vocabulary parallelism): {*} tokens/s planned | {} GiB |", lambda: peak("lc70-4"), ".2f"),
+        ("vocabulary parallelism): {*} tokens/s planned | {*} GiB | {} GiB |", lambda: host("lc70-4"), ".2f"),
         ("(`memory.device_layers: 56`); predicted {} GiB per GPU", lambda: peak("lc70-2"), ".2f"),
         ("(`memory.device_layers: 56`); predicted {*} GiB per GPU, {} GiB of host RAM in all", lambda: host("lc70-2"), ".2f"),
         ("(Llama-3-70B: {} GiB of bf16 tables a rank", lambda: comp("lc70-4", "weights_unquantized"), ".2f"),
