@@ -148,3 +148,25 @@ def test_the_planner_gives_a_rank_its_share_of_the_tables_and_of_a_chunks_logits
     assert whole.component("weights_unquantized") - split.component("weights_unquantized") == 2 * vocab // 2 * hidden * b
     assert split.component("logits_loss") < whole.component("logits_loss")  # a chunk's columns: half the vocabulary
     assert "vocabulary parallel" in describe_setup(split.setup) and "1/2 of the embedding and head rows" in " ".join(split.notes)
+
+
+def test_a_head_of_other_rows_than_the_embedding_is_refused():
+    model = _model(tied=False)
+    model.lm_head = torch.nn.Linear(HIDDEN, VOCAB + 3, bias=False).requires_grad_(False)
+    with pytest.raises(ConfigError, match="head has 40 rows and its input embedding 37"):
+        split_vocabulary(model, group=None)
+
+
+def test_fit_splits_the_vocabulary_only_where_no_adapter_trains_a_table():
+    from dataclasses import replace
+
+    from finetune.declarations.splits import trained_tables
+    from finetune.plan.fitting import _laid_out
+    from finetune.plan.inputs import Setup
+
+    assert trained_tables("all-linear") == [] and trained_tables(["q_proj", "lm_head"]) == ["lm_head"]
+    assert trained_tables(r".*(embed_tokens|q_proj)") == ["embed_tokens"] and trained_tables(["q_proj"]) == []
+    base = Setup(batch_size=1, grad_accum=2, gpus=2, seq_len=1024, loss="auto")
+    assert _laid_out(base, base, 1, 2).vp and _laid_out(base, base, 1, 2).sp
+    assert not _laid_out(base, base, 1, 2, tables_train=True).vp
+    assert not _laid_out(replace(base, loss="full"), base, 1, 2).vp

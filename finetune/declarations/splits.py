@@ -11,6 +11,7 @@ This module imports nothing of ours but the rule type and the strategies' declar
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +149,9 @@ def tensor_asked(cfg: Any) -> str:
     return TENSOR.said(cfg)
 
 
+VOCAB_TABLES = ("lm_head", "embed_tokens")  # what distributed.vocab_parallel splits
+
+
 def _tensor_alone(key: str, what: str) -> tuple[Rule[Any], Rule[Any]]:
     """distributed.KEY (a refinement of tensor parallelism) refused without one, and where it does not run yet."""
 
@@ -237,8 +241,14 @@ TENSOR_RULES: tuple[Rule[Any], ...] = (
 
 
 def _trained_tables(cfg: Any) -> list[str]:
-    targets = [cfg.lora.target] if isinstance(cfg.lora.target, str) else cfg.lora.target
-    return [t for t in targets if t in ("lm_head", "embed_tokens")]
+    return trained_tables(cfg.lora.target)
+
+
+def trained_tables(target: str | list[str] | tuple[str, ...]) -> list[str]:
+    """The vocabulary tables a lora.target adapts (a name in the list, or matched by peft's pattern; all-linear: none)."""
+    if isinstance(target, str):
+        return [] if target == "all-linear" else [t for t in VOCAB_TABLES if re.search(target, t)]
+    return [t for t in VOCAB_TABLES if t in target]
 
 
 def _context(cfg: Any) -> bool:

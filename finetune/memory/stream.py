@@ -196,9 +196,10 @@ class WeightStream:
             # capture() takes every 4-bit weight the model registers; some models keep 4-bit
             # projections outside their decoder layers (Gemma 3n's per-layer and altup ones),
             # which are not streamed: they get their bytes back and stay resident.
-            kept = {id(p) for params in weights for p in params}
-            for p in [p for p in stored if id(p) not in kept]:
-                p.data = stored.pop(p).clone()
+            streaming = {id(p) for params in weights for p in params}
+            # So do the layers memory.device_layers keeps: straight to the device (on a CPU, a copy out of the file).
+            for p in [p for p in stored if id(p) not in streaming]:
+                p.data = stored.pop(p).to(device, copy=True)
         else:
             stored = {}
             for params in weights:

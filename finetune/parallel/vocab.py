@@ -117,8 +117,15 @@ def split_vocabulary(model: nn.Module, group: Any) -> list[Any]:
                 + ". Take lm_head and embed_tokens out of lora.target, or set distributed.vocab_parallel=false."
             ]
         )
-    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     vocab = embedding.weight.shape[0]
+    if head.weight.shape[0] != vocab:
+        raise ConfigError(
+            [
+                f"distributed.vocab_parallel=true: this model's head has {head.weight.shape[0]} rows and its input "
+                f"embedding {vocab}; the split needs them alike. Set distributed.vocab_parallel=false."
+            ]
+        )
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     bounds = share_bounds(vocab, ranks)
     start, end = bounds[rank], bounds[rank + 1]
     tied = head.weight is embedding.weight

@@ -10,6 +10,7 @@ from typing import Any
 
 from finetune.config.schema import RecipeConfig
 from finetune.declarations import techniques
+from finetune.declarations.splits import trained_tables
 from finetune.declarations.strategies import DDP, STRATEGIES
 from finetune.declarations.techniques import TECHNIQUES, Technique
 from finetune.errors import PlanError
@@ -110,13 +111,13 @@ def candidates(
         for pp, tp, cp in grids:
             if not ok[cp]:
                 continue
-            laid = _laid_out(s, base, pp, tp, cp)
+            laid = _laid_out(s, base, pp, tp, cp, tables_train=recipe is not None and bool(trained_tables(recipe.lora_target)))
             if laid is not None:
                 out.append(laid)
     return out
 
 
-def _laid_out(s: Setup, base: Setup, pp: int, tp: int, cp: int = 1) -> Setup | None:
+def _laid_out(s: Setup, base: Setup, pp: int, tp: int, cp: int = 1, tables_train: bool = False) -> Setup | None:
     """`s` as `pp` stages x `tp` tensor-parallel ranks x `cp` context-parallel ranks x replicas, with the
     accumulation that keeps base's global batch and a schedule that runs it; None where it cannot run so (a
     layout keeps its layers and tables on its GPUs and sums its own gradients: DDP's row only, nothing streamed
@@ -136,7 +137,7 @@ def _laid_out(s: Setup, base: Setup, pp: int, tp: int, cp: int = 1) -> Setup | N
     # Sequence and vocabulary parallelism wherever they run (tensor parallelism alone, no sampling; the vocabulary's
     # loss in chunks): less memory, the same traffic (sp), two all-reduces of a chunk's positions (vp).
     sp = tp > 1 and pp == cp == 1 and not s.sampled_tokens
-    vp = sp and s.loss in ("auto", "chunked")
+    vp = sp and s.loss in ("auto", "chunked") and not tables_train
     s = replace(s, pp=pp, tp=tp, cp=cp, sp=sp, vp=vp, grad_accum=m, pipeline_layers=own)
     if pp == 1:
         return s

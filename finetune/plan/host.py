@@ -24,7 +24,10 @@ def disk_needs(
         "download": 0 if model_on_disk else shape.total_params * 2,
         "checkpoints": keep_checkpoints * state_bytes,
         "adapter": st.trainable * st.adapter_bytes,
-        "streamed_weights": st.streamed_store if setup.base_weights == "disk" else 0,
+        # the file also holds the kept layers' weights (memory.device_layers) that went there while loading
+        "streamed_weights": st.streamed_store + (st.q_weight if setup.device_layers else 0)
+        if setup.base_weights == "disk"
+        else 0,
     }
 
 
@@ -59,7 +62,7 @@ def host_ram_needs(
         loading = shard
     else:
         # the tables go to host RAM after loading; memory.device_layers' weights to the GPU (q_weight: theirs)
-        resident = st.q_const + st.unquantized + st.host_tables + st.q_weight
+        resident = st.q_const + st.unquantized * setup.tables_at_load + st.host_tables + st.q_weight
         loading = shard + ((resident + (0 if captured else st.streamed_store)) if setup.streams_weights else 0)
     streamed_pinned = st.streamed_store if setup.base_weights == "cpu" else 0
     tables = st.host_tables

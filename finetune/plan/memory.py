@@ -254,20 +254,23 @@ def _static_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, impl: Im
     return t
 
 
-LOAD_ON_GPU_MARGIN = 0.10  # of the card kept free when a streaming run loads there first (trainer/build.py)
+# Of the free memory kept free when a streaming run loads on the GPU first (trainer/build.py): loading allocates its
+# tensors once each (little fragmentation); the margin holds the largest weight's 16-bit copy before it is quantized.
+LOAD_ON_GPU_MARGIN = 0.05
 
 
 def load_bytes(setup: Setup, st: _Static) -> int:
     """What a process holds on its device when it loads its (share of the) model whole: every decoder layer's 4-bit
     weights and absmax, the tables as loaded (before vocab_parallel cuts them; the norms counted alike, a rounding),
     the adapter."""
-    return st.q_weight + st.streamed_store + st.q_const + st.unquantized * setup.tables_at_load + st.lora
+    tables = st.unquantized * setup.tables_at_load + st.host_tables  # memory.embeddings=cpu moves them after the load
+    return st.q_weight + st.streamed_store + st.q_const + tables + st.lora
 
 
 def streaming_loads_on_gpu(setup: Setup, st: _Static, card_bytes: int) -> bool:
     """memory.device_layers: the model loads on the GPU when its whole (share) fits there with LOAD_ON_GPU_MARGIN
     free, and only the streamed layers move to host RAM (memory/stream.py), which never holds the kept ones."""
-    fits = load_bytes(setup, st) <= (1 - LOAD_ON_GPU_MARGIN) * card_bytes
+    fits = load_bytes(setup, st) <= (1 - LOAD_ON_GPU_MARGIN) * (card_bytes - CUDA_CONTEXT_BYTES)  # free: no context
     return setup.streams_weights and setup.device_layers > 0 and fits
 
 

@@ -133,7 +133,7 @@ def load_model_and_store(
                     placement=placement,
                     split=parallel.split(),
                 )
-                parallel.loaded(model)
+            parallel.loaded(model)  # (a model given in memory was not read split: nothing to finish)
         if getattr(model, "finetune_attention_note", None):
             say(model.finetune_attention_note)
         applied = apply_techniques(model, cfg, parallel.device, say, given=given is not None, disk_store=disk_store)
@@ -154,7 +154,8 @@ def load_device(cfg: RecipeConfig, precision: str, parallel: Parallel, streaming
         return room
     need = loaded_weight_bytes(cfg, precision, TENSOR.size(cfg))
     free, _ = torch.cuda.mem_get_info(parallel.device)
-    if need <= (1 - LOAD_ON_GPU_MARGIN) * free:
+    # Every rank alike (a collective): the ranks of a tensor-parallel group quantize where they load.
+    if all(fits for (fits,) in parallel.every_rank(float(need <= (1 - LOAD_ON_GPU_MARGIN) * free))):
         return parallel.device
     say(
         f"memory: the model loads in host RAM first ({human_bytes(need)} of weights do not fit the "
