@@ -63,7 +63,7 @@ def test_ranks_are_numbered_tensor_parallel_innermost():
     [
         ({"distributed": {"tensor_parallel": 2, "strategy": "fsdp"}}, "it does not shard them"),
         ({"distributed": {"tensor_parallel": 2}, "lora": {"method": "dora"}}, "lora.method=dora is not split yet"),
-        ({"distributed": {"tensor_parallel": 2}, "memory": {"base_weights": "cpu"}}, "memory.base_weights=device"),
+        ({"distributed": {"tensor_parallel": 2}, "memory": {"base_weights": "disk"}}, "memory.base_weights=device or cpu"),
         ({"distributed": {"tensor_parallel": 2}, "memory": {"embeddings": "cpu"}}, "memory.embeddings=device"),
         ({"distributed": {"tensor_parallel": 2}, "memory": {"optimizer_offload": True}}, "memory.optimizer_offload=false"),
         ({"distributed": {"tensor_parallel": 2}, "precision": "fp16"}, "decide each rank's skip alone"),
