@@ -294,7 +294,7 @@ ROWS: dict[str, list[tuple[str, Value, str]]] = {
         ("(`memory.device_layers: 56`); predicted {} GiB per GPU", lambda: peak("lc70-2"), ".2f"),
         ("(`memory.device_layers: 56`); predicted {*} GiB per GPU, {} GiB of host RAM in all", lambda: host("lc70-2"), ".2f"),
         ("(Llama-3-70B: {} GiB of bf16 tables a rank", lambda: comp("lc70-4", "weights_unquantized"), ".2f"),
-        ("GiB of bf16 tables a rank at tp4 instead of {})", lambda: comp("lc70-4-whole", "weights_unquantized"), ".2f"),
+        ("GiB of bf16 tables a rank at tp4 instead of {};", lambda: comp("lc70-4-whole", "weights_unquantized"), ".2f"),
         *(
             row
             for n, g in (("lc70-4", 4), ("lc70-8", 8))

@@ -60,13 +60,24 @@ def _measure(model):
     return [t.detach() for t in (embedded, logits, logits_grad, loss, h.grad)]
 
 
-def _worker(rank: int, port: int, tied: bool, broken: str, results) -> None:
+def _precut(model, rank: int, tied: bool) -> None:
+    """The tables as a load that reads only this rank's rows leaves them (tensor.reads_vocab_rows)."""
+    start, end = share_bounds(VOCAB, 2)[rank : rank + 2]
+    embedding = model.get_input_embeddings()
+    embedding.weight = torch.nn.Parameter(embedding.weight[start:end].clone(), requires_grad=False)
+    head = embedding.weight if tied else torch.nn.Parameter(model.lm_head.weight[start:end].clone(), requires_grad=False)
+    model.lm_head.weight = head
+
+
+def _worker(rank: int, port: int, tied: bool, broken: str, results, precut: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         whole = _measure(_model(tied))
         model = _model(tied)
-        split_vocabulary(model, dist.group.WORLD)
+        if precut:
+            _precut(model, rank, tied)
+        split_vocabulary(model, dist.group.WORLD, VOCAB)
         if broken:  # the head's input gradient left as each rank's columns' part, never summed over the group
             from finetune.parallel import vocab
 
@@ -81,15 +92,16 @@ def _worker(rank: int, port: int, tied: bool, broken: str, results) -> None:
         dist.destroy_process_group()
 
 
-def _run(tied: bool, broken: str = "") -> dict:
+def _run(tied: bool, broken: str = "", precut: bool = False) -> dict:
     results = mp.Manager().dict()
-    mp.start_processes(_worker, args=(free_port(), tied, broken, results), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port(), tied, broken, results, precut), nprocs=2, start_method="spawn")
     return dict(results)
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_tables_split_over_two_ranks_give_the_whole_tables_results(tied):
-    results = _run(tied)
+@pytest.mark.parametrize("tied, precut", [(False, False), (True, False), (False, True)], ids=["untied", "tied", "read-split"])
+def test_tables_split_over_two_ranks_give_the_whole_tables_results(tied, precut):
+    # read-split: each rank's tables hold only its rows already (as a load reads them where tp divides the vocabulary)
+    results = _run(tied, precut=precut)
     assert [results[r][1] for r in (0, 1)] == [18, 19]  # each rank's rows of the vocabulary
     for rank in (0, 1):
         names = ["embeddings", "logits", "their gradient", "chunked loss", "its gradient"]

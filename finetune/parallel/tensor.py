@@ -71,11 +71,22 @@ def partial_gradient(name: str) -> bool:
     return ("lora_A" in parts and module in COLUMN) or ("lora_B" in parts and module in ROW)
 
 
-def narrowed(config: Any, tp: int) -> Any:
-    """The config each rank builds its model from: its share of the heads and of the MLP; head_dim said
-    explicitly (it would otherwise be recomputed from hidden_size / heads)."""
+VOCAB_KEYS = ("embed_tokens.weight", "lm_head.weight", "lm_head.bias")  # the checkpoint's vocabulary tables
+
+
+def reads_vocab_rows(cfg: Any, config: Any, tp: int) -> bool:
+    """distributed.vocab_parallel where tp divides the vocabulary: a rank reads only its rows of the tables at load
+    (else it loads them whole and vocab.py cuts them after)."""
+    return bool(cfg.distributed.vocab_parallel) and config.get_text_config().vocab_size % tp == 0
+
+
+def narrowed(config: Any, tp: int, vocab: bool = False) -> Any:
+    """The config each rank builds its model from: its share of the heads and of the MLP (vocab: of the vocabulary
+    too, reads_vocab_rows); head_dim said explicitly (it would otherwise be recomputed from hidden_size / heads)."""
     out = copy.deepcopy(config)
     text = out.get_text_config()
+    if vocab:
+        text.vocab_size //= tp
     heads = text.num_attention_heads
     text.head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     text.num_attention_heads = heads // tp
@@ -199,7 +210,10 @@ class TensorParallel(SplitRoom):
         whole = AutoConfig.from_pretrained(
             model_source(cfg), revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
         )
-        return Split(split_dim, self.tp_rank, self.tp, narrowed(whole, self.tp))
+        if not reads_vocab_rows(cfg, whole, self.tp):
+            return Split(split_dim, self.tp_rank, self.tp, narrowed(whole, self.tp))
+        rows = lambda name: 0 if name.endswith(VOCAB_KEYS) else split_dim(name)  # noqa: E731 - the tables by rows too
+        return Split(rows, self.tp_rank, self.tp, narrowed(whole, self.tp, vocab=True))
 
     def loaded(self, model: Any) -> None:
         """The shares cut from the whole weights' quantization, before memory.base_weights may stream them.
@@ -207,6 +221,9 @@ class TensorParallel(SplitRoom):
         only double quant's offset and groups belong to the whole tensor, so only then is the whole read."""
         if self.cfg.quant.bits == 4 and self.cfg.quant.double_quant:
             cut_shares_from_whole(model, self.cfg, self.tp, self.tp_rank)
+        owner: Any = head_owner(model)
+        if owner is not None and self.model_config is not None:  # read as 1/tp of the vocabulary: it is still the whole's
+            owner.config.get_text_config().vocab_size = self.model_config.vocab_size
 
     def shard(self, model: Any, compute_dtype: torch.dtype) -> Any:
         """This rank's share of each layer (loaded split), its LoRA drawn as one process's."""
@@ -249,7 +266,7 @@ class TensorParallel(SplitRoom):
             owner: Any = head_owner(model)
             self.hooks.append(owner.get_decoder().norm.register_forward_hook(self.sequence.after_norm))
         if self.cfg.distributed.vocab_parallel:  # the tables cut to this rank's vocabulary rows
-            self.hooks += split_vocabulary(model, self.group)
+            self.hooks += split_vocabulary(model, self.group, self.model_config.vocab_size)
         for name, module in model.named_modules():
             if name.endswith(".self_attn") or name.endswith(".mlp"):
                 if self.sequence is not None:

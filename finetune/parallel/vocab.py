@@ -101,9 +101,10 @@ class VocabSplit:
         return _Gathered.apply(output, self.bounds, self.rank, self.group)
 
 
-def split_vocabulary(model: nn.Module, group: Any) -> list[Any]:
-    """The input embedding and the head cut to this rank's rows of the vocabulary (a tied head shares the embedding's
-    cut); returns the hooks. Refuses tables that train (a LoRA on them, resized and trained rows)."""
+def split_vocabulary(model: nn.Module, group: Any, vocab: int | None = None) -> list[Any]:
+    """The input embedding and the head cut to this rank's rows of the `vocab` (default: the embedding's rows; a tied
+    head shares the embedding's cut), or kept where the load read only those rows (tensor.reads_vocab_rows); returns
+    the hooks. Refuses tables that train (a LoRA on them, resized and trained rows)."""
     owner: Any = head_owner(model)
     embedding, head = owner.get_input_embeddings(), owner.lm_head
     named = [*embedding.named_parameters("input embedding"), *head.named_parameters("lm_head")]
@@ -117,27 +118,35 @@ def split_vocabulary(model: nn.Module, group: Any) -> list[Any]:
                 + ". Take lm_head and embed_tokens out of lora.target, or set distributed.vocab_parallel=false."
             ]
         )
-    vocab = embedding.weight.shape[0]
-    if head.weight.shape[0] != vocab:
+    held = embedding.weight.shape[0]
+    if head.weight.shape[0] != held:
         raise ConfigError(
             [
                 f"distributed.vocab_parallel=true: this model's head has {head.weight.shape[0]} rows and its input "
-                f"embedding {vocab}; the split needs them alike. Set distributed.vocab_parallel=false."
+                f"embedding {held}; the split needs them alike. Set distributed.vocab_parallel=false."
             ]
         )
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
-    bounds = share_bounds(vocab, ranks)
+    bounds = share_bounds(vocab or held, ranks)
     start, end = bounds[rank], bounds[rank + 1]
+    read = held == end - start and held != (vocab or held)  # the load read this rank's rows alone
+    if held not in (vocab or held, end - start):
+        raise ConfigError(
+            [
+                f"distributed.vocab_parallel=true: this rank's tables have {held} rows, neither the vocabulary's "
+                f"{vocab} nor its share {end - start}. Set distributed.vocab_parallel=false."
+            ]
+        )
     tied = head.weight is embedding.weight
     with torch.no_grad():
-        rows = embedding.weight[start:end]
+        rows = embedding.weight if read else embedding.weight[start:end]
         table = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])  # the zero row: ids another rank holds
         embedding.weight = nn.Parameter(table, requires_grad=False)
         embedding.num_embeddings, embedding.padding_idx = end - start + 1, None
-        kept = table[:-1] if tied else head.weight[start:end].clone()
+        kept = table[:-1] if tied else head.weight if read else head.weight[start:end].clone()
         head.weight = nn.Parameter(kept, requires_grad=False)
         if head.bias is not None:
-            head.bias = nn.Parameter(head.bias[start:end].clone(), requires_grad=False)
+            head.bias = nn.Parameter(head.bias if read else head.bias[start:end].clone(), requires_grad=False)
         head.out_features = end - start
 
     def own_ids(module: nn.Module, args: tuple):

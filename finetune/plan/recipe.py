@@ -209,10 +209,13 @@ WEIGHT_COMPONENTS = ("weights_quantized", "quant_constants", "weights_unquantize
 
 def loaded_weight_bytes(cfg: RecipeConfig, precision: str, tp: int = 1) -> int:
     """Bytes of the model's weights when the whole model (a tensor-parallel rank: its share of every decoder linear,
-    the tables whole) is loaded on one device in `precision`: quantized per quant.bits, the LoRA adapter included.
-    The recipe's training memory modes (base_weights=cpu|disk, FSDP) do not apply: generate, eval and export load
-    every layer onto the device, and so does a streaming run that keeps layers there (trainer/build.py)."""
+    the tables whole or, under vocab_parallel where tp divides the vocabulary, its rows of them) is loaded on one
+    device in `precision`: quantized per quant.bits, the LoRA adapter included. The recipe's training memory modes
+    (base_weights=cpu|disk, FSDP) do not apply: generate, eval and export load every layer onto the device, and so
+    does a streaming run that keeps layers there (trainer/build.py)."""
     setup = Setup(batch_size=1, grad_accum=1, seq_len=cfg.data.max_seq_len, fp32_absmax=row_shares(tp))
     shape = model_shape_of(cfg)
-    e = estimate(tensor_rank_shape(shape, tp) if tp > 1 else shape, RecipeFacts.from_config(cfg, precision), setup, None)
+    rows = cfg.distributed.vocab_parallel and shape.vocab % tp == 0  # its rows of the tables (tensor.reads_vocab_rows)
+    rank = tensor_rank_shape(shape, tp, vocab=rows) if tp > 1 else shape
+    e = estimate(rank, RecipeFacts.from_config(cfg, precision), setup, None)
     return sum(e.component(key) for key in WEIGHT_COMPONENTS)

@@ -245,7 +245,7 @@ def plan_tensor_split(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu:
         tp=1,
         positions_split=tp if setup.sp else 1,
         fp32_absmax=row_shares(tp),
-        tables_at_load=tp if setup.vp else 1,
+        tables_at_load=tp if setup.vp and shape.vocab % tp else 1,  # tensor.reads_vocab_rows: else cut after the load
     )
     layout = Layout(1, replicas // setup.cp, 0, tp=tp, cp=setup.cp)
     same_share = [i * tp for i in range(replicas)]  # tp rank 0 of every replica and context-parallel rank
