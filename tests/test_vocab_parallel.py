@@ -145,6 +145,7 @@ def test_vocab_parallelism_is_refused_where_it_does_not_split_with_the_fix():
     from finetune.config.schema import build_recipe
 
     assert build_recipe({**MINIMAL, "distributed": split}).distributed.vocab_parallel
+    assert build_recipe({**MINIMAL, "distributed": {**split, "context_parallel": 2}}).distributed.vocab_parallel
 
 
 def test_the_planner_gives_a_rank_its_share_of_the_tables_and_of_a_chunks_logits():

@@ -140,7 +140,8 @@ class ContextParallel(SplitRoom):
     def describe(self) -> str:
         replicas = self.layout.replicas
         many = f"{replicas} replica{'s' if replicas > 1 else ''}"
-        shares = f" x {self.layout.tp} tensor-parallel ranks (each layer split)" if self.tensor is not None else ""
+        vocab = ", the vocabulary too" if self.cfg.distributed.vocab_parallel else ""
+        shares = f" x {self.layout.tp} tensor-parallel ranks (each layer split{vocab})" if self.tensor is not None else ""
         return f"parallel: context parallel ({self.mode}), each sequence split over {self.size} processes{shares} x {many}"
 
     def split(self) -> Any:

@@ -106,12 +106,14 @@ def test_a_sequence_split_over_tensor_parallel_shares_trains_as_one_process(base
     # cp2 x tp2 (4 processes, 1 replica): each rank holds half of every layer (2 of the 4 heads, half the MLP) and
     # half of every row; the ring runs over the shares' heads, the shares' partial gradients are summed over
     # their tensor-parallel group, then over the context-parallel parts. The 4-bit shares are the whole weights'
-    # blocks (hidden 128: whole 64-element blocks), so the base is one process's.
+    # blocks (hidden 128: whole 64-element blocks), so the base is one process's. The vocabulary is split over
+    # each tensor-parallel pair too (vocab_parallel): each part's loss from its pair's columns of the logits.
     root, recipe = base
-    distributed = {"context_parallel": 2, "tensor_parallel": 2}
+    distributed = {"context_parallel": 2, "tensor_parallel": 2, "vocab_parallel": True}
     path, out = write(root, recipe, "cp2-tp2", distributed=distributed)
     proc = finetune(str(path), "--nproc", "4", cwd=root)
-    assert "each sequence split over 2 processes x 2 tensor-parallel ranks (each layer split) x 1 replica" in proc.stdout
+    said = "each sequence split over 2 processes x 2 tensor-parallel ranks (each layer split, the vocabulary too) x 1 replica"
+    assert said in proc.stdout
     assert_same_steps(one_process, out, rel=1e-5)
     assert_adapters_close(adapter(one_process), adapter(out))
     assert eval_losses(out) == pytest.approx(eval_losses(one_process), rel=1e-5)
