@@ -144,6 +144,14 @@ PLANS: dict[str, tuple[str, str, tuple[str, ...], str, int]] = {
     ),
     "lc70-4": ("qlora-70b-longctx-4x24gb", "llama-3-70b", (), "rtx4090", 4),
     "lc70-4-whole": ("qlora-70b-longctx-4x24gb", "llama-3-70b", ("distributed.vocab_parallel=false",), "rtx4090", 4),
+    "lc8-cp8": ("qlora-longctx-2x24gb", "llama-3.1-8b", ("distributed.context_parallel=8",), "rtx4090", 8),
+    "lc8-cp8-1m": (
+        "qlora-longctx-2x24gb",
+        "llama-3.1-8b",
+        ("distributed.context_parallel=8", "data.max_seq_len=1048576"),
+        "rtx4090",
+        8,
+    ),
     "lc70-2": ("qlora-70b-longctx-2x24gb", "llama-3-70b", (), "rtx4090", 2),
     "lc70-8": ("qlora-70b-longctx-8x24gb", "llama-3-70b", (), "rtx4090", 8),
     "lc70-8-drop": ("qlora-70b-longctx-8x24gb", "llama-3-70b", ("lora.dropout=0.05",), "rtx4090", 8),
@@ -471,6 +479,14 @@ ROWS: dict[str, list[tuple[str, Value, str]]] = {
         ("for Llama-3-70B instead of {}).", lambda: host("st"), ".1f"),
     ],
     BM: [
+        (
+            "--gpu rtx4090 --gpus 8 --max-seq`): {} tokens, the search's upper bound",
+            lambda: longest("lc8-cp8").as_written,
+            ",.0f",
+        ),
+        ("(`data.max_seq_len=1048576`) {} GiB per GPU", lambda: peak("lc8-cp8-1m"), ".2f"),
+        ("GiB per GPU, but {} GiB of host RAM for the 8", lambda: host("lc8-cp8-1m"), ".2f"),
+        ("to a power of two ({} GiB a process)", lambda: hpart("lc8-cp8-1m", "activations"), ".2f"),
         *(
             row
             for n, g in (("lc70-4", 4), ("lc70-8", 8))
