@@ -236,17 +236,13 @@ TENSOR_RULES: tuple[Rule[Any], ...] = (
         ),
     ),
     Rule(
-        lambda c: c.distributed.vocab_parallel and _split(c) and c.lora is not None and bool(_trained_tables(c)),
+        lambda c: c.distributed.vocab_parallel and _split(c) and c.lora is not None and bool(trained_tables(c.lora.target)),
         lambda c: (
-            f"distributed.vocab_parallel=true with {', '.join(_trained_tables(c))} in lora.target: the split tables "
+            f"distributed.vocab_parallel=true with {', '.join(trained_tables(c.lora.target))} in lora.target: the split tables "
             "are frozen. Take them out of lora.target, or set distributed.vocab_parallel=false."
         ),
     ),
 )
-
-
-def _trained_tables(cfg: Any) -> list[str]:
-    return trained_tables(cfg.lora.target)
 
 
 def trained_tables(target: str | list[str] | tuple[str, ...]) -> list[str]:

@@ -144,13 +144,6 @@ class ContextParallel(SplitRoom):
         shares = f" x {self.layout.tp} tensor-parallel ranks (each layer split{vocab})" if self.tensor is not None else ""
         return f"parallel: context parallel ({self.mode}), each sequence split over {self.size} processes{shares} x {many}"
 
-    def split(self) -> Any:
-        return self.tensor.split() if self.tensor is not None else None
-
-    def loaded(self, model) -> None:
-        if self.tensor is not None:
-            self.tensor.loaded(model)
-
     def shard(self, model, compute_dtype: torch.dtype):
         """Our attention in every layer of the model (whatever it was loaded with), over this rank's share."""
         from finetune.model.load import head_owner

@@ -74,13 +74,6 @@ class Pipeline(SplitRoom):
         tied = bool(getattr(self.model_config, "tie_word_embeddings", False))
         return stage_placement(self.layout, self.model_config.num_hidden_layers, tied, device)
 
-    def split(self) -> Any:
-        return self.tensor.split() if self.tensor is not None else None
-
-    def loaded(self, model) -> None:
-        if self.tensor is not None:
-            self.tensor.loaded(model)
-
     def shard(self, model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
         """This rank's stages (of its tensor-parallel shares)."""
         refuse_fp16(self.cfg, compute_dtype)

@@ -161,6 +161,14 @@ class SplitRoom(Room):
 
     replicates = False
     sums_own_gradients = True
+    tensor: Any = None  # a pipeline's or context-parallel room's TensorParallel: its share of the weights (cp/pp x tp)
+
+    def split(self) -> Any:
+        return self.tensor.split() if self.tensor is not None else None
+
+    def loaded(self, model) -> None:
+        if self.tensor is not None:
+            self.tensor.loaded(model)
 
     def prepare(self, model, optimizer):
         return model, self.accelerator.prepare(optimizer)

@@ -126,15 +126,15 @@ def split_vocabulary(model: nn.Module, group: Any, vocab: int | None = None) -> 
                 f"embedding {held}; the split needs them alike. Set distributed.vocab_parallel=false."
             ]
         )
-    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
-    bounds = share_bounds(vocab or held, ranks)
+    rank, ranks, whole = dist.get_rank(group), dist.get_world_size(group), vocab or held
+    bounds = share_bounds(whole, ranks)
     start, end = bounds[rank], bounds[rank + 1]
-    read = held == end - start and held != (vocab or held)  # the load read this rank's rows alone
-    if held not in (vocab or held, end - start):
+    read = held == end - start and held != whole  # the load read this rank's rows alone
+    if held not in (whole, end - start):
         raise ConfigError(
             [
                 f"distributed.vocab_parallel=true: this rank's tables have {held} rows, neither the vocabulary's "
-                f"{vocab} nor its share {end - start}. Set distributed.vocab_parallel=false."
+                f"{whole} nor its share {end - start}. Set distributed.vocab_parallel=false."
             ]
         )
     tied = head.weight is embedding.weight

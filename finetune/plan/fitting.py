@@ -102,6 +102,7 @@ def candidates(
         *((1, 1, cp) for cp in contexts),
         *((1, tp, cp) for pp, tp in layouts if pp == 1 for cp in contexts),  # a part of each sequence on each share
     )
+    tables_train = recipe is not None and bool(trained_tables(recipe.lora_target))  # vocab_parallel refuses them
     if one.pipeline_schedule == "interleaved_1f1b":
         one = replace(one, pipeline_schedule="1f1b")  # interleaving needs virtual stages: not a pipeline's setting here
     for values in product(*(k.candidates(base, max_gpus) for k in KNOBS)):
@@ -111,7 +112,7 @@ def candidates(
         for pp, tp, cp in grids:
             if not ok[cp]:
                 continue
-            laid = _laid_out(s, base, pp, tp, cp, tables_train=recipe is not None and bool(trained_tables(recipe.lora_target)))
+            laid = _laid_out(s, base, pp, tp, cp, tables_train=tables_train)
             if laid is not None:
                 out.append(laid)
     return out
