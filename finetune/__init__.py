@@ -22,15 +22,21 @@ __version__ = "0.1.0"
 # run. That kernel serves only bitsandbytes' bf16 eval path (packing_format_for_cpu),
 # which model.load.keep_4bit_numerics turns off for every model we load: nothing is lost, so
 # nothing is said. The filter sits on the logger bitsandbytes will create, before any
-# module of ours can import bitsandbytes; other bitsandbytes messages pass.
-_BNB_HUB_KERNEL_NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+# module of ours can import bitsandbytes; other bitsandbytes messages pass. With `kernels` installed (transformers
+# >= 5.25 requires it) and the Hub offline, that fetch also has `kernels` log "Skipping publisher trust check for
+# 'kernels-community/quantization-bitsandbytes'": the same kernel, the same silence.
+_BNB_HUB_KERNEL_NOTICES = {
+    "bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community",
+    "kernels._internals.hf_hub": "Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes'",
+}
 
 
 def _not_the_hub_kernel_notice(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith(_BNB_HUB_KERNEL_NOTICE)
+    return not str(record.msg).startswith(_BNB_HUB_KERNEL_NOTICES[record.name])
 
 
-logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_the_hub_kernel_notice)
+for _logger in _BNB_HUB_KERNEL_NOTICES:
+    logging.getLogger(_logger).addFilter(_not_the_hub_kernel_notice)
 
 _EXPORTS = {
     "load_recipe": "finetune.config.schema",

@@ -103,8 +103,8 @@ def verify_gguf(
 
     device = ref.device or default_device()
     model = AutoModelForCausalLM.from_pretrained(
-        str(out_dir), gguf_file=name, dtype=torch_dtype(ref.precision), device_map={"": device}
-    ).eval()
+        str(out_dir), gguf_file=name, dtype=torch_dtype(ref.precision), device_map={"": device}, use_kernels=False
+    ).eval()  # use_kernels: the file's own numbers, no Hub kernel swapped in (transformers >= 5.25 would)
     rope_applied = apply_file_rope(model, file_rope_factors(out_dir / name))  # the reader ignores rope_freqs
     got = prompt_logits(model, ref.prompts, device)
     del model

@@ -264,7 +264,11 @@ def verify(ref: Reference, merged_dir: Path, dtype_name: str, max_memory: int | 
         model = (
             vision.model_class(config)
             .from_pretrained(
-                str(merged_dir), dtype=torch_dtype(ref.precision), trust_remote_code=ref.trust_remote_code, **placement
+                str(merged_dir),
+                dtype=torch_dtype(ref.precision),
+                trust_remote_code=ref.trust_remote_code,
+                use_kernels=False,  # the merged weights' own numbers: no Hub kernel swapped in (transformers >= 5.25 would)
+                **placement,
             )
             .eval()
         )

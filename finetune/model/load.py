@@ -217,6 +217,7 @@ def load_base_model(
                 device_map=placement or {"": device},
                 attn_implementation=attention,
                 trust_remote_code=cfg.model.trust_remote_code,
+                use_kernels=False,  # transformers >= 5.25 would swap in Hub kernels: code nobody chose to trust
             )
     except Exception as exc:
         first = str(exc).splitlines()[0]
