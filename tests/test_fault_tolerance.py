@@ -60,11 +60,24 @@ def test_a_window_no_integer_grad_accum_cuts_is_refused_naming_the_choices(recip
     assert "or here with train.batch_size one of 1, 2, 3, 6" in str(err.value)
 
 
-def test_engines_that_fix_micro_batches_are_told_the_keys_to_set(recipe_dict):
+def test_a_pipeline_takes_another_cut_of_the_window_where_its_schedule_can_run_it(recipe_dict):
     cfg = make_cfg(recipe_dict, train={"batch_size": 2, "grad_accum": 2}, distributed={"pipeline_parallel": 2})
+    saved = {"window": 8, "micro_batch": 2, "length_group": 128}
+    assert Window.resumed(saved, cfg, 1) == Window(2, 4, 1, 128)  # 4 micro-batches a step: 1f1b runs them
+    assert Window.resumed({**saved, "oom_micro_batch": 1}, cfg, 1) == Window(1, 8, 1, 128)  # after a backoff
+    with pytest.raises(ConfigError) as err:  # 1 micro-batch a step on each of 4 replicas: fewer than the stages
+        Window.resumed(saved, cfg, 4)
+    assert (
+        "resume: this run's 8 examples per step on 4 replicas come to 1 micro-batch(es) of 2 a step; "
+        "distributed.pipeline_schedule=1f1b needs at least as many micro-batches as stages (train.grad_accum=1 < 2)"
+    ) in str(err.value)
+
+
+def test_deepspeed_is_told_the_keys_to_set(recipe_dict):
+    cfg = make_cfg(recipe_dict, train={"batch_size": 2, "grad_accum": 2}, distributed={"strategy": "deepspeed"})
     with pytest.raises(ConfigError) as err:
-        Window.resumed({"window": 4, "micro_batch": 2, "length_group": 128}, cfg, 2)
-    assert "need train.batch_size=2 train.grad_accum=1" in str(err.value)
+        Window.resumed({"window": 8, "micro_batch": 2, "length_group": 128}, cfg, 4)
+    assert "need train.batch_size=2 train.grad_accum=1; DeepSpeed takes its micro-batches from the recipe" in str(err.value)
 
 
 def test_an_out_of_memory_backoff_halves_the_micro_batch_and_keeps_the_window():

@@ -12,6 +12,7 @@ This module imports nothing of ours but the rule type and the strategies' declar
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,9 +96,9 @@ RULES: tuple[Rule[Any], ...] = (
 )
 
 
-def _microbatch_problem(cfg: Any) -> str | None:
-    """What torch's schedule refuses for this many micro-batches (train.grad_accum), or None."""
-    d, m = cfg.distributed, cfg.train.grad_accum
+def _microbatch_problem(cfg: Any, accum: int | None = None) -> str | None:
+    """What torch's schedule refuses for `accum` micro-batches a step (default train.grad_accum), or None."""
+    d, m = cfg.distributed, cfg.train.grad_accum if accum is None else accum
     if d.pipeline_schedule == "1f1b" and m < d.pipeline_parallel:
         return f"at least as many micro-batches as stages (train.grad_accum={m} < {d.pipeline_parallel})"
     rounds = max(1, m // d.pipeline_parallel)
@@ -318,7 +319,9 @@ class Split:
     # rank), so any layout reads it back and the numbers continue the same (runs/checkpoint.py).
     keys: tuple[str, ...]
     rules: tuple[Rule[Any], ...]
-    fixes_micro_batches: bool = False  # its schedule takes train.batch_size x grad_accum as the recipe says them
+    # What its schedule refuses for a step of that many micro-batches (a resume's or an out-of-memory backoff's
+    # cut of the window: trainer/order.py), or None; None for a split that takes any cut.
+    window_problem: Callable[[Any, int], str | None] | None = None
 
     def size(self, cfg: Any) -> int:
         return max(1, getattr(cfg.distributed, self.field))
@@ -351,7 +354,7 @@ PIPELINE = Split(
         "distributed.pipeline_layers",
     ),
     RULES,
-    fixes_micro_batches=True,
+    window_problem=lambda cfg, accum: _microbatch_problem(cfg, accum) if _pipelined(cfg) else None,
 )
 TENSOR = Split(
     "tensor",

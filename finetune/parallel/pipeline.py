@@ -59,8 +59,9 @@ class Pipeline(SplitRoom):
         self.device, self.model_config = accelerator.device, model_config  # the model's (text) config.json
         self.tensor = tensor  # tensor parallelism: each stage split over a group (parallel/tensor.py)
         self.objective: Any = None  # the Loss whose head_loss the last stage runs (the trainer sets it)
-        self._schedules: dict[tuple[int, ...], Any] = {}  # one per window shape and mode (train or forward only)
+        self._schedules: dict[tuple[int, ...], Any] = {}  # one per micro-batch count, window shape and mode (train or not)
         self._head: Any = None  # what _loss computes on the last stage (set before each run of a schedule)
+        self.micro_batches = cfg.train.grad_accum  # a step's (the last window's: a resume or backoff may cut it finer)
         self.clock = BusyClock(self.device)  # the last window's busy and whole seconds on this rank
 
     @classmethod
@@ -143,17 +144,22 @@ class Pipeline(SplitRoom):
     @property
     def ideal_idle(self) -> float:  # type: ignore[override]  # a class-wide 0 in the other rooms
         """The schedule's idle share of a window, (P - 1) / V over m + (P - 1) / V."""
-        layout, m = self.layout, self.cfg.train.grad_accum
+        layout, m = self.layout, self.micro_batches
         fill = (layout.pp - 1) / layout.virtual_stages
         return fill / (m + fill)
+
+    @property
+    def window_waited(self) -> float:  # type: ignore[override]  # a class-wide 0 in the other rooms
+        """The last window's seconds outside this rank's forward, backward and loss: its sends, receives and bubble."""
+        busy, whole = self.clock.last
+        return max(0.0, whole - busy)
 
     def describe(self) -> str:
         d, layout = self.cfg.distributed, self.layout
         n = len(self.decoder.layers)
         counts = [hi - lo for lo, hi in (layout.layer_range(s, n) for s in range(layout.stage_count))]
         layers = str(counts[0]) if len(set(counts)) == 1 else " + ".join(map(str, counts))
-        m = self.cfg.train.grad_accum
-        idle = self.ideal_idle
+        m, idle = self.micro_batches, self.ideal_idle
         return (
             f"parallel: pipeline: {layout.stage_count} stages of {layers} layers over {layout.pp} processes"
             + (f" x {layout.tp} tensor-parallel ranks (each layer split)" if layout.tp > 1 else "")
@@ -174,15 +180,16 @@ class Pipeline(SplitRoom):
             window += [_untrained(window[0])] * (m - len(window))  # the schedule runs m micro-batches
             real = [objective.count(b) for b in given] + [0] * (m - len(given)) if pairs else None
             joined = pad_window(window, self.cfg.data.max_seq_len)
-            self._head = self._objective_head(objective, 1.0, self._extras(objective, joined, real), {})
-            losses = self._run(joined, train=False)
+            self._head = self._objective_head(objective, 1.0, self._extras(objective, joined, m, real), {})
+            losses = self._run(joined, m, train=False)
             if self.counts_window:
                 total += sum(float(loss) for loss in losses)
                 count += sum(objective.count(b) for b in given)
         return total, count
 
     def _schedule_for(self, shape: tuple[int, ...]) -> Any:
-        """The schedule for windows of this shape and mode, built on first use (the engine then infers what it sends)."""
+        """The schedule for windows of this (micro-batches, rows, length, mode), built on first use (the engine then
+        infers what it sends)."""
         if shape in self._schedules:
             return self._schedules[shape]
         from torch.distributed import pipelining as pp
@@ -195,7 +202,7 @@ class Pipeline(SplitRoom):
         for stage in stages:  # what the schedule calls per micro-batch: the rank's busy time (stage_time.py)
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, name, self.clock.timed(getattr(stage, name)))
-        m, loss = self.cfg.train.grad_accum, self.clock.timed(self._loss)
+        m, loss = shape[0], self.clock.timed(self._loss)
         schedule: Any
         if d.pipeline_schedule == "interleaved_1f1b":
             schedule = pp.ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss, scale_grads=False)
@@ -223,12 +230,12 @@ class Pipeline(SplitRoom):
 
         return head
 
-    def _run(self, joined: dict[str, torch.Tensor], train: bool) -> list[torch.Tensor]:
-        """The window through the stages (train: forward and backward; else forward only, without gradients,
-        on a schedule of its own: the engine re-infers shapes whenever one switches); what _loss returned for
-        each micro-batch on the last stage, else []."""
-        schedule = self._schedule_for((*joined["input_ids"].shape, train))
-        m, rows = self.cfg.train.grad_accum, joined["labels"].shape[0]
+    def _run(self, joined: dict[str, torch.Tensor], m: int, train: bool) -> list[torch.Tensor]:
+        """The window through the stages in m micro-batches (train: forward and backward; else forward only,
+        without gradients, on a schedule of its own: the engine re-infers shapes whenever one switches); what
+        _loss returned for each micro-batch on the last stage, else []."""
+        schedule = self._schedule_for((m, *joined["input_ids"].shape, train))
+        rows = joined["labels"].shape[0]
         args = (joined["input_ids"],) if 0 in self.layout.stages_of_rank else ()
         kwargs: dict[str, Any] = dict(_model_inputs(joined))
         out: list[torch.Tensor] = []
@@ -242,16 +249,15 @@ class Pipeline(SplitRoom):
                 schedule.eval(*args, **kwargs)
         return out
 
-    def _extras(self, objective, joined: dict[str, torch.Tensor], real: list[int] | None) -> list[dict[str, Any]]:
-        """Per micro-batch, what the objective's head_loss takes besides hidden states: a DPO reference (its
+    def _extras(self, objective, joined: dict[str, torch.Tensor], m: int, real: list[int] | None) -> list[dict[str, Any]]:
+        """Per micro-batch of the m, what the objective's head_loss takes besides hidden states: a DPO reference (its
         rows' log-probabilities, run through the stages first with the adapter off on every one) and the
         pairs that count (real: a short eval batch is filled)."""
-        m = self.cfg.train.grad_accum
         extras: list[dict[str, Any]] = [{} for _ in range(m)] if real is None else [{"real": n} for n in real]
         if objective.needs_reference:
             self._head = lambda hidden, labels, index: objective.reference_rows(self.owner, hidden, labels)
             with self.model.disable_adapter():
-                rows = self._run(joined, train=False)
+                rows = self._run(joined, m, train=False)
             found: list[Any] = rows or [None] * m  # the reference reaches the last stage only
             extras = [{**e, "reference": r} for e, r in zip(extras, found)]
         return extras
@@ -260,11 +266,12 @@ class Pipeline(SplitRoom):
         """Forward and backward of the window's micro-batches through the stages at once, each micro-batch's summed
         loss multiplied by `scale` (1 / the window's units); `saving` (the activations' context) held over the
         whole schedule. (The summed loss, the objective's metric sums) where they count (counts_window), else zeros."""
-        window = pad_window(batches, self.cfg.data.max_seq_len)
+        window, m = pad_window(batches, self.cfg.data.max_seq_len), len(batches)
+        self.micro_batches = m  # grad_accum, or a resume's or out-of-memory backoff's cut of the window
         sums: dict[int, dict[str, float]] = {}
         with self.clock.window(), saving(), self.accelerator.autocast():  # autocast: no prepared model casts
-            self._head = self._objective_head(objective, scale, self._extras(objective, window, None), sums)
-            losses = self._run(window, train=True)
+            self._head = self._objective_head(objective, scale, self._extras(objective, window, m, None), sums)
+            losses = self._run(window, m, train=True)
         totals = {k: sum(s.get(k, 0.0) for s in sums.values()) if self.counts_window else 0.0 for k in objective.metric_keys}
         if not self.counts_window:
             return 0.0, totals

@@ -202,6 +202,11 @@ class Parallel:
         """The schedule's idle share of a window (0 without stages)."""
         return self.room.ideal_idle
 
+    @property
+    def window_waited(self) -> float:
+        """Seconds of the last window this rank waited on the others inside it (a pipeline's; 0 where untimed)."""
+        return self.room.window_waited
+
     def staged_held_out_sums(self, batches: list[dict[str, torch.Tensor]], rows: int) -> tuple[float, float]:
         """The held-out loss's (sum, count) of this rank's batches, run through a pipeline's stages."""
         return self.room.held_out_sums(batches, rows)

@@ -67,15 +67,18 @@ class OutOfMemoryRestart(Preempted):
     label = "restartable"
 
 
-def back_off(err: BaseException, split: Window, cfg: RecipeConfig, step: int) -> Window:
+def back_off(failed: BaseException, split: Window, cfg: RecipeConfig, step: int) -> Window:
     """The window in half as large micro-batches after an out-of-memory in step `step` (train.oom_backoff),
-    or a TrainingError saying why there is none."""
+    or a TrainingError saying why there is none; `failed` raised again where no out-of-memory is behind it."""
+    err = out_of_memory(failed)
+    if err is None:
+        raise failed
     smaller = split.halved()
-    fixed = smaller.resume_problem(cfg) if smaller else None  # a pipeline or DeepSpeed: from the recipe only
+    fixed = smaller.resume_problem(cfg) if smaller else None  # DeepSpeed's come from the recipe; a pipeline schedule's rules
     if cfg.train.oom_backoff and smaller is not None and not fixed:
         return smaller
     why = "train.oom_backoff is off" if smaller else "the micro-batch is one example already"
-    why = "the pipeline's or DeepSpeed's micro-batches come from the recipe" if fixed and cfg.train.oom_backoff else why
+    why = f"half the micro-batch cannot run: {fixed}" if fixed and cfg.train.oom_backoff else why
     fix = f"train.batch_size={smaller.micro_batch} train.grad_accum={smaller.accum}" if smaller else "a memory mode"
     raise TrainingError(
         f"out of memory in step {step} at micro-batch {split.micro_batch} ({why}): {str(err).splitlines()[0][:200]}",
@@ -96,6 +99,13 @@ def restart_smaller(trainer: Any, split: Window, step: int) -> None:
     raise OutOfMemoryRestart(reason, hint="resume=auto (torchrun --max-restarts, Slurm, Kubernetes) continues with it")
 
 
+def out_of_memory(err: BaseException | None) -> torch.OutOfMemoryError | None:
+    """The out-of-memory error behind `err`, or None (a pipeline stage re-raises its forward's errors as RuntimeErrors)."""
+    while err is not None and not isinstance(err, torch.OutOfMemoryError):
+        err = err.__cause__
+    return err
+
+
 def window_gradients(trainer: Any) -> tuple[Any, int]:
     """trainer.accumulate_gradients of the current step, and how often the step was retried: after an
     out-of-memory inside it, the same step again in half as large micro-batches (train.oom_backoff)."""
@@ -103,7 +113,7 @@ def window_gradients(trainer: Any) -> tuple[Any, int]:
     while True:
         try:
             return trainer.accumulate_gradients(state.step), retry
-        except torch.OutOfMemoryError as err:
+        except Exception as err:  # an out-of-memory, or what re-raised one (back_off raises anything else again)
             split = back_off(err, order.split, trainer.cfg, state.step + 1)
             if trainer.parallel.world > 1:
                 restart_smaller(trainer, split, state.step + 1)

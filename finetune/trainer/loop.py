@@ -247,6 +247,7 @@ class Trainer:
         totals = StepTotals(0.0, n_global, sum(count_tokens(b) for b in counted), targets)
         saving = self.memory.activations.saving
         totals.loss_sum, totals.sums = parallel.train_window(model, batches, self.loss_fn, scale, self._micro_step, saving)
+        self.clock.waited += parallel.window_waited  # a pipeline's waits on the other stages are no compute of this rank
         return totals
 
     def _micro_step(self, batch: dict[str, Any], scale: float) -> float:

@@ -79,14 +79,25 @@ class Window:
         return window
 
     def resume_problem(self, cfg: RecipeConfig) -> str | None:
-        """An engine that fixes its micro-batches from the recipe cannot take another cut of the window."""
-        fixed = any(s.fixes_micro_batches and s.asked(cfg) for s in splits.SPLITS) or strategies.of_recipe(cfg).deepspeed
-        if not fixed or (self.micro_batch, self.accum) == (cfg.train.batch_size, cfg.train.grad_accum):
+        """Why this cut of the window cannot run, or None: DeepSpeed fixes its micro-batches from the recipe; a
+        pipeline's schedule needs enough micro-batches a step (declarations/splits.py: window_problem)."""
+        if (self.micro_batch, self.accum) == (cfg.train.batch_size, cfg.train.grad_accum):
+            return None
+        if strategies.of_recipe(cfg).deepspeed:
+            return (
+                f"resume: this run's {self.size} examples per step on {self.replicas} replicas need train.batch_size="
+                f"{self.micro_batch} train.grad_accum={self.accum}; DeepSpeed takes its micro-batches from the recipe: "
+                "set those two keys (with resume_ignore_changes=true)"
+            )
+        refused = [
+            p for s in splits.SPLITS if s.window_problem and s.asked(cfg) for p in [s.window_problem(cfg, self.accum)] if p
+        ]
+        if not refused:
             return None
         return (
-            f"resume: this run's {self.size} examples per step on {self.replicas} replicas need train.batch_size="
-            f"{self.micro_batch} train.grad_accum={self.accum}; a pipeline or DeepSpeed takes its micro-batches from "
-            "the recipe: set those two keys (with resume_ignore_changes=true)"
+            f"resume: this run's {self.size} examples per step on {self.replicas} replicas come to {self.accum} "
+            f"micro-batch(es) of {self.micro_batch} a step; distributed.pipeline_schedule={cfg.distributed.pipeline_schedule} "
+            f"needs {refused[0]}. Set a smaller train.batch_size (with resume_ignore_changes=true), or resume on fewer processes"
         )
 
     def resume_note(self, saved: dict[str, Any], cfg: RecipeConfig) -> str | None:

@@ -290,8 +290,10 @@ class StepClock:
     """This rank's own work in a step, apart from its waits for the others (what a straggler is found by:
     trainer/watch.py). Waits it knows of: the collectives the loop times (waiting()), and a DDP reducer's
     wait for the other ranks' gradients at the end of backward, which starts after autograd has finished
-    this rank's graph (a callback queued from the loss's hook runs before the reducer's). A pipeline's or
-    FSDP's waits inside forward and backward count as work: there every rank shows the slowest one's time."""
+    this rank's graph (a callback queued from the loss's hook runs before the reducer's), and a pipeline's
+    sends, receives and bubble (its window outside the stages' own forward and backward: parallel/stage_time.py).
+    FSDP's, tensor and context parallelism's waits inside forward and backward count as work: there every rank
+    shows the slowest one's time."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"

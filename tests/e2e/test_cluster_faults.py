@@ -26,11 +26,22 @@ TIMEOUT_S = 20  # distributed.timeout_s: short, with room for a loaded machine's
 
 # Trains a recipe (argv[1], with the key=value overrides in $OVERRIDES) and writes, per rank, every example each
 # optimizer step trains (its tokens, padding left out) to $IDS.rankR; with $SLOW_RANK, that rank sleeps
-# $SLOW_S before collating each step (a straggler the others must wait for).
+# $SLOW_S before collating each step (a straggler the others must wait for); with $SLOW_STAGE, that rank's
+# pipeline stage sleeps $SLOW_S in each forward (inside the schedule, where the other stage waits on its sends).
 DRIVER = """
 import json, os, sys, time
+import finetune.parallel.stages as stages
 from finetune.config.schema import load_recipe
 from finetune.trainer import Trainer
+
+stage_forward = stages.Stage.forward
+
+def slowed_forward(self, *args, **kwargs):
+    if os.environ.get("SLOW_STAGE") == os.environ["RANK"]:
+        time.sleep(float(os.environ["SLOW_S"]))
+    return stage_forward(self, *args, **kwargs)
+
+stages.Stage.forward = slowed_forward
 
 class Recording(Trainer):
     def step_batches(self, step):
@@ -131,17 +142,28 @@ def test_a_run_resumed_on_another_number_of_processes_trains_the_same_examples(e
     assert_adapters_close(adapter(ref), adapter(out))
 
 
-def test_a_slowed_rank_is_named_as_a_straggler(recipe_dict, tmp_path):
+# Where rank 1 is slow (1 s a step, against ~0.05 s of work: far past 1.5 x however a loaded machine stretches the
+# rest): DDP's rank before collating (rank 0 waits in the step's first collective); a pipeline's last stage in its
+# two forwards a step (rank 0 waits inside the schedule, for the activations' gradients: timed apart from its work).
+SLOWED = {
+    "ddp": ({}, {"SLOW_RANK": "1", "SLOW_S": "1.0"}),
+    "pipeline": ({"pipeline_parallel": 2}, {"SLOW_STAGE": "1", "SLOW_S": "0.5"}),
+}
+
+
+@pytest.mark.parametrize("layout", SLOWED)
+def test_a_slowed_rank_is_named_as_a_straggler(recipe_dict, tmp_path, layout):
+    split, slow = SLOWED[layout]
     recipe, out = write(
         tmp_path,
         recipe_dict,
         "slow",
         train__batch_size=2,
+        train__grad_accum=2 if split else 1,  # 1f1b: a micro-batch per stage
         train__max_steps=6,
-        distributed={"straggler_ratio": 1.5, "straggler_steps": 3},
+        distributed={"straggler_ratio": 1.5, "straggler_steps": 3, **split},
     )
-    # 1 s a step on rank 1, against ~0.05 s of work: far past 1.5 x however a loaded machine stretches the rest.
-    proc = run_driver(tmp_path, DRIVER, recipe, nproc=2, SLOW_RANK="1", SLOW_S="1.0")
+    proc = run_driver(tmp_path, DRIVER, recipe, nproc=2, **slow)
     import socket
 
     warning = f"warning: step 3: rank 1 ({socket.gethostname()}) is a straggler:"
@@ -155,24 +177,39 @@ def test_a_slowed_rank_is_named_as_a_straggler(recipe_dict, tmp_path):
 
 # The test's own allocation failure (or with $FAIL=bug, an error of another kind), in the workers `finetune run --nproc` starts (sitecustomize runs in every
 # Python process on PYTHONPATH; LOCAL_RANK marks torchrun's workers): rank 1's forward in step $OOM_AT_STEP + 1
-# fails while its micro-batch holds more than 2 examples.
+# fails while its micro-batch holds more than 2 examples: in compute_loss (one model a process) or in a pipeline
+# stage's forward (which torch's pipelining engine re-raises wrapped in a RuntimeError).
 INJECT = """
 import os
 if os.environ.get("LOCAL_RANK") is not None and os.environ.get("OOM_AT_STEP"):
     import torch
+    import finetune.parallel.stages as stages
     import finetune.trainer.loop as loop
 
-    real = loop.Trainer.compute_loss
+    at = {"step": -1}
 
-    def compute_loss(self, model, batch):
-        step, rows = self.state.step, batch["input_ids"].shape[0]
-        if self.parallel.rank == 1 and step == int(os.environ["OOM_AT_STEP"]) and rows > 2:
+    def fail(rows):
+        if int(os.environ["RANK"]) == 1 and at["step"] == int(os.environ["OOM_AT_STEP"]) and rows > 2:
             if os.environ.get("FAIL") == "bug":
                 raise ValueError("a bug of the test's own")
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (the test's own failure)")
-        return real(self, model, batch)
 
-    loop.Trainer.compute_loss = compute_loss
+    real_window, real_loss, real_stage = loop.Trainer.accumulate_gradients, loop.Trainer.compute_loss, stages.Stage.forward
+
+    def accumulate_gradients(self, step):
+        at["step"] = step
+        return real_window(self, step)
+
+    def compute_loss(self, model, batch):
+        fail(batch["input_ids"].shape[0])
+        return real_loss(self, model, batch)
+
+    def forward(self, x, *args, **kwargs):
+        fail(x.shape[0])
+        return real_stage(self, x, *args, **kwargs)
+
+    loop.Trainer.accumulate_gradients, loop.Trainer.compute_loss = accumulate_gradients, compute_loss
+    stages.Stage.forward = forward
 """
 
 
@@ -188,22 +225,37 @@ def launch_failing(tmp_path: Path, recipe: Path, *args: str, **env: str) -> subp
     )
 
 
-def test_out_of_memory_on_one_of_two_ranks_restarts_with_half_the_micro_batch(recipe_dict, tmp_path):
+# (the recipe's keys besides micro-batches of 4, what the restart says, its processes at micro-batches of 2 from the
+# start: 8 examples a step in every case). A pipeline's reference is one process, which a pipeline equals (test_pipeline.py).
+OOM_LAYOUTS = {
+    "ddp": ({}, "grad_accum 2, micro-batch 2 (the recipe says 4 x 1)", ("2", 2)),
+    # 2 stages of 1 replica: the schedule runs 4 micro-batches after the restart, not the recipe's 2
+    "pipeline": (
+        {"distributed__pipeline_parallel": 2, "train__grad_accum": 2},
+        "grad_accum 4, micro-batch 2 (the recipe says 4 x 2)",
+        ("1", 4),
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", OOM_LAYOUTS)
+def test_out_of_memory_on_one_of_two_ranks_restarts_with_half_the_micro_batch(recipe_dict, tmp_path, layout):
     common = {
         "train__max_steps": 8,
         "train__scheduler": "constant",
         "train__max_grad_norm": None,
         "checkpoint": {"every_steps": 2},
     }
-    ref_recipe, ref = write(tmp_path, recipe_dict, "ref", train__batch_size=2, train__grad_accum=2, **common)
-    finetune(str(ref_recipe), "--nproc", "2", cwd=tmp_path)
-    recipe, out = write(tmp_path, recipe_dict, "oom", train__batch_size=4, **common)
+    split, resumed, (nproc, accum) = OOM_LAYOUTS[layout]
+    recipe, out = write(tmp_path, recipe_dict, "oom", train__batch_size=4, **common, **split)
+    ref_recipe, ref = write(tmp_path, recipe_dict, "ref", train__batch_size=2, train__grad_accum=accum, **common)
+    finetune(str(ref_recipe), "--nproc", nproc, cwd=tmp_path)
     proc = launch_failing(tmp_path, recipe, "--max-restarts", "1", OOM_AT_STEP="4")
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert "rank 1: out of memory in step 5 at micro-batch 4; the restart uses micro-batch 2" in output
-    assert "resumed from" in output and "grad_accum 2, micro-batch 2 (the recipe says 4 x 1)" in output, output[-4000:]
-    # The same 8 examples per step throughout: the losses of 2 x 2 accum from the start.
+    assert "resumed from" in output and resumed in output, output[-4000:]
+    # The same examples per step throughout: the losses of micro-batches of 2 from the start.
     assert losses(out) == pytest.approx(losses(ref), rel=1e-5)
 
 
