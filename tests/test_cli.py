@@ -265,6 +265,28 @@ def test_elastic_launch_uses_c10d_and_a_fresh_store_per_restart_round(monkeypatc
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in launch_env(plain)
 
 
+def test_nnodes_min_max_launches_an_elastic_job_that_restarts_on_the_nodes_left(capsys):
+    from finetune.cli.commands import build_parser
+    from finetune.parallel.launch import launch_command, launch_env
+
+    parser = build_parser()
+    elastic = parser.parse_args(["run", "demo-cpu", "--nnodes", "1:2", "--node-rank", "1", "--master-port", "29701"])
+    cmd = launch_command(elastic)
+    assert cmd[cmd.index("--nnodes") + 1] == "1:2"
+    assert cmd[cmd.index("--max_restarts") + 1] == "3"  # none given: losing a node restarts the workers left
+    assert cmd[cmd.index("--rdzv_backend") + 1] == "c10d" and "--node_rank" not in cmd  # ranks in order of arrival
+    assert cmd[cmd.index("--rdzv_conf") + 1] == "last_call_timeout=30"  # --elastic-wait's default
+    assert launch_env(elastic)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    given = parser.parse_args(["run", "demo-cpu", "--nnodes", "2:4", "--max-restarts", "7"])
+    assert launch_command(given)[launch_command(given).index("--max_restarts") + 1] == "7"
+    fixed = launch_command(parser.parse_args(["run", "demo-cpu", "--nnodes", "2", "--node-rank", "1"]))
+    assert fixed[fixed.index("--nnodes") + 1] == "2" and fixed[fixed.index("--node_rank") + 1] == "1"
+    for wrong in ("0", "2:1", "a:b", "1:"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["run", "demo-cpu", "--nnodes", wrong])
+        assert f"--nnodes: '{wrong}': a node count N >= 1, or MIN:MAX with 1 <= MIN <= MAX" in capsys.readouterr().err
+
+
 def test_kubernetes_example_runs_a_command_the_cli_accepts():
     # The manifests cannot run here (no cluster); they must parse, wire the volume to output_dir,
     # restart on the preemption exit code (75), resume, and run a recipe that validates.

@@ -39,6 +39,7 @@ from finetune.parallel.launch import (
     launch_command,
     launch_env,
     mark_exit,
+    restarts,
     run_launcher,
     stale_build_locks,
 )
@@ -98,7 +99,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from finetune.trainer import Trainer
 
-    launching = args.nproc > 1 or args.nnodes > 1 or args.max_restarts > 0
+    low, high = args.nnodes  # MIN:MAX for an elastic job (parallel/launch.py)
+    launching = args.nproc > 1 or high > 1 or args.max_restarts > 0
     if launching and "LOCAL_RANK" in os.environ:
         raise FinetuneError(
             "--nproc/--nnodes/--max-restarts were given to a process that torchrun/accelerate already launched",
@@ -106,7 +108,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     if args.profile:  # an override, so the launched processes get it too
         args.overrides = [*args.overrides, f"profile.steps={args.profile}"]
-    if args.max_restarts > 0 and not any(o.split("=", 1)[0].strip() == "resume" for o in args.overrides):
+    if restarts(args) > 0 and not any(o.split("=", 1)[0].strip() == "resume" for o in args.overrides):
         # A restarted worker must continue from the last checkpoint, not start over or refuse the output_dir.
         args.overrides = [*args.overrides, "resume=auto"]
     cfg, report = check_all(args)
@@ -116,7 +118,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from finetune.parallel.split_checks import split_problems
 
     if launching or "WORLD_SIZE" not in os.environ:  # said once here, not by each process (torchrun's asked below)
-        problems = split_problems(cfg, args.nproc * args.nnodes) + vision_problems(cfg, args.nproc * args.nnodes)
+        worlds = sorted({args.nproc * low, args.nproc * high})  # an elastic job runs on either, and between
+        problems = list(dict.fromkeys(p for w in worlds for p in split_problems(cfg, w) + vision_problems(cfg, w)))
         if problems:
             raise ConfigError(problems, str(find_recipe(args.recipe)))
     if launching:
@@ -124,7 +127,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(warning, file=sys.stderr)
         cmd = launch_command(args)
         print(
-            f"launching {args.nproc} process{'es' if args.nproc > 1 else ''} x {args.nnodes} node(s): {' '.join(cmd[2:])}",
+            f"launching {args.nproc} process{'es' if args.nproc > 1 else ''} x {f'{low} to {high}' if low < high else high} "
+            f"node(s): {' '.join(cmd[2:])}",
             flush=True,
         )
         return run_launcher(cmd, launch_env(args))

@@ -21,6 +21,7 @@ from pathlib import Path
 from finetune.errors import Preempted
 
 EXIT_DIR = "FINETUNE_EXIT_DIR"  # a folder where each worker writes its exit code as roundR.rankN (mark_exit)
+ELASTIC_RESTARTS = 3  # --nnodes MIN:MAX without --max-restarts: a lost node costs one
 
 
 def mark_exit(code: int) -> None:
@@ -44,8 +45,19 @@ def add_launch_arguments(run: argparse.ArgumentParser) -> None:
     """`finetune run`'s options for several processes: what launch_command reads."""
     dist = run.add_argument_group("multi-process (through torchrun)")
     dist.add_argument("--nproc", type=int, default=1, help="processes on this node, one per GPU (default 1)")
-    dist.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
-    dist.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1")
+    dist.add_argument(
+        "--nnodes",
+        type=node_range,
+        default=(1, 1),
+        help="nodes in the job (default 1), or MIN:MAX for an elastic job that goes on, resumed, on the nodes that remain",
+    )
+    dist.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1 (an elastic job numbers them)")
+    dist.add_argument(
+        "--elastic-wait",
+        type=float,
+        default=30.0,
+        help="--nnodes MIN:MAX: seconds a rendezvous waits for more nodes once MIN have joined (default 30)",
+    )
     dist.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (rendezvous host)")
     dist.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0")
     dist.add_argument(
@@ -56,21 +68,44 @@ def add_launch_arguments(run: argparse.ArgumentParser) -> None:
     )
 
 
+def node_range(text: str) -> tuple[int, int]:
+    """--nnodes N, or MIN:MAX (elastic), as (MIN, MAX)."""
+    low, colon, high = text.partition(":")
+    try:
+        nodes = (int(low), int(high if colon else low))
+    except ValueError:
+        nodes = (0, 0)
+    if not 1 <= nodes[0] <= nodes[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: a node count N >= 1, or MIN:MAX with 1 <= MIN <= MAX for an elastic job")
+    return nodes
+
+
+def restarts(args: argparse.Namespace) -> int:
+    """How often torchrun restarts the workers: --max-restarts, or ELASTIC_RESTARTS for an elastic job that was given
+    none (losing a node restarts the workers that remain)."""
+    low, high = args.nnodes
+    return args.max_restarts or (ELASTIC_RESTARTS if low < high else 0)
+
+
 def launch_command(args: argparse.Namespace) -> list[str]:
     """The torchrun command that runs this recipe on args.nproc processes (per node).
 
     torchrun (torch.distributed.run) does the rendezvous, sets RANK/WORLD_SIZE for
     accelerate, and with --max-restarts restarts every worker when one dies; the
     restarted workers continue from the newest complete checkpoint (resume=auto).
+    With --nnodes MIN:MAX a restart meets on the nodes that answer, as long as MIN do; the
+    resumed run keeps its examples per step on fewer or more replicas (trainer/order.py).
     """
+    (low, high), again = args.nnodes, restarts(args)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc)]
-    cmd += ["--nnodes", str(args.nnodes), "--max_restarts", str(args.max_restarts)]
-    if args.max_restarts > 0:
+    cmd += ["--nnodes", f"{low}:{high}" if low < high else str(high), "--max_restarts", str(again)]
+    if again > 0:
         # Elastic: the c10d rendezvous lets restarted workers (a new round) meet again; the
         # static one can leave them unable to reconnect. Node 0 hosts it at --master-addr:--master-port.
         cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{args.master_addr}:{args.master_port}", "--rdzv_id", "finetune"]
-        cmd += ["--node_rank", str(args.node_rank)] if args.nnodes > 1 else []
-    elif args.nnodes > 1:
+        cmd += ["--node_rank", str(args.node_rank)] if low == high > 1 else []  # elastic: ranks in order of arrival
+        cmd += ["--rdzv_conf", f"last_call_timeout={args.elastic_wait:g}"] if low < high else []
+    elif high > 1:
         # Static rendezvous: node 0 hosts it at --master-addr:--master-port, the others join.
         cmd += ["--node_rank", str(args.node_rank), "--master_addr", args.master_addr, "--master_port", str(args.master_port)]
     else:
@@ -95,7 +130,7 @@ def launch_env(args: argparse.Namespace) -> dict[str, str]:
     # NCCL's watchdog raises in the training thread at distributed.timeout_s (2) instead of killing the process
     # (torchrun's 1): the rank then leaves restartable (trainer/faults.py). Unverified on a GPU here.
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-    if args.max_restarts > 0:
+    if restarts(args) > 0:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
 

@@ -225,15 +225,14 @@ def launch_failing(tmp_path: Path, recipe: Path, *args: str, **env: str) -> subp
     )
 
 
-# (the recipe's keys besides micro-batches of 4, what the restart says, its processes at micro-batches of 2 from the
-# start: 8 examples a step in every case). A pipeline's reference is one process, which a pipeline equals (test_pipeline.py).
+# (the recipe's keys besides micro-batches of 4, what the restart says): 8 examples a step in both. The reference is
+# one process at 2 x 4 accum, which DDP and a pipeline equal (test_ddp.py, test_pipeline.py).
 OOM_LAYOUTS = {
-    "ddp": ({}, "grad_accum 2, micro-batch 2 (the recipe says 4 x 1)", ("2", 2)),
+    "ddp": ({}, "grad_accum 2, micro-batch 2 (the recipe says 4 x 1)"),
     # 2 stages of 1 replica: the schedule runs 4 micro-batches after the restart, not the recipe's 2
     "pipeline": (
         {"distributed__pipeline_parallel": 2, "train__grad_accum": 2},
         "grad_accum 4, micro-batch 2 (the recipe says 4 x 2)",
-        ("1", 4),
     ),
 }
 
@@ -246,10 +245,10 @@ def test_out_of_memory_on_one_of_two_ranks_restarts_with_half_the_micro_batch(re
         "train__max_grad_norm": None,
         "checkpoint": {"every_steps": 2},
     }
-    split, resumed, (nproc, accum) = OOM_LAYOUTS[layout]
+    split, resumed = OOM_LAYOUTS[layout]
     recipe, out = write(tmp_path, recipe_dict, "oom", train__batch_size=4, **common, **split)
-    ref_recipe, ref = write(tmp_path, recipe_dict, "ref", train__batch_size=2, train__grad_accum=accum, **common)
-    finetune(str(ref_recipe), "--nproc", nproc, cwd=tmp_path)
+    ref_recipe, ref = write(tmp_path, recipe_dict, "ref", train__batch_size=2, train__grad_accum=4, **common)
+    finetune(str(ref_recipe), cwd=tmp_path)
     proc = launch_failing(tmp_path, recipe, "--max-restarts", "1", OOM_AT_STEP="4")
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
@@ -267,3 +266,55 @@ def test_an_error_of_one_rank_is_not_taken_for_a_restartable_exit(recipe_dict, t
     output = proc.stdout + proc.stderr
     assert "ValueError: a bug of the test's own" in output
     assert proc.returncode == 1, output[-3000:]
+
+
+def test_an_elastic_job_that_loses_a_node_finishes_on_the_other_with_its_examples_per_step(recipe_dict, tmp_path):
+    # Two launchers on this machine are the two "nodes" of `finetune run --nnodes 1:2` (one process each); node 1 is
+    # killed whole (launcher, torchrun, worker) after a checkpoint. Node 0's worker sees its peer gone and leaves
+    # restartable; its torchrun restarts it in a rendezvous of the one node left, which resumes on 1 replica with
+    # twice the micro-batches: the 4 examples per step of the 2 nodes, so the losses of one process at 2 x 2.
+    from conftest import Job
+
+    common = {"train__batch_size": 2, "train__max_steps": 60, "train__scheduler": "constant", "checkpoint": {"every_steps": 4}}
+    ref_recipe, ref = write(tmp_path, recipe_dict, "ref", train__grad_accum=2, **common)
+    finetune(str(ref_recipe), cwd=tmp_path)
+    recipe, out = write(tmp_path, recipe_dict, "elastic", **common, distributed={"timeout_s": TIMEOUT_S})
+    # --elastic-wait 3: a rendezvous waits 3 s (not 30) for a second node once one has joined, at the start and after the loss.
+    cmd = [sys.executable, "-m", "finetune", "run", str(recipe), "--nproc", "1", "--nnodes", "1:2", "--elastic-wait", "3"]
+    cmd += ["--no-progress", "--master-port", str(port := free_port())]
+    first = Job(cmd, tmp_path / "node0.log", cwd=tmp_path, env=ENV)
+    first.wait_until(lambda: _listening(port), "node 0 hosting the rendezvous", 120)  # the node that must survive
+    second = Job(cmd, tmp_path / "node1.log", cwd=tmp_path, env=ENV)
+    first.wait_until(lambda: len(logged_steps(out)) >= 5 and any(out.glob("checkpoints/step-*/manifest.json")), "step 5", 180)
+    for pid in _descendants(second.proc.pid):  # torchrun starts its workers in sessions of their own
+        os.kill(pid, signal.SIGKILL)
+    second.kill()
+    assert first.finish(300) == 0, first.tail()
+    said = first.output()
+    assert "launching 1 process x 1 to 2 node(s)" in said and "parallel: ddp over 2 processes" in said, first.tail()
+    assert "resume: the run's 4 examples per step as 2 x 2 accum x 1 replica (it had 2)" in said, first.tail()
+    assert losses(out) == pytest.approx(losses(ref), rel=1e-5)
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _descendants(root: int) -> list[int]:
+    """The processes started by `root`, its children's children included (through /proc)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [root]
+    while frontier:
+        children = [pid for pid, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
