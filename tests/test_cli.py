@@ -265,10 +265,11 @@ def test_elastic_launch_uses_c10d_and_a_fresh_store_per_restart_round(monkeypatc
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in launch_env(plain)
 
 
-def test_nnodes_min_max_launches_an_elastic_job_that_restarts_on_the_nodes_left(capsys):
+def test_nnodes_min_max_launches_an_elastic_job_that_restarts_on_the_nodes_left(capsys, monkeypatch):
     from finetune.cli.commands import build_parser
-    from finetune.parallel.launch import launch_command, launch_env
+    from finetune.parallel.launch import ELASTIC_WORLD, launch_command, launch_env
 
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     parser = build_parser()
     elastic = parser.parse_args(["run", "demo-cpu", "--nnodes", "1:2", "--node-rank", "1", "--master-port", "29701"])
     cmd = launch_command(elastic)
@@ -281,10 +282,34 @@ def test_nnodes_min_max_launches_an_elastic_job_that_restarts_on_the_nodes_left(
     assert launch_command(given)[launch_command(given).index("--max_restarts") + 1] == "7"
     fixed = launch_command(parser.parse_args(["run", "demo-cpu", "--nnodes", "2", "--node-rank", "1"]))
     assert fixed[fixed.index("--nnodes") + 1] == "2" and fixed[fixed.index("--node_rank") + 1] == "1"
+    assert launch_env(given)[ELASTIC_WORLD] == "4"  # 1 process on each of at most 4 nodes: the first start's step
+    never = launch_command(parser.parse_args(["run", "demo-cpu", "--nnodes", "1:2", "--max-restarts", "0"]))
+    assert never[never.index("--max_restarts") + 1] == "0" and "c10d" in never  # as asked; still an elastic rendezvous
     for wrong in ("0", "2:1", "a:b", "1:"):
         with pytest.raises(SystemExit):
             parser.parse_args(["run", "demo-cpu", "--nnodes", wrong])
         assert f"--nnodes: '{wrong}': a node count N >= 1, or MIN:MAX with 1 <= MIN <= MAX" in capsys.readouterr().err
+    for wrong in ("2.5", "0", "-1"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["run", "demo-cpu", "--nnodes", "1:2", "--elastic-wait", wrong])
+        assert f"--elastic-wait: '{wrong}': whole seconds, at least 1" in capsys.readouterr().err
+
+
+def test_an_elastic_job_is_checked_on_every_node_count_it_may_restart_on(recipe_dict, tmp_path, capsys):
+    import yaml
+
+    from finetune.cli.commands import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({**recipe_dict, "output_dir": str(tmp_path / "out"), "train": {"batch_size": 2}}))
+    # 1 process a node: the step is sized for 3 replicas (6 examples), which 2 replicas cannot cut into micro-batches of 2
+    assert main(["run", str(recipe), "--nnodes", "1:3", "--master-port", "29702"]) == 2
+    err = capsys.readouterr().err
+    said = (
+        "--nnodes: the step's 6 examples (train.batch_size 2 x grad_accum 1 x 3 replicas on the most nodes) cannot be "
+        "cut into whole micro-batches on 2 replicas: choose train.grad_accum so that every replica count (1, 2, 3)"
+    )
+    assert said in " ".join(err.split()), err
 
 
 def test_kubernetes_example_runs_a_command_the_cli_accepts():

@@ -73,6 +73,16 @@ def test_a_pipeline_takes_another_cut_of_the_window_where_its_schedule_can_run_i
     ) in str(err.value)
 
 
+def test_an_out_of_memory_a_pipeline_stage_re_raised_is_found_and_any_other_error_raised_again(recipe_dict):
+    cfg, window = cfg_of(recipe_dict, batch_size=4), Window(4, 1, 1, 256)
+    try:  # what torch's PipelineStage does with an error of the forward it runs
+        raise RuntimeError("\n  [Stage 1] failed to run forward:") from torch.OutOfMemoryError("CUDA out of memory.")
+    except RuntimeError as wrapped:
+        assert faults.back_off(wrapped, window, cfg, 3) == Window(2, 2, 1, 256)
+    with pytest.raises(ValueError, match="a bug"):
+        faults.back_off(ValueError("a bug"), window, cfg, 3)
+
+
 def test_deepspeed_is_told_the_keys_to_set(recipe_dict):
     cfg = make_cfg(recipe_dict, train={"batch_size": 2, "grad_accum": 2}, distributed={"strategy": "deepspeed"})
     with pytest.raises(ConfigError) as err:

@@ -33,6 +33,7 @@ from pathlib import Path
 from finetune.cli.finished import cmd_eval, cmd_export, cmd_generate
 from finetune.config.schema import check_recipe_dict, find_recipe, read_recipe, recipe_description, shipped_recipes
 from finetune.data import FORMATS
+from finetune.declarations.layout import Layout
 from finetune.errors import ConfigError, FinetuneError, Preempted
 from finetune.parallel.launch import (
     add_launch_arguments,
@@ -100,7 +101,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from finetune.trainer import Trainer
 
     low, high = args.nnodes  # MIN:MAX for an elastic job (parallel/launch.py)
-    launching = args.nproc > 1 or high > 1 or args.max_restarts > 0
+    launching = args.nproc > 1 or high > 1 or restarts(args) > 0
     if launching and "LOCAL_RANK" in os.environ:
         raise FinetuneError(
             "--nproc/--nnodes/--max-restarts were given to a process that torchrun/accelerate already launched",
@@ -116,10 +117,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_INPUT
     from finetune.parallel.distribute import vision_problems
     from finetune.parallel.split_checks import split_problems
+    from finetune.trainer.order import elastic_problems
 
     if launching or "WORLD_SIZE" not in os.environ:  # said once here, not by each process (torchrun's asked below)
-        worlds = sorted({args.nproc * low, args.nproc * high})  # an elastic job runs on either, and between
+        worlds = [args.nproc * n for n in range(low, high + 1)]  # an elastic job may restart on any of them
         problems = list(dict.fromkeys(p for w in worlds for p in split_problems(cfg, w) + vision_problems(cfg, w)))
+        if low < high and not problems:
+            problems = elastic_problems(cfg, [Layout.of(cfg, 0, w).replicas for w in worlds])
         if problems:
             raise ConfigError(problems, str(find_recipe(args.recipe)))
     if launching:

@@ -21,6 +21,7 @@ from pathlib import Path
 from finetune.errors import Preempted
 
 EXIT_DIR = "FINETUNE_EXIT_DIR"  # a folder where each worker writes its exit code as roundR.rankN (mark_exit)
+ELASTIC_WORLD = "FINETUNE_ELASTIC_WORLD"  # an elastic job's most processes: its first start sizes the step for them
 ELASTIC_RESTARTS = 3  # --nnodes MIN:MAX without --max-restarts: a lost node costs one
 
 
@@ -54,8 +55,8 @@ def add_launch_arguments(run: argparse.ArgumentParser) -> None:
     dist.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1 (an elastic job numbers them)")
     dist.add_argument(
         "--elastic-wait",
-        type=float,
-        default=30.0,
+        type=_seconds,
+        default=30,
         help="--nnodes MIN:MAX: seconds a rendezvous waits for more nodes once MIN have joined (default 30)",
     )
     dist.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (rendezvous host)")
@@ -63,8 +64,9 @@ def add_launch_arguments(run: argparse.ArgumentParser) -> None:
     dist.add_argument(
         "--max-restarts",
         type=int,
-        default=0,
-        help="restart all workers this often when one fails; they resume from the last checkpoint",
+        default=None,
+        help="restart all workers this often when one fails; they resume from the last checkpoint (default 0; 3 with "
+        "--nnodes MIN:MAX)",
     )
 
 
@@ -80,11 +82,25 @@ def node_range(text: str) -> tuple[int, int]:
     return nodes
 
 
+def _seconds(text: str) -> int:
+    """--elastic-wait: whole seconds >= 1 (torch's rendezvous reads an integer timeout)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: whole seconds, at least 1")
+    return int(text)
+
+
 def restarts(args: argparse.Namespace) -> int:
     """How often torchrun restarts the workers: --max-restarts, or ELASTIC_RESTARTS for an elastic job that was given
     none (losing a node restarts the workers that remain)."""
     low, high = args.nnodes
-    return args.max_restarts or (ELASTIC_RESTARTS if low < high else 0)
+    if args.max_restarts is None:
+        return ELASTIC_RESTARTS if low < high else 0
+    return args.max_restarts
+
+
+def elastic(args: argparse.Namespace) -> bool:
+    low, high = args.nnodes
+    return low < high
 
 
 def launch_command(args: argparse.Namespace) -> list[str]:
@@ -99,12 +115,12 @@ def launch_command(args: argparse.Namespace) -> list[str]:
     (low, high), again = args.nnodes, restarts(args)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc)]
     cmd += ["--nnodes", f"{low}:{high}" if low < high else str(high), "--max_restarts", str(again)]
-    if again > 0:
+    if again > 0 or low < high:
         # Elastic: the c10d rendezvous lets restarted workers (a new round) meet again; the
         # static one can leave them unable to reconnect. Node 0 hosts it at --master-addr:--master-port.
         cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{args.master_addr}:{args.master_port}", "--rdzv_id", "finetune"]
         cmd += ["--node_rank", str(args.node_rank)] if low == high > 1 else []  # elastic: ranks in order of arrival
-        cmd += ["--rdzv_conf", f"last_call_timeout={args.elastic_wait:g}"] if low < high else []
+        cmd += ["--rdzv_conf", f"last_call_timeout={args.elastic_wait}"] if low < high else []
     elif high > 1:
         # Static rendezvous: node 0 hosts it at --master-addr:--master-port, the others join.
         cmd += ["--node_rank", str(args.node_rank), "--master_addr", args.master_addr, "--master_port", str(args.master_port)]
@@ -132,6 +148,8 @@ def launch_env(args: argparse.Namespace) -> dict[str, str]:
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     if restarts(args) > 0:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if elastic(args):
+        env[ELASTIC_WORLD] = str(args.nproc * args.nnodes[1])
     return env
 
 

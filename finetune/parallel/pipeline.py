@@ -149,7 +149,7 @@ class Pipeline(SplitRoom):
         return fill / (m + fill)
 
     @property
-    def window_waited(self) -> float:  # type: ignore[override]  # a class-wide 0 in the other rooms
+    def window_waited(self) -> float:  # type: ignore[override]  # a class-wide None in the other rooms
         """The last window's seconds outside this rank's forward, backward and loss: its sends, receives and bubble."""
         busy, whole = self.clock.last
         return max(0.0, whole - busy)

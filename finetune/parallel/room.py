@@ -39,7 +39,7 @@ class Room:
     holds_whole_model = True  # this process can generate and score pairs (a pipeline stage cannot)
     trains_alone = False  # each rank holds and streams its own copy of the layers: the memory rules see one process
     ideal_idle = 0.0  # the schedule's idle share of a window (a pipeline's fill and drain)
-    window_waited = 0.0  # seconds of the last window spent waiting on other ranks, where the room times them
+    window_waited: float | None = None  # seconds of the last window spent waiting on others, where the room times them
 
     def __init__(self, accelerator, cfg: RecipeConfig, layout: Layout, mesh: Any = None) -> None:
         self.accelerator, self.cfg, self.layout = accelerator, cfg, layout

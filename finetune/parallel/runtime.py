@@ -203,8 +203,8 @@ class Parallel:
         return self.room.ideal_idle
 
     @property
-    def window_waited(self) -> float:
-        """Seconds of the last window this rank waited on the others inside it (a pipeline's; 0 where untimed)."""
+    def window_waited(self) -> float | None:
+        """Seconds of the last window this rank waited on the others inside it (a pipeline's; None where untimed)."""
         return self.room.window_waited
 
     def staged_held_out_sums(self, batches: list[dict[str, torch.Tensor]], rows: int) -> tuple[float, float]:

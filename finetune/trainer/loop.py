@@ -20,6 +20,7 @@ parallel/runtime.py (single / DDP / FSDP / ZeRO), objectives/ (the losses), runs
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from finetune.model.load import load_tokenizer
 from finetune.objectives.loss import Loss, as_loss, count_targets
 from finetune.objectives.preference import attach_reference
 from finetune.parallel import health
+from finetune.parallel.launch import ELASTIC_WORLD
 from finetune.parallel.runtime import Parallel, make_accelerator
 from finetune.runs import choices
 from finetune.runs.checkpoint import checkpoint_dir, output_dir_problem, prepare_output_dir, save_adapter
@@ -214,6 +216,9 @@ class Trainer:
         cfg, acc, state = self.cfg, self.accelerator, self.state
         self.collate = Collator.for_tokenizer(self.tokenizer)
         layout = Layout.of(cfg, acc.process_index, acc.num_processes)  # a pipeline's stages share their replica's data
+        if "window" not in saved and os.environ.get(ELASTIC_WORLD):  # an elastic job's first start, on however many nodes
+            widest = Window.of_recipe(cfg, Layout.of(cfg, 0, int(os.environ[ELASTIC_WORLD])).replicas)
+            saved = {**saved, **widest.counters()}
         window = Window.resumed(saved, cfg, layout.replicas)
         self.say(window.resume_note(saved, cfg))
         self.order = DataOrder(self.data.train, cfg, self.collate, layout.replica, window, acc.device)
@@ -247,7 +252,8 @@ class Trainer:
         totals = StepTotals(0.0, n_global, sum(count_tokens(b) for b in counted), targets)
         saving = self.memory.activations.saving
         totals.loss_sum, totals.sums = parallel.train_window(model, batches, self.loss_fn, scale, self._micro_step, saving)
-        self.clock.waited += parallel.window_waited  # a pipeline's waits on the other stages are no compute of this rank
+        if parallel.window_waited is not None:  # a pipeline: its work ends with its window, its waits inside timed apart
+            self.clock.window_ended(parallel.window_waited)
         return totals
 
     def _micro_step(self, batch: dict[str, Any], scale: float) -> float:

@@ -123,6 +123,25 @@ class Window:
         return f"{self.micro_batch} x {self.accum} accum x {self.replicas} replica{'s' if self.replicas != 1 else ''}"
 
 
+def elastic_problems(cfg: RecipeConfig, replica_counts: list[int]) -> list[str]:
+    """What an elastic job cannot run: its step, sized for its most replicas (its first start's, however many nodes
+    came: trainer/loop.py), cut into the recipe's micro-batches on each replica count it may restart on."""
+    widest = Window.of_recipe(cfg, max(replica_counts))
+    found = []
+    for n in replica_counts:
+        accum, rest = divmod(widest.size, widest.micro_batch * n)
+        if rest or not accum:
+            found.append(
+                f"--nnodes: the step's {widest.size} examples (train.batch_size {widest.micro_batch} x grad_accum "
+                f"{widest.accum} x {widest.replicas} replicas on the most nodes) cannot be cut into whole micro-batches on "
+                f"{n} replicas: choose train.grad_accum so that every replica count ({', '.join(map(str, replica_counts))}) "
+                "divides the step's micro-batches, or narrow --nnodes"
+            )
+        elif problem := Window(widest.micro_batch, accum, n, widest.length_group).resume_problem(cfg):
+            found.append(f"--nnodes, on {n} replicas: {problem}")
+    return found
+
+
 class DataOrder:
     def __init__(
         self, train: Sequence[dict], cfg: RecipeConfig, collate: Collator, rank: int, window: Window, device: torch.device

@@ -315,6 +315,12 @@ class StepClock:
         torch.autograd.Variable._execution_engine.queue_callback(self._done)
         return grad
 
+    def window_ended(self, waited: float) -> None:
+        """A window a room timed itself (a pipeline's): `waited` seconds of it were waits, and this rank's work ends
+        here (the collectives after it wait for the slowest stage)."""
+        self.waited += waited
+        self.local_done = time.perf_counter()
+
     def _done(self) -> None:
         if self.cuda:  # the compute stream only: the reducer's communication runs on its own
             torch.cuda.current_stream().synchronize()
