@@ -37,6 +37,7 @@ from finetune.declarations.layout import Layout
 from finetune.errors import ConfigError, FinetuneError, Preempted
 from finetune.parallel.launch import (
     add_launch_arguments,
+    elastic,
     launch_command,
     launch_env,
     mark_exit,
@@ -122,7 +123,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if launching or "WORLD_SIZE" not in os.environ:  # said once here, not by each process (torchrun's asked below)
         worlds = [args.nproc * n for n in range(low, high + 1)]  # an elastic job may restart on any of them
         problems = list(dict.fromkeys(p for w in worlds for p in split_problems(cfg, w) + vision_problems(cfg, w)))
-        if low < high and not problems:
+        if elastic(args) and not problems:
             problems = elastic_problems(cfg, [Layout.of(cfg, 0, w).replicas for w in worlds])
         if problems:
             raise ConfigError(problems, str(find_recipe(args.recipe)))
@@ -131,7 +132,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(warning, file=sys.stderr)
         cmd = launch_command(args)
         print(
-            f"launching {args.nproc} process{'es' if args.nproc > 1 else ''} x {f'{low} to {high}' if low < high else high} "
+            f"launching {args.nproc} process{'es' if args.nproc > 1 else ''} x {f'{low} to {high}' if elastic(args) else high} "
             f"node(s): {' '.join(cmd[2:])}",
             flush=True,
         )

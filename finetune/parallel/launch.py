@@ -89,18 +89,18 @@ def _seconds(text: str) -> int:
     return int(text)
 
 
+def elastic(args: argparse.Namespace) -> bool:
+    """--nnodes MIN:MAX with MIN < MAX: the job goes on on the nodes that remain."""
+    low, high = args.nnodes
+    return low < high
+
+
 def restarts(args: argparse.Namespace) -> int:
     """How often torchrun restarts the workers: --max-restarts, or ELASTIC_RESTARTS for an elastic job that was given
     none (losing a node restarts the workers that remain)."""
-    low, high = args.nnodes
     if args.max_restarts is None:
-        return ELASTIC_RESTARTS if low < high else 0
+        return ELASTIC_RESTARTS if elastic(args) else 0
     return args.max_restarts
-
-
-def elastic(args: argparse.Namespace) -> bool:
-    low, high = args.nnodes
-    return low < high
 
 
 def launch_command(args: argparse.Namespace) -> list[str]:
@@ -112,15 +112,15 @@ def launch_command(args: argparse.Namespace) -> list[str]:
     With --nnodes MIN:MAX a restart meets on the nodes that answer, as long as MIN do; the
     resumed run keeps its examples per step on fewer or more replicas (trainer/order.py).
     """
-    (low, high), again = args.nnodes, restarts(args)
+    (low, high), again, grows = args.nnodes, restarts(args), elastic(args)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc)]
-    cmd += ["--nnodes", f"{low}:{high}" if low < high else str(high), "--max_restarts", str(again)]
-    if again > 0 or low < high:
+    cmd += ["--nnodes", f"{low}:{high}" if grows else str(high), "--max_restarts", str(again)]
+    if again > 0 or grows:
         # Elastic: the c10d rendezvous lets restarted workers (a new round) meet again; the
         # static one can leave them unable to reconnect. Node 0 hosts it at --master-addr:--master-port.
         cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{args.master_addr}:{args.master_port}", "--rdzv_id", "finetune"]
-        cmd += ["--node_rank", str(args.node_rank)] if low == high > 1 else []  # elastic: ranks in order of arrival
-        cmd += ["--rdzv_conf", f"last_call_timeout={args.elastic_wait}"] if low < high else []
+        cmd += ["--node_rank", str(args.node_rank)] if high > 1 and not grows else []  # elastic: ranks in order of arrival
+        cmd += ["--rdzv_conf", f"last_call_timeout={args.elastic_wait}"] if grows else []
     elif high > 1:
         # Static rendezvous: node 0 hosts it at --master-addr:--master-port, the others join.
         cmd += ["--node_rank", str(args.node_rank), "--master_addr", args.master_addr, "--master_port", str(args.master_port)]

@@ -49,6 +49,12 @@ class Window:
         }
 
     @classmethod
+    def cut(cls, size: int, micro: int, replicas: int, length_group: int) -> Window | None:
+        """`size` examples a step as micro-batches of `micro` on `replicas` replicas; None where no whole grad_accum does it."""
+        accum, rest = divmod(size, micro * replicas)
+        return None if rest or not accum else cls(micro, accum, replicas, length_group)
+
+    @classmethod
     def resumed(cls, saved: dict[str, Any], cfg: RecipeConfig, replicas: int) -> Window:
         """The window of the run a checkpoint's trainer_state continues, on `replicas` replicas now: the
         recipe's micro-batch (or the smaller one an out-of-memory backoff left), grad_accum recomputed."""
@@ -59,8 +65,8 @@ class Window:
         micro = min(recipe.micro_batch, *(int(saved[k]) for k in ("micro_batch", "oom_micro_batch") if k in saved))
         if saved.get("recipe", {}).get("train", {}).get("batch_size", recipe.micro_batch) != recipe.micro_batch:
             micro = recipe.micro_batch  # the user changed train.batch_size for this launch: theirs
-        accum, rest = divmod(size, micro * replicas)
-        if rest or not accum:
+        window = cls.cut(size, micro, replicas, int(saved.get("length_group", recipe.length_group)))
+        if window is None:
             fits = [n for n in range(1, size + 1) if size % (micro * n) == 0]
             batches = [b for b in range(1, size // replicas + 1) if (size // replicas) % b == 0] if size % replicas == 0 else []
             raise ConfigError(
@@ -72,7 +78,6 @@ class Window:
                     + " (resume_ignore_changes=true for a changed batch_size)."
                 ]
             )
-        window = cls(micro, accum, replicas, int(saved.get("length_group", recipe.length_group)))
         problem = window.resume_problem(cfg)
         if problem:
             raise ConfigError([problem])
@@ -129,15 +134,15 @@ def elastic_problems(cfg: RecipeConfig, replica_counts: list[int]) -> list[str]:
     widest = Window.of_recipe(cfg, max(replica_counts))
     found = []
     for n in replica_counts:
-        accum, rest = divmod(widest.size, widest.micro_batch * n)
-        if rest or not accum:
+        window = Window.cut(widest.size, widest.micro_batch, n, widest.length_group)
+        if window is None:
             found.append(
                 f"--nnodes: the step's {widest.size} examples (train.batch_size {widest.micro_batch} x grad_accum "
                 f"{widest.accum} x {widest.replicas} replicas on the most nodes) cannot be cut into whole micro-batches on "
                 f"{n} replicas: choose train.grad_accum so that every replica count ({', '.join(map(str, replica_counts))}) "
                 "divides the step's micro-batches, or narrow --nnodes"
             )
-        elif problem := Window(widest.micro_batch, accum, n, widest.length_group).resume_problem(cfg):
+        elif problem := window.resume_problem(cfg):
             found.append(f"--nnodes, on {n} replicas: {problem}")
     return found
 
