@@ -169,12 +169,12 @@ def test_what_a_split_sequence_cannot_run_with_is_refused_before_loading():
         _recipe(
             "distributed.context_parallel=2",
             "train.objective=grpo",
-            "distributed.strategy=fsdp",
+            "distributed.strategy=deepspeed",
             "model.attn_implementation=eager",
         )
     text = str(said.value)
     assert "train.objective=grpo: GRPO's training forward is not split over a context-parallel group yet" in text
-    assert "distributed.strategy=fsdp: context-parallel ranks each hold the whole model" in text
+    assert "distributed.strategy=deepspeed: context-parallel ranks hold whole replicas or FSDP's shards" in text
     assert "model.attn_implementation=eager: context parallelism runs its own attention" in text
 
 

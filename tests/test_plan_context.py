@@ -159,6 +159,21 @@ def test_cp_x_tp_plans_a_share_of_every_layer_over_a_part_of_every_sequence():
     assert both.peak_bytes < min(tp.peak_bytes, cp.peak_bytes)
 
 
+def test_cp_x_fsdp_plans_a_shard_of_the_weights_over_a_part_of_every_sequence():
+    # distributed.strategy=fsdp: each rank holds half of every weight (FSDP over both), gathers a layer at a time
+    # and has no DDP buckets; its activations are still its part's.
+    device = ("memory.base_weights=device", "memory.embeddings=device", "memory.activation_offload=false")
+    seq = ("data.max_seq_len=65536",)
+    sharded = plan_recipe(recipe(*device, *seq, "distributed.strategy=fsdp"), GPU, gpus=2)
+    whole = plan_recipe(recipe(*device, *seq), GPU, gpus=2)
+    for key in ("weights_quantized", "lora_weights", "optimizer_state"):
+        assert sharded.component(key) == pytest.approx(whole.component(key) / 2, rel=1e-3), key
+    assert sharded.component("ddp_buckets") == 0 < whole.component("ddp_buckets")
+    assert sharded.component("fsdp_gathered") > 0 == whole.component("fsdp_gathered")
+    assert sharded.component("activations") == whole.component("activations") == 32769 * (L * H * B + 2 * HD * B)
+    assert "holds 1/2 of the weights (FSDP: a layer gathered at a time)" in sharded.notes[0]
+
+
 def test_sequence_parallelism_plans_a_share_of_the_residual_streams_positions():
     # tp2 with sequence parallelism: a checkpointed layer's input, the two norms' fp32 inputs and the final norm's
     # are half of the positions on each rank; what the split linears keep (gathered) is unchanged.

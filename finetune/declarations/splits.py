@@ -270,11 +270,11 @@ CONTEXT_RULES: tuple[Rule[Any], ...] = (
         ),
     ),
     Rule(
-        lambda c: _context(c) and _shards(c),
+        lambda c: _context(c) and _shards(c) and not of_recipe(c).wraps_layers,
         lambda c: (
-            f"{context_asked(c)} with distributed.strategy={c.distributed.strategy}: context-parallel ranks each hold the "
-            "whole model and all-reduce their gradients as DDP does; sharding them is not supported yet. Set "
-            "distributed.strategy=auto (or ddp)."
+            f"{context_asked(c)} with distributed.strategy={c.distributed.strategy}: context-parallel ranks hold whole "
+            "replicas or FSDP's shards; DeepSpeed's engine would own the step. Set distributed.strategy=fsdp (the "
+            "weights, gradients and AdamW state sharded over every process) or auto (whole replicas)."
         ),
     ),
     Rule(

@@ -22,17 +22,22 @@ target's place in that shift. It attends only to itself and predicts nothing.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from finetune.data import IGNORE_INDEX, count_tokens
 from finetune.declarations.layout import Layout
 from finetune.declarations.splits import TENSOR
+from finetune.declarations.strategies import of_recipe
 from finetune.errors import ConfigError
+from finetune.hardware import release_free_heap
 from finetune.model import varlen
+from finetune.parallel.fsdp import full_optimizer_state, full_trainable_state, place_sharded, shard_model
 from finetune.parallel.grads import sum_over
 from finetune.parallel.mesh import dim_group
 from finetune.parallel.ring import SplitRows, expand_heads, ring_attention, ulysses_attention
@@ -130,6 +135,10 @@ class ContextParallel(SplitRoom):
         return cls(accelerator, cfg, layout, mesh, tensor)
 
     @classmethod
+    def variant(cls, cfg: Any) -> type[ContextParallel]:
+        return ShardedContext if of_recipe(cfg).wraps_layers else cls
+
+    @classmethod
     def problems(cls, cfg: Any, accelerator) -> list[str]:
         return runtime_problems(cfg, accelerator.device)
 
@@ -186,6 +195,47 @@ class ContextParallel(SplitRoom):
 
     def full_weights(self, model) -> dict[str, torch.Tensor] | None:
         return self.tensor.full_weights(model) if self.tensor is not None else None
+
+
+class ShardedContext(ContextParallel):
+    """cp x FSDP (distributed.strategy=fsdp): each rank holds FSDP's shard of every layer (gathered for its forward,
+    as any FSDP process's) and its part of every row. The gradients' reduce-scatter sums over every process (the
+    parts and the replicas) instead of averaging, as the context room's own all-reduce does, so the step's loss
+    stays the token mean of the window."""
+
+    sharded = True
+    wraps_layers = True
+    trains_alone = False  # one shard per process: the memory rules see FSDP's processes, not one
+
+    def describe(self) -> str:
+        return f"{super().describe()}, the weights sharded over all {self.accelerator.num_processes} (FSDP)"
+
+    def load_device(self, device: torch.device, streaming: bool) -> torch.device:
+        return torch.device("cpu")  # as FSDP: the whole model read in CPU RAM, only this rank's shard moves
+
+    def shard(self, model, compute_dtype: torch.dtype):
+        model = super().shard(model, compute_dtype)  # our attention first: FSDP's units wrap the layers as they are
+        shard_model(model, self.cfg, compute_dtype)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)  # a sum: each part's gradient is of its own targets
+                module.set_force_sum_reduction_for_comms(True)  # SUM, not PREMUL_SUM (which gloo lacks)
+        place_sharded(model, self.accelerator.device, keep_params_on_cpu=self.cfg.distributed.cpu_offload)
+        release_free_heap()
+        return model
+
+    def gradient_sync(self, model, last: bool):
+        model.set_requires_gradient_sync(last)  # the window's last micro-batch reduce-scatters
+        return nullcontext()
+
+    def sync_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """FSDP summed them in the last backward."""
+
+    def full_states(self, model, optimizer) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+        return full_trainable_state(model), full_optimizer_state(optimizer)
+
+    def full_weights(self, model) -> dict[str, torch.Tensor] | None:
+        return full_trainable_state(model)
 
 
 def split_batch(batch: dict[str, Any], ranks: tuple[int, ...], index: int, group: Any, mode: str) -> dict[str, Any]:

@@ -52,6 +52,12 @@ class Room:
         return cls(accelerator, cfg, layout, mesh)
 
     @classmethod
+    def variant(cls, cfg: RecipeConfig) -> type[Room]:
+        """The class that runs this strategy for this recipe, asked before anything is built (a context-parallel
+        group under distributed.strategy=fsdp: parallel/context.py's ShardedContext)."""
+        return cls
+
+    @classmethod
     def problems(cls, cfg: RecipeConfig, accelerator) -> list[str]:
         """What this strategy cannot run for this recipe and accelerator, found at launch (its own keys' rules
         are the recipe's)."""

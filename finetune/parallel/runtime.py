@@ -76,12 +76,13 @@ class Parallel:
         grid = layout.Layout.of(cfg, accelerator.process_index, world)
         asked = [room for split, room in SPLIT_ROOMS if split.asked(cfg)]
         config = text_config(cfg) if asked else None  # before any weight loads: config.json alone
-        kind = asked[0] if asked else ROOMS[resolve_strategy(cfg, world, accelerator.device)]
+        kind = (asked[0] if asked else ROOMS[resolve_strategy(cfg, world, accelerator.device)]).variant(cfg)
         problems = split_problems(cfg, world, config) + kind.problems(cfg, accelerator)  # [] when nothing is split
         problems += vision_problems(cfg, world)
         if problems:
             raise ConfigError(problems)
-        # A context-parallel rank streams its own copy of the layers (no DDP wrapper holds them on one device).
+        # A context-parallel rank streams its own copy of the layers (no DDP wrapper holds them on one device);
+        # under FSDP it holds its shards, as any FSDP process does.
         processes = 1 if kind.trains_alone else world
         problems = techniques.problems(
             techniques.launch_settings(cfg, fsdp=kind.wraps_layers, processes=processes), (techniques.LAUNCH,)
@@ -263,8 +264,9 @@ class Parallel:
 
     def eval_rounds(self, n_batches: int, mine: int) -> int:
         """Forwards this rank runs to evaluate its share of n_batches. FSDP gathers weights inside every
-        forward, so all ranks must run as many; ranks with fewer batches repeat one and discard it."""
-        return math.ceil(n_batches / self.world) if self.sharded else mine
+        forward, so all ranks must run as many (a replica's: a context-parallel group's ranks run the same ones);
+        ranks with fewer batches repeat one and discard it."""
+        return math.ceil(n_batches / self.layout.replicas) if self.sharded else mine
 
     def wait(self) -> None:
         self.accelerator.wait_for_everyone()

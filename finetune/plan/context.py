@@ -6,7 +6,8 @@ extra token per rank: every rank runs seq/N + 1 tokens through the whole model (
 chunked loss), so everything that grows with the sequence (activations, checkpointed inputs and their host-RAM
 copies, the loss's buffers) is the single-GPU term at seq/N + 1 tokens. Each rank holds the whole model (or
 streams its own copy of the 4-bit layers from host RAM), and sums its gradients with every other process
-after the window: the weights, adapter, AdamW state and the summed buffer are those of `gpus` DDP processes.
+after the window: the weights, adapter, AdamW state and the summed buffer are those of `gpus` DDP processes
+(under distributed.strategy=fsdp, those of `gpus` FSDP processes: each holds its shards).
 What no single-GPU plan has (finetune/parallel/ring.py):
 
   ring      K/V blocks travel around the group: N - 1 hops in forward (and again in a checkpointed layer's
@@ -102,7 +103,8 @@ def plan_context_split(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu
         )
     part, local = rank_tokens(setup.seq_len, cp)
     seen = attention_shape(shape, setup)
-    one = replace(setup, seq_len=local, sharding=DDP.name, cpu_offload=False)  # DDP over every process
+    sharded = setup.strategy.wraps_layers  # cp x FSDP: FSDP's shards over every process, else DDP's replicas
+    one = replace(setup, seq_len=local) if sharded else replace(setup, seq_len=local, sharding=DDP.name, cpu_offload=False)
     tokens = setup.rows * local
     e = estimate(
         seen,
@@ -120,7 +122,8 @@ def plan_context_split(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu
     note = (
         f"context parallel ({mode}): each sequence of {setup.seq_len:,} tokens over {cp} ranks x {replicas} "
         f"replica{'s' if replicas > 1 else ''}; each rank runs {local:,} tokens (2 of {2 * cp} chunks + 1) and holds "
-        f"the whole model; gradients summed over {world} processes"
+        + (f"1/{world} of the weights (FSDP: a layer gathered at a time)" if sharded else "the whole model")
+        + f"; gradients summed over {world} processes"
     )
     return replace(e, shape=shape, setup=setup, step_time_s=step, step_time_parts=parts, notes=[note, *e.notes])
 

@@ -65,8 +65,9 @@ KNOBS: list[Knob] = [
 
 def mode_settings(s: Setup, recipe: RecipeFacts | None = None) -> techniques.Settings:
     """A setup as finetune/declarations/techniques.py's rules read it (recipe None: a 4-bit LoRA recipe)."""
-    # A context-parallel rank streams its own copy of the layers, as one process does (parallel/runtime.py).
-    processes = 1 if s.cp > 1 else s.gpus
+    # A context-parallel rank streams its own copy of the layers, as one process does, or holds FSDP's shards
+    # (parallel/runtime.py).
+    processes = 1 if s.cp > 1 and not s.strategy.wraps_layers else s.gpus
     settings = techniques.Settings(
         **techniques.modes(s), fsdp=s.strategy.wraps_layers and s.gpus > 1, cpu_offload=s.cpu_offload, processes=processes
     )

@@ -79,21 +79,25 @@ def one_packed(base) -> Path:
 
 
 @pytest.mark.parametrize(
-    "mode, nproc, rows",
+    "mode, nproc, rows, strategy",
     # Ulysses on plain rows is the packed case without the cuts: tests/test_context_attention.py checks its logits.
-    [("ring", 2, "plain"), ("ring", 4, "packed"), ("ulysses", 2, "packed")],
-    ids=["ring", "ring-packed-x2-replicas", "ulysses-packed"],
+    # fsdp (cp x FSDP): each rank holds half of every layer's weights too, gathered for its forward; the
+    # gradients' reduce-scatter sums the parts; the held-out batches run on both ranks of the group.
+    [("ring", 2, "plain", "auto"), ("ring", 4, "packed", "auto"), ("ulysses", 2, "packed", "auto"), ("ring", 2, "plain", "fsdp")],
+    ids=["ring", "ring-packed-x2-replicas", "ulysses-packed", "ring-fsdp"],
 )
-def test_a_sequence_split_over_two_ranks_trains_as_one_process(base, one_process, one_packed, mode, nproc, rows):
+def test_a_sequence_split_over_two_ranks_trains_as_one_process(base, one_process, one_packed, mode, nproc, rows, strategy):
     root, recipe = base
     reference = one_packed if rows == "packed" else one_process
     recipe = packed(recipe) if rows == "packed" else recipe
     batch = recipe["train"]["batch_size"] // (nproc // 2)  # the same global batch: batch_size is per replica
-    distributed = {"context_parallel": 2, "context_parallel_mode": mode}
-    path, out = write(root, recipe, f"cp2-{mode}-{nproc}-{rows}", distributed=distributed, train__batch_size=batch)
+    distributed = {"context_parallel": 2, "context_parallel_mode": mode, "strategy": strategy}
+    name = f"cp2-{mode}-{nproc}-{rows}-{strategy}"
+    path, out = write(root, recipe, name, distributed=distributed, train__batch_size=batch)
     proc = finetune(str(path), "--nproc", str(nproc), cwd=root)
     replicas = "1 replica" if nproc == 2 else "2 replicas"
-    assert f"parallel: context parallel ({mode}), each sequence split over 2 processes x {replicas}" in proc.stdout
+    sharded = ", the weights sharded over all 2 (FSDP)" if strategy == "fsdp" else "\n"
+    assert f"parallel: context parallel ({mode}), each sequence split over 2 processes x {replicas}{sharded}" in proc.stdout
     assert all(norm > 0.5 for _, norm in step_rows(reference))  # every update clipped
     assert_same_steps(reference, out, rel=1e-5)
     # Packed rows attend in fp32 matmuls (masked blocks), one process in sdpa: where a LoRA-B coordinate's
@@ -160,6 +164,9 @@ if cap:  # no forward of the model may see more tokens a row than the cap
 if os.environ.get("OWN_KEYS_ONLY"):  # the ring broken: each rank's queries see only its own keys
     pairs = ring._pairs
     ring._pairs = lambda split, mine, theirs: pairs(split, mine, theirs) if mine == theirs else iter(())
+if os.environ.get("FSDP_AVERAGES"):  # broken: FSDP's reduce-scatter averages the parts' gradients (its default)
+    from torch.distributed.fsdp import FSDPModule
+    FSDPModule.set_gradient_divide_factor = lambda self, factor: None
 if os.environ.get("PARTS_UNSUMMED"):  # broken: a share's gradient never summed over the context-parallel parts
     from finetune.parallel import tensor
     tensor.dims_group = lambda mesh, dims: None
@@ -185,6 +192,16 @@ def test_shares_whose_parts_are_never_summed_fail_the_comparison(base, one_proce
     (loss_one, norm_one), (loss_bad, norm_bad) = step_rows(one_process)[0], step_rows(out)[0]
     assert loss_bad == pytest.approx(loss_one, rel=1e-5)  # the forward is right; each part's gradient stays its own
     assert norm_bad != pytest.approx(norm_one, rel=1e-3)
+
+
+def test_fsdp_shards_whose_parts_are_averaged_fail_the_comparison(base, one_process, tmp_path):
+    root, recipe_dict = base
+    distributed = {"context_parallel": 2, "strategy": "fsdp"}
+    recipe, out = write(tmp_path, recipe_dict, "averaged", distributed=distributed, train__max_steps=1)
+    run_driver(tmp_path, DRIVER, recipe, FSDP_AVERAGES="1")
+    (loss_one, norm_one), (loss_bad, norm_bad) = step_rows(one_process)[0], step_rows(out)[0]
+    assert loss_bad == pytest.approx(loss_one, rel=1e-5)  # the forward is right; the gradient is half of it
+    assert norm_bad == pytest.approx(norm_one / 2, rel=1e-4)
 
 
 def test_rows_longer_than_one_process_takes_train_on_two(base, tmp_path):
