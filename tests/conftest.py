@@ -389,15 +389,29 @@ def load_benchmark(filename: str):
 
 
 def free_port() -> int:
-    """A TCP port no process holds now, picked by the kernel: a rendezvous port no other test, file or test run shares.
+    """A TCP port no process holds now, below the kernel's ephemeral range: a rendezvous port no other test, file or
+    test run shares.
 
-    torchrun needs only this one: its workers' stores and gloo's connections take ephemeral ports of their own.
+    torchrun needs only this one: its workers' stores and gloo's connections take ephemeral ports of their own, so a
+    port the kernel picked (ephemeral) could be handed to another test's gloo connection before torchrun binds it
+    (seen: EADDRINUSE under xdist). Below the range only another free_port could take it: random, then checked.
     """
+    import random
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("", 0))  # every interface: torchrun's store listens on all of them
-        return sock.getsockname()[1]
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default range starts there
+    for _ in range(100):
+        port = random.SystemRandom().randrange(max(1024, low - 12000), low)  # not the global generator a test seeds
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))  # every interface: torchrun's store listens on all of them
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in [{low - 12000}, {low}) after 100 tries")
 
 
 def logged_steps(out: Path) -> list[int]:

@@ -46,14 +46,15 @@ def test_chunked_loss_trains_like_the_full_logits(recipe_dict, tmp_path):
     assert auto.loss_fn.chunked_batches == 0 and losses(tmp_path / "auto") == losses(tmp_path / "full")
 
 
-def test_chunked_loss_under_fsdp_is_refused_and_liger_needs_cuda(recipe_dict, tmp_path):
+def test_liger_under_fsdp_is_refused_and_needs_cuda(recipe_dict, tmp_path):
     data = json.loads(json.dumps(recipe_dict))
     data.update(output_dir=str(tmp_path / "r"), distributed={"strategy": "fsdp"}, quant={"bits": 4})
-    data["memory"] = {"loss": "chunked"}
+    build_recipe({**data, "memory": {"loss": "chunked"}})  # the head stays gathered after FSDP's forward
+    data["memory"] = {"loss": "liger"}
     with pytest.raises(ConfigError) as err:
         build_recipe(data)
-    assert "memory.loss=chunked runs the LM head after the sharded forward" in str(err.value)
-    assert "use memory.loss=auto" in str(err.value)
+    assert "memory.loss=liger is not run under FSDP yet" in str(err.value)
+    assert "use memory.loss=auto or chunked" in str(err.value)
     with pytest.raises(ConfigError) as err:
         Trainer(cfg_for(recipe_dict, tmp_path / "liger", loss="liger"), progress=False).train()
     assert "memory.loss=liger runs liger-kernel's CUDA kernel" in str(err.value) and "memory.loss=chunked" in str(err.value)

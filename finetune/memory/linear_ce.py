@@ -60,7 +60,8 @@ def chunked_head_matches(model, owner: torch.nn.Module, device: torch.device, to
     ids = torch.arange(1, tokens + 1, device=device).unsqueeze(0)
     capture = CaptureHead()
     was_training = model.training
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    # no_grad: a probe's graph is never backpropagated (FSDP would otherwise wait for that backward)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
         model.eval()
         try:
             real = model(input_ids=ids, use_cache=False).logits[0].float()
@@ -129,7 +130,7 @@ class CaptureHead(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         self.hidden = hidden
-        return hidden.new_empty(*hidden.shape[:-1], 0)
+        return hidden[..., :0]  # no logits, but in the graph: FSDP's root hooks its backward on the forward's output
 
 
 def liger_fused_loss():

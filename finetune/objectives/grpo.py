@@ -125,7 +125,7 @@ class GRPOLoss(Loss):
     def use_tokenizer(self, tokenizer) -> None:
         self.tokenizer = tokenizer
 
-    def use_memory(self, mode: str, chunk: int, device: torch.device, sharded: bool) -> None:
+    def use_memory(self, mode: str, chunk: int, device: torch.device, sharded: bool, head_partitioned: bool = False) -> None:
         self.synced = sharded  # FSDP: generate steps every rank's decoder alike (each step gathers the weights)
 
     # ------------------------------------------------------------------ sampling

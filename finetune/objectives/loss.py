@@ -110,8 +110,10 @@ class Loss:
     def use_tokenizer(self, tokenizer) -> None:
         """The run's tokenizer, for an objective that writes text (grpo's completions)."""
 
-    def use_memory(self, mode: str, chunk: int, device: torch.device, sharded: bool) -> None:
-        """Only the causal-LM loss runs its head in chunks; other objectives train on their full logits."""
+    def use_memory(self, mode: str, chunk: int, device: torch.device, sharded: bool, head_partitioned: bool = False) -> None:
+        """Only the causal-LM loss runs its head in chunks; other objectives train on their full logits.
+        sharded: every rank runs each forward together (FSDP, ZeRO-3); head_partitioned: the head is a partition
+        again once the forward has run (ZeRO-3)."""
 
     def head_loss(self, owner: Any, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(summed loss, units) from the final hidden states (after the last norm): what a pipeline's last
@@ -173,11 +175,12 @@ class CausalLMLoss(Loss):
         self.chunked_batches = 0  # batches that took the chunked path (for tests and the planner's check)
         self.aux_coef: float | None = None  # router_aux_loss_coef of an MoE model (0: none), read on the first batch
 
-    def use_memory(self, mode: str, chunk: int, device: torch.device, sharded: bool) -> None:
+    def use_memory(self, mode: str, chunk: int, device: torch.device, sharded: bool, head_partitioned: bool = False) -> None:
         """memory.loss: full logits of the targets, chunked, or liger's fused kernel. auto chunks batches
-        with more targets than one chunk, except under FSDP (whose head is a shard again once the forward
-        has run: there the head runs on target positions only)."""
-        if mode == "full" or (mode == "auto" and sharded):
+        with more targets than one chunk, except under ZeRO-3 (whose head is a partition again once the forward
+        has run: there the head runs on target positions only). Under FSDP every batch is chunked: the one
+        check of the chunked head runs the model (FSDP's gathers), so every rank must take it at the same batch."""
+        if mode == "full" or (mode == "auto" and head_partitioned):
             return
         if mode == "liger":
             if device.type != "cuda":
@@ -193,7 +196,7 @@ class CausalLMLoss(Loss):
                     ["memory.loss=liger needs liger-kernel: pip install 'finetune[gpu]'; or use memory.loss=chunked."]
                 )
         self.chunk_rows = chunk
-        self.chunk_only_above = mode == "auto"
+        self.chunk_only_above = mode == "auto" and not sharded
 
     def __call__(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         inputs: dict = model_inputs(batch)
@@ -270,7 +273,8 @@ class CausalLMLoss(Loss):
             owner.lm_head = head
         hidden = capture.hidden
         assert hidden is not None, "the model never called its lm_head"
-        return (*self._head_in_chunks(owner, hidden, labels, keep), out)
+        loss, n = self._head_in_chunks(owner, hidden, labels, keep)
+        return loss + out.logits.sum() * 0.0, n, out  # the empty logits in the loss: FSDP's root backward runs
 
     def _head_in_chunks(
         self, owner: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor

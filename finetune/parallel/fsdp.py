@@ -65,7 +65,8 @@ def shard_model(model, cfg: RecipeConfig, compute_dtype: torch.dtype) -> Any:
     """FSDP2: shard each decoder layer, then the rest (embeddings, head, norms) as the root group.
 
     One all-gather per layer keeps at most ~one layer unsharded at a time;
-    reshard_after_forward=false trades that memory for not gathering again in backward.
+    reshard_after_forward=false trades that memory for not gathering again in backward (the root never reshards
+    between its forward and backward).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -80,7 +81,9 @@ def shard_model(model, cfg: RecipeConfig, compute_dtype: torch.dtype) -> Any:
     offload = CPUOffloadPolicy() if d.cpu_offload else OffloadPolicy()
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=d.reshard_after_forward, mp_policy=mp, offload_policy=offload)
-    fully_shard(model, reshard_after_forward=d.reshard_after_forward, mp_policy=mp, offload_policy=offload)
+    # The root (embeddings, head, norms) stays gathered from its forward to the end of backward, as FSDP2 keeps a
+    # root by default: backward needs it first anyway, and the chunked loss runs the head after the forward.
+    fully_shard(model, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
     if hasattr(model, "generate"):
         # generate() calls the inner model, never the root's forward: without this the root's
         # parameters (embeddings, head) stay sharded during generation, and the embedding

@@ -33,6 +33,7 @@ class Room:
     name = "single"  # what a run's choices.json records
     replicates = True  # every process a whole replica, its gradients all-reduced (what grad_compression compresses)
     sharded = False  # the weights partitioned over the processes: 4-bit storage in the compute dtype, forwards together
+    partitions_root = False  # the head a partition again once the forward has run (ZeRO-3; FSDP's root stays gathered)
     wraps_layers = False  # FSDP2's units around each decoder layer (declarations/techniques' FSDP rules apply)
     updates_in_backward = False  # the engine steps inside the last micro-batch's backward (DeepSpeed)
     sums_own_gradients = False  # no DDP wrapper: the room sums gradients after the window (split strategies)

@@ -145,6 +145,12 @@ class Parallel:
         the compute dtype, and every rank must run each forward together."""
         return self.room.sharded
 
+    @property
+    def partitions_root(self) -> bool:
+        """The LM head's weight is a partition again once the model's forward has run (ZeRO-3): a loss that runs
+        the head after the forward (memory.loss=chunked) cannot have it."""
+        return self.room.partitions_root
+
     def describe(self) -> str | None:
         return self.room.describe()
 

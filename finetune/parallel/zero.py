@@ -59,6 +59,10 @@ class Zero(Room):
     def sharded(self) -> bool:  # type: ignore[override]  # ZeRO-3 partitions the weights, ZeRO-2 does not
         return self.cfg.distributed.zero_stage == 3
 
+    @property
+    def partitions_root(self) -> bool:  # type: ignore[override]  # ZeRO-3 partitions every parameter
+        return self.sharded
+
     def describe(self) -> str:
         return f"parallel: deepspeed over {self.accelerator.num_processes} processes ({zero_config.describe(self.cfg)})"
 

@@ -82,9 +82,10 @@ class Setup(Modes):
     @property
     def loss_rows(self) -> int:
         """Target positions whose logits exist at once: one chunk when the head runs chunked (chunked,
-        liger, or auto outside FSDP, as objectives/loss.CausalLMLoss.use_memory decides), else 0 (all of them).
+        liger, or auto outside ZeRO-3, as objectives/loss.CausalLMLoss.use_memory decides), else 0 (all of them).
         Preference losses never chunk: every response token's logits at once, whatever memory.loss says."""
-        modes = self.loss in ("chunked", "liger") or (self.loss == "auto" and not self.partitions_weights)
+        partitioned = self.strategy.partitions_root and self.gpus > 1  # ZeRO-3: the head a partition after forward
+        modes = self.loss in ("chunked", "liger") or (self.loss == "auto" and not partitioned)
         chunked = self.head_in_chunks and modes
         return self.loss_chunk if chunked else 0
 

@@ -186,7 +186,9 @@ class Trainer:
         self.model, self.memory = build.load_model_and_store(run_cfg, self.precision, parallel, self.say, given=self.model)
         self.loss_fn.fit(self.model)
         self.loss_fn.use_tokenizer(self.tokenizer)
-        self.loss_fn.use_memory(*self.memory.loss_memory, parallel.device, parallel.sharded)
+        self.loss_fn.use_memory(
+            *self.memory.loss_memory, parallel.device, parallel.sharded, head_partitioned=parallel.partitions_root
+        )
         if self.memory.stream is not None:
             build.describe_store(self.memory.stream, acc.device, self.say)
         if parallel.is_main:

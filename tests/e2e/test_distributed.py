@@ -144,7 +144,8 @@ def assert_adapters_close(a: dict, b: dict, atol: float = 1e-5) -> None:
 
 
 def test_fsdp_qlora_two_processes_match_one(recipe_dict, tmp_path):
-    # 4-bit base (stored in fp32 so FSDP can shard it), LoRA sharded per decoder layer.
+    # 4-bit base (stored in fp32 so FSDP can shard it), LoRA sharded per decoder layer; the loss in chunks of 16
+    # targets (FSDP's root, the head with it, stays gathered after the forward for them; one process: whole logits).
     # Clipping off: the gradient norms before clipping must agree too (a wrong scale hides behind clipping).
     common = {
         "quant": {"bits": 4},
@@ -154,10 +155,14 @@ def test_fsdp_qlora_two_processes_match_one(recipe_dict, tmp_path):
         "train__max_grad_norm": None,
     }
     one_recipe, one = write(tmp_path, recipe_dict, "one", train__batch_size=4, **common)
-    two_recipe, two = write(tmp_path, recipe_dict, "two", train__batch_size=2, distributed={"strategy": "fsdp"}, **common)
+    chunked = {"loss": "chunked", "loss_chunk": 16}
+    two_recipe, two = write(
+        tmp_path, recipe_dict, "two", train__batch_size=2, distributed={"strategy": "fsdp"}, memory=chunked, **common
+    )
     finetune(str(one_recipe), cwd=tmp_path)
     proc = finetune(str(two_recipe), "--nproc", "2", cwd=tmp_path)
     assert "parallel: fsdp over 2 processes" in proc.stdout
+    assert "post-processes its logits" not in proc.stdout + proc.stderr  # the chunked head's check passed: it ran
     l1, l2 = losses(one), losses(two)
     assert len(l1) == len(l2) == 4 and all(0 < x < 20 for x in l2)
     assert_same_steps(one, two, rel=1e-5)
