@@ -84,21 +84,23 @@ def test_tensor_parallel_matches_one_process(base, one_process, nproc, batch, sp
 
 
 def test_pipeline_of_split_stages_matches_one_process(base, one_process):
-    # pp=2 x tp=2 on 4 processes: each tensor-parallel rank runs a pipeline of its shares (1 layer per stage),
-    # the group's all-reduces inside each stage, the norm summed over both.
+    # pp=2 x tp=2 x dp=2 on 8 processes: each tensor-parallel rank of each replica runs a pipeline of its shares
+    # (1 layer per stage) on half of every step's rows, the group's all-reduces inside each stage, the shares'
+    # gradients summed over the replicas, the norm over all. The same global batch: 2 rows a replica.
     root, recipe = base
     distributed = {"tensor_parallel": 2, "pipeline_parallel": 2, "pipeline_schedule": "1f1b"}
-    path, out = write(root, recipe, "pp2xtp2", distributed=distributed)
-    proc = finetune(str(path), "--nproc", "4", cwd=root)
-    said = "parallel: pipeline: 2 stages of 1 layers over 2 processes x 2 tensor-parallel ranks (each layer split) x 1 replica"
+    path, out = write(root, recipe, "pp2xtp2xdp2", distributed=distributed, train__batch_size=2)
+    proc = finetune(str(path), "--nproc", "8", cwd=root)
+    said = "parallel: pipeline: 2 stages of 1 layers over 2 processes x 2 tensor-parallel ranks (each layer split) x 2 replicas"
     assert said in proc.stdout
     assert_same_steps(one_process, out, rel=1e-5)
     assert_adapters_close(adapter(one_process), adapter(out))
     # Its checkpoint (stages' shares gathered whole, moments too) resumes on one process, and one
-    # process's checkpoint resumes as split stages (held, then sliced for each tensor-parallel rank, moments
-    # too): steps 3 and 4 as uninterrupted.
+    # process's checkpoint resumes as split stages on 4 processes (held, then sliced for each tensor-parallel
+    # rank, moments too): steps 3 and 4 as uninterrupted.
     later = [x for row in step_rows(one_process)[2:] for x in row]
-    alone, alone_out = write(root, recipe, "pp2xtp2-alone", resume=str(out / "checkpoints" / "step-2"))
+    # (on one process the saved 2 rows a replica x 2 replicas become 2 rows x twice the micro-batches: trainer/order.py)
+    alone, alone_out = write(root, recipe, "pp2xtp2xdp2-alone", train__batch_size=2, resume=str(out / "checkpoints" / "step-2"))
     finetune(str(alone), cwd=root)
     split, split_out = write(
         root, recipe, "alone-pp2xtp2", distributed=distributed, resume=str(one_process / "checkpoints" / "step-2")
@@ -131,8 +133,21 @@ if os.environ.get("VOCAB_UNSUMMED"):  # the split head's input gradient left as 
         forward = staticmethod(lambda ctx, x, group: x.view_as(x))
         backward = staticmethod(lambda ctx, grad: (grad, None))
     vocab.ToGroup = Unsummed
+if os.environ.get("REPLICAS_UNSUMMED"):  # a pipeline's stages never sum their gradients over the replicas
+    from finetune.parallel import pipeline
+    pipeline.sum_over = lambda params, group: None
 Trainer(load_recipe(sys.argv[1]), progress=False).train()
 """
+
+
+def test_pp_x_tp_replicas_whose_gradients_are_never_summed_fail_the_comparison(base, one_process, tmp_path):
+    root, recipe_dict = base
+    distributed = {"tensor_parallel": 2, "pipeline_parallel": 2, "pipeline_schedule": "1f1b"}
+    recipe, out = write(tmp_path, recipe_dict, "replicas", distributed=distributed, train__batch_size=2, train__max_steps=1)
+    run_driver(tmp_path, DRIVER, recipe, nproc=8, REPLICAS_UNSUMMED="1")
+    (loss_one, norm_one), (loss_bad, norm_bad) = step_rows(one_process)[0], step_rows(out)[0]
+    assert loss_bad == pytest.approx(loss_one, rel=1e-5)  # each replica's forward is right, the loss summed over them
+    assert norm_bad != pytest.approx(norm_one, rel=1e-3)  # each replica's gradient is of its own rows only
 
 
 def test_a_gradient_not_summed_over_the_group_fails_the_comparison(base, one_process, tmp_path):
