@@ -89,6 +89,9 @@ def test_no_targets_gives_a_zero_loss_that_backpropagates():
     loss = chunked_linear_cross_entropy(h, head, torch.zeros(0, dtype=torch.long), 8)
     loss.backward()
     assert float(loss.detach()) == 0.0 and h.grad.shape == (0, 4)
+    # The head's own parameters get zeros, as the full path gives them, not None: FSDP reduce-scatters only the
+    # gradients that exist, so a rank without targets would leave the others waiting.
+    assert torch.equal(head.weight.grad, torch.zeros(10, 4)) and torch.equal(head.bias.grad, torch.zeros(10))
 
 
 def test_capture_head_keeps_the_states_and_returns_no_logits():
@@ -96,6 +99,9 @@ def test_capture_head_keeps_the_states_and_returns_no_logits():
     h = torch.randn(3, 5, 16)
     out = capture(h)
     assert out.shape == (3, 5, 0) and capture.hidden is h
+    assert out.grad_fn is None  # h is a leaf without grad: nothing to hang a graph on
+    out = capture(h.requires_grad_())
+    assert out.grad_fn is not None  # in the graph: FSDP's root hooks its backward on the forward's output
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])

@@ -40,7 +40,7 @@ class Layout:
     virtual_stages: int = 1
     tp: int = 1
     splits: tuple[int, ...] = ()  # decoder layers of each stage (distributed.pipeline_layers); (): an even split
-    cp: int = 1  # context-parallel ranks: each holds the whole model and a part of every sequence
+    cp: int = 1  # context-parallel ranks: each holds the whole model (or FSDP's shards) and a part of every sequence
 
     @classmethod
     def of(cls, cfg: Any, rank: int, world: int) -> Layout:

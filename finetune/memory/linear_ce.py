@@ -60,8 +60,7 @@ def chunked_head_matches(model, owner: torch.nn.Module, device: torch.device, to
     ids = torch.arange(1, tokens + 1, device=device).unsqueeze(0)
     capture = CaptureHead()
     was_training = model.training
-    # no_grad: a probe's graph is never backpropagated (FSDP would otherwise wait for that backward)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         model.eval()
         try:
             real = model(input_ids=ids, use_cache=False).logits[0].float()
@@ -108,8 +107,8 @@ def chunked_linear_cross_entropy(
     """
     if hidden.shape[0] != targets.shape[0]:
         raise ValueError(f"hidden has {hidden.shape[0]} positions, targets {targets.shape[0]}")
-    if hidden.shape[0] == 0:
-        return hidden.sum() * 0.0
+    if hidden.shape[0] == 0:  # the head on no rows: its adapters' gradients zeros, as the full path's (FSDP
+        return _chunk_loss(hidden, targets, head, transform)  # reduce-scatters only gradients that exist)
     total: torch.Tensor | None = None
     for start in range(0, hidden.shape[0], chunk_rows):
         h, t = hidden[start : start + chunk_rows], targets[start : start + chunk_rows]

@@ -266,6 +266,7 @@ class CausalLMLoss(Loss):
                 try:
                     out = model(**inputs, use_cache=False, logits_to_keep=keep)
                 except (TypeError, IndexError):  # no boolean logits_to_keep: the head sees every position
+                    self.head_on_targets_only = False  # from now on (as the unchunked path decides)
                     out = model(**inputs, use_cache=False)
             else:
                 out = model(**inputs, use_cache=False)

@@ -8,9 +8,9 @@ torch.distributed point-to-point, and runs on CPUs with gloo too.)
     part = cp.local_part(batch)             # this rank's tokens of every row, and how the rows are split
 
 The ranks of a group train the same rows (the data order counts the group as one replica) and each holds
-the whole model; each rank's loss is summed over its own targets and the gradients are summed over every
-process after the window's backward (sync_gradients), so the step's loss stays the token
-mean of the whole window. A preference loss scores whole rows: each rank's per-row sums are added over the
+the whole model (under distributed.strategy=fsdp, ShardedContext: FSDP's shards); each rank's loss is summed over
+its own targets and the gradients are summed over every process after the window's backward (sync_gradients; under
+FSDP its reduce-scatter, set to a sum), so the step's loss stays the token mean of the whole window. A preference loss scores whole rows: each rank's per-row sums are added over the
 group (whole_row_sums) and every rank computes the pairs' loss from them. No DDP wrapper: each rank may stream its own copy of the layers from host RAM
 (memory.base_weights=cpu), as one process does, which is what lets a rank's part reach one card's length.
 
@@ -28,11 +28,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from finetune.data import IGNORE_INDEX, count_tokens
 from finetune.declarations.layout import Layout
-from finetune.declarations.splits import TENSOR
+from finetune.declarations.splits import CONTEXT, TENSOR
 from finetune.declarations.strategies import of_recipe
 from finetune.errors import ConfigError
 from finetune.hardware import release_free_heap
@@ -207,6 +206,14 @@ class ShardedContext(ContextParallel):
     wraps_layers = True
     trains_alone = False  # one shard per process: the memory rules see FSDP's processes, not one
 
+    @classmethod
+    def problems(cls, cfg: Any, accelerator) -> list[str]:
+        from torch.distributed.fsdp import FSDPModule
+
+        old = not hasattr(FSDPModule, "set_force_sum_reduction_for_comms")  # torch >= 2.8
+        need = f"{CONTEXT.said(cfg)} with distributed.strategy=fsdp sums FSDP's reduce-scatter (torch >= 2.8); this is torch "
+        return super().problems(cfg, accelerator) + ([f"{need}{torch.__version__}. Upgrade torch."] if old else [])
+
     def describe(self) -> str:
         return f"{super().describe()}, the weights sharded over all {self.accelerator.num_processes} (FSDP)"
 
@@ -214,6 +221,8 @@ class ShardedContext(ContextParallel):
         return torch.device("cpu")  # as FSDP: the whole model read in CPU RAM, only this rank's shard moves
 
     def shard(self, model, compute_dtype: torch.dtype):
+        from torch.distributed.fsdp import FSDPModule
+
         model = super().shard(model, compute_dtype)  # our attention first: FSDP's units wrap the layers as they are
         shard_model(model, self.cfg, compute_dtype)
         for module in model.modules():

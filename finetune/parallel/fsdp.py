@@ -84,6 +84,10 @@ def shard_model(model, cfg: RecipeConfig, compute_dtype: torch.dtype) -> Any:
     # The root (embeddings, head, norms) stays gathered from its forward to the end of backward, as FSDP2 keeps a
     # root by default: backward needs it first anyway, and the chunked loss runs the head after the forward.
     fully_shard(model, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
+    if hasattr(model, "set_reduce_scatter_unused_params"):  # where this torch has it
+        # A parameter one rank never used (a vision tower without images, an expert no token chose) reduce-scatters
+        # as zeros: every rank's reduce-scatter then holds the same tensors.
+        model.set_reduce_scatter_unused_params(True)
     if hasattr(model, "generate"):
         # generate() calls the inner model, never the root's forward: without this the root's
         # parameters (embeddings, head) stay sharded during generation, and the embedding

@@ -165,7 +165,8 @@ class Room:
 
 class SplitRoom(Room):
     """A strategy that splits the model or its rows over processes (pipeline, tensor, context): no DDP wrapper;
-    it sums its own gradients after the window, so the loss is not scaled by the number of processes."""
+    it sums its own gradients (after the window, or in FSDP's reduce-scatter set to a sum: cp x FSDP), so the loss
+    is not scaled by the number of processes."""
 
     replicates = False
     sums_own_gradients = True

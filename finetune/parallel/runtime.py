@@ -225,7 +225,8 @@ class Parallel:
 
     @property
     def sums_own_gradients(self) -> bool:
-        """A pipeline, tensor or context parallelism: no DDP wrapper, the gradients summed by sync_gradients."""
+        """A pipeline, tensor or context parallelism: no DDP wrapper, the gradients summed, not averaged (by
+        sync_gradients; under cp x FSDP by FSDP's reduce-scatter set to a sum)."""
         return self.room.sums_own_gradients
 
     def local_part(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:

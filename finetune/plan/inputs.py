@@ -218,8 +218,13 @@ def _sharding_label(s: Setup) -> str:
     if s.cp > 1:
         replicas = s.gpus // s.cp
         many = f"{replicas} replica{'s' if replicas > 1 else ''}"
-        return f" (context parallel, {s.cp_mode}: each sequence over {s.cp} ranks x {many})"
+        return f" (context parallel, {s.cp_mode}: each sequence over {s.cp} ranks x {many}){_sharded_label(s)}"
     return s.strategy.describe(s.cpu_offload, s.optimizer_offload) if s.gpus > 1 else ""
+
+
+def _sharded_label(s: Setup) -> str:
+    """' (FSDP)' and its offload where the weights are sharded over the processes (cp x FSDP), else ''."""
+    return s.strategy.describe(s.cpu_offload, s.optimizer_offload) if s.strategy.wraps_layers else ""
 
 
 def _sequences_label(s: Setup) -> str:
