@@ -172,6 +172,16 @@ def test_cp_x_fsdp_plans_a_shard_of_the_weights_over_a_part_of_every_sequence():
     assert sharded.component("fsdp_gathered") > 0 == whole.component("fsdp_gathered")
     assert sharded.component("activations") == whole.component("activations") == 32769 * (L * H * B + 2 * HD * B)
     assert "holds 1/2 of the weights (FSDP: a layer gathered at a time)" in sharded.notes[0]
+    assert describe_setup(sharded.setup).startswith(
+        "2 GPUs (context parallel, ring: each sequence over 2 ranks x 1 replica) (FSDP)"
+    )
+    # --fit tries it: FSDP's parts, its shards on the GPUs (never streamed: FSDP's own rules)
+    from finetune.plan.fitting import candidates
+
+    cfg = recipe(*device, *seq, "distributed.strategy=fsdp")
+    found = candidates(setup_of(cfg), 2, planning_inputs(cfg, GPU)[1], contexts=(2,))
+    parts = [s for s in found if s.cp == 2 and s.sharding == "fsdp"]
+    assert parts and not any(s.streams_weights or s.embeddings != "device" for s in parts)
 
 
 def test_sequence_parallelism_plans_a_share_of_the_residual_streams_positions():

@@ -123,10 +123,11 @@ def _laid_out(s: Setup, base: Setup, pp: int, tp: int, cp: int = 1, tables_train
     """`s` as `pp` stages x `tp` tensor-parallel ranks x `cp` context-parallel ranks x replicas, with the
     accumulation that keeps base's global batch and a schedule that runs it; None where it cannot run so (a
     layout keeps its layers and tables on its GPUs and sums its own gradients: DDP's row only, nothing streamed
-    or sharded)."""
+    or sharded; but context parallelism also under FSDP)."""
     if s.gpus % (pp * tp * cp):
         return None
-    if (pp, tp, cp) != (1, 1, 1):
+    sharded_parts = cp > 1 and pp == tp == 1 and s.strategy.wraps_layers  # cp x FSDP: FSDP's own rules (runnable)
+    if (pp, tp, cp) != (1, 1, 1) and not sharded_parts:
         own_copy = s.base_weights == "cpu" and pp == 1  # a context-parallel rank streams its own copy, a tensor one its share
         kept = (s.base_weights == "device" or own_copy) and not (tp > 1 and (s.optimizer_offload or s.embeddings != "device"))
         if not (kept and s.sharding == DDP.name and not s.cpu_offload):
