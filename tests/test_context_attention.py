@@ -173,7 +173,7 @@ def test_what_a_split_sequence_cannot_run_with_is_refused_before_loading():
             "model.attn_implementation=eager",
         )
     text = str(said.value)
-    assert "train.objective=grpo: GRPO's training forward is not split over a context-parallel group yet" in text
+    assert "train.objective=grpo and distributed.strategy=deepspeed: a group's first rank samples for it" in text
     assert "distributed.strategy=deepspeed: context-parallel ranks hold whole replicas or FSDP's shards" in text
     assert "model.attn_implementation=eager: context parallelism runs its own attention" in text
 

@@ -168,10 +168,15 @@ def test_a_recipe_names_built_in_rewards_never_code(recipe_dict, tmp_path):
         build_recipe(sft)
     zero = grpo_recipe(recipe_dict, tmp_path)
     zero["distributed"] = {"strategy": "deepspeed", "zero_stage": 3}
-    with pytest.raises(ConfigError, match="runs on one process, DDP or FSDP"):
+    with pytest.raises(ConfigError, match="runs on one process, DDP, FSDP or context parallelism"):
+        build_recipe(zero)
+    zero["distributed"] = {"tensor_parallel": 2}
+    with pytest.raises(ConfigError, match="pipeline or tensor parallelism split what generate runs whole"):
         build_recipe(zero)
     zero["distributed"] = {"strategy": "fsdp"}
     assert build_recipe(zero).distributed.strategy == "fsdp"
+    zero["distributed"] = {"context_parallel": 2}
+    assert build_recipe(zero).distributed.context_parallel == 2
 
 
 # ---------------------------------------------------------------- whole runs

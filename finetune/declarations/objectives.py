@@ -128,11 +128,12 @@ RULES: tuple[Rule[Any], ...] = (
     ),
     Rule(
         lambda cfg: (
-            _objective(cfg).online and (strategies.of_recipe(cfg).deepspeed or any(split.asked(cfg) for split in splits.SPLITS))
+            _objective(cfg).online
+            and (strategies.of_recipe(cfg).deepspeed or any(s.asked(cfg) for s in splits.SPLITS if s is not splits.CONTEXT))
         ),
-        "train.objective=grpo runs on one process, DDP or FSDP (each rank samples whole completions of its own "
-        "prompts with model.generate); DeepSpeed's engine and pipeline, tensor or context parallelism split what "
-        "generate runs whole. Use distributed.strategy=ddp, fsdp or auto.",
+        "train.objective=grpo runs on one process, DDP, FSDP or context parallelism (each rank, or each context-parallel "
+        "group's first, samples whole completions of its own prompts with model.generate); DeepSpeed's engine and "
+        "pipeline or tensor parallelism split what generate runs whole. Use distributed.strategy=ddp, fsdp or auto.",
     ),
     Rule(
         lambda cfg: not _objective(cfg).pairs and PREFERENCE_FORMAT in _formats(cfg),

@@ -278,10 +278,11 @@ CONTEXT_RULES: tuple[Rule[Any], ...] = (
         ),
     ),
     Rule(
-        lambda c: _context(c) and c.train.objective == "grpo",
+        lambda c: _context(c) and c.train.objective == "grpo" and _shards(c),
         lambda c: (
-            f"{context_asked(c)} with train.objective=grpo: GRPO's training forward is not split over a context-parallel "
-            "group yet (sft, dpo, orpo and simpo are). Set distributed.context_parallel=1."
+            f"{context_asked(c)} with train.objective=grpo and distributed.strategy={c.distributed.strategy}: a group's "
+            "first rank samples for it with the whole model, which FSDP's shards would have every rank run. Set "
+            "distributed.strategy=auto (each rank a whole replica), or distributed.context_parallel=1."
         ),
     ),
     Rule(

@@ -41,10 +41,11 @@ import torch
 import torch.nn.functional as F
 
 from finetune.data import IGNORE_INDEX
-from finetune.objectives.loss import Loss
+from finetune.objectives.loss import Loss, model_inputs
 from finetune.objectives.preference import adapter_off
 from finetune.objectives.rewards import Reward, score
 from finetune.objectives.sampling import complete, end_ids, sampling_seed, trainable_rows
+from finetune.parallel import context
 
 EPS_STD = 1e-4  # TRL's, so that a group whose rewards barely differ does not blow its advantages up
 DAPO_EPSILON_HIGH = 0.28  # DAPO's clip-higher (Yu et al. 2025)
@@ -88,7 +89,7 @@ def completion_logps(
     """(log-probability of each next token at the sampling temperature, 0 off the completions; whether it is a
     completion token), both (rows, seq - 1). head_on_targets_only: the LM head (and the fp32 softmax over the
     vocabulary) runs on completion positions only, through a boolean logits_to_keep, not on every prompt token."""
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    inputs = model_inputs(batch)  # whole rows and their mask, or a context-parallel rank's part and its positions
     targets = batch["labels"][:, 1:]
     mask = targets != IGNORE_INDEX
     if head_on_targets_only:
@@ -118,6 +119,8 @@ class GRPOLoss(Loss):
         self.ready: dict[int, list[dict[str, Any]]] = {}  # step -> its completions, sampled at its cycle's start
         self.served: set[int] = set()  # the steps of `ready` handed out already
         self.synced = False  # use_memory(): the weights are sharded
+        self.replica = _rank()  # use_rows(): which rows this process samples for
+        self.row_group: tuple[Any, int] | None = None  # use_rows(): a context-parallel group, whose first rank samples
         self.last_sums: dict[str, float] = {}
         self.metric_keys = ("_sequences", "reward", "reward_std", "frac_reward_zero_std", "completion_length")
         self.metric_keys += ("clip_ratio", "kl") + tuple(f"rewards/{r.name}" for r in rewards)
@@ -127,6 +130,9 @@ class GRPOLoss(Loss):
 
     def use_memory(self, mode: str, chunk: int, device: torch.device, sharded: bool, head_partitioned: bool = False) -> None:
         self.synced = sharded  # FSDP: generate steps every rank's decoder alike (each step gathers the weights)
+
+    def use_rows(self, replica: int, row_group: tuple[Any, int] | None) -> None:
+        self.replica, self.row_group = replica, row_group
 
     # ------------------------------------------------------------------ sampling
 
@@ -144,13 +150,25 @@ class GRPOLoss(Loss):
         device = model.get_input_embeddings().weight.device  # a resumed run's were read to the CPU
         return [{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()} for b in self.ready[step]]
 
-    @torch.no_grad()
     def sample(self, model, prompts: dict[str, Any], step: int = 0, micro: int = 0) -> dict[str, Any]:
         """A micro-batch of prompts -> its completions as a trainable batch, with their advantages (and, when
-        later steps train on them, the sampling policy's log-probabilities)."""
+        later steps train on them, the sampling policy's log-probabilities). Under context parallelism the group's
+        first rank samples (whole rows, the whole model) and hands the batch to the others, which train their parts
+        of the same rows."""
+        if self.row_group is None:
+            return self._sampled(model, prompts, step, micro)
+        group, first = self.row_group
+        mine = torch.distributed.get_rank() == first
+        batch = self._sampled(model, prompts, step, micro) if mine else None
+        held: list[Any] = [{k: v.cpu() if torch.is_tensor(v) else v for k, v in batch.items()} if batch else None]
+        torch.distributed.broadcast_object_list(held, src=first, group=group)
+        return held[0]
+
+    @torch.no_grad()
+    def _sampled(self, model, prompts: dict[str, Any], step: int, micro: int) -> dict[str, Any]:
         train, tok = self.train, self.tokenizer
         ends = end_ids(tok, model)
-        seed = sampling_seed(self.seed, step, micro, _rank())
+        seed = sampling_seed(self.seed, step, micro, self.replica)  # a replica's own draws (ranks, without cp)
         completions = complete(model, prompts, self.group, tok, ends, train, greedy=False, seed=seed, synced=self.synced)
         records = [r for r in prompts["records"] for _ in range(self.group)]
         texts = [p for p in prompts["prompts"] for _ in range(self.group)]
@@ -183,9 +201,11 @@ class GRPOLoss(Loss):
     # ------------------------------------------------------------------ the loss
 
     def count(self, batch: dict[str, Any]) -> int:
+        """The batch's units: its completion tokens (dapo: a context-parallel part its own), else its rows (counted
+        by a context-parallel group's first part only)."""
         if self.train.loss_type == "dapo":
             return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-        return int(batch["input_ids"].shape[0])
+        return int(batch["input_ids"].shape[0]) if _first_part(batch) else 0
 
     def __call__(self, model, batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
         logps, mask = completion_logps(model, batch, self.train.temperature, self.head_on_targets_only)
@@ -195,7 +215,8 @@ class GRPOLoss(Loss):
             logps, sampled, batch["advantages"], self.epsilon, self.epsilon_high, self.beta, batch.get("ref_logps")
         )
         m = mask.float()
-        per_row_tokens = m.sum(dim=1).clamp(min=1)
+        part = batch.get(context.KEY)  # a context-parallel rank's part of every row: a row's tokens are the group's
+        per_row_tokens = (context.whole_row_counts(part, m.sum(dim=1)) if part is not None else m.sum(dim=1)).clamp(min=1)
         kind = self.train.loss_type
         if kind == "grpo":
             summed = ((loss * m).sum(dim=1) / per_row_tokens).sum()
@@ -203,7 +224,7 @@ class GRPOLoss(Loss):
             summed = ((loss * m).sum(dim=1) / self.train.max_new_tokens).sum()
         else:
             summed = (loss * m).sum()
-        sums = dict(batch["sample_sums"])
+        sums = {k: v * _first_part(batch) for k, v in batch["sample_sums"].items()}  # the group's, counted once
         sums["clip_ratio"] = float(((clipped.float() * m).sum(dim=1) / per_row_tokens).sum())
         sums["kl"] = float(((kl * m).sum(dim=1) / per_row_tokens).sum())
         self.last_sums = sums
@@ -267,6 +288,12 @@ class GRPOLoss(Loss):
             per.append(each)
         total, each = torch.cat(totals), torch.cat(per)
         return {"reward": float(total.mean()), **{r.name: float(each[:, j].mean()) for j, r in enumerate(self.rewards)}}
+
+
+def _first_part(batch: dict[str, Any]) -> bool:
+    """Whether this batch is whole rows or a context-parallel group's first part of them."""
+    part = batch.get(context.KEY)
+    return part is None or part.split.index == 0
 
 
 def _rank() -> int:

@@ -110,6 +110,10 @@ class Loss:
     def use_tokenizer(self, tokenizer) -> None:
         """The run's tokenizer, for an objective that writes text (grpo's completions)."""
 
+    def use_rows(self, replica: int, row_group: tuple[Any, int] | None) -> None:
+        """Where this process stands: its replica (which rows it trains) and, under context parallelism, the
+        group whose ranks train parts of the same rows with its first rank (grpo: that rank samples for all)."""
+
     def use_memory(self, mode: str, chunk: int, device: torch.device, sharded: bool, head_partitioned: bool = False) -> None:
         """Only the causal-LM loss runs its head in chunks; other objectives train on their full logits.
         sharded: every rank runs each forward together (FSDP, ZeRO-3); head_partitioned: the head is a partition

@@ -45,7 +45,10 @@ from finetune.parallel.tensor import TensorParallel
 
 NAME = "context_parallel"
 KEY = "context_part"  # the keyword a part travels under, from the model's forward to every attention call
-WHOLE_ROW_KEYS = ("reference_logps",)  # a batch's values of whole rows (a preference pair's precomputed reference): kept
+# A batch's values of whole rows, kept as they are: a preference pair's precomputed reference; GRPO's advantages
+# and the sampling's metric sums.
+WHOLE_ROW_KEYS = ("reference_logps", "advantages", "sample_sums")
+TARGET_KEYS = ("old_logps", "ref_logps")  # GRPO's per-target values (rows, length - 1), aligned with labels[:, 1:]: split
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,9 @@ class ContextParallel(SplitRoom):
         """This rank's part of every row of a collated batch (see the module's docstring)."""
         return split_batch(batch, self.ranks, self.layout.cp_rank, self.group, self.mode)
 
+    def row_group(self) -> tuple[Any, int] | None:
+        return (self.group, self.ranks[0]) if self.size > 1 else None
+
     @property
     def counts_window(self) -> bool:
         return self.tensor is None or self.tensor.counts_window  # a share's group computes one loss: its first counts
@@ -270,7 +276,15 @@ def split_batch(batch: dict[str, Any], ranks: tuple[int, ...], index: int, group
         "num_tokens": torch.tensor(count_tokens(batch) if split.index == 0 else 0),  # the group's tokens, counted once
         KEY: ContextPart(split, mode, positions, length),
         **{k: batch[k] for k in WHOLE_ROW_KEYS if k in batch},
+        **{k: _padded(batch[k], ids.shape[1])[:, mine] for k in TARGET_KEYS if k in batch},  # as targets[:, mine]
     }
+
+
+def _padded(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Per-target values (rows, length - 1) laid out as split_batch's targets: zeros after them, `width` wide."""
+    out = values.new_zeros(values.shape[0], width)
+    out[:, : values.shape[1]] = values
+    return out
 
 
 def whole_row_sums(part: ContextPart, sums: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,9 +294,14 @@ def whole_row_sums(part: ContextPart, sums: torch.Tensor, counts: torch.Tensor) 
     divide it back), and sync_gradients sums the parts."""
     from torch.distributed.nn.functional import all_reduce
 
+    return all_reduce(sums, group=part.split.group), whole_row_counts(part, counts)
+
+
+def whole_row_counts(part: ContextPart, counts: torch.Tensor) -> torch.Tensor:
+    """Per-row counts of a part (its targets) as the whole rows': the group's parts added (no gradient)."""
     counts = counts.clone()
     dist.all_reduce(counts, group=part.split.group)
-    return all_reduce(sums, group=part.split.group), counts
+    return counts
 
 
 def problems(config: Any, cfg: Any) -> list[str]:

@@ -116,6 +116,11 @@ class Room:
         """What this rank trains of a micro-batch its replica holds."""
         return batch
 
+    def row_group(self) -> tuple[Any, int] | None:
+        """The process group whose ranks train parts of the same rows, and its first global rank; None when each
+        rank's rows are its own (all but context parallelism)."""
+        return None
+
     def train_window(self, model, batches: list, objective, scale: float, micro_step, saving) -> tuple[float, dict[str, float]]:
         """Each micro-batch in turn (micro_step: its forward and backward, its summed loss), the gradients synced on
         the last; the summed loss and metric sums where this rank counts the window."""

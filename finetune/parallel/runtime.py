@@ -233,6 +233,10 @@ class Parallel:
         """What this rank trains of a micro-batch its replica holds: a context-parallel rank its part of each row."""
         return self.room.local_part(batch)
 
+    def row_group(self) -> tuple[Any, int] | None:
+        """The group whose ranks train parts of the same rows and its first rank (context parallelism), or None."""
+        return self.room.row_group()
+
     @property
     def counts_window(self) -> bool:
         """Whether this rank's micro-batches count in the window's totals (tokens, targets, loss)."""

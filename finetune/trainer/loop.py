@@ -186,6 +186,7 @@ class Trainer:
         self.model, self.memory = build.load_model_and_store(run_cfg, self.precision, parallel, self.say, given=self.model)
         self.loss_fn.fit(self.model)
         self.loss_fn.use_tokenizer(self.tokenizer)
+        self.loss_fn.use_rows(parallel.layout.replica, parallel.row_group())
         self.loss_fn.use_memory(
             *self.memory.loss_memory, parallel.device, parallel.sharded, head_partitioned=parallel.partitions_root
         )
@@ -236,15 +237,17 @@ class Trainer:
         return self.loss_fn(model, batch)
 
     def step_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
-        """The grad_accum micro-batches this process trains on at optimizer step `step`."""
-        return [self.parallel.local_part(b) for b in self.order.step_batches(step)]
+        """The grad_accum micro-batches this process's replica trains on at optimizer step `step` (whole rows: a
+        context-parallel rank takes its part of what the objective prepared from them, accumulate_gradients)."""
+        return self.order.step_batches(step)
 
     def accumulate_gradients(self, step: int) -> StepTotals:
         """Backward over the step's window. Each micro-batch's summed loss is divided by the units
         (target tokens, or pairs) of the whole window on all processes, so the accumulated gradient
         is the gradient of the window's mean loss however the window is split."""
         parallel, model = self.parallel, self.model
-        batches = self.loss_fn.prepare(parallel.unwrap(model), step, self.step_batches, self.state.total_steps)  # grpo: sampled
+        prepared = self.loss_fn.prepare(parallel.unwrap(model), step, self.step_batches, self.state.total_steps)  # grpo: sampled
+        batches = [parallel.local_part(b) for b in prepared]  # a context-parallel rank's part of every row
         counted = batches if parallel.counts_window else []  # a pipeline's stages share a window: the last counts it
         targets = sum(count_targets(b) for b in counted)
         with self.clock.waiting():  # where the others wait for a rank slow to collate

@@ -36,6 +36,8 @@ def fixed(model, prompts, n, tokenizer, ends, train, greedy, **sampling):
 grpo.complete = fixed
 if os.environ.get("BUG"):
     Parallel.global_sum = lambda self, value: value
+if os.environ.get("EVERY_PART_COUNTS"):  # a context-parallel group's rows (and rewards) counted by each of its parts
+    grpo._first_part = lambda batch: True
 with Trainer(load_recipe(sys.argv[1]), progress=False) as trainer:
     trainer.train()
 """
@@ -70,6 +72,44 @@ def test_grpo_on_two_processes_equals_one_given_the_same_completions(recipe_dict
         run_driver(tmp_path, DRIVER, bug_recipe, nproc=2, BUG="1")
         # Each rank normalised by its own units trains another step.
         assert grad_norms(bug)[0] != pytest.approx(grad_norms(one)[0], rel=1e-3)
+
+
+def test_grpo_with_each_row_split_over_two_ranks_equals_one(recipe_dict, tmp_path):
+    # distributed.context_parallel=2: the group's first rank samples (whole rows, the whole model: the sampling
+    # policy's and the reference's log-probabilities too) and hands the batch to the other; each trains its part of
+    # every row, a row's token count the group's. Two updates per sampling and beta: the per-token values split too.
+    data = {"path": str(write_jsonl(tmp_path / "prompts.jsonl", ROWS)), "format": "prompt", "max_seq_len": 64}
+    train = {
+        "objective": "grpo",
+        "max_steps": 4,
+        "batch_size": 4,
+        "lr": 1e-2,
+        "num_generations": 4,
+        "max_new_tokens": 6,
+        "max_grad_norm": None,
+        "steps_per_generation": 2,
+        "beta": 0.1,
+        "rewards": [{"name": "exact_match", "column": "answer"}],
+    }
+    one_recipe, one = write(tmp_path, recipe_dict, "one", data=data, train=train)
+    cp_recipe, cp = write(tmp_path, recipe_dict, "cp", data=data, train=train, distributed={"context_parallel": 2})
+    run_driver(tmp_path, DRIVER, one_recipe, nproc=1)
+    said = run_driver(tmp_path, DRIVER, cp_recipe, nproc=2).stdout
+    assert "parallel: context parallel (ring), each sequence split over 2 processes x 1 replica" in said, said[-2000:]
+    assert len(losses(one)) == 4
+    assert losses(cp) == pytest.approx(losses(one), rel=1e-5, abs=1e-7)
+    assert grad_norms(cp) == pytest.approx(grad_norms(one), rel=1e-5)
+
+    def metrics(out):
+        rows = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+        return [x for r in rows if "loss" in r for x in (r["reward"], r["kl"])]
+
+    assert metrics(cp) == pytest.approx(metrics(one), rel=1e-5, abs=1e-9)
+    bug_recipe, bug = write(
+        tmp_path, recipe_dict, "bug", data=data, train={**train, "max_steps": 1}, distributed={"context_parallel": 2}
+    )
+    run_driver(tmp_path, DRIVER, bug_recipe, nproc=2, EVERY_PART_COUNTS="1")
+    assert losses(bug)[0] != pytest.approx(losses(one)[0], rel=1e-3)  # each row counted twice: half the loss
 
 
 SAMPLING = """
