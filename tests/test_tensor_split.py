@@ -381,10 +381,13 @@ def test_rows_padded_for_sequence_parallelism_train_and_count_what_they_did():
 def test_sequence_parallelism_is_refused_where_it_does_not_split_yet():
     alone = problems_of({**MINIMAL, "distributed": {"sequence_parallel": True}})
     assert any("distributed.sequence_parallel=true splits the sequence between a tensor-parallel group" in p for p in alone)
-    both = {"tensor_parallel": 2, "context_parallel": 2, "sequence_parallel": True}
-    said = problems_of({**MINIMAL, "distributed": both})
-    assert any("sequence_parallel=true with distributed.context_parallel=2: not yet" in p for p in said)
+    piped = {"tensor_parallel": 2, "pipeline_parallel": 2, "sequence_parallel": True}
+    said = problems_of({**MINIMAL, "distributed": piped})
+    assert any("sequence_parallel=true with distributed.pipeline_parallel=2: not yet" in p for p in said)
     from finetune.config.schema import build_recipe
+
+    both = {"tensor_parallel": 2, "context_parallel": 2, "sequence_parallel": True}  # cp x tp x sp runs
+    assert build_recipe({**MINIMAL, "distributed": both}).distributed.sequence_parallel
 
     assert build_recipe(
         {**MINIMAL, "distributed": {"tensor_parallel": 2, "sequence_parallel": True}}

@@ -153,18 +153,17 @@ def tensor_asked(cfg: Any) -> str:
 VOCAB_TABLES = ("lm_head", "embed_tokens")  # what distributed.vocab_parallel splits
 
 
-def _tensor_alone(key: str, what: str, context: bool = False) -> tuple[Rule[Any], Rule[Any]]:
-    """distributed.KEY (a refinement of tensor parallelism) refused without one, and where it does not run yet
-    (context: it runs with context parallelism)."""
+def _tensor_alone(key: str, what: str) -> tuple[Rule[Any], Rule[Any]]:
+    """distributed.KEY (a refinement of tensor parallelism) refused without one, and where it does not run yet."""
 
     def on(c: Any) -> bool:
         return bool(getattr(c.distributed, key))
 
     def beside(c: Any) -> str:
-        return pipeline_asked(c) if _pipelined(c) else context_asked(c) if _context(c) else "train.objective=grpo"
+        return pipeline_asked(c) if _pipelined(c) else "train.objective=grpo"
 
     def not_yet(c: Any) -> bool:
-        return _pipelined(c) or (_context(c) and not context) or c.train.objective == "grpo"
+        return _pipelined(c) or c.train.objective == "grpo"
 
     return (
         Rule(
@@ -177,9 +176,8 @@ def _tensor_alone(key: str, what: str, context: bool = False) -> tuple[Rule[Any]
         Rule(
             lambda c: on(c) and _split(c) and not_yet(c),
             lambda c: (
-                f"distributed.{key}=true with {beside(c)}: not yet (tensor parallelism"
-                + (" with or without context parallelism" if context else " alone")
-                + f", for sft, dpo, orpo and simpo). Set distributed.{key}=false."
+                f"distributed.{key}=true with {beside(c)}: not yet (tensor parallelism with or without context "
+                f"parallelism, for sft, dpo, orpo and simpo). Set distributed.{key}=false."
             ),
         ),
     )
@@ -228,7 +226,7 @@ TENSOR_RULES: tuple[Rule[Any], ...] = (
         ),
     ),
     *_tensor_alone("sequence_parallel", "splits the sequence between a tensor-parallel group's split linears"),
-    *_tensor_alone("vocab_parallel", "splits the embedding and the head over a tensor-parallel group", context=True),
+    *_tensor_alone("vocab_parallel", "splits the embedding and the head over a tensor-parallel group"),
     Rule(
         lambda c: c.distributed.vocab_parallel and _split(c) and c.memory.loss in ("full", "liger"),
         lambda c: (

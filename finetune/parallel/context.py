@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from finetune.parallel.grads import sum_over
 from finetune.parallel.mesh import dim_group
 from finetune.parallel.ring import SplitRows, expand_heads, ring_attention, ulysses_attention
 from finetune.parallel.room import SplitRoom
+from finetune.parallel.sequence import SPLIT_KEY
 from finetune.parallel.tensor import TensorParallel
 
 NAME = "context_parallel"
@@ -60,6 +61,7 @@ class ContextPart:
     mode: str
     positions: torch.Tensor
     length: int  # the rows' tokens before the split padded them
+    extra: int = 1  # tokens after the part: the one that takes the last target's place, and sequence parallelism's padding
 
     def __repr__(self) -> str:  # printed in error messages of the model's forward; the tensors are not
         return f"ContextPart(rank {self.split.index} of {self.split.size}, {self.mode})"
@@ -94,12 +96,13 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
             "logit softcapping, a sliding window, sinks or dropout. Set distributed.context_parallel=1."
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q, k, v = query[:, :, :-1], key[:, :, :-1], value[:, :, :-1]
+    n = part.extra
+    q, k, v = query[:, :, :-n], key[:, :, :-n], value[:, :, :-n]
     if part.mode == "ulysses":
         out = ulysses_attention(q, k, v, part.split, scale, _whole_rows(module, part, scale))
     else:
         out = ring_attention(q, k, v, part.split, scale)
-    extra = expand_heads(value[:, :, -1:], query.shape[1])  # the extra token sees only itself
+    extra = expand_heads(value[:, :, -n:], query.shape[1])  # each extra token sees only itself
     return torch.cat([out, extra.to(out.dtype)], dim=2).transpose(1, 2).contiguous(), None
 
 
@@ -174,8 +177,11 @@ class ContextParallel(SplitRoom):
         return model
 
     def local_part(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """This rank's part of every row of a collated batch (see the module's docstring)."""
-        return split_batch(batch, self.ranks, self.layout.cp_rank, self.group, self.mode)
+        """This rank's part of every row of a collated batch (see the module's docstring); under sequence parallelism
+        (cp x tp with sp) padded to a multiple of the tensor-parallel ranks, whose hooks split its positions."""
+        sp = self.tensor is not None and self.cfg.distributed.sequence_parallel
+        part = split_batch(batch, self.ranks, self.layout.cp_rank, self.group, self.mode)
+        return pad_part(part, self.layout.tp) if sp else part
 
     def row_group(self) -> tuple[Any, int] | None:
         return (self.group, self.ranks[0]) if self.size > 1 else None
@@ -278,6 +284,21 @@ def split_batch(batch: dict[str, Any], ranks: tuple[int, ...], index: int, group
         **{k: batch[k] for k in WHOLE_ROW_KEYS if k in batch},
         **{k: _padded(batch[k], ids.shape[1])[:, mine] for k in TARGET_KEYS if k in batch},  # as targets[:, mine]
     }
+
+
+def pad_part(part: dict[str, Any], multiple: int) -> dict[str, Any]:
+    """A part with tokens added after its extra one (never a target, attending only to themselves: ContextPart.extra)
+    to a multiple of `multiple` positions, and sequence parallelism's SPLIT_KEY: its tensor-parallel group splits them."""
+    ids = part["input_ids"]
+    pad = -ids.shape[1] % multiple
+    out = {**part, SPLIT_KEY: True, KEY: replace(part[KEY], extra=1 + pad)}
+    if pad:
+        positions = part["position_ids"]
+        out["input_ids"] = torch.nn.functional.pad(ids, (0, pad), value=0)
+        out["labels"] = torch.nn.functional.pad(part["labels"], (0, pad), value=IGNORE_INDEX)
+        out["position_ids"] = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(pad, device=ids.device)], dim=1)
+        out |= {k: torch.nn.functional.pad(part[k], (0, pad)) for k in TARGET_KEYS if k in part}
+    return out
 
 
 def _padded(values: torch.Tensor, width: int) -> torch.Tensor:

@@ -137,10 +137,10 @@ def _laid_out(s: Setup, base: Setup, pp: int, tp: int, cp: int = 1, tables_train
         return None
     m = int(per_replica)
     own = base.pipeline_layers if pp == base.pp else ()  # the recipe's split (auto: as balanced)
-    # Sequence and vocabulary parallelism wherever they run (sp: tensor parallelism alone; vp: with or without context
-    # parallelism, the loss in chunks; neither with sampling): less memory, the same traffic (sp), two all-reduces of
-    # a chunk's positions (vp).
-    sp = tp > 1 and pp == cp == 1 and not s.sampled_tokens
+    # Sequence and vocabulary parallelism wherever they run (tensor parallelism with or without context parallelism;
+    # vp: the loss in chunks; neither with sampling): less memory, the same traffic (sp), two all-reduces of a chunk's
+    # positions (vp).
+    sp = tp > 1 and pp == 1 and not s.sampled_tokens
     vp = tp > 1 and pp == 1 and not s.sampled_tokens and s.loss in ("auto", "chunked") and not tables_train
     s = replace(s, pp=pp, tp=tp, cp=cp, sp=sp, vp=vp, grad_accum=m, pipeline_layers=own)
     if pp == 1:

@@ -106,15 +106,18 @@ def test_a_sequence_split_over_two_ranks_trains_as_one_process(base, one_process
     assert eval_losses(out) == pytest.approx(eval_losses(reference), rel=1e-5) and len(eval_losses(out)) == 2  # split too
 
 
-def test_a_sequence_split_over_tensor_parallel_shares_trains_as_one_process(base, one_process):
+@pytest.mark.parametrize("sp", [False, True], ids=["cp2xtp2", "cp2xtp2-sp"])
+def test_a_sequence_split_over_tensor_parallel_shares_trains_as_one_process(base, one_process, sp):
     # cp2 x tp2 (4 processes, 1 replica): each rank holds half of every layer (2 of the 4 heads, half the MLP) and
     # half of every row; the ring runs over the shares' heads, the shares' partial gradients are summed over
     # their tensor-parallel group, then over the context-parallel parts. The 4-bit shares are the whole weights'
     # blocks (hidden 128: whole 64-element blocks), so the base is one process's. The vocabulary is split over
     # each tensor-parallel pair too (vocab_parallel): each part's loss from its pair's columns of the logits.
+    # sp: each part's positions split again over its tensor-parallel pair between the split linears (the part
+    # padded to an even length with tokens that attend only to themselves).
     root, recipe = base
-    distributed = {"context_parallel": 2, "tensor_parallel": 2, "vocab_parallel": True}
-    path, out = write(root, recipe, "cp2-tp2", distributed=distributed)
+    distributed = {"context_parallel": 2, "tensor_parallel": 2, "vocab_parallel": True, "sequence_parallel": sp}
+    path, out = write(root, recipe, f"cp2-tp2-{sp}", distributed=distributed)
     proc = finetune(str(path), "--nproc", "4", cwd=root)
     said = "each sequence split over 2 processes x 2 tensor-parallel ranks (each layer split, the vocabulary too) x 1 replica"
     assert said in proc.stdout
@@ -164,6 +167,9 @@ if cap:  # no forward of the model may see more tokens a row than the cap
 if os.environ.get("OWN_KEYS_ONLY"):  # the ring broken: each rank's queries see only its own keys
     pairs = ring._pairs
     ring._pairs = lambda split, mine, theirs: pairs(split, mine, theirs) if mine == theirs else iter(())
+if os.environ.get("SP_UNREDUCED"):  # sequence parallelism's reduce-scatter keeps each rank's partial sum
+    import torch.distributed as dist
+    dist.reduce_scatter = lambda out, parts, group=None: out.copy_(parts[dist.get_rank(group)])
 if os.environ.get("FSDP_AVERAGES"):  # broken: FSDP's reduce-scatter averages the parts' gradients (its default)
     from torch.distributed.fsdp import FSDPModule
     FSDPModule.set_gradient_divide_factor = lambda self, factor: None
@@ -192,6 +198,14 @@ def test_shares_whose_parts_are_never_summed_fail_the_comparison(base, one_proce
     (loss_one, norm_one), (loss_bad, norm_bad) = step_rows(one_process)[0], step_rows(out)[0]
     assert loss_bad == pytest.approx(loss_one, rel=1e-5)  # the forward is right; each part's gradient stays its own
     assert norm_bad != pytest.approx(norm_one, rel=1e-3)
+
+
+def test_sequence_parallel_parts_whose_partial_outputs_are_never_summed_fail_the_comparison(base, one_process, tmp_path):
+    root, recipe_dict = base
+    distributed = {"context_parallel": 2, "tensor_parallel": 2, "sequence_parallel": True}
+    recipe, out = write(tmp_path, recipe_dict, "sp-unreduced", distributed=distributed, train__max_steps=1)
+    run_driver(tmp_path, DRIVER, recipe, nproc=4, SP_UNREDUCED="1")
+    assert step_rows(out)[0][0] != pytest.approx(step_rows(one_process)[0][0], rel=1e-3)  # the forward itself
 
 
 def test_fsdp_shards_whose_parts_are_averaged_fail_the_comparison(base, one_process, tmp_path):
