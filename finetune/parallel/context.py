@@ -10,9 +10,11 @@ torch.distributed point-to-point, and runs on CPUs with gloo too.)
 The ranks of a group train the same rows (the data order counts the group as one replica) and each holds
 the whole model (under distributed.strategy=fsdp, ShardedContext: FSDP's shards); each rank's loss is summed over
 its own targets and the gradients are summed over every process after the window's backward (sync_gradients; under
-FSDP its reduce-scatter, set to a sum), so the step's loss stays the token mean of the whole window. A preference loss scores whole rows: each rank's per-row sums are added over the
-group (whole_row_sums) and every rank computes the pairs' loss from them. No DDP wrapper: each rank may stream its own copy of the layers from host RAM
-(memory.base_weights=cpu), as one process does, which is what lets a rank's part reach one card's length.
+FSDP its reduce-scatter, set to a sum), so the step's loss stays the token mean of the whole window. A preference
+loss scores whole rows: each rank's per-row sums are added over the group (whole_row_sums) and every rank computes
+the pairs' loss from them; GRPO's group samples on its first rank (objectives/grpo.py) and each rank trains its part.
+No DDP wrapper: each rank may stream its own copy of the layers from host RAM (memory.base_weights=cpu), as one
+process does, which is what lets a rank's part reach one card's length.
 
 A part carries one token more than its share: labels are shifted before the split (a token's target may
 lie on another rank), and the loss shifts them once more by position; the extra last token takes the last
