@@ -237,6 +237,12 @@ def test_a_failed_collective_is_told_from_other_errors():
     assert faults.lost_peer(gloo, 2)
     assert not faults.lost_peer(gloo, 1)
     assert not faults.lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), 2)
+    # A pipeline stage re-raises its forward's error as its own RuntimeError, the collective's behind it
+    stage = RuntimeError("[Stage 1] failed to run forward:")
+    stage.__cause__ = gloo
+    assert faults.lost_peer(stage, 2)
+    stage.__cause__ = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    assert not faults.lost_peer(stage, 2)
 
 
 # ---------------------------------------------------------------- whole runs, in this process

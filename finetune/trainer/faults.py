@@ -177,15 +177,18 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def lost_peer(err: BaseException, world: int) -> bool:
-    """Whether `err` is a collective that failed because another rank is gone or silent."""
+def lost_peer(err: BaseException | None, world: int) -> bool:
+    """Whether `err` (or an error behind it: a pipeline stage re-raises its forward's errors as RuntimeErrors) is a
+    collective that failed because another rank is gone or silent."""
     if world <= 1:
         return False
     gone = tuple(getattr(torch.distributed, n) for n in ("DistNetworkError", "DistStoreError") if hasattr(torch.distributed, n))
-    if isinstance(err, gone):
-        return True
-    # A backend error is a lost peer only when it says so (a timeout, an abort): not NCCL's invalid usage (a bug).
-    return isinstance(err, RuntimeError) and any(s in str(err) for s in _PEER_GONE)
+    while err is not None:
+        # A backend error is a lost peer only when it says so (a timeout, an abort): not NCCL's invalid usage (a bug).
+        if isinstance(err, gone) or (isinstance(err, RuntimeError) and any(s in str(err) for s in _PEER_GONE)):
+            return True
+        err = err.__cause__
+    return False
 
 
 def leave_if_peer_lost(err: BaseException, peers: Sequence[Any], parallel: Any) -> None:
