@@ -243,6 +243,8 @@ def test_a_failed_collective_is_told_from_other_errors():
     assert faults.lost_peer(stage, 2)
     stage.__cause__ = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
     assert not faults.lost_peer(stage, 2)
+    stage.__cause__ = stage  # raise e from e: a cycle, walked once
+    assert not faults.lost_peer(stage, 2) and faults.out_of_memory(stage) is None
 
 
 # ---------------------------------------------------------------- whole runs, in this process

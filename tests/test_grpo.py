@@ -250,7 +250,7 @@ def test_one_sampling_serves_steps_per_generation_steps_against_the_policy_that_
     loss.prepare(model, 2, batches_of, 5)
     assert asked == [0, 1, 2, 3]
     saved = loss.state_dict()
-    assert {k.split(".")[0] for k in saved} == {"world", "3"}
+    assert {k.split(".")[0] for k in saved} == {"world", "parts", "3"}
     again = GRPOLoss(trainer.cfg.train, loss.rewards, trainer.cfg.seed)
     assert again.load_state_dict(dict(saved)) is None
     kept = again.prepare(model, 3, batches_of, 5)
@@ -264,10 +264,14 @@ def test_one_sampling_serves_steps_per_generation_steps_against_the_policy_that_
     assert "another number of processes" in other.load_state_dict({**saved, "world": torch.tensor(2)})
     other.prepare(model, 3, batches_of, 5)
     assert asked == [0, 1, 2, 3, 3]
+    # ...or of context-parallel parts (the same number of processes as other replicas: cp2 on 2 vs DDP on 2)
+    assert "or replicas; sampling afresh" in other.load_state_dict({**saved, "parts": torch.tensor(2)})
+    other.prepare(model, 3, batches_of, 5)
+    assert asked == [0, 1, 2, 3, 3, 3]
     # The last cycle ends with the run; an out-of-memory retry asks for its step again: sampled afresh.
     loss.prepare(model, 4, batches_of, 5)
     loss.prepare(model, 4, batches_of, 5)
-    assert asked == [0, 1, 2, 3, 3, 4, 4]
+    assert asked == [0, 1, 2, 3, 3, 3, 4, 4]
     trainer.close()
 
 

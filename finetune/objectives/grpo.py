@@ -134,6 +134,10 @@ class GRPOLoss(Loss):
     def use_rows(self, replica: int, row_group: tuple[Any, int] | None) -> None:
         self.replica, self.row_group = replica, row_group
 
+    def _parts(self) -> int:
+        """The ranks that train parts of the same rows (a context-parallel group's), 1 without one."""
+        return torch.distributed.get_world_size(self.row_group[0]) if self.row_group is not None else 1
+
     # ------------------------------------------------------------------ sampling
 
     def prepare(self, model, step: int, batches_of: Callable[[int], list[dict[str, Any]]], steps: int) -> list[dict[str, Any]]:
@@ -250,7 +254,7 @@ class GRPOLoss(Loss):
             for i, b in enumerate(batches):
                 out |= {f"{s}.{i}.{k}": v.detach().cpu().contiguous() for k, v in b.items() if torch.is_tensor(v)}
                 out |= {f"{s}.{i}.sums.{k}": torch.tensor(v, dtype=torch.float64) for k, v in b["sample_sums"].items()}
-        return {"world": torch.tensor(_world()), **out} if out else {}
+        return {"world": torch.tensor(_world()), "parts": torch.tensor(self._parts()), **out} if out else {}
 
     def load_state_dict(self, saved: dict[str, torch.Tensor]) -> str | None:
         """Take back the completions a checkpoint sampled ahead; a note when they cannot be used (sampled by
@@ -258,8 +262,10 @@ class GRPOLoss(Loss):
         self.ready, self.served = {}, set()
         if not saved:
             return None
-        if int(saved.pop("world")) != _world():
-            return "resume: the completions sampled ahead came from another number of processes; sampling afresh"
+        # Another number of processes, or of context-parallel parts (the same world as other replicas), splits the
+        # prompts otherwise: each rank's saved rows are not the rows it trains now.
+        if int(saved.pop("world")) != _world() or int(saved.pop("parts", torch.tensor(1))) != self._parts():
+            return "resume: the completions sampled ahead came from another number of processes or replicas; sampling afresh"
         for key, value in saved.items():
             s, i, name = key.split(".", 2)
             batches = self.ready.setdefault(int(s), [])

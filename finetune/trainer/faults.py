@@ -101,9 +101,11 @@ def restart_smaller(trainer: Any, split: Window, step: int) -> None:
 
 def out_of_memory(err: BaseException | None) -> torch.OutOfMemoryError | None:
     """The out-of-memory error behind `err`, or None (a pipeline stage re-raises its forward's errors as RuntimeErrors)."""
-    while err is not None and not isinstance(err, torch.OutOfMemoryError):
+    seen: set[int] = set()  # `raise e from e` makes a cycle
+    while err is not None and not isinstance(err, torch.OutOfMemoryError) and id(err) not in seen:
+        seen.add(id(err))
         err = err.__cause__
-    return err
+    return err if isinstance(err, torch.OutOfMemoryError) else None
 
 
 def window_gradients(trainer: Any) -> tuple[Any, int]:
@@ -183,10 +185,12 @@ def lost_peer(err: BaseException | None, world: int) -> bool:
     if world <= 1:
         return False
     gone = tuple(getattr(torch.distributed, n) for n in ("DistNetworkError", "DistStoreError") if hasattr(torch.distributed, n))
-    while err is not None:
+    seen: set[int] = set()  # `raise e from e` makes a cycle
+    while err is not None and id(err) not in seen:
         # A backend error is a lost peer only when it says so (a timeout, an abort): not NCCL's invalid usage (a bug).
         if isinstance(err, gone) or (isinstance(err, RuntimeError) and any(s in str(err) for s in _PEER_GONE)):
             return True
+        seen.add(id(err))
         err = err.__cause__
     return False
 
