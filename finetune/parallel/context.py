@@ -43,7 +43,7 @@ from finetune.parallel.grads import sum_over
 from finetune.parallel.mesh import dim_group
 from finetune.parallel.ring import SplitRows, expand_heads, ring_attention, ulysses_attention
 from finetune.parallel.room import SplitRoom
-from finetune.parallel.sequence import SPLIT_KEY
+from finetune.parallel.sequence import pad_rows
 from finetune.parallel.tensor import TensorParallel
 
 NAME = "context_parallel"
@@ -291,16 +291,10 @@ def split_batch(batch: dict[str, Any], ranks: tuple[int, ...], index: int, group
 def pad_part(part: dict[str, Any], multiple: int) -> dict[str, Any]:
     """A part with tokens added after its extra one (never a target, attending only to themselves: ContextPart.extra)
     to a multiple of `multiple` positions, and sequence parallelism's SPLIT_KEY: its tensor-parallel group splits them."""
-    ids = part["input_ids"]
-    pad = -ids.shape[1] % multiple
-    out = {**part, SPLIT_KEY: True, KEY: replace(part[KEY], extra=1 + pad)}
-    if pad:
-        positions = part["position_ids"]
-        out["input_ids"] = torch.nn.functional.pad(ids, (0, pad), value=0)
-        out["labels"] = torch.nn.functional.pad(part["labels"], (0, pad), value=IGNORE_INDEX)
-        out["position_ids"] = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(pad, device=ids.device)], dim=1)
-        out |= {k: torch.nn.functional.pad(part[k], (0, pad)) for k in TARGET_KEYS if k in part}
-    return out
+    out = pad_rows(part, multiple)  # the ids, labels and positions padded as tensor parallelism pads whole rows
+    pad = out["input_ids"].shape[1] - part["input_ids"].shape[1]
+    targets = {k: torch.nn.functional.pad(part[k], (0, pad)) for k in TARGET_KEYS if k in part}
+    return {**out, **targets, KEY: replace(part[KEY], extra=1 + pad)}
 
 
 def _padded(values: torch.Tensor, width: int) -> torch.Tensor:

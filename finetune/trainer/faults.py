@@ -99,13 +99,19 @@ def restart_smaller(trainer: Any, split: Window, step: int) -> None:
     raise OutOfMemoryRestart(reason, hint="resume=auto (torchrun --max-restarts, Slurm, Kubernetes) continues with it")
 
 
-def out_of_memory(err: BaseException | None) -> torch.OutOfMemoryError | None:
-    """The out-of-memory error behind `err`, or None (a pipeline stage re-raises its forward's errors as RuntimeErrors)."""
-    seen: set[int] = set()  # `raise e from e` makes a cycle
-    while err is not None and not isinstance(err, torch.OutOfMemoryError) and id(err) not in seen:
+def _causes(err: BaseException | None) -> Iterator[BaseException]:
+    """`err` and the errors behind it (a pipeline stage re-raises its forward's errors as RuntimeErrors), each once
+    (`raise e from e` makes a cycle)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
         seen.add(id(err))
+        yield err
         err = err.__cause__
-    return err if isinstance(err, torch.OutOfMemoryError) else None
+
+
+def out_of_memory(err: BaseException | None) -> torch.OutOfMemoryError | None:
+    """The out-of-memory error behind `err`, or None."""
+    return next((e for e in _causes(err) if isinstance(e, torch.OutOfMemoryError)), None)
 
 
 def window_gradients(trainer: Any) -> tuple[Any, int]:
@@ -185,14 +191,10 @@ def lost_peer(err: BaseException | None, world: int) -> bool:
     if world <= 1:
         return False
     gone = tuple(getattr(torch.distributed, n) for n in ("DistNetworkError", "DistStoreError") if hasattr(torch.distributed, n))
-    seen: set[int] = set()  # `raise e from e` makes a cycle
-    while err is not None and id(err) not in seen:
-        # A backend error is a lost peer only when it says so (a timeout, an abort): not NCCL's invalid usage (a bug).
-        if isinstance(err, gone) or (isinstance(err, RuntimeError) and any(s in str(err) for s in _PEER_GONE)):
-            return True
-        seen.add(id(err))
-        err = err.__cause__
-    return False
+    # A backend error is a lost peer only when it says so (a timeout, an abort): not NCCL's invalid usage (a bug).
+    return any(
+        isinstance(e, gone) or (isinstance(e, RuntimeError) and any(s in str(e) for s in _PEER_GONE)) for e in _causes(err)
+    )
 
 
 def leave_if_peer_lost(err: BaseException, peers: Sequence[Any], parallel: Any) -> None:
