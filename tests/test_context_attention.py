@@ -249,15 +249,22 @@ def test_a_ring_of_one_rank_equals_causal_attention_in_cudas_flash_kernel():
     _one_rank_ring("cuda", torch.bfloat16)
 
 
-def test_a_split_sequence_composes_with_tensor_parallel_shares_not_yet_with_a_pipeline():
+def test_a_split_sequence_composes_with_tensor_parallel_shares_and_with_stages_for_sft():
     from types import SimpleNamespace
 
     from finetune.errors import ConfigError
     from finetune.parallel.split_checks import split_problems
 
     both = _recipe("distributed.context_parallel=2", "distributed.tensor_parallel=2")  # accepted
-    with pytest.raises(ConfigError, match="does not compose with pipeline parallelism yet"):
-        _recipe("distributed.context_parallel=2", "distributed.pipeline_parallel=2", "distributed.pipeline_layers=even")
+    staged = ("distributed.context_parallel=2", "distributed.pipeline_parallel=2", "distributed.pipeline_layers=even")
+    assert split_problems(_recipe(*staged), 4) == []
+    (world,) = split_problems(_recipe(*staged), 6)  # 6 processes hold no whole number of 2 x 2
+    assert world == (
+        "distributed.pipeline_parallel=2 x distributed.context_parallel=2 on 6 processes: the processes must be stages x "
+        "context-parallel ranks x replicas. Launch with --nproc 4 or a multiple of it (4, 8, ...)."
+    )
+    with pytest.raises(ConfigError, match="and train.objective=dpo: not yet"):
+        _recipe(*staged, "train.objective=dpo", "data.format=preference", "train.precompute_reference=false")
     # Ulysses trades the sequence for a share's heads: 8 heads over tp=2 leave 4, which 4 ranks split and 8 do not.
     eight = SimpleNamespace(model_type="llama", num_attention_heads=8, num_key_value_heads=8, intermediate_size=64)
     eight.num_hidden_layers, eight.get_text_config = 2, lambda: eight

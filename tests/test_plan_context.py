@@ -159,6 +159,29 @@ def test_cp_x_tp_plans_a_share_of_every_layer_over_a_part_of_every_sequence():
     assert both.peak_bytes < min(tp.peak_bytes, cp.peak_bytes)
 
 
+def test_cp_x_pp_plans_each_stage_over_a_part_of_every_sequence():
+    # 4 GPUs as pp2 x cp2: a rank holds its stage's layers (pp2's weights, LoRA, AdamW) and runs cp2's part of each
+    # sequence through them (its activations: half of pp2's, its micro-batches held as pp2's); the sends between
+    # the stages carry a part's hidden states. --fit tries the composition.
+    device = ("memory.base_weights=device", "memory.embeddings=device", "memory.activation_offload=false")
+    seq = ("data.max_seq_len=65536", "train.grad_accum=4")
+    both = plan_recipe(recipe(*device, *seq, "distributed.pipeline_parallel=2"), GPU, gpus=4)
+    pp = plan_recipe(recipe(*device, *seq, "distributed.pipeline_parallel=2", "distributed.context_parallel=1"), GPU, gpus=2)
+    assert "(pipeline: 2 stages x 2 context-parallel ranks (ring) x 1 replica, 1f1b)" in describe_setup(both.setup)
+    for key in ("weights_quantized", "lora_weights", "optimizer_state"):
+        assert both.component(key) == pp.component(key) > 0, key
+    assert both.component("activations") == pytest.approx(pp.component("activations") * 32769 / 65536, rel=1e-12)
+    parts = both.step_time_parts
+    assert parts["pipeline_p2p"] == pytest.approx(pp.step_time_parts["pipeline_p2p"] * 32769 / 65536, rel=1e-9)
+    assert parts["context_traffic"] > 0 == pp.step_time_parts.get("context_traffic", 0)
+    assert both.peak_bytes < pp.peak_bytes
+    from finetune.plan.fitting import candidates
+
+    cfg = recipe(*device, *seq, "distributed.pipeline_parallel=2")
+    found = candidates(setup_of(cfg), 4, planning_inputs(cfg, GPU)[1], layouts=((2, 1),), contexts=(2,))
+    assert any(s.pp == 2 and s.cp == 2 and s.gpus == 4 for s in found)
+
+
 def test_cp_x_fsdp_plans_a_shard_of_the_weights_over_a_part_of_every_sequence():
     # distributed.strategy=fsdp: each rank holds half of every weight (FSDP over both), gathers a layer at a time
     # and has no DDP buckets; its activations are still its part's.

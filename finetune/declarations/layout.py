@@ -95,7 +95,8 @@ class Layout:
         """What a step's window is multiplied by, in words: processes, or a pipeline's or a group's replicas."""
         many = f"{self.replicas} replica{'s' if self.replicas > 1 else ''}"
         if self.pipelined:
-            return f"{many} of {self.pp} stages" + (f" x {self.tp} tensor-parallel ranks" if self.tp > 1 else "")
+            parts = f" x {self.cp} context-parallel ranks" if self.cp > 1 else ""
+            return f"{many} of {self.pp} stages{parts}" + (f" x {self.tp} tensor-parallel ranks" if self.tp > 1 else "")
         if self.tp > 1:
             return f"{many} of {self.tp} tensor-parallel ranks"
         if self.cp > 1:
@@ -107,19 +108,23 @@ class Layout:
         return self.pp * self.replicas * self.cp * self.tp
 
     def tensor_ranks(self, block: int) -> list[int]:
-        """The global ranks of one tensor-parallel group (block = stage x replicas + replica: consecutive ranks)."""
+        """The global ranks of one tensor-parallel group (block = (stage x replicas + replica) x cp + cp_rank:
+        consecutive ranks)."""
         return list(range(block * self.tp, (block + 1) * self.tp))
 
-    def pipeline_ranks(self, replica: int, tp_rank: int | None = None) -> list[int]:
-        """The global ranks of one replica's pipeline (its stages, in stage order) of a tensor-parallel rank
-        (None: this rank's): each of a group's ranks runs a pipeline of its own shares."""
+    def pipeline_ranks(self, replica: int, tp_rank: int | None = None, cp_rank: int | None = None) -> list[int]:
+        """The global ranks of one replica's pipeline (its stages, in stage order) of a tensor-parallel rank and a
+        context-parallel rank (None: this rank's): each share and each part of the rows runs a pipeline of its own."""
         t = self.tp_rank if tp_rank is None else tp_rank
-        return [(s * self.replicas + replica) * self.tp + t for s in range(self.pp)]
+        c = self.cp_rank if cp_rank is None else cp_rank
+        return [((s * self.replicas + replica) * self.cp + c) * self.tp + t for s in range(self.pp)]
 
     def stage_ranks(self, stage: int, tp_rank: int | None = None) -> list[int]:
-        """The global ranks that run one stage's share (one per replica) of a tensor-parallel rank (None: this rank's)."""
+        """The global ranks that run one stage's share (one per replica and context-parallel rank) of a tensor-parallel
+        rank (None: this rank's): they sum its gradients."""
         t = self.tp_rank if tp_rank is None else tp_rank
-        return [(stage * self.replicas + r) * self.tp + t for r in range(self.replicas)]
+        blocks = [(stage * self.replicas + r) * self.cp + c for r in range(self.replicas) for c in range(self.cp)]
+        return [b * self.tp + t for b in blocks]
 
     def layer_range(self, stage: int, layers: int) -> tuple[int, int]:
         """Decoder layers [lo, hi) of a stage: the splits given, or an even split (launch_problems refuses a
@@ -134,28 +139,25 @@ class Layout:
 def launch_problems(cfg: Any, world: int, layers: int | None, model_type: str | None) -> list[str]:
     """What this launch's process count and model cannot split as the recipe asks (before any weight loads);
     layers and model_type None: not known yet (checked again on the loaded model)."""
-    pp, tp = PIPELINE.size(cfg), TENSOR.size(cfg)
+    pp, tp, cp = PIPELINE.size(cfg), TENSOR.size(cfg), CONTEXT.size(cfg)
+    # The split dimensions asked, outermost first, as the launch's processes are numbered (Layout).
+    grid = [
+        (n, said, what)
+        for n, said, what in (
+            (pp, pipeline_asked, "stages"),
+            (cp, context_asked, "context-parallel ranks"),
+            (tp, tensor_asked, "tensor-parallel ranks"),
+        )
+        if n > 1
+    ]
+    n = pp * cp * tp
     out = []
-    if pp > 1 and tp > 1 and world % (pp * tp):
+    if world % n:
+        asked = " x ".join(said(cfg) for _, said, _ in grid)
+        what = " x ".join(w for _, _, w in grid)
         out.append(
-            f"{pipeline_asked(cfg)} x {tensor_asked(cfg)} on {world} processes: the processes must be stages x tensor-parallel ranks x "
-            f"replicas. Launch with --nproc {pp * tp} or a multiple of it ({pp * tp}, {2 * pp * tp}, ...)."
-        )
-    elif tp > 1 and world % tp:
-        out.append(
-            f"{tensor_asked(cfg)} on {world} processes: the processes must be tensor-parallel ranks x replicas. "
-            f"Launch with --nproc {tp} or a multiple of it ({tp}, {2 * tp}, ...)."
-        )
-    elif pp > 1 and world % pp:
-        out.append(
-            f"{pipeline_asked(cfg)} on {world} processes: the processes must be stages x replicas. "
-            f"Launch with --nproc {pp} or a multiple of it ({pp}, {2 * pp}, ...)."
-        )
-    cp = CONTEXT.size(cfg)
-    if cp > 1 and world % cp:
-        out.append(
-            f"{context_asked(cfg)} on {world} processes: the processes must be context-parallel ranks x replicas. "
-            f"Launch with --nproc {cp} or a multiple of it ({cp}, {2 * cp}, ...)."
+            f"{asked} on {world} processes: the processes must be {what} x replicas. "
+            f"Launch with --nproc {n} or a multiple of it ({n}, {2 * n}, ...)."
         )
     out += _stage_problems(cfg, layers) if pp > 1 else []
     if model_type is not None and model_type not in FAMILIES and (pp > 1 or tp > 1):

@@ -162,21 +162,9 @@ class ContextParallel(SplitRoom):
 
     def shard(self, model, compute_dtype: torch.dtype):
         """Our attention in every layer of the model (whatever it was loaded with), over this rank's share."""
-        from finetune.model.load import head_owner
-
         if self.tensor is not None:
             model = self.tensor.shard(model, compute_dtype)
-        owner: Any = head_owner(model) or model
-        owner.set_attn_implementation(register())
-        if owner.config._attn_implementation != NAME:  # transformers only warns for a class that cannot switch
-            raise ConfigError(
-                [
-                    f"distributed.context_parallel: {type(owner).__name__} cannot take a registered attention "
-                    "function (transformers' attention interface), so its layers would attend within each part "
-                    "only. Set distributed.context_parallel=1."
-                ]
-            )
-        return model
+        return split_attention(model)
 
     def local_part(self, batch: dict[str, Any]) -> dict[str, Any]:
         """This rank's part of every row of a collated batch (see the module's docstring); under sequence parallelism
@@ -259,6 +247,24 @@ class ShardedContext(ContextParallel):
 
     def full_weights(self, model) -> dict[str, torch.Tensor] | None:
         return full_trainable_state(model)
+
+
+def split_attention(model):
+    """`model` with our attention in every layer (whatever it was loaded with): a forward given a part attends over
+    the whole sequence (ContextParallel's, a pipeline's stages under cp x pp)."""
+    from finetune.model.load import head_owner
+
+    owner: Any = head_owner(model) or model
+    owner.set_attn_implementation(register())
+    if owner.config._attn_implementation != NAME:  # transformers only warns for a class that cannot switch
+        raise ConfigError(
+            [
+                f"distributed.context_parallel: {type(owner).__name__} cannot take a registered attention "
+                "function (transformers' attention interface), so its layers would attend within each part "
+                "only. Set distributed.context_parallel=1."
+            ]
+        )
+    return model
 
 
 def split_batch(batch: dict[str, Any], ranks: tuple[int, ...], index: int, group: Any, mode: str) -> dict[str, Any]:

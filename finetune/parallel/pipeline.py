@@ -27,8 +27,9 @@ from finetune.declarations.layout import Layout, launch_problems
 from finetune.declarations.splits import TENSOR
 from finetune.errors import ConfigError, TrainingError
 from finetune.model.load import head_owner
+from finetune.parallel.context import KEY, runtime_problems, split_attention, split_batch
 from finetune.parallel.grads import clip_to, squares, sum_over
-from finetune.parallel.mesh import dim_group
+from finetune.parallel.mesh import dim_group, dims_group
 from finetune.parallel.room import SplitRoom, refuse_fp16
 from finetune.parallel.stage_time import BusyClock
 from finetune.parallel.stages import (
@@ -63,12 +64,17 @@ class Pipeline(SplitRoom):
         self._head: Any = None  # what _loss computes on the last stage (set before each run of a schedule)
         self.micro_batches = cfg.train.grad_accum  # a step's (the last window's: a resume or backoff may cut it finer)
         self.clock = BusyClock(self.device)  # the last window's busy and whole seconds on this rank
+        self.context_group = dim_group(mesh, "cp")  # cp x pp: the ranks whose pipelines run the other parts of the rows
 
     @classmethod
     def build(cls, accelerator, cfg: Any, layout: Layout, model_config: Any, mesh: Any) -> Pipeline:
         """A pipeline, of tensor-parallel shares where the recipe asks for them (each stage split)."""
         tensor = TensorParallel(accelerator, cfg, layout, model_config, mesh) if TENSOR.asked(cfg) else None
         return cls(accelerator, cfg, layout, model_config, tensor, mesh)
+
+    @classmethod
+    def problems(cls, cfg: Any, accelerator) -> list[str]:
+        return runtime_problems(cfg, accelerator.device)  # cp x pp: what this GPU cannot run of the split attention
 
     def placement(self, device: torch.device) -> dict[str, Any]:
         """This rank's stages' modules on `device`, the rest on the meta device, never read."""
@@ -80,6 +86,8 @@ class Pipeline(SplitRoom):
         refuse_fp16(self.cfg, compute_dtype)
         if self.tensor is not None:
             model = self.tensor.shard(model, compute_dtype)
+        if self.layout.cp > 1:  # each stage's attention over its part of the rows, the other parts' pipelines beside it
+            model = split_attention(model)
         owner: Any = head_owner(model)
         if owner is not None:  # a model given in memory (Trainer.from_parts) is checked here
             text = owner.config.get_text_config()
@@ -98,8 +106,9 @@ class Pipeline(SplitRoom):
             Stage(self.decoder, *layout.layer_range(s, n), first=s == 0, last=s == layout.stage_count - 1)
             for s in layout.stages_of_rank
         ]
-        # This rank's pipeline (its replica's stages of its tensor-parallel share), and its stage's replicas.
-        self.group, self.replica_group = dim_group(self.mesh, "pp"), dim_group(self.mesh, "dp")
+        # This rank's pipeline (its replica's stages of its tensor-parallel share; cp x pp: of its part of the rows),
+        # and the ranks holding its stage's share: other rows, other parts of them (a collective: every rank asks).
+        self.group, self.replica_group = dim_group(self.mesh, "pp"), dims_group(self.mesh, ("dp", "cp"))
         # Checkpoint gathers travel in host RAM: over NCCL an object gathered passes through GPU memory, and
         # rank 0 would receive every stage's adapter and optimizer state there at once.
         self.host_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
@@ -113,6 +122,17 @@ class Pipeline(SplitRoom):
         self.owned = {id(p) for m in owned for p in m.parameters()}
         return model
 
+    def local_part(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """cp x pp: this rank's part of every row (parallel/context.py), which its pipeline runs; else the batch."""
+        layout = self.layout
+        if layout.cp == 1:
+            return batch
+        mode = self.cfg.distributed.context_parallel_mode
+        return split_batch(batch, tuple(layout.context_ranks()), layout.cp_rank, self.context_group, mode)
+
+    def row_group(self) -> tuple[Any, int] | None:
+        return (self.context_group, self.layout.context_ranks()[0]) if self.layout.cp > 1 else None
+
     @property
     def is_last(self) -> bool:
         return any(s.last for s in self.stages)
@@ -120,7 +140,8 @@ class Pipeline(SplitRoom):
     @property
     def counts_window(self) -> bool:
         """Whether this rank's losses count: the last stage's (its first tensor-parallel rank's, when split:
-        the group's ranks compute one loss); every stage holds its replica's window."""
+        the group's ranks compute one loss; under cp x pp each part's, of its own targets); every stage holds its
+        replica's window."""
         return self.is_last and (self.tensor is None or self.tensor.tp_rank == 0)
 
     def fit_objective(self, trainer_class: Any, base_compute_loss, objective) -> None:
@@ -162,6 +183,7 @@ class Pipeline(SplitRoom):
         m, idle = self.micro_batches, self.ideal_idle
         return (
             f"parallel: pipeline: {layout.stage_count} stages of {layers} layers over {layout.pp} processes"
+            + (f" x {layout.cp} context-parallel ranks ({d.context_parallel_mode}, each sequence split)" if layout.cp > 1 else "")
             + (f" x {layout.tp} tensor-parallel ranks (each layer split)" if layout.tp > 1 else "")
             + f" x {layout.replicas} "
             f"replica{'s' if layout.replicas > 1 else ''}, {d.pipeline_schedule}, {m} micro-batches per step (ideal idle time {idle:.0%}; "
@@ -176,16 +198,27 @@ class Pipeline(SplitRoom):
         pairs = objective.ranks_pairs  # a batch of pairs is filled with pairs, its real ones counted
         for start in range(0, len(mine), m):
             given = mine[start : start + m]
-            window = [_padded_pairs(b, rows) if pairs else _padded_rows(b, rows) for b in given]
+            window = [self.local_part(_padded_pairs(b, rows) if pairs else _padded_rows(b, rows)) for b in given]
+            counted = given if pairs else window[: len(given)]  # pairs: not the filler ones; rows: this part's targets
             window += [_untrained(window[0])] * (m - len(window))  # the schedule runs m micro-batches
             real = [objective.count(b) for b in given] + [0] * (m - len(given)) if pairs else None
-            joined = pad_window(window, self.cfg.data.max_seq_len)
+            joined = self._joined(window)
             self._head = self._objective_head(objective, 1.0, self._extras(objective, joined, m, real), {})
             losses = self._run(joined, m, train=False)
             if self.counts_window:
                 total += sum(float(loss) for loss in losses)
-                count += sum(objective.count(b) for b in given)
+                count += sum(objective.count(b) for b in counted)
         return total, count
+
+    def _joined(self, batches: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """The window's micro-batches as one batch (stages.pad_window); under cp x pp each micro-batch's context part
+        handed to the stages, the window's padding added to the tokens after it (they attend only to themselves)."""
+        joined = pad_window(batches, self.cfg.data.max_seq_len)
+        length = joined["input_ids"].shape[1]
+        given = [{KEY: replace(b[KEY], extra=b[KEY].extra + length - b["input_ids"].shape[1])} for b in batches if KEY in b]
+        for stage in self.stages:
+            stage.given = given
+        return joined
 
     def _schedule_for(self, shape: tuple[int, ...]) -> Any:
         """The schedule for windows of this (micro-batches, rows, length, mode), built on first use (the engine then
@@ -239,8 +272,10 @@ class Pipeline(SplitRoom):
         args = (joined["input_ids"],) if 0 in self.layout.stages_of_rank else ()
         kwargs: dict[str, Any] = dict(_model_inputs(joined))
         out: list[torch.Tensor] = []
+        index = torch.arange(m, device=joined["labels"].device).repeat_interleave(rows // m)  # each row's micro-batch
+        if self.stages[0].given:  # the stages look up each micro-batch's context part by it
+            kwargs["micro"] = index
         if self.is_last:
-            index = torch.arange(m, device=joined["labels"].device).repeat_interleave(rows // m)
             kwargs = {**kwargs, "target": torch.cat([joined["labels"], index[:, None]], dim=1), "losses": out}
         if train:
             schedule.step(*args, **kwargs)
@@ -266,7 +301,7 @@ class Pipeline(SplitRoom):
         """Forward and backward of the window's micro-batches through the stages at once, each micro-batch's summed
         loss multiplied by `scale` (1 / the window's units); `saving` (the activations' context) held over the
         whole schedule. (The summed loss, the objective's metric sums) where they count (counts_window), else zeros."""
-        window, m = pad_window(batches, self.cfg.data.max_seq_len), len(batches)
+        window, m = self._joined(batches), len(batches)
         self.micro_batches = m  # grad_accum, or a resume's or out-of-memory backoff's cut of the window
         sums: dict[int, dict[str, float]] = {}
         with self.clock.window(), saving(), self.accelerator.autocast():  # autocast: no prepared model casts
@@ -278,11 +313,11 @@ class Pipeline(SplitRoom):
         return sum(float(loss.detach()) for loss in losses) / scale, totals
 
     def sync_gradients(self, params: list[nn.Parameter]) -> None:
-        """Each stage's gradients summed over its replicas (the same parameters, other examples); split over
-        a tensor-parallel group, the group's partial ones first."""
+        """Each stage's gradients summed over its replicas (the same parameters, other examples) and under cp x pp its
+        other parts of the rows; split over a tensor-parallel group, the group's partial ones first."""
         if self.tensor is not None:
             self.tensor.sum_gradients(params)  # the group only: its replica sum is this one
-        if self.layout.replicas > 1:
+        if self.layout.replicas * self.layout.cp > 1:
             sum_over(params, self.replica_group)
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
@@ -302,7 +337,7 @@ class Pipeline(SplitRoom):
         """Each stage's (busy, whole) seconds in the last window, of replica 0's pipeline (tensor-parallel rank 0's);
         every_rank: the collective that brings every rank's values."""
         every = every_rank(*self.clock.last)
-        return [every[r] for r in self.layout.pipeline_ranks(0, 0)]
+        return [every[r] for r in self.layout.pipeline_ranks(0, 0, 0)]
 
     # ------------------------------------------------------------------ whole states for a checkpoint
 
@@ -314,10 +349,10 @@ class Pipeline(SplitRoom):
         return self.whole_trainable_state(model)
 
     def _gathered(self, mine: Any) -> list[Any] | None:
-        """Every rank's object on rank 0 (a collective); only the first replica's first tensor-parallel rank sends
-        (the others hold the same stage, or its whole tensors gathered already)."""
+        """Every rank's object on rank 0 (a collective); only the first replica's first context- and tensor-parallel
+        rank sends (the others hold the same stage, or its whole tensors gathered already)."""
         parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        sends = self.layout.replica == 0 and self.layout.tp_rank == 0
+        sends = self.layout.replica == 0 and self.layout.cp_rank == 0 and self.layout.tp_rank == 0
         dist.gather_object(mine if sends else None, parts, dst=0, group=self.host_group)
         return parts
 

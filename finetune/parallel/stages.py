@@ -42,17 +42,25 @@ class Stage(nn.Module):
         self.layers = nn.ModuleList(list(decoder.layers)[lo:hi])
         self.first, self.last = first, last
         self._decoder = [decoder]  # a list: not a submodule
+        # Per micro-batch of the window, what its forward takes besides tensors (cp x pp: its context part, for every
+        # attention call); the room sets it, and the schedule's `micro` (each row's micro-batch) picks one.
+        self.given: list[dict[str, Any]] = []
 
     def forward(
-        self, x: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        micro: torch.Tensor | None = None,
     ) -> torch.Tensor:
         decoder = self._decoder[0]
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
         parts: dict[str, nn.Module] = {"layers": self.layers}
         if not self.last:
             parts["norm"] = nn.Identity()
+        given = self.given[int(micro[0])] if micro is not None else {}
         with _swapped(decoder, **parts):
-            out = decoder(**inputs, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+            out = decoder(**inputs, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **given)
         return out.last_hidden_state
 
 

@@ -122,7 +122,7 @@ def plan_context_split(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu
     note = (
         f"context parallel ({mode}): each sequence of {setup.seq_len:,} tokens over {cp} ranks x {replicas} "
         f"replica{'s' if replicas > 1 else ''}; each rank runs {local:,} tokens (2 of {2 * cp} chunks + 1) and holds "
-        + (f"1/{world} of the weights (FSDP: a layer gathered at a time)" if sharded else "the whole model")
+        + (f"1/{world} of the weights (FSDP: a layer gathered at a time)" if sharded else "the weights it runs whole")
         + f"; gradients summed over {world} processes"
     )
     return replace(e, shape=shape, setup=setup, step_time_s=step, step_time_parts=parts, notes=[note, *e.notes])

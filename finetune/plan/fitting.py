@@ -93,7 +93,8 @@ def candidates(
 ) -> list[Setup]:
     """Every runnable setup the knobs allow that keeps the global batch (batch x accum x replicas): one replica
     per GPU (DDP, FSDP, ZeRO), each of `layouts` (pipeline stages, tensor-parallel ranks), of `contexts`
-    (context-parallel ranks) and of their compositions cp x tp, on the GPUs that hold a whole number of its replicas."""
+    (context-parallel ranks) and of their compositions (cp x tp, cp x pp, cp x pp x tp), on the GPUs that hold a whole
+    number of its replicas."""
     out = []
     names = [k.name for k in KNOBS]
     one = replace(base, pp=1, tp=1, virtual_stages=1, pipeline_layers=(), cp=1)
@@ -101,7 +102,7 @@ def candidates(
         (1, 1, 1),
         *((pp, tp, 1) for pp, tp in layouts),
         *((1, 1, cp) for cp in contexts),
-        *((1, tp, cp) for pp, tp in layouts if pp == 1 for cp in contexts),  # a part of each sequence on each share
+        *((pp, tp, cp) for pp, tp in layouts for cp in contexts),  # a part of each sequence on each share, or stage
     )
     tables_train = recipe is not None and bool(trained_tables(recipe.lora_target))  # vocab_parallel refuses them
     if one.pipeline_schedule == "interleaved_1f1b":

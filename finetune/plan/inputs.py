@@ -207,8 +207,10 @@ def lora_targets(shape: ModelShape, target: str | tuple[str, ...]) -> list[Linea
 def _sharding_label(s: Setup) -> str:
     if s.pp > 1:
         interleaved = f" x {s.virtual_stages} virtual" if s.pipeline_schedule == "interleaved_1f1b" else ""
-        replicas = s.gpus // (s.pp * s.tp)
-        split = f" x {s.tp} tensor-parallel ranks" if s.tp > 1 else ""
+        replicas = s.gpus // (s.pp * s.tp * s.cp)
+        split = (f" x {s.cp} context-parallel ranks ({s.cp_mode})" if s.cp > 1 else "") + (
+            f" x {s.tp} tensor-parallel ranks" if s.tp > 1 else ""
+        )
         return f" (pipeline: {s.pp} stages{interleaved}{split} x {replicas} replica{'s' if replicas > 1 else ''}, {s.pipeline_schedule})"
     if s.tp > 1:
         replicas = s.gpus // (s.tp * s.cp)

@@ -151,14 +151,18 @@ def compare_strategies(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int) -> lis
     pipeline and tensor-parallel layouts of these GPUs."""
     base = replace(setup_of(cfg, gpus), pp=1, virtual_stages=1, tp=1, cp=1)
     ddp_offload = {"optimizer_offload": cfg.memory.optimizer_offload}  # the recipe's own HostAdamW, one replica each
-    pp, tp, cp = PIPELINE.size(cfg), TENSOR.size(cfg), CONTEXT.size(cfg)
-    split = f" x {tp} tensor-parallel ranks" if tp > 1 else ""
-    own = [(f"pipeline {pp} stages{split} (as written)", plan_recipe(cfg, gpu, gpus))] if pp > 1 and gpus % (pp * tp) == 0 else []
-    own += [(f"tensor parallel {tp} ranks (as written)", plan_recipe(cfg, gpu, gpus))] if pp == 1 < tp and gpus % tp == 0 else []
-    mode = cfg.distributed.context_parallel_mode
-    own += (
-        [(f"context parallel {cp} ranks, {mode} (as written)", plan_recipe(cfg, gpu, gpus))] if cp > 1 and gpus % cp == 0 else []
-    )
+    pp, tp, cp, mode = PIPELINE.size(cfg), TENSOR.size(cfg), CONTEXT.size(cfg), cfg.distributed.context_parallel_mode
+    # The recipe's own split layout, one row: its dimensions outermost first (a composition names each).
+    grid = [
+        label
+        for n, label in (
+            (pp, f"pipeline {pp} stages"),
+            (cp, f"context parallel {cp} ranks, {mode}"),
+            (tp, f"tensor parallel {tp} ranks"),
+        )
+        if n > 1
+    ]
+    own = [(f"{' x '.join(grid)} (as written)", plan_recipe(cfg, gpu, gpus))] if grid and gpus % (pp * tp * cp) == 0 else []
     return (
         own
         + [

@@ -88,18 +88,18 @@ def bubble_factor(schedule: str, pp: int, virtual_stages: int, micro_batches: in
 
 def plan_pipeline(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec | None, **kw: Any) -> Estimate:
     """The plan of setup.gpus processes as setup.pp stages x replicas (see the module)."""
-    pp, schedule, v, tp = setup.pp, setup.pipeline_schedule, setup.virtual_stages, setup.tp
+    pp, schedule, v, tp, cp = setup.pp, setup.pipeline_schedule, setup.virtual_stages, setup.tp, setup.cp
     world, splits = setup.gpus, setup.pipeline_layers
     uneven = sum(splits) != shape.layers if splits else shape.layers % (pp * v)
-    if world % (pp * tp) or uneven:
-        grid = f"stages x {tp} tensor-parallel ranks x replicas" if tp > 1 else "stages x replicas"
+    if world % (pp * tp * cp) or uneven:
+        grid = "stages" + f" x {cp} context-parallel ranks" * (cp > 1) + f" x {tp} tensor-parallel ranks" * (tp > 1)
         raise PlanError(
             f"distributed.pipeline_parallel={pp} (x virtual_stages={v}) on {world} GPUs with {shape.layers} decoder layers"
-            f"{f' as {list(splits)}' if splits else ''}: the GPUs must be {grid} and the stages must hold "
+            f"{f' as {list(splits)}' if splits else ''}: the GPUs must be {grid} x replicas and the stages must hold "
             "every layer (an even split, or distributed.pipeline_layers adding up to them)",
-            hint=f"plan with --gpus {pp * tp} (or a multiple), and distributed.pipeline_layers=auto or counts adding up to {shape.layers}",
+            hint=f"plan with --gpus {pp * tp * cp} (or a multiple), and distributed.pipeline_layers=auto or counts adding up to {shape.layers}",
         )
-    replicas, m = world // (pp * tp), setup.grad_accum
+    replicas, m = world // (pp * tp * cp), setup.grad_accum
     ranks = _ranks(shape, recipe, setup, gpu, **kw)
     worst = max(ranks, key=lambda x: x[1].peak_bytes)[1]
     slowest = max(ranks, key=lambda x: x[1].step_time_s)[1]
@@ -108,13 +108,15 @@ def plan_pipeline(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: Gpu
     if gpu is not None:
         busy = step - parts["communication"] - parts["optimizer"]  # the micro-batches, without the step's end
         parts["pipeline_bubble"] = busy * (bubble_factor(schedule, pp, v, m) - 1)
-        boundary = setup.rows * setup.seq_len * shape.hidden * recipe.compute_bytes  # one micro-batch's activations
+        tokens = rank_tokens(setup.seq_len, cp)[1] if cp > 1 else setup.seq_len  # cp x pp: a part's, in each pipeline
+        boundary = setup.rows * tokens * shape.hidden * recipe.compute_bytes  # one micro-batch's activations
         link, sharing = _send_link(setup, gpu)
         parts["pipeline_p2p"] = 2 * (m + pp - 1) * boundary * sharing / (link * 1e9 * LINK_EFFICIENCY)
         step += parts["pipeline_bubble"] + parts["pipeline_p2p"]
     notes = [_describe_rank(layout, e, held, shape) for layout, e, held in ranks]
     bubble = bubble_factor(schedule, pp, v, m)
-    split = f" x {tp} tensor-parallel ranks (each holds 1/{tp} of its stage's decoder linears)" if tp > 1 else ""
+    split = f" x {cp} context-parallel ranks (each runs its part of every sequence)" if cp > 1 else ""
+    split += f" x {tp} tensor-parallel ranks (each holds 1/{tp} of its stage's decoder linears)" if tp > 1 else ""
     notes.append(
         f"pipeline: {pp} stages{split} x {replicas} replica{'s' if replicas > 1 else ''}, {schedule}, {m} micro-batches "
         f"(train.grad_accum): the bubble is {1 - 1 / bubble:.0%} of the step; the plan above is the rank with the highest peak"
@@ -126,7 +128,7 @@ def plan_pipeline(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: Gpu
         gpu=gpu,
         step_time_s=step,
         step_time_parts=parts,
-        host_ram_bytes=sum(e.host_ram_bytes for _, e, _ in ranks) * tp,  # each of a stage's tp ranks a process
+        host_ram_bytes=sum(e.host_ram_bytes for _, e, _ in ranks) * tp,  # each of a stage's tp ranks a process (e: cp's)
         disk_bytes=sum(e.disk_bytes for _, e, _ in ranks) * tp,
         trainable_params=trainable_params(shape, recipe) if tp > 1 else sum(e.trainable_params for _, e, _ in ranks),
         notes=[*notes, *worst.notes],
@@ -137,19 +139,23 @@ def _ranks(
     shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec | None, **kw: Any
 ) -> list[tuple[Layout, Estimate, float]]:
     """(layout, estimate, micro-batches held) of replica 0's first tensor-parallel rank at each place along the pipe
-    (the others hold the same); split over tensor-parallel ranks, each its share, its all-reduces in its step."""
-    pp, tp = setup.pp, setup.tp
-    replicas = setup.gpus // (pp * tp)
-    one = replace(setup, gpus=replicas, sharding=DDP.name, pp=1, pipeline_layers=(), tp=1, fp32_absmax=row_shares(tp))
+    (the others hold the same); split over tensor-parallel ranks, each its share, its all-reduces in its step; under
+    cp x pp each context-parallel rank's part of every sequence through its stage (plan/context.py)."""
+    pp, tp, cp = setup.pp, setup.tp, setup.cp
+    replicas = setup.gpus // (pp * tp * cp)
+    # The processes that sum a stage's gradients: its replicas x context-parallel ranks.
+    one = replace(setup, gpus=replicas * cp, sharding=DDP.name, pp=1, pipeline_layers=(), tp=1, fp32_absmax=row_shares(tp))
+    plan = plan_context_split if cp > 1 else estimate
+    reduced = replace(setup, seq_len=rank_tokens(setup.seq_len, cp)[1]) if cp > 1 else setup  # a part's tokens
     out = []
     for stage in range(pp):
-        layout = Layout(pp, replicas, stage * replicas * tp, setup.virtual_stages, tp, setup.pipeline_layers)
+        layout = Layout(pp, replicas, stage * replicas * cp * tp, setup.virtual_stages, tp, setup.pipeline_layers, cp)
         held = held_micro_batches(setup.pipeline_schedule, layout, setup.grad_accum)
         part = rank_shape(shape, layout)
         seen = gpu and _as_seen_by(gpu, layout.stage_ranks(stage))  # the stage's replicas all-reduce over their link
-        e = estimate(tensor_rank_shape(part, tp) if tp > 1 else part, recipe, one, seen, held=held, **kw)
+        e = plan(tensor_rank_shape(part, tp) if tp > 1 else part, recipe, one, seen, held=held, **kw)
         if tp > 1 and gpu is not None:
-            allreduce = tensor_allreduce_s(part, recipe, setup, _as_seen_by(gpu, layout.tensor_ranks(layout.rank // tp)))
+            allreduce = tensor_allreduce_s(part, recipe, reduced, _as_seen_by(gpu, layout.tensor_ranks(layout.rank // tp)))
             e = replace(
                 e, step_time_s=e.step_time_s + allreduce, step_time_parts={**e.step_time_parts, "tensor_allreduce": allreduce}
             )
@@ -327,16 +333,17 @@ def _send_link(setup: Setup, gpu: GpuSpec) -> tuple[float, int]:
     """The slowest link a pipeline's sends cross (the nodes' link if any stage boundary spans two nodes), and how many
     sends share it at once: a stage's tensor-parallel ranks each send their whole hidden states to their peer of the
     next stage, all through the one nodes' link between the two (within a node each pair has its GPUs' own)."""
-    pp, tp = setup.pp, setup.tp
-    layout = Layout(pp, setup.gpus // (pp * tp), 0, tp=tp)
+    pp, tp, cp = setup.pp, setup.tp, setup.cp
+    layout = Layout(pp, setup.gpus // (pp * tp * cp), 0, tp=tp, cp=cp)
     boundaries = [
         (a, b)
         for t in range(tp)
+        for c in range(cp)
         for r in range(layout.replicas)
-        for a, b in zip(layout.pipeline_ranks(r, t), layout.pipeline_ranks(r, t)[1:])
+        for a, b in zip(layout.pipeline_ranks(r, t, c), layout.pipeline_ranks(r, t, c)[1:])
     ]
     link = min((gpu.link_gbps(pair) for pair in boundaries), default=gpu.interconnect_gbps)
-    return link, tp if link < gpu.interconnect_gbps else 1
+    return link, tp * cp if link < gpu.interconnect_gbps else 1
 
 
 def layout_choices(cfg: Any, shape: ModelShape, max_gpus: int, precision: str) -> tuple[tuple[int, int], ...]:

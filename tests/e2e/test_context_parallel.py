@@ -126,6 +126,23 @@ def test_a_sequence_split_over_tensor_parallel_shares_trains_as_one_process(base
     assert eval_losses(out) == pytest.approx(eval_losses(one_process), rel=1e-5)
 
 
+def test_a_sequence_split_over_pipeline_stages_trains_as_one_process(base, one_packed):
+    # cp2 x pp2 (4 processes, 1 replica): each part of the rows runs a pipeline of its own (2 stages of 1 layer, 1F1B
+    # over the 2 micro-batches); each stage's attention rings with the same stage of the other part's pipeline, and
+    # each stage's gradients are summed over the parts. Packed rows: each micro-batch's part splits its examples
+    # apart differently, so a stage that ran one micro-batch's part for another fails (seen). The held-out batches
+    # run through both pipelines, each part's loss over its own targets.
+    root, recipe = base
+    distributed = {"context_parallel": 2, "pipeline_parallel": 2}
+    path, out = write(root, packed(recipe), "cp2-pp2", distributed=distributed)
+    proc = finetune(str(path), "--nproc", "4", cwd=root)
+    said = "2 stages of 1 layers over 2 processes x 2 context-parallel ranks (ring, each sequence split) x 1 replica"
+    assert said in proc.stdout
+    assert_same_steps(one_packed, out, rel=1e-5)
+    assert_adapters_close(adapter(one_packed), adapter(out), atol=1e-4)  # packed rows: see the test above
+    assert eval_losses(out) == pytest.approx(eval_losses(one_packed), rel=1e-5) and len(eval_losses(out)) == 2
+
+
 def eval_losses(out: Path) -> list[float]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["eval_loss"] for r in rows if "eval_loss" in r]
@@ -176,6 +193,9 @@ if os.environ.get("FSDP_AVERAGES"):  # broken: FSDP's reduce-scatter averages th
 if os.environ.get("PARTS_UNSUMMED"):  # broken: a share's gradient never summed over the context-parallel parts
     from finetune.parallel import tensor
     tensor.dims_group = lambda mesh, dims: None
+if os.environ.get("STAGE_PARTS_UNSUMMED"):  # broken: a stage's gradient never summed over the other parts' pipelines
+    from finetune.parallel.pipeline import Pipeline
+    Pipeline.sync_gradients = lambda self, params: None
 Trainer(load_recipe(sys.argv[1]), progress=False).train()
 """
 
@@ -196,6 +216,16 @@ def test_shares_whose_parts_are_never_summed_fail_the_comparison(base, one_proce
     recipe, out = write(tmp_path, recipe_dict, "unsummed", distributed=distributed, train__max_steps=2)
     run_driver(tmp_path, DRIVER, recipe, nproc=4, PARTS_UNSUMMED="1")
     (loss_one, norm_one), (loss_bad, norm_bad) = step_rows(one_process)[0], step_rows(out)[0]
+    assert loss_bad == pytest.approx(loss_one, rel=1e-5)  # the forward is right; each part's gradient stays its own
+    assert norm_bad != pytest.approx(norm_one, rel=1e-3)
+
+
+def test_stages_whose_parts_are_never_summed_fail_the_comparison(base, one_packed, tmp_path):
+    root, recipe_dict = base
+    distributed = {"context_parallel": 2, "pipeline_parallel": 2}
+    recipe, out = write(tmp_path, packed(recipe_dict), "stage-unsummed", distributed=distributed, train__max_steps=1, eval={})
+    run_driver(tmp_path, DRIVER, recipe, nproc=4, STAGE_PARTS_UNSUMMED="1")
+    (loss_one, norm_one), (loss_bad, norm_bad) = step_rows(one_packed)[0], step_rows(out)[0]
     assert loss_bad == pytest.approx(loss_one, rel=1e-5)  # the forward is right; each part's gradient stays its own
     assert norm_bad != pytest.approx(norm_one, rel=1e-3)
 
