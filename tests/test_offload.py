@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from finetune.config.schema import build_recipe
 from finetune.errors import ConfigError
 from finetune.memory import apply
+from finetune.memory.activation_disk import ParkingFiles
 from finetune.memory.activation_offload import ActivationOffload, offloaded_checkpoint
 from finetune.memory.optimizer_offload import HostAdamW
 from finetune.memory.stream import in_backward, streamable_weights
@@ -258,7 +259,10 @@ def test_activation_offload_leaves_weights_and_small_tensors_alone():
     torch.testing.assert_close(leaf.grad, 3 * weight.detach().sum(0).expand(8, 64))
 
 
-def test_offloaded_checkpoints_free_each_input_and_bring_it_back_one_layer_ahead():
+@pytest.mark.parametrize("where", ["host", "disk"])
+def test_offloaded_checkpoints_free_each_input_and_bring_it_back_one_layer_ahead(where, tmp_path):
+    # disk (activation_offload=disk): each input written to a file of its own by a thread, read back one layer
+    # ahead of its recomputation (its copy to the device made when the recomputation asks), its file then removed.
     torch.manual_seed(0)
     layers = [torch.nn.Linear(16, 16) for _ in range(4)]
     x = torch.randn(8, 16, requires_grad=True)
@@ -286,8 +290,13 @@ def test_offloaded_checkpoints_free_each_input_and_bring_it_back_one_layer_ahead
         return alive, calls, [x.grad.clone()] + [p.grad.clone() for layer in layers for p in layer.parameters()]
 
     kept_alive, _, kept_grads = train(None)
-    offload = ActivationOffload(torch.device("cpu"), min_bytes=0, force_copy=True)
+    files = ParkingFiles(tmp_path) if where == "disk" else None
+    offload = ActivationOffload(torch.device("cpu"), min_bytes=0, force_copy=True, files=files)
     alive, calls, grads = train(offload)
+    if files is not None:  # every input went through its own file, and no file is left
+        assert files.written_bytes == 4 * 8 * 16 * 4 and list(files.folder.iterdir()) == []
+        files.discard()
+        assert list(tmp_path.iterdir()) == []
     assert kept_alive == [True] * 4  # a plain checkpoint holds each layer's input until backward
     assert alive == [False] * 4  # parked in host RAM: the device copies are gone
     assert (offload.checkpoint_tensors, offload.checkpoint_bytes) == (4, 4 * 8 * 16 * 4)
@@ -298,15 +307,43 @@ def test_offloaded_checkpoints_free_each_input_and_bring_it_back_one_layer_ahead
     assert all(torch.equal(a, b) for a, b in zip(grads, kept_grads, strict=True))
 
 
+def test_a_parked_file_that_cannot_be_written_or_read_says_where_and_what_to_do(tmp_path):
+    import shutil
+
+    from finetune.errors import TrainingError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(TrainingError, match="cannot make a folder for the checkpointed inputs in .*a-file") as made:
+        ParkingFiles(blocker)
+    assert "memory.offload_dir" in str(made.value)
+    files = ParkingFiles(tmp_path / "parking")
+    kept = files.put(torch.arange(8.0), None)
+    assert torch.equal(kept.take(), torch.arange(8.0)) and not kept.path.exists()
+    shutil.rmtree(files.folder)  # the disk gone from under the run: the next write fails, and says so when read
+    lost = files.put(torch.arange(1024.0), None)
+    with pytest.raises(TrainingError) as said:
+        lost.take()
+    text = str(said.value)
+    assert "memory.activation_offload=disk: writing a checkpointed layer's input (4,096 bytes)" in text
+    assert str(lost.path) in text and "set memory.activation_offload=true (host RAM)" in text
+    files.discard()
+
+
 @pytest.mark.parametrize(
-    "quant, memory", [(None, {}), (4, {}), (4, {"base_weights": "cpu"})], ids=["lora", "qlora", "qlora-streamed"]
+    "quant, memory",
+    [(None, {}), (4, {}), (4, {"base_weights": "cpu"}), (4, {"activation_offload": "disk"})],
+    ids=["lora", "qlora", "qlora-streamed", "qlora-on-disk"],
 )
 def test_offloaded_checkpoints_train_exactly_like_kept_ones(recipe_dict, four_layer_model, tmp_path, quant, memory, monkeypatch):
     _, ref_losses, ref_adapter = run(recipe(recipe_dict, four_layer_model, tmp_path / "kept", quant, **memory))
     # On a CPU device the default only counts; copying anyway takes the GPU run's round trip and prefetch
     # order, made at once and unpinned (the side stream and its events: tests/test_gpu.py only).
     monkeypatch.setattr(apply, "ActivationOffload", partial(ActivationOffload, min_bytes=0, force_copy=True))
-    parked_run = recipe(recipe_dict, four_layer_model, tmp_path / "parked", quant, activation_offload=True, **memory)
+    on_disk = {"offload_dir": str(tmp_path / "parking")} if memory.get("activation_offload") == "disk" else {}
+    parked_run = recipe(
+        recipe_dict, four_layer_model, tmp_path / "parked", quant, **{"activation_offload": True, **memory, **on_disk}
+    )
     trainer, losses, adapter = run(parked_run)
     assert adapter.keys() == ref_adapter.keys() and len(adapter) == LAYERS * 7 * 2
     if EXACT:
@@ -324,6 +361,9 @@ def test_offloaded_checkpoints_train_exactly_like_kept_ones(recipe_dict, four_la
     assert (offload.checkpoint_tensors, offload.checkpoint_bytes) == (6 * parked, tokens * 64 * 4 * parked)
     # Each backward asks for its last layer's input (copied back then) and prefetches the others.
     assert (offload.prefetched, offload.fetched_late) == (6 * (parked - 1), 6) and not offload.waiting
+    if on_disk:  # each of them through a file of its own, in the folder the recipe names; none left after
+        assert offload.files.written_bytes == offload.checkpoint_bytes
+        assert offload.files.folder.parent == tmp_path / "parking" and list(offload.files.folder.iterdir()) == []
 
 
 def test_offloaded_checkpoints_leave_no_layer_input_on_the_device(recipe_dict, four_layer_model, tmp_path):
@@ -403,7 +443,7 @@ def test_optimizer_offload_trains_like_the_plain_optimizer(recipe_dict, tmp_path
         ({"base_weights": "disk", "activation_checkpointing": 2}, {}, "needs memory.activation_checkpointing=all"),
         ({"base_weights": "cpu"}, {"quant": {"bits": 8}}, "Use quant.bits=4"),
         ({"base_weights": "cpu"}, {"distributed": {"strategy": "fsdp"}}, "Use distributed.cpu_offload=true for FSDP"),
-        ({"offload_dir": "/nvme"}, {}, "memory.offload_dir is only used by memory.base_weights=disk"),
+        ({"offload_dir": "/nvme"}, {}, "memory.offload_dir is only used by memory.base_weights=disk and"),
         ({"activation_checkpointing": 0}, {}, "activation_checkpointing"),
     ],
 )

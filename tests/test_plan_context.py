@@ -220,3 +220,19 @@ def test_sequence_parallelism_plans_a_share_of_the_residual_streams_positions():
     assert sp.component("final_norm") * 2 == plain.component("final_norm") == tokens * 4 * H
     assert plain.component("recompute_layer") - sp.component("recompute_layer") == tokens * 2 * 4 * H // 2
     assert sp.step_time_s == plain.step_time_s  # an all-gather and a reduce-scatter carry an all-reduce's bytes
+
+
+def test_parked_inputs_on_disk_keep_330k_tokens_of_an_8b_within_a_workstations_host_ram():
+    # Issue 47's target: Llama-3.1-8B on 2 x RTX 4090 at >= 330,000 tokens without the ~141 GiB of host RAM the
+    # checkpointed inputs take in pinned blocks (each rounded up to a power of two). activation_offload=disk parks them
+    # in files: host RAM holds the 2 blocks in flight; the disk's writes and reads hide under the layers' compute.
+    seq = ("data.max_seq_len=330000",)
+    host = plan_recipe(recipe(*seq), GPU, gpus=2)
+    disk = plan_recipe(recipe(*seq, "memory.activation_offload=disk"), GPU, gpus=2)
+    part = 165001 * H * B  # a rank's part of one layer's input
+    assert disk.peak_bytes == host.peak_bytes <= (1 - FIT_HEADROOM) * GPU.memory_bytes
+    assert host.host_ram_bytes > 140 * 2**30 and disk.host_ram_bytes < 32 * 2**30
+    assert host.host_ram_parts["activations"] - disk.host_ram_parts["activations"] == (L - 1 - 2) * 2**31  # 2 GiB blocks
+    assert disk.disk_parts["parked_activations"] == 2 * (L - 1) * part  # each process's, the first layer's input kept
+    assert disk.step_time_parts["host_transfer_exposed"] == pytest.approx(host.step_time_parts["host_transfer_exposed"])
+    assert any("writes 335 GB a step to the disk" in note for note in disk.notes)  # 2 processes x 4 micro-batches

@@ -363,11 +363,12 @@ class MemoryConfig(_Section):
     activation_checkpointing: Literal["all", "none"] | Annotated[int, Field(ge=1)] = Field(
         "all", description="recompute decoder-layer activations in backward: all layers, none, or every k-th layer (k)"
     )
-    activation_offload: bool = Field(
+    activation_offload: bool | Literal["disk"] = Field(
         False,
         description="what autograd saves for backward waits in pinned CPU RAM (copied on a side stream): all the "
         "activations of layers that are not checkpointed, and the input of each checkpointed one (brought back one "
-        "layer ahead of its recomputation); works with every activation_checkpointing setting",
+        "layer ahead of its recomputation); works with every activation_checkpointing setting. disk: the checkpointed "
+        "inputs wait in files under offload_dir instead (an NVMe disk: long rows whose inputs outgrow host RAM)",
     )
     base_weights: Literal["device", "cpu", "disk"] = Field(
         "device",
@@ -375,7 +376,9 @@ class MemoryConfig(_Section):
         "to the GPU one layer at a time",
     )
     offload_dir: str | None = Field(
-        None, description="base_weights=disk: folder for the weight file (put it on an NVMe disk); null: the cache dir"
+        None,
+        description="base_weights=disk and activation_offload=disk: folder for their files (put it on an NVMe disk); "
+        "null: the cache dir",
     )
     device_layers: int = Field(
         0,

@@ -38,7 +38,7 @@ class Modes:
 
     # In the order `plan --json` has always printed them.
     checkpoint_every: int = 1  # memory.activation_checkpointing: 1 every layer, 0 none, k every k-th
-    activation_offload: bool = False  # saved activations wait in pinned host RAM
+    activation_offload: bool | str = False  # saved activations wait in pinned host RAM; "disk": checkpointed inputs in files
     base_weights: str = "device"  # device | cpu | disk: frozen layer weights streamed from host RAM or a file
     optimizer_offload: bool = False  # AdamW's state and step in host RAM
     loss: str = "full"  # full (every target's logits at once) | chunked | liger | auto (a recipe's default)
@@ -86,10 +86,12 @@ TECHNIQUES: tuple[Technique, ...] = (
         "activation offload",
         "activation_offload",
         ("memory.activation_offload",),
-        fit=lambda s: [False, True],
+        fit=lambda s: [False, True, "disk"],
         resume_harmless=True,  # where bytes wait, not what is computed (tests/test_offload.py)
-        host_rank=lambda s: int(s.activation_offload),
-        offload_label=lambda s: "activations" if s.activation_offload else None,
+        host_rank=lambda s: {False: 0, True: 1}.get(s.activation_offload, 2),  # disk: as base_weights ranks it, after cpu
+        offload_label=lambda s: {False: None, True: "activations"}.get(
+            s.activation_offload, "activations (checkpointed inputs on disk)"
+        ),
     ),
     Technique(
         "optimizer offload",
@@ -131,7 +133,7 @@ class Settings(Modes):
 
     quant_bits: int | None = 4
     lora: bool = True  # False: full fine-tuning (lora: null)
-    offload_dir: str | None = None  # memory.offload_dir (base_weights=disk's file)
+    offload_dir: str | None = None  # memory.offload_dir (base_weights=disk's file, activation_offload=disk's folder)
     fsdp: bool = False  # the run shards with FSDP
     fsdp_by: str = "distributed.strategy=fsdp"  # what chose FSDP, as the messages name it
     cpu_offload: bool = False  # distributed.cpu_offload
@@ -266,7 +268,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         keys=("train.compile", "memory.activation_offload"),
-        conflicts=lambda s: s.compile and s.activation_offload and s.checkpoint_every > 0,
+        conflicts=lambda s: bool(s.compile and s.activation_offload and s.checkpoint_every > 0),
         problem="train.compile with memory.activation_offload and checkpointing: the offloaded checkpoint's "
         "saved-tensor hooks are not traced, so the layers would run uncompiled.",
         fix="Set train.compile=false, or activation_offload=false (or activation_checkpointing=none).",
@@ -280,9 +282,9 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         keys=("memory.offload_dir", "memory.base_weights"),
-        conflicts=lambda s: s.offload_dir is not None and s.base_weights != "disk",
-        problem="memory.offload_dir is only used by memory.base_weights=disk;",
-        fix="set that too, or remove offload_dir.",
+        conflicts=lambda s: s.offload_dir is not None and s.base_weights != "disk" and s.activation_offload != "disk",
+        problem="memory.offload_dir is only used by memory.base_weights=disk and memory.activation_offload=disk;",
+        fix="set one of them, or remove offload_dir.",
     ),
     Rule(
         keys=("memory.base_weights",),

@@ -14,6 +14,9 @@ Results are unchanged: the same bytes go out and come back. On a CPU device ther
 memory to move to; the hooks stay installed and count what they would move
 (`force_copy` makes them copy anyway: the same buffers and copies, made at once and unpinned, which
 is how the tests check the path on CPU; pinning, the side stream and its events run on CUDA only).
+memory.activation_offload=disk parks the checkpointed inputs in files instead (memory/activation_disk.py): written
+by a thread once copied to the host, read back by it one layer ahead of their recomputation, copied to the device
+when the recomputation asks.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from finetune.memory.activation_disk import ParkedFile, ParkingFiles
 
 # Smaller saved tensors (masks, scalars, norms' statistics) cost more in copy
 # latency than they free; checkpoint boundaries of a 7B model are ~16 MiB each.
@@ -40,12 +45,13 @@ class NoActivationOffload:
 class _Parked:
     """The tensors one checkpoint keeps for its recomputation (a decoder layer's input), in host RAM."""
 
-    __slots__ = ("index", "prev", "host", "copied", "back", "arrived")
+    __slots__ = ("index", "prev", "host", "copied", "back", "arrived", "reading")
 
     def __init__(self, index: int, prev: _Parked | None):
         self.index = index  # its place in the forward: the n-th checkpoint of the micro-batch
         self.prev = prev  # the checkpoint before it, whose recomputation comes next in backward
-        self.host: list[torch.Tensor] = []
+        self.host: list[torch.Tensor | ParkedFile] = []  # in host RAM, or (activation_offload=disk) in a file
+        self.reading = False  # disk: its files are being read back ahead of its recomputation
         self.copied: torch.cuda.Event | None = None  # the copies to the host are done
         self.back: list[torch.Tensor | None] | None = None  # on the device again, not yet handed to autograd
         self.arrived: torch.cuda.Event | None = None  # the copies back are done
@@ -54,12 +60,19 @@ class _Parked:
 class ActivationOffload:
     """saved_tensors_hooks that park autograd's saved activations in host RAM between forward and backward."""
 
-    def __init__(self, device: torch.device, min_bytes: int = MIN_OFFLOAD_BYTES, force_copy: bool = False):
+    def __init__(
+        self,
+        device: torch.device,
+        min_bytes: int = MIN_OFFLOAD_BYTES,
+        force_copy: bool = False,
+        files: ParkingFiles | None = None,
+    ):
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())  # tensors report cuda:N, never bare cuda
         self.device = device
         self.min_bytes = min_bytes
         self.force_copy = force_copy  # on a CPU device: copy anyway (tests), instead of the no-op
+        self.files = files  # activation_offload=disk: where the checkpointed inputs wait (else host RAM)
         self.moved_bytes = 0  # bytes sent to the host (or that would be, on a CPU device)
         self.moved_tensors = 0
         self.checkpoint_bytes = 0  # checkpointed layers' inputs parked (counted apart from moved_*)
@@ -147,20 +160,28 @@ class ActivationOffload:
         if self._stream is None and not self.force_copy:
             return t
         host, parked.copied = self._to_host(t)  # events of one stream: the last one covers the earlier copies
-        parked.host.append(host)
+        parked.host.append(self.files.put(host, parked.copied) if self.files is not None else host)
         return parked, len(parked.host) - 1
 
     def _bring_back(self, parked: _Parked, ahead: bool) -> None:
         """Copy a checkpoint's inputs to the device: ahead (on the side stream, while another layer
         recomputes) or now (on the compute stream, which its recomputation waits on anyway). A CPU
-        device (force_copy) makes the same copies at once."""
+        device (force_copy) makes the same copies at once. Parked on disk, ahead starts the files' reads only: the
+        copy to the device is made when the recomputation asks (the read has had a layer's time)."""
+        if self.files is not None and ahead:
+            for slot in parked.host:
+                assert isinstance(slot, ParkedFile)
+                slot.read_ahead()
+            parked.reading = True
+            return
         current = None if self._stream is None else torch.cuda.current_stream(self.device)
         stream = self._stream if ahead else current
         with _on(stream):
             if stream is not None:
                 assert parked.copied is not None  # set by _park with the first host copy
                 stream.wait_event(parked.copied)  # the host copy is complete
-            back = [h.to(self.device, non_blocking=stream is not None, copy=True) for h in parked.host]
+            hosts = [h.take() if isinstance(h, ParkedFile) else h for h in parked.host]
+            back = [h.to(self.device, non_blocking=stream is not None, copy=True) for h in hosts]
             parked.arrived = _recorded(stream)
         if ahead and current is not None:
             for t in back:
@@ -172,7 +193,7 @@ class ActivationOffload:
             return packed
         parked, i = packed
         if parked.back is None or parked.back[i] is None:
-            self.fetched_late += 1
+            self.fetched_late += not parked.reading  # (disk: read ahead, copied to the device now)
             self._bring_back(parked, ahead=False)
         assert parked.back is not None
         t = parked.back[i]
@@ -184,7 +205,7 @@ class ActivationOffload:
         if parked.arrived is not None:
             torch.cuda.current_stream(self.device).wait_event(parked.arrived)
         before = parked.prev
-        if before is not None and before.host and before.back is None:
+        if before is not None and before.host and before.back is None and not before.reading:
             # Backward recomputes the checkpoints in reverse: the one before this is next. Its copy runs
             # on the side stream while this layer recomputes and runs backward; two layers' inputs at most.
             self._bring_back(before, ahead=True)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from finetune.config.schema import RecipeConfig, resolve_offload_dir
+from finetune.memory.activation_disk import ParkingFiles
 from finetune.memory.activation_offload import ActivationOffload, NoActivationOffload, offloaded_checkpoint
 from finetune.memory.host_tables import HostTables
 from finetune.memory.optimizer_offload import HostAdamW
@@ -76,7 +77,9 @@ def _kernels(model, a: Applying) -> str | None:
 
 def _activation_offload(model, a: Applying) -> str | None:
     if a.cfg.memory.activation_offload:
-        a.applied.activations = ActivationOffload(a.device)
+        disk = a.cfg.memory.activation_offload == "disk"  # the checkpointed inputs in files, not host RAM
+        files = ParkingFiles(resolve_offload_dir(a.cfg), pinned=a.device.type == "cuda") if disk else None
+        a.applied.activations = ActivationOffload(a.device, files=files)
         if a.cfg.memory.checkpoint_every:
             checkpoint_with(model, offloaded_checkpoint)  # each checkpointed layer's input waits in host RAM
     return None

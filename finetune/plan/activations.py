@@ -18,6 +18,9 @@ from finetune.plan.terms import (
 
 OFFLOAD_LAYERS_IN_FLIGHT = 2  # activation offload: the layer being copied out (forward) or back (backward) and the next
 # (for checkpointed layers' inputs: the one recomputing and the one prefetched for the recomputation after it)
+# activation_offload=disk: checkpointed inputs in host RAM at once, the one being written (forward) or read back
+# ahead (backward) and the one copied to or from the GPU (memory/activation_disk.py)
+DISK_BLOCKS_IN_FLIGHT = 2
 
 
 @dataclass
@@ -27,6 +30,12 @@ class Activations:
     host: int  # activation_offload: what waits in host RAM (bytes copied)
     label: str  # what they are and which layers keep what
     host_ram: int = 0  # the host RAM that takes: on a GPU each checkpointed input is a pinned block (pinned_block_bytes)
+    disk: int = 0  # activation_offload=disk: the checkpointed inputs parked in files (bytes written and read back)
+
+    def times(self, held: float) -> Activations:
+        """The terms of `held` micro-batches waiting for their backward at once (a pipeline rank's)."""
+        n = {k: int(getattr(self, k) * held) for k in ("saved", "host", "host_ram", "disk")}
+        return Activations(recompute=self.recompute, label=self.label, **n)
 
 
 def activation_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec | None, trainable: int) -> Activations:
@@ -51,7 +60,7 @@ def activation_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: 
         full_layer = full_layer - mlp + mlp_input
         rebuilt = rebuilt - mlp + mlp_input + mlp // tiles
     layers_saved = checkpointed * input_only + (L - checkpointed) * full_layer
-    host = host_ram = 0
+    host = host_ram = disk = 0
     if setup.activation_offload:
         # memory/activation_offload.py moves what autograd saves, as forward makes it, on a side stream, and brings it
         # back as backward reaches it: all of it for the layers that are not checkpointed, the input
@@ -62,7 +71,12 @@ def activation_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: 
         # a leaf that trains (enable_input_require_grads), which autograd holds until backward anyway.
         kept, parked = L - checkpointed, max(checkpointed - 1, 0)
         host = kept * full_layer + parked * input_only
-        host_ram = kept * full_layer + parked * (pinned_block_bytes(input_only) if gpu is not None else input_only)
+        block = pinned_block_bytes(input_only) if gpu is not None else input_only
+        if setup.activation_offload == "disk":  # the parked inputs in files: host RAM holds the blocks in flight
+            disk = parked * input_only
+            host_ram = kept * full_layer + min(parked, DISK_BLOCKS_IN_FLIGHT) * block
+        else:
+            host_ram = kept * full_layer + parked * block
         compute_s = forward_seconds(shape, recipe, setup, gpu, trainable) / L if gpu is not None else 0.0
         first = input_only if checkpointed else 0
         layers_saved = _in_flight(full_layer, kept, compute_s, gpu) + first + _in_flight(input_only, parked, compute_s, gpu)
@@ -78,7 +92,7 @@ def activation_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: 
     # In fp32 a recomputed layer's first RMSNorm keeps the layer's input itself (no upcast copy):
     # that is the checkpointed input, counted already. Without checkpointing only a tile is rebuilt.
     recompute = rebuilt - (input_only if b == 4 else 0) if checkpointed else rebuilt - full_layer
-    return Activations(saved, recompute, host, label, host_ram)
+    return Activations(saved, recompute, host, label, host_ram, disk)
 
 
 def _in_flight(per_layer: int, layers: int, compute_s: float, gpu: GpuSpec | None) -> int:

@@ -15,10 +15,30 @@ HOST_BASELINE_BYTES = 3 * GiB  # python + torch + CUDA libraries + tokenizer, pe
 DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size when the model's shards cannot be seen
 
 
+RATED_TB_WRITTEN = 600  # a 1 TB consumer NVMe disk's rated endurance (TBW): what activation_offload=disk wears
+
+
+def disk_wear_note(setup: Setup, parked: int) -> str:
+    """What activation_offload=disk writes a step (parked: a process's bytes a micro-batch), against a disk's rating."""
+    written = parked * setup.grad_accum * max(setup.gpus, 1)
+    return (
+        f"activation_offload=disk writes {written / 1e9:,.0f} GB a step to the disk (and reads it back): a consumer "
+        f"NVMe disk rated for {RATED_TB_WRITTEN} TB written lasts ~{RATED_TB_WRITTEN * 1e12 / written:,.0f} steps "
+        "of this; host RAM (activation_offload=true) wears nothing"
+    )
+
+
 def disk_needs(
-    shape: ModelShape, st: Any, setup: Setup, impl: Implementation, keep_checkpoints: int, model_on_disk: bool
+    shape: ModelShape,
+    st: Any,
+    setup: Setup,
+    impl: Implementation,
+    keep_checkpoints: int,
+    model_on_disk: bool,
+    parked: int = 0,
 ) -> dict[str, int]:
-    """Disk by part; st: memory.py's static terms (what sits on each GPU: weights, adapters, optimizer state)."""
+    """Disk by part; st: memory.py's static terms (what sits on each GPU: weights, adapters, optimizer state); parked:
+    the checkpointed inputs every process parks at once (activation_offload=disk)."""
     state_bytes = st.trainable * st.adapter_bytes * (1 + impl.optimizer_states)
     return {
         "download": 0 if model_on_disk else shape.total_params * 2,
@@ -28,6 +48,7 @@ def disk_needs(
         "streamed_weights": st.streamed_store + (st.q_weight if setup.device_layers else 0)
         if setup.base_weights == "disk"
         else 0,
+        "parked_activations": parked,
     }
 
 

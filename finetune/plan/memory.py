@@ -4,13 +4,13 @@ host RAM and disk (`estimate`). What each tensor costs follows from how this too
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from finetune.declarations.splits import CONTEXT, SPLITS
 from finetune.gpus import GiB, GpuSpec
 from finetune.plan.activations import OFFLOAD_LAYERS_IN_FLIGHT, Activations, activation_terms  # noqa: F401 - re-exported
-from finetune.plan.host import DEFAULT_SHARD_BYTES, HOST_BASELINE_BYTES, disk_needs, host_ram_needs  # noqa: F401 - re-exported
+from finetune.plan.host import DEFAULT_SHARD_BYTES, HOST_BASELINE_BYTES, disk_needs, disk_wear_note, host_ram_needs  # noqa: F401 - re-exported
 from finetune.plan.images import ImageTerms, image_components, image_note, image_terms
 from finetune.plan.inputs import DEFAULT_IMPL, Implementation, RecipeFacts, Setup
 from finetune.plan.shape import ModelShape
@@ -296,9 +296,7 @@ def estimate(
     fsdp = setup.partitions_weights  # FSDP or ZeRO-3: the base weights are split over the GPUs
     unq_bytes = impl.unquantized_bytes or recipe.compute_bytes
     st = _static_terms(shape, recipe, setup, impl, fsdp)
-    act = activation_terms(shape, recipe, setup, gpu, st.trainable)
-    if held != 1:
-        act = replace(act, saved=int(act.saved * held), host=int(act.host * held), host_ram=int(act.host_ram * held))
+    act = activation_terms(shape, recipe, setup, gpu, st.trainable).times(held)
     tr = transient_terms(shape, recipe, setup, impl, st.host_head)
     gen = sampling_terms(shape, recipe, setup, impl.adapter_bytes)
     b, tower = recipe.compute_bytes, shape.tower
@@ -327,12 +325,13 @@ def estimate(
         fsdp,
         streamed_bytes=st.streamed_store,
         activation_bytes=act.host,
+        parked_bytes=act.disk,
         exposed_bytes=tr.head_visit + (setup.rows * setup.seq_len * shape.hidden * recipe.compute_bytes if tr.head_visit else 0),
     )
     fsdp_loads = setup.strategy.loads_whole_on_host and n_gpu > 1  # ZeRO loads on the GPU: one shard at a time in RAM
     on_gpu = gpu is not None and streaming_loads_on_gpu(setup, st, gpu.memory_bytes)
     host_parts, captured = host_ram_needs(shape, recipe, setup, st, act, fsdp_loads, shard_bytes, gpu is not None, on_gpu)
-    disk_parts = disk_needs(shape, st, setup, impl, keep_checkpoints, model_on_disk)
+    disk_parts = disk_needs(shape, st, setup, impl, keep_checkpoints, model_on_disk, parked=act.disk * n_gpu)
     return Estimate(
         shape=shape,
         setup=setup,
@@ -347,7 +346,7 @@ def estimate(
         disk_bytes=sum(disk_parts.values()),
         trainable_params=st.trainable,
         impl=impl,
-        notes=_notes(setup, gpu, st, start) + ([image_note(img, setup.seq_len, recipe.max_pixels)] if img else []),
+        notes=_notes(setup, gpu, st, start, act.disk) + ([image_note(img, setup.seq_len, recipe.max_pixels)] if img else []),
         host_ram_parts=host_parts,
         disk_parts=disk_parts,
         loads_whole_model=(setup.streams_weights and not captured and not on_gpu) or fsdp_loads,
@@ -455,8 +454,9 @@ def _sampling_components(setup: Setup, gen: Sampling, in_peak: bool) -> list[Com
     ]
 
 
-def _notes(setup: Setup, gpu: GpuSpec | None, st: _Static, zero3_start: int = 0) -> list[str]:
-    notes = []
+def _notes(setup: Setup, gpu: GpuSpec | None, st: _Static, zero3_start: int = 0, parked: int = 0) -> list[str]:
+    """parked: the bytes each process writes to disk a micro-batch (activation_offload=disk)."""
+    notes = [disk_wear_note(setup, parked)] if parked else []
     if zero3_start:
         notes.append(
             f"ZeRO-3 starts from the whole model on each GPU ({gib(zero3_start)}) and partitions it when the engine "

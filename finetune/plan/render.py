@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from finetune.plan.inputs import describe_setup
 from finetune.plan.memory import Estimate, gib
-from finetune.plan.speed import BANDWIDTH_EFFICIENCY, MATMUL_EFFICIENCY, NVME_READ_GBPS, predicted_mfu
+from finetune.plan.speed import BANDWIDTH_EFFICIENCY, MATMUL_EFFICIENCY, NVME_READ_GBPS, NVME_WRITE_GBPS, predicted_mfu
 
 
 def _nodes(e: Estimate) -> str:
@@ -84,6 +84,8 @@ def report(e: Estimate) -> str:
             rate = f"{e.gpu.pcie_gbps:g} GB/s (pinned, host link)"
             if s.base_weights == "disk":
                 rate = f"{min(NVME_READ_GBPS, e.gpu.pcie_gbps):g} GB/s (NVMe, page cache cold) for weights, " + rate
+            if s.activation_offload == "disk":
+                rate += f", {NVME_WRITE_GBPS:g} / {NVME_READ_GBPS:g} GB/s (NVMe write / read) for parked inputs"
             overlap = "" if p["host_transfer_exposed"] >= p["host_transfer"] else ", overlapped layer by layer with compute"
             lines.append(
                 f"host link  {p['host_transfer']:.2f} s/step of copies at {rate}{overlap}: "
@@ -145,6 +147,7 @@ def _host_lines(e: Estimate) -> list[str]:
             ("checkpoints", "checkpoints"),
             ("adapter", "adapter"),
             ("streamed_weights", "streamed-weights file"),
+            ("parked_activations", "parked checkpointed inputs"),
         ]
         if d.get(k)
     ]

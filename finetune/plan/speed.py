@@ -14,6 +14,7 @@ LINK_EFFICIENCY = 0.8  # fraction of link bandwidth reached by NCCL collectives 
 # ~25 GB/s of 32; PCIe 5.0: ~50). memory.base_weights=disk reads a memory-mapped file: when its
 # pages are not in the page cache the NVMe disk sets the rate (PCIe 4.0 NVMe sequential read).
 NVME_READ_GBPS = 3.5
+NVME_WRITE_GBPS = 2.0  # sustained writes of a consumer NVMe disk past its cache (activation_offload=disk's parked inputs)
 HOST_ADAMW_GBPS = 10.0  # host-memory traffic torch's CPU AdamW sustains (an assumption; desktop DDR4/DDR5)
 HOST_ADAMW_BYTES_PER_PARAM = 64  # fp32 weight, grad and 2 moments, read and written over AdamW's elementwise passes
 
@@ -132,6 +133,7 @@ def step_time(
     streamed_bytes: int = 0,
     activation_bytes: int = 0,
     exposed_bytes: int = 0,
+    parked_bytes: int = 0,
 ) -> tuple[float, dict[str, float]]:
     """Seconds per optimizer step: compute at MATMUL_EFFICIENCY of dense bf16 peak, NF4 dequantization
     at BANDWIDTH_EFFICIENCY of memory bandwidth, gradient all-reduce (DDP) or weight all-gather (FSDP)
@@ -140,6 +142,7 @@ def step_time(
 
     streamed_bytes: base weights streamed per pass over the layer stack (base_weights=cpu|disk);
     activation_bytes: saved activations sent to host RAM per micro-batch (activation offload);
+    parked_bytes: of those, what goes on to files and comes back per micro-batch (activation_offload=disk);
     exposed_bytes: copies per micro-batch that wait for nothing to overlap them (memory.embeddings=cpu:
     the head's visit, made when the loss needs it, and the looked-up embedding rows).
     An online objective's sampling (sampling_seconds) comes before each micro-batch's forward."""
@@ -147,7 +150,9 @@ def step_time(
         return 0.0, {}
     compute, dequant, forward, recompute = _micro_batch_seconds(shape, recipe, setup, gpu, trainable)
     host_link = gpu.pcie_gbps * 1e9
-    micro, transfer, exposed = _with_host_copies(shape, setup, gpu, compute + dequant, forward, streamed_bytes, activation_bytes)
+    micro, transfer, exposed = _with_host_copies(
+        shape, setup, gpu, compute + dequant, forward, streamed_bytes, activation_bytes, parked_bytes
+    )
     # Copies that nothing overlaps add whole.
     micro, transfer, exposed = (x + exposed_bytes / host_link for x in (micro, transfer, exposed))
     n = setup.gpus
@@ -189,7 +194,9 @@ def step_time(
     return micro * setup.grad_accum + comm + optimizer + parts["sampling"], parts
 
 
-def _with_host_copies(shape, setup, gpu, micro: float, forward: float, streamed_bytes: int, activation_bytes: int):
+def _with_host_copies(
+    shape, setup, gpu, micro: float, forward: float, streamed_bytes: int, activation_bytes: int, parked_bytes: int = 0
+):
     """(micro-batch seconds with the offload modes' copies, seconds of copies, seconds they add)."""
     if not (streamed_bytes or activation_bytes):
         return micro, 0.0, 0.0
@@ -205,5 +212,11 @@ def _with_host_copies(shape, setup, gpu, micro: float, forward: float, streamed_
     backward = micro - forward
     # Forward: weights come in while activations go out (PCIe is full duplex). Backward: the offloaded activations
     # come back on the compute stream, so those copies add to the time.
-    with_copies = max(forward, weights, acts) + first_layer + max(backward, weights) + first_layer + acts
-    return with_copies, 2 * weights + 2 * acts, with_copies - micro
+    # activation_offload=disk: a thread writes the parked inputs in forward and reads them back ahead in backward, on
+    # the disk the streamed weights come from too (base_weights=disk): the same overlap, at the disk's rates.
+    on_disk = weights if setup.base_weights == "disk" else 0.0
+    written, read = parked_bytes / (NVME_WRITE_GBPS * 1e9), parked_bytes / (NVME_READ_GBPS * 1e9)
+    with_copies = (
+        max(forward, weights, acts, on_disk + written) + first_layer + max(backward, weights, on_disk + read) + first_layer + acts
+    )
+    return with_copies, 2 * weights + 2 * acts + written + read, with_copies - micro
