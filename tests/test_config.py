@@ -148,6 +148,8 @@ def test_every_shipped_recipe_validates_and_documents_every_key():
 def test_union_type_error_is_one_problem():
     (p,) = problems_of({**MINIMAL, "lora": {"target": 5}})
     assert p == "lora.target: expected str | list[str] (got 5)"
+    (p,) = problems_of({**MINIMAL, "memory": {"activation_offload": "dsk"}})  # a few values: said as a recipe writes them
+    assert p.startswith("memory.activation_offload: expected true, false or disk (got 'dsk')")
 
 
 def test_fsdp_rules_hold_for_the_key_and_for_autos_choice():

@@ -92,6 +92,14 @@ PLANS: dict[str, tuple[str, str, tuple[str, ...], str, int]] = {
     "lc-l31-disk": ("qlora-longctx-1x24gb", "llama-3.1-8b", ("memory.base_weights=disk",), "rtx4090", 1),
     "lc-q7": ("qlora-longctx-1x24gb", "qwen2.5-7b", (), "rtx4090", 1),
     "lc2": ("qlora-longctx-2x24gb", "llama-3.1-8b", (), "rtx4090", 2),
+    "lc2-330k": ("qlora-longctx-2x24gb", "llama-3.1-8b", ("data.max_seq_len=330000",), "rtx4090", 2),
+    "lc2-330k-disk": (
+        "qlora-longctx-2x24gb",
+        "llama-3.1-8b",
+        ("data.max_seq_len=330000", "memory.activation_offload=disk"),
+        "rtx4090",
+        2,
+    ),
     "lc2-uly": ("qlora-longctx-2x24gb", "llama-3.1-8b", ("distributed.context_parallel_mode=ulysses",), "rtx4090", 2),
     "lc4": ("qlora-longctx-2x24gb", "llama-3.1-8b", ("distributed.context_parallel=4", "data.max_seq_len=524280"), "rtx4090", 4),
     "lc4-max": ("qlora-longctx-2x24gb", "llama-3.1-8b", ("distributed.context_parallel=4",), "rtx4090", 4),
@@ -287,12 +295,24 @@ def store(n: str) -> float:  # the 4-bit decoder layers as streamed (the base_we
     return est(n).disk_parts["streamed_weights"] / GiB
 
 
+def parked(n: str) -> float:  # the checkpointed inputs every process parks on disk (activation_offload=disk)
+    return est(n).disk_parts["parked_activations"] / GiB
+
+
+def disk(n: str) -> float:
+    return est(n).disk_bytes / GiB
+
+
 Value = Callable[[], float]
 RM, RR, BM = "README.md", "recipes/README.md", "benchmarks/README.md"
 _Y = "recipes/{}.yaml".format
 # {} is the figure the row checks, {*} any number (another row checks it); runs of whitespace read as one space.
 ROWS: dict[str, list[tuple[str, Value, str]]] = {
     RM: [
+        ("At 330,000 tokens the checkpointed inputs take {} GiB of host RAM", lambda: host("lc2-330k"), ".0f"),
+        ("parks them on an NVMe disk instead: {} GiB of host RAM", lambda: host("lc2-330k-disk"), ".2f"),
+        ("GiB of host RAM and {} GiB on disk", lambda: parked("lc2-330k-disk"), ".0f"),
+        ("GiB on disk, the same {} GiB per GPU", lambda: peak("lc2-330k-disk"), ".2f"),
         ("24 of 80 layers streamed from host RAM): {} tokens/s planned", lambda: tps("lc70-2"), ",.0f"),
         ("24 of 80 layers streamed from host RAM): {*} tokens/s planned | {} GiB |", lambda: peak("lc70-2"), ".2f"),
         ("24 of 80 layers streamed from host RAM): {*} tokens/s planned | {*} GiB | {} GiB |", lambda: host("lc70-2"), ".2f"),
@@ -506,7 +526,19 @@ ROWS: dict[str, list[tuple[str, Value, str]]] = {
             lambda: comp("tp2-70b-8k-vp", "weights_quantized") + comp("tp2-70b-8k-vp", "quant_constants"),
             ".2f",
         ),
-        ("tp2 + sp + vp reaches {} (target 330,000)", lambda: longest("lc-tp2-vp").as_written, ",.0f"),
+        ("and at 330,000 its checkpointed inputs take {} GiB of host RAM", lambda: host("lc2-330k"), ".2f"),
+        *(
+            row
+            for n, said in (("lc2-330k", "true` (pinned host RAM)"), ("lc2-330k-disk", "disk`"))
+            for row in (
+                (f"`activation_offload: {said} | {{}} GiB |", lambda n=n: peak(n), ".2f"),
+                (f"`activation_offload: {said} | {{*}} GiB | {{}} GiB |", lambda n=n: host(n), ".2f"),
+                (f"`activation_offload: {said} | {{*}} GiB | {{*}} GiB | {{}} GiB", lambda n=n: disk(n), ".2f"),
+            )
+        ),
+        ("GiB ({} GiB parked inputs)", lambda: parked("lc2-330k-disk"), ".2f"),
+        ("(pinned host RAM) | {*} GiB | {*} GiB | {*} GiB | ~{} s |", lambda: step("lc2-330k"), ".0f"),
+        ("GiB parked inputs) | ~{} s (the disk's", lambda: step("lc2-330k-disk"), ".0f"),
         ("`qlora-70b-longctx-2x24gb` (tp2, 56 layers kept) | {*} | {} GiB |", lambda: peak("lc70-2"), ".2f"),
         ("`qlora-70b-longctx-2x24gb` (tp2, 56 layers kept) | {*} | {*} GiB | {} GiB |", lambda: host("lc70-2"), ".2f"),
         ("56 layers kept) | {*} | {*} GiB | {*} GiB | {} (target", lambda: longest("lc70-2").as_written, ",.0f"),
@@ -709,6 +741,9 @@ ROWS: dict[str, list[tuple[str, Value, str]]] = {
         ("not overlapped, larger buffers): {} tokens", lambda: longest("lc2-uly").as_written, ",.0f"),
         ("--nproc 4: {} tokens", lambda: longest("lc4-max").as_written, ",.0f"),
         ("this recipe leaves {}% free", lambda: 100 - pct("lc2"), ".0f"),
+        ("at 330,000 tokens {} GiB of host RAM", lambda: host("lc2-330k-disk"), ".2f"),
+        ("GiB of host RAM, not {} GiB, and", lambda: host("lc2-330k"), ".0f"),
+        ("GiB, and {} GiB on disk", lambda: parked("lc2-330k-disk"), ".0f"),
     ],
     _Y("qlora-vlm-1x24gb"): [
         ("predicts {} GiB peak at seq 2048 for Qwen2.5-VL-7B", lambda: peak("vlm"), ".2f"),

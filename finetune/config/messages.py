@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Any
+import types
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -145,6 +146,16 @@ def field_path(root: type[BaseModel], loc: tuple[Any, ...]) -> tuple[Any, ...]:
     return loc
 
 
+def _expected(ann: Any) -> str:
+    """A field's type as a recipe writes its values where they are few (bool | Literal["disk"]: true, false or disk),
+    else as Python names it."""
+    args = get_args(ann) if get_origin(ann) in (Union, types.UnionType) else ()
+    if args and all(a is bool or a is type(None) or get_origin(a) is Literal for a in args):
+        words = [w for a in args for w in (("true", "false") if a is bool else ("null",) if a is type(None) else get_args(a))]
+        return ", ".join(map(str, words[:-1])) + f" or {words[-1]}"
+    return str(ann).replace("typing.", "").replace(" | None", " or null")
+
+
 def schema_problems(root: type[BaseModel], err: ValidationError) -> list[str]:
     """One line per problem of a schema check against `root`: unknown keys with their did-you-mean
     (or where they moved), a wrong type once per key (not once per union branch), missing keys."""
@@ -160,7 +171,7 @@ def schema_problems(root: type[BaseModel], err: ValidationError) -> list[str]:
             union_seen.add(field)
             owner = model_at(root, field[:-1])
             ann = owner.model_fields[str(field[-1])].annotation if owner else None
-            expected = str(ann).replace("typing.", "").replace(" | None", " or null") if ann else "another type"
+            expected = _expected(ann) if ann else "another type"
             dotted = ".".join(str(p) for p in field)
             problems.append(f"{dotted}: expected {expected} (got {_describe(e.get('input'))}){_help(root, field)}")
             continue
