@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from finetune.parallel import waits
+
 
 class ToGroup(torch.autograd.Function):
     """Megatron's f: the input, unchanged, to every rank's share; its gradient summed over the group."""
@@ -26,7 +28,8 @@ class ToGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
+        with waits.collective(grad.device):
+            dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
 
@@ -36,7 +39,8 @@ class FromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
         x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
+        with waits.collective(x.device):
+            dist.all_reduce(x, group=group)
         return x
 
     @staticmethod

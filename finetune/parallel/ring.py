@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from finetune.parallel import waits
+
 
 @dataclass(frozen=True)
 class SplitRows:
@@ -184,10 +186,11 @@ class WaitClock:
     waited_s = 0.0
 
 
-def _wait(requests) -> None:
+def _wait(requests, device: torch.device) -> None:
     start = time.perf_counter()
-    for r in requests:
-        r.wait()
+    with waits.collective(device):
+        for r in requests:
+            r.wait()
     WaitClock.waited_s += time.perf_counter() - start
 
 
@@ -208,7 +211,7 @@ def _ring_forward(q, k, v, split: SplitRows, scale: float) -> tuple[torch.Tensor
             keep, add = torch.exp(lse[:, :, rows] - merged), torch.exp(s.float() - merged).nan_to_num()
             out[:, :, rows] = out[:, :, rows] * keep.nan_to_num()[..., None] + o.float() * add[..., None]
             lse[:, :, rows] = merged
-        _wait(pending)
+        _wait(pending, q.device)
         held = incoming
     return out.to(q.dtype), lse
 
@@ -229,8 +232,8 @@ def _ring_backward(dout, q, k, v, out, lse, split: SplitRows, scale: float):
             grads[0][:, :, theirs] += g[1]
             grads[1][:, :, theirs] += g[2]
         moving, grads = _rotate(split, grads)  # the accumulators travel with the block they belong to
-        _wait(pending)
-        _wait(moving)
+        _wait(pending, q.device)
+        _wait(moving, q.device)
         held = incoming
     return dq, grads[0], grads[1]
 
@@ -281,7 +284,8 @@ def _all_to_all(t: torch.Tensor, split: SplitRows) -> torch.Tensor:
     """Part j of dim 0 to rank j, differentiable (its backward is the all-to-all back): torch's functional collective."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
-    return wait_tensor(all_to_all_single_autograd(t, None, None, split.group))
+    with waits.collective(t.device):
+        return wait_tensor(all_to_all_single_autograd(t, None, None, split.group))
 
 
 def _heads_to_sequence(t: torch.Tensor, split: SplitRows) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from finetune.data import IGNORE_INDEX, count_tokens
+from finetune.parallel import waits
 
 SPLIT_KEY = "sequence_split"  # the keyword a padded batch's forward carries to every decoder layer
 
@@ -47,7 +48,8 @@ def pad_rows(batch: dict[str, Any], tp: int) -> dict[str, Any]:
 
 def _gathered(x: torch.Tensor, group: Any) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    with waits.collective(x.device):
+        dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=1)
 
 
@@ -55,7 +57,8 @@ def _scattered(x: torch.Tensor, group: Any) -> torch.Tensor:
     """The group's sum of x, this rank's share of the positions (a reduce-scatter along dim 1)."""
     parts = [p.contiguous() for p in x.chunk(dist.get_world_size(group), dim=1)]
     out = torch.empty_like(parts[0])
-    dist.reduce_scatter(out, parts, group=group)
+    with waits.collective(x.device):
+        dist.reduce_scatter(out, parts, group=group)
     return out
 
 

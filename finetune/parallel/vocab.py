@@ -24,6 +24,7 @@ from torch import nn
 from finetune.data import IGNORE_INDEX
 from finetune.errors import ConfigError
 from finetune.model.load import head_owner
+from finetune.parallel import waits
 from finetune.parallel.regions import FromGroup, ToGroup
 
 
@@ -41,7 +42,8 @@ class _Gathered(torch.autograd.Function):
         widest = max(b - a for a, b in zip(bounds, bounds[1:]))
         padded = nn.functional.pad(local, (0, widest - local.shape[-1])).contiguous()
         parts = [torch.empty_like(padded) for _ in range(len(bounds) - 1)]
-        dist.all_gather(parts, padded, group=group)
+        with waits.collective(padded.device):
+            dist.all_gather(parts, padded, group=group)
         return torch.cat([p[..., : b - a] for p, a, b in zip(parts, bounds, bounds[1:])], dim=-1)
 
     @staticmethod
@@ -58,15 +60,18 @@ class VocabCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, start: int, group: Any) -> torch.Tensor:
         logits = logits.float()
         top = logits.max(dim=-1).values
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)  # for exp's range only: no gradient flows through it
+        with waits.collective(logits.device):  # top: for exp's range only, no gradient flows through it
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
         exp = (logits - top.unsqueeze(-1)).exp()
         total = exp.sum(dim=-1)
-        dist.all_reduce(total, group=group)
+        with waits.collective(logits.device):
+            dist.all_reduce(total, group=group)
         local = targets - start
         mine = (local >= 0) & (local < logits.shape[-1])  # the target's column is this rank's
         column = torch.where(mine, local, torch.zeros_like(local))
         target = torch.where(mine, logits.gather(-1, column.unsqueeze(-1)).squeeze(-1) - top, torch.zeros_like(top))
-        dist.all_reduce(target, group=group)
+        with waits.collective(logits.device):
+            dist.all_reduce(target, group=group)
         scored = (targets != IGNORE_INDEX).to(logits.dtype)
         ctx.save_for_backward(exp / total.unsqueeze(-1), column, mine, scored)
         return ((total.log() - target) * scored).sum()

@@ -31,6 +31,7 @@ import torch
 from finetune.errors import PlanError
 from finetune.gpus import gpu_for_device
 from finetune.hardware import torch_dtype
+from finetune.parallel import waits
 from finetune.plan import RecipeFacts, model_shape_of, setup_of, trainable_params
 from finetune.plan.speed import token_flops
 from finetune.trainer.callbacks import Callback
@@ -291,9 +292,9 @@ class StepClock:
     trainer/watch.py). Waits it knows of: the collectives the loop times (waiting()), and a DDP reducer's
     wait for the other ranks' gradients at the end of backward, which starts after autograd has finished
     this rank's graph (a callback queued from the loss's hook runs before the reducer's), and a pipeline's
-    sends, receives and bubble (its window outside the stages' own forward and backward: parallel/stage_time.py).
-    FSDP's, tensor and context parallelism's waits inside forward and backward count as work: there every rank
-    shows the slowest one's time."""
+    sends, receives and bubble (its window outside the stages' own forward and backward: parallel/stage_time.py), and
+    tensor and context parallelism's collectives inside forward and backward (parallel/waits.py). FSDP's waits inside
+    forward and backward count as work: there every rank shows the slowest one's time."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -301,6 +302,7 @@ class StepClock:
         self.local_done: float | None = None
 
     def start(self) -> None:
+        waits.taken()  # the collectives before this step (a held-out eval's): not this step's
         self.t0, self.waited, self.local_done = time.perf_counter(), 0.0, None
 
     def waiting(self) -> _Waiting:
@@ -328,6 +330,7 @@ class StepClock:
 
     def stop(self) -> tuple[float, float]:
         """(compute_s, step_s) of the step since start()."""
+        self.waited += waits.taken()  # inside its forward and backward: before local_done
         end = time.perf_counter()
         return max(0.0, (self.local_done or end) - self.t0 - self.waited), end - self.t0
 

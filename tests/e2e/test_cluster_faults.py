@@ -27,7 +27,9 @@ TIMEOUT_S = 20  # distributed.timeout_s: short, with room for a loaded machine's
 # Trains a recipe (argv[1], with the key=value overrides in $OVERRIDES) and writes, per rank, every example each
 # optimizer step trains (its tokens, padding left out) to $IDS.rankR; with $SLOW_RANK, that rank sleeps
 # $SLOW_S before collating each step (a straggler the others must wait for); with $SLOW_STAGE, that rank's
-# pipeline stage sleeps $SLOW_S in each forward (inside the schedule, where the other stage waits on its sends).
+# pipeline stage sleeps $SLOW_S in each forward (inside the schedule, where the other stage waits on its sends); with
+# $SLOW_MLP, that rank's decoder MLPs sleep $SLOW_S each (inside forward, where a tensor-parallel partner waits in the
+# all-reduce after them and a context-parallel one in the ring's next transfer).
 DRIVER = """
 import json, os, sys, time
 import finetune.parallel.stages as stages
@@ -42,6 +44,17 @@ def slowed_forward(self, *args, **kwargs):
     return stage_forward(self, *args, **kwargs)
 
 stages.Stage.forward = slowed_forward
+
+from transformers.models.llama import modeling_llama
+
+mlp_forward = modeling_llama.LlamaMLP.forward
+
+def slowed_mlp(self, *args, **kwargs):
+    if os.environ.get("SLOW_MLP") == os.environ["RANK"]:
+        time.sleep(float(os.environ["SLOW_S"]))
+    return mlp_forward(self, *args, **kwargs)
+
+modeling_llama.LlamaMLP.forward = slowed_mlp
 
 class Recording(Trainer):
     def step_batches(self, step):
@@ -161,6 +174,10 @@ def test_a_run_resumed_on_another_number_of_processes_trains_the_same_examples(e
 SLOWED = {
     "ddp": ({}, {"SLOW_RANK": "1", "SLOW_S": "1.0"}),
     "pipeline": ({"pipeline_parallel": 2}, {"SLOW_STAGE": "1", "SLOW_S": "0.5"}),
+    # rank 0 waits inside forward and backward, in collectives timed apart from its work (parallel/waits.py):
+    # 2 layers x 2 micro-batches of sleeps a step (no checkpointing: no recompute)
+    "tensor": ({"tensor_parallel": 2}, {"SLOW_MLP": "1", "SLOW_S": "0.3"}),
+    "context": ({"context_parallel": 2}, {"SLOW_MLP": "1", "SLOW_S": "0.3"}),
 }
 
 
