@@ -17,6 +17,7 @@ import torch
 from finetune.config.schema import RecipeConfig, fsdp_problems
 from finetune.hardware import release_free_heap
 from finetune.model.load import decoder_layers
+from finetune.parallel import waits
 from finetune.parallel.room import Room, data_parallel_line
 
 
@@ -61,6 +62,29 @@ class FSDP(Room):
         return full_trainable_state(model)
 
 
+def time_gathers() -> None:
+    """FSDP2's collectives, timed (parallel/waits.py: the straggler watch takes them out of a rank's compute): a unit's
+    all-gather as it is issued and waited for (a CPU's gloo blocks in the first, a GPU's compute stream in the second)
+    and its gradients' reduce-scatter. Private methods of torch's: where this torch lacks one, its waits stay in the
+    compute."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    group = getattr(_fsdp_param_group, "FSDPParamGroup", None)
+    for name in ("unshard", "wait_for_unshard", "post_backward"):
+        method = getattr(group, name, None)
+        if method is not None and not getattr(method, "timed", False):
+            setattr(group, name, _timed(method))
+
+
+def _timed(method: Any) -> Any:
+    def timed(self, *args: Any, **kwargs: Any) -> Any:
+        with waits.collective(self.device):
+            return method(self, *args, **kwargs)
+
+    timed.timed = True  # type: ignore[attr-defined]  # wrapped once per process, however many models shard
+    return timed
+
+
 def shard_model(model, cfg: RecipeConfig, compute_dtype: torch.dtype) -> Any:
     """FSDP2: shard each decoder layer, then the rest (embeddings, head, norms) as the root group.
 
@@ -79,6 +103,7 @@ def shard_model(model, cfg: RecipeConfig, compute_dtype: torch.dtype) -> Any:
         reduce_dtype=torch.float32,
     )
     offload = CPUOffloadPolicy() if d.cpu_offload else OffloadPolicy()
+    time_gathers()
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=d.reshard_after_forward, mp_policy=mp, offload_policy=offload)
     # The root (embeddings, head, norms) stays gathered from its forward to the end of backward, as FSDP2 keeps a

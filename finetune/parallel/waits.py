@@ -1,17 +1,16 @@
 """The split strategies' own collectives inside forward and backward, timed: what a rank spends there is waiting on
 the others (and moving bytes), not its own work. The straggler watch takes it out of the rank's compute
-(trainer/profiling.StepClock), so a slow rank of a tensor- or context-parallel group shows as the slow one instead of
-every rank showing its time.
+(trainer/profiling.StepClock), so a slow rank of a tensor- or context-parallel group, or of FSDP's processes, shows as
+the slow one instead of every rank showing its time.
 
     with waits.collective(x.device):     # around one collective this rank blocks on
         dist.all_reduce(x, group=group)
     seconds = waits.taken()              # since the last call (CUDA: events on the compute stream, read once here)
 
 Timed: tensor parallelism's all-reduces (regions.py), sequence parallelism's gathers and reduce-scatters, the
-vocabulary's gathers and reductions, the ring's transfers, Ulysses' forward all-to-alls. Not timed: Ulysses' backward
-all-to-all (inside torch's autograd function), FSDP's gathers and reduce-scatters (inside FSDP2's hooks, on streams of
-their own: under FSDP a slow rank still shows in every rank's compute), and a GRPO group's broadcast of its first
-rank's completions (that rank samples for the group by design: timing the others' wait would name it a straggler
+vocabulary's gathers and reductions, the ring's transfers, Ulysses' forward all-to-alls, FSDP2's all-gathers (issued
+and waited for) and reduce-scatters (fsdp.time_gathers wraps its unit's methods). Not timed: Ulysses' backward
+all-to-all (inside torch's autograd function), and a GRPO group's broadcast of its first rank's completions (that rank samples for the group by design: timing the others' wait would name it a straggler
 every step). On a GPU a collective's span is its kernels' time on the compute stream, which includes waiting for
 the slowest peer to arrive.
 """

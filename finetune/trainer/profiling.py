@@ -293,8 +293,7 @@ class StepClock:
     wait for the other ranks' gradients at the end of backward, which starts after autograd has finished
     this rank's graph (a callback queued from the loss's hook runs before the reducer's), and a pipeline's
     sends, receives and bubble (its window outside the stages' own forward and backward: parallel/stage_time.py), and
-    tensor and context parallelism's collectives inside forward and backward (parallel/waits.py). FSDP's waits inside
-    forward and backward count as work: there every rank shows the slowest one's time."""
+    tensor and context parallelism's and FSDP's collectives inside forward and backward (parallel/waits.py)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"

@@ -174,10 +174,12 @@ def test_a_run_resumed_on_another_number_of_processes_trains_the_same_examples(e
 SLOWED = {
     "ddp": ({}, {"SLOW_RANK": "1", "SLOW_S": "1.0"}),
     "pipeline": ({"pipeline_parallel": 2}, {"SLOW_STAGE": "1", "SLOW_S": "0.5"}),
-    # rank 0 waits inside forward and backward, in collectives timed apart from its work (parallel/waits.py):
+    # rank 0 waits inside forward and backward, in collectives timed apart from its work (parallel/waits.py; FSDP's
+    # through fsdp.time_gathers):
     # 2 layers x 2 micro-batches of sleeps a step (no checkpointing: no recompute)
     "tensor": ({"tensor_parallel": 2}, {"SLOW_MLP": "1", "SLOW_S": "0.3"}),
     "context": ({"context_parallel": 2}, {"SLOW_MLP": "1", "SLOW_S": "0.3"}),
+    "fsdp": ({"strategy": "fsdp"}, {"SLOW_MLP": "1", "SLOW_S": "0.3"}),  # rank 0 waits for the next layer's all-gather
 }
 
 
