@@ -249,6 +249,19 @@ def test_each_split_declares_its_recipe_keys_and_a_resume_may_change_them():
         assert breaking == [] and [h.split(":")[0] for h in harmless] == sorted(f"distributed.{k}" for k in moved)
 
 
+def test_where_offloaded_files_wait_is_a_harmless_change_on_resume():
+    # memory.offload_dir: a folder for base_weights=disk's file and activation_offload=disk's, nothing computed; moving
+    # them (the disk filled up, as the error says) or back to host RAM resumes.
+    from finetune.runs.checkpoint import recipe_changes
+
+    disk = build_recipe({**MINIMAL, "memory": {"activation_offload": "disk", "offload_dir": "/nvme/a"}})
+    moved = build_recipe({**MINIMAL, "memory": {"activation_offload": "disk", "offload_dir": "/nvme/b"}})
+    host = build_recipe({**MINIMAL, "memory": {"activation_offload": True}})
+    for other in (moved, host):
+        breaking, harmless = recipe_changes(disk.to_dict(), other.to_dict())
+        assert breaking == [] and harmless
+
+
 def test_deepspeed_keys_and_what_zero_cannot_run_with():
     ds = {"strategy": "deepspeed"}
     cfg = build_recipe({**MINIMAL, "distributed": {**ds, "zero_stage": 3, "offload_params": "cpu", "offload_optimizer": "cpu"}})

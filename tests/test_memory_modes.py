@@ -136,7 +136,8 @@ def test_every_memory_key_belongs_to_one_technique_and_every_technique_to_the_re
     assert {"memory." + {"checkpoint_every": "activation_checkpointing"}.get(f, f) for f in switches} <= set(owned)
     assert set(techniques.RESUME_HARMLESS) <= set(HARMLESS_CHANGES)
     assert set(techniques.RESUME_HARMLESS) == {
-        "memory.activation_offload", "memory.embeddings", "memory.loss", "memory.loss_chunk", "memory.tiled_mlp"
+        "memory.activation_offload", "memory.embeddings", "memory.loss", "memory.loss_chunk", "memory.tiled_mlp",
+        "memory.offload_dir",  # where files wait, for whichever technique writes them
     }  # fmt: skip
     # A recipe's values reach the planner's Setup unchanged: no translator between them.
     cfg = load_recipe("qlora-offload-1x12gb", PATHS)

@@ -307,6 +307,55 @@ def test_offloaded_checkpoints_free_each_input_and_bring_it_back_one_layer_ahead
     assert all(torch.equal(a, b) for a, b in zip(grads, kept_grads, strict=True))
 
 
+def _chain(offload: ActivationOffload, layers, x):
+    """A 4-layer stack of offloaded checkpoints (under offload.saving() by the caller)."""
+    h = x * 2  # not x: autograd holds a leaf that trains anyway
+    for layer in layers:
+        h = offloaded_checkpoint(lambda t, layer=layer: torch.tanh(layer(t)), h)
+    return h
+
+
+@pytest.mark.parametrize("where", ["host", "disk"])
+def test_micro_batches_under_one_saving_each_bring_back_only_their_own_inputs(where, tmp_path):
+    # A pipeline holds one saving() over its whole schedule, so the checkpoint chain runs on from one micro-batch into
+    # the next: the second's first checkpoint must not prefetch the first's last one, whose backward came before
+    # (consumed: its file is gone, its copy would wait on the device unclaimed).
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 16) for _ in range(4)]
+    xs = [torch.randn(8, 16, requires_grad=True) for _ in range(2)]
+    files = ParkingFiles(tmp_path) if where == "disk" else None
+    offload = ActivationOffload(torch.device("cpu"), min_bytes=0, force_copy=True, files=files)
+    with offload.saving():
+        outs = [_chain(offload, layers, x) for x in xs]
+    for out in outs:  # 1F1B's order: the first micro-batch's backward first
+        out.pow(2).sum().backward()
+    assert not offload.waiting and (offload.prefetched, offload.fetched_late) == (2 * 3, 2)  # 4 parked each, 1 late
+    grads = [x.grad.clone() for x in xs]
+    for x in xs:
+        x.grad = None
+        _chain(offload, layers, x).pow(2).sum().backward()  # each alone: the same gradients
+    assert all(torch.equal(g, x.grad) for g, x in zip(grads, xs, strict=True))
+    if files is not None:
+        assert list(files.folder.iterdir()) == []
+        files.discard()
+
+
+def test_a_forward_whose_backward_never_comes_leaves_no_file(tmp_path):
+    # An out-of-memory retry drops a forward's graph: its parked inputs' files go with it.
+    import gc
+
+    files = ParkingFiles(tmp_path)
+    offload = ActivationOffload(torch.device("cpu"), min_bytes=0, force_copy=True, files=files)
+    with offload.saving():
+        out = _chain(offload, [torch.nn.Linear(16, 16) for _ in range(4)], torch.randn(8, 16, requires_grad=True))
+    assert files.written_bytes == 4 * 8 * 16 * 4
+    del out
+    gc.collect()
+    files._pool.submit(lambda: None).result()  # the thread's queue: the writes, then the removals
+    assert list(files.folder.iterdir()) == []
+    files.discard()
+
+
 def test_a_parked_file_that_cannot_be_written_or_read_says_where_and_what_to_do(tmp_path):
     import shutil
 
@@ -444,6 +493,7 @@ def test_optimizer_offload_trains_like_the_plain_optimizer(recipe_dict, tmp_path
         ({"base_weights": "cpu"}, {"quant": {"bits": 8}}, "Use quant.bits=4"),
         ({"base_weights": "cpu"}, {"distributed": {"strategy": "fsdp"}}, "Use distributed.cpu_offload=true for FSDP"),
         ({"offload_dir": "/nvme"}, {}, "memory.offload_dir is only used by memory.base_weights=disk and"),
+        ({"activation_offload": "disk", "activation_checkpointing": "none"}, {}, "with activation_checkpointing=none no"),
         ({"activation_checkpointing": 0}, {}, "activation_checkpointing"),
     ],
 )

@@ -235,4 +235,31 @@ def test_parked_inputs_on_disk_keep_330k_tokens_of_an_8b_within_a_workstations_h
     assert host.host_ram_parts["activations"] - disk.host_ram_parts["activations"] == (L - 1 - 2) * 2**31  # 2 GiB blocks
     assert disk.disk_parts["parked_activations"] == 2 * (L - 1) * part  # each process's, the first layer's input kept
     assert disk.step_time_parts["host_transfer_exposed"] == pytest.approx(host.step_time_parts["host_transfer_exposed"])
-    assert any("writes 335 GB a step to the disk" in note for note in disk.notes)  # 2 processes x 4 micro-batches
+    assert any("each process writes 168 GB a step to the disk" in note for note in disk.notes)  # 4 micro-batches
+
+
+def test_each_process_parks_its_own_inputs_whatever_the_layout():
+    # tp2 without sequence parallelism: each rank parks the whole sequence's inputs (twice one GPU's files); a
+    # pipeline's stages write their layers' inputs once per micro-batch whatever their schedule holds at once.
+    seq = ("data.max_seq_len=65536", "memory.activation_offload=disk", "distributed.context_parallel=1")
+    device = ("memory.base_weights=device", "memory.embeddings=device")
+    one = plan_recipe(recipe(*seq, *device), GPU, gpus=1)
+    tp = plan_recipe(recipe(*seq, *device, "distributed.tensor_parallel=2"), GPU, gpus=2)
+    assert tp.disk_parts["parked_activations"] == 2 * one.disk_parts["parked_activations"] > 0
+    notes = {}
+    for schedule in ("gpipe", "1f1b"):
+        staged = (*seq, *device, "distributed.pipeline_parallel=2", f"distributed.pipeline_schedule={schedule}")
+        e = plan_recipe(recipe(*staged, "train.grad_accum=4"), GPU, gpus=2)
+        notes[schedule] = next(n for n in e.notes if "each process writes" in n)
+    assert notes["gpipe"] == notes["1f1b"]  # 4 micro-batches through 16 layers a stage, either way
+
+
+def test_fit_composes_context_and_stages_only_where_the_objective_trains_on_them():
+    from finetune.plan.fitting import candidates
+
+    cfg = load_recipe(
+        "dpo-qlora-1x24gb", [f"model.path={CONFIGS / 'llama-3.1-8b'}", "data.path=d.jsonl", "distributed.context_parallel=2"]
+    )
+    found = candidates(setup_of(cfg), 4, planning_inputs(cfg, GPU)[1], layouts=((2, 1),), contexts=(2,), layers=32)
+    assert any(s.cp == 2 for s in found) and any(s.pp == 2 for s in found)  # each alone
+    assert not any(s.cp > 1 and s.pp > 1 for s in found)  # cp x pp trains sft only

@@ -309,3 +309,26 @@ def test_layers_kept_on_the_gpu_need_weights_that_stream():
     assert any("memory.device_layers=4 keeps that many of the streamed layers on the GPU" in p for p in said)
     said = problems_of({**MINIMAL, "distributed": {"tensor_parallel": 2}, "memory": {"base_weights": "disk"}})
     assert any("memory.base_weights=device or cpu" in p for p in said)
+
+
+def test_fit_tries_stages_that_cannot_hold_equal_layers_and_interleaved_ones():
+    # Llama-3-70B's 80 layers: 3 stages hold 26 + 27 + 27 (the first, with the embeddings and the most micro-batches
+    # in flight, the fewest); 2 stages also run interleaved (2 virtual stages of 20 layers a rank, 16 micro-batches in
+    # torch's rounds of 2). plan --fit writes the split it picks as pipeline_layers.
+    from finetune.plan.fitting import candidates
+    from finetune.plan.rewrite import setup_changes
+    from finetune.plan.stages import plan_setup
+
+    cfg = recipe()
+    shape, facts, kw = planning_inputs(cfg, find_gpu("rtx4090"))
+    base = setup_of(cfg)
+    three = [s for s in candidates(base, 3, facts, layouts=((3, 1),), layers=80) if s.pp == 3]
+    assert three and {s.pipeline_layers for s in three} == {(26, 27, 27)}
+    e = plan_setup(shape, facts, three[0], find_gpu("rtx4090"), **kw)  # plans (an even split of 80 would be refused)
+    assert "layers 0-25" in e.notes[0] and "layers 26-52" in e.notes[1]
+    assert setup_changes(three[0], base, cfg)["distributed.pipeline_layers"] == [26, 27, 27]
+    two = candidates(base, 2, facts, layouts=((2, 1),), layers=80)
+    interleaved = [s for s in two if s.pipeline_schedule == "interleaved_1f1b"]
+    assert interleaved and all(s.virtual_stages == 2 and s.pp == 2 and not s.pipeline_layers for s in interleaved)
+    assert any(s.pipeline_schedule == "1f1b" for s in two)  # beside the plain one
+    assert setup_changes(interleaved[0], base, cfg)["distributed.virtual_stages"] == 2

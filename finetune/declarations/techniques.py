@@ -123,7 +123,8 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique("chunked loss", "loss", ("memory.loss", "memory.loss_chunk"), resume_harmless=True),
     Technique("tiled MLP", "tiled_mlp", ("memory.tiled_mlp",), resume_harmless=True),
 )
-RESUME_HARMLESS: tuple[str, ...] = tuple(key for t in TECHNIQUES if t.resume_harmless for key in t.keys)
+# memory.offload_dir: where files wait (base_weights=disk's, activation_offload=disk's), not what is computed
+RESUME_HARMLESS: tuple[str, ...] = (*(key for t in TECHNIQUES if t.resume_harmless for key in t.keys), "memory.offload_dir")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,6 +213,13 @@ RULES: tuple[Rule, ...] = (
         conflicts=lambda s: s.streams_weights and s.checkpoint_every != 1,
         problem=_STREAMED + " brings each layer's weights back for the recomputation in backward,",
         fix="so it needs memory.activation_checkpointing=all (got {activation_checkpointing!r}).",
+    ),
+    Rule(
+        keys=("memory.activation_offload", "memory.activation_checkpointing"),
+        conflicts=lambda s: s.activation_offload == "disk" and s.checkpoint_every == 0,
+        problem="memory.activation_offload=disk parks the checkpointed layers' inputs in files; with "
+        "activation_checkpointing=none no layer is checkpointed,",
+        fix="so set memory.activation_checkpointing=all (or every k-th layer), or activation_offload=true (host RAM).",
     ),
     Rule(
         keys=("memory.device_layers", "memory.base_weights"),

@@ -19,12 +19,16 @@ import itertools
 import os
 import shutil
 import tempfile
+import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from finetune.errors import TrainingError
+
+WRITES_IN_FLIGHT = 2  # host blocks waiting for the disk at most: a forward faster than the disk waits for it
 
 
 def default_root() -> Path:
@@ -48,21 +52,33 @@ class ParkingFiles:
         atexit.register(self.discard)  # a crash must not leave tens of GB behind
         self.pinned = pinned  # read back into pinned host RAM (a CUDA device: the copy to it is then asynchronous)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="finetune-parking")
+        self._room = threading.BoundedSemaphore(WRITES_IN_FLIGHT)  # released as each write ends
         self._names = itertools.count()
         self.written_bytes = 0  # bytes parked on disk so far (the tests and the plan's disk figure)
 
     def discard(self) -> None:
         """Delete the folder and whatever is still in it (idempotent)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(self.folder, ignore_errors=True)
         atexit.unregister(self.discard)
 
     def put(self, host: torch.Tensor, copied: torch.cuda.Event | None) -> ParkedFile:
         """`host` written to a file of its own once `copied` (the device->host copy filling it) is done; its host
-        RAM is free once written."""
+        RAM is free once written. Waits while WRITES_IN_FLIGHT blocks wait for the disk (host RAM stays bounded)."""
         slot = ParkedFile(self, self.folder / f"{next(self._names)}.bin", host.shape, host.dtype)
         self.written_bytes += host.numel() * host.element_size()
-        slot.write = self._pool.submit(_write, slot.path, host, copied)
+        self._room.acquire()
+        slot.write = self._pool.submit(_write, slot.path, host, copied, self._room)
+        # A slot whose backward never comes (a forward retried after running out of memory) takes its file with it,
+        # after its write: the same thread, in order.
+        weakref.finalize(slot, self._forget, slot.path).atexit = False
         return slot
+
+    def _forget(self, path: Path) -> None:
+        try:
+            self._pool.submit(path.unlink, missing_ok=True)
+        except RuntimeError:  # the pool has shut down: discard() removes the folder
+            pass
 
     def read(self, slot: ParkedFile) -> Future[torch.Tensor]:
         return self._pool.submit(_read, slot, self.pinned)
@@ -71,7 +87,7 @@ class ParkingFiles:
 class ParkedFile:
     """One parked tensor: its file, and the thread's write and read of it."""
 
-    __slots__ = ("files", "path", "shape", "dtype", "write", "reading")
+    __slots__ = ("files", "path", "shape", "dtype", "write", "reading", "__weakref__")  # weakref: its file's finalizer
 
     def __init__(self, files: ParkingFiles, path: Path, shape: torch.Size, dtype: torch.dtype):
         self.files, self.path, self.shape, self.dtype = files, path, shape, dtype
@@ -91,14 +107,17 @@ class ParkedFile:
         return reading.result()
 
 
-def _write(path: Path, host: torch.Tensor, copied: torch.cuda.Event | None) -> None:
-    if copied is not None:
-        copied.synchronize()  # the side stream's copy has filled `host`
+def _write(path: Path, host: torch.Tensor, copied: torch.cuda.Event | None, room: threading.BoundedSemaphore) -> None:
     try:
+        if copied is not None:
+            copied.synchronize()  # the side stream's copy has filled `host`
         with open(path, "wb") as f:
             f.write(host.reshape(-1).view(torch.uint8).numpy().data)  # straight from the tensor's memory
     except OSError as e:
+        path.unlink(missing_ok=True)  # a partial file is never read
         raise _failed("writing", path, host.numel() * host.element_size(), e) from e
+    finally:
+        room.release()
 
 
 def _read(slot: ParkedFile, pinned: bool) -> torch.Tensor:

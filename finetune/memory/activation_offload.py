@@ -201,6 +201,7 @@ class ActivationOffload:
         parked.back[i] = None  # autograd holds it from here; our reference would outlive the recomputation
         if all(b is None for b in parked.back):
             parked.back = None
+            parked.host = []  # consumed: a later checkpoint's prefetch (a pipeline's next micro-batch) skips it
             self.waiting.discard(parked.index)
         if parked.arrived is not None:
             torch.cuda.current_stream(self.device).wait_event(parked.arrived)

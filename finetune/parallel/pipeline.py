@@ -273,8 +273,8 @@ class Pipeline(SplitRoom):
         kwargs: dict[str, Any] = dict(_model_inputs(joined))
         out: list[torch.Tensor] = []
         index = torch.arange(m, device=joined["labels"].device).repeat_interleave(rows // m)  # each row's micro-batch
-        if self.stages[0].given:  # the stages look up each micro-batch's context part by it
-            kwargs["micro"] = index
+        if self.stages[0].given:  # the stages look up each micro-batch's context part by it (read on the host: no sync)
+            kwargs["micro"] = torch.arange(m).repeat_interleave(rows // m)
         if self.is_last:
             kwargs = {**kwargs, "target": torch.cat([joined["labels"], index[:, None]], dim=1), "losses": out}
         if train:

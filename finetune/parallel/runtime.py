@@ -40,7 +40,7 @@ SETUP_TIMEOUT_S = 1800  # collectives' timeout before training starts and after 
 # distributed.strategy (as resolve_strategy resolves it for a launch) -> its room.
 ROOMS: dict[str, type[Room]] = {room.name: room for room in (Room, DDP, FSDP, zero.Zero)}
 # The split strategies' rooms, outermost first: the first a recipe asks runs (a pipeline holds its stages'
-# tensor-parallel split, and so does context parallelism; a pipeline with context parallelism: splits.py refuses it).
+# tensor-parallel split, and so does context parallelism; a pipeline with context parallelism splits the rows itself).
 SPLIT_ROOMS: tuple[tuple[Split, type[Room]], ...] = ((PIPELINE, Pipeline), (CONTEXT, ContextParallel), (TENSOR, TensorParallel))
 
 

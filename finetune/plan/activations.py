@@ -31,11 +31,13 @@ class Activations:
     label: str  # what they are and which layers keep what
     host_ram: int = 0  # the host RAM that takes: on a GPU each checkpointed input is a pinned block (pinned_block_bytes)
     disk: int = 0  # activation_offload=disk: the checkpointed inputs parked in files (bytes written and read back)
+    staging: int = 0  # of host_ram, activation_offload=disk's blocks in flight: as many whatever waits for backward
 
     def times(self, held: float) -> Activations:
         """The terms of `held` micro-batches waiting for their backward at once (a pipeline rank's)."""
-        n = {k: int(getattr(self, k) * held) for k in ("saved", "host", "host_ram", "disk")}
-        return Activations(recompute=self.recompute, label=self.label, **n)
+        n = {k: int(getattr(self, k) * held) for k in ("saved", "host", "disk")}
+        host_ram = int((self.host_ram - self.staging) * held) + self.staging
+        return Activations(recompute=self.recompute, label=self.label, host_ram=host_ram, staging=self.staging, **n)
 
 
 def activation_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: GpuSpec | None, trainable: int) -> Activations:
@@ -60,7 +62,7 @@ def activation_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: 
         full_layer = full_layer - mlp + mlp_input
         rebuilt = rebuilt - mlp + mlp_input + mlp // tiles
     layers_saved = checkpointed * input_only + (L - checkpointed) * full_layer
-    host = host_ram = disk = 0
+    host = host_ram = disk = staging = 0
     if setup.activation_offload:
         # memory/activation_offload.py moves what autograd saves, as forward makes it, on a side stream, and brings it
         # back as backward reaches it: all of it for the layers that are not checkpointed, the input
@@ -73,8 +75,8 @@ def activation_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: 
         host = kept * full_layer + parked * input_only
         block = pinned_block_bytes(input_only) if gpu is not None else input_only
         if setup.activation_offload == "disk":  # the parked inputs in files: host RAM holds the blocks in flight
-            disk = parked * input_only
-            host_ram = kept * full_layer + min(parked, DISK_BLOCKS_IN_FLIGHT) * block
+            disk, staging = parked * input_only, min(parked, DISK_BLOCKS_IN_FLIGHT) * block
+            host_ram = kept * full_layer + staging
         else:
             host_ram = kept * full_layer + parked * block
         compute_s = forward_seconds(shape, recipe, setup, gpu, trainable) / L if gpu is not None else 0.0
@@ -92,7 +94,7 @@ def activation_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: 
     # In fp32 a recomputed layer's first RMSNorm keeps the layer's input itself (no upcast copy):
     # that is the checkpointed input, counted already. Without checkpointing only a tile is rebuilt.
     recompute = rebuilt - (input_only if b == 4 else 0) if checkpointed else rebuilt - full_layer
-    return Activations(saved, recompute, host, label, host_ram, disk)
+    return Activations(saved, recompute, host, label, host_ram, disk, staging)
 
 
 def _in_flight(per_layer: int, layers: int, compute_s: float, gpu: GpuSpec | None) -> int:

@@ -90,11 +90,13 @@ def candidates(
     recipe: RecipeFacts | None = None,
     layouts: tuple[tuple[int, int], ...] = (),
     contexts: tuple[int, ...] = (),
+    layers: int = 0,
 ) -> list[Setup]:
     """Every runnable setup the knobs allow that keeps the global batch (batch x accum x replicas): one replica
     per GPU (DDP, FSDP, ZeRO), each of `layouts` (pipeline stages, tensor-parallel ranks), of `contexts`
     (context-parallel ranks) and of their compositions (cp x tp, cp x pp, cp x pp x tp), on the GPUs that hold a whole
-    number of its replicas."""
+    number of its replicas. layers: the model's decoder layers (0: unknown), for pipelines whose stages cannot hold
+    equal counts (uneven splits) and interleaved ones (2 virtual stages a rank)."""
     out = []
     names = [k.name for k in KNOBS]
     one = replace(base, pp=1, tp=1, virtual_stages=1, pipeline_layers=(), cp=1)
@@ -102,7 +104,8 @@ def candidates(
         (1, 1, 1),
         *((pp, tp, 1) for pp, tp in layouts),
         *((1, 1, cp) for cp in contexts),
-        *((pp, tp, cp) for pp, tp in layouts for cp in contexts),  # a part of each sequence on each share, or stage
+        # a part of each sequence on each share, or stage (cp x pp: sft only, declarations/splits.py: one row a sequence)
+        *((pp, tp, cp) for pp, tp in layouts for cp in contexts if pp == 1 or base.sequences_per_example == 1),
     )
     tables_train = recipe is not None and bool(trained_tables(recipe.lora_target))  # vocab_parallel refuses them
     if one.pipeline_schedule == "interleaved_1f1b":
@@ -114,13 +117,13 @@ def candidates(
         for pp, tp, cp in grids:
             if not ok[cp]:
                 continue
-            laid = _laid_out(s, base, pp, tp, cp, tables_train=tables_train)
+            laid = _laid_out(s, base, pp, tp, cp, tables_train=tables_train, layers=layers)
             if laid is not None:
-                out.append(laid)
+                out += [laid, *filter(None, [_interleaved(laid, layers)])]
     return out
 
 
-def _laid_out(s: Setup, base: Setup, pp: int, tp: int, cp: int = 1, tables_train: bool = False) -> Setup | None:
+def _laid_out(s: Setup, base: Setup, pp: int, tp: int, cp: int = 1, tables_train: bool = False, layers: int = 0) -> Setup | None:
     """`s` as `pp` stages x `tp` tensor-parallel ranks x `cp` context-parallel ranks x replicas, with the
     accumulation that keeps base's global batch and a schedule that runs it; None where it cannot run so (a
     layout keeps its layers and tables on its GPUs and sums its own gradients: DDP's row only, nothing streamed
@@ -137,7 +140,7 @@ def _laid_out(s: Setup, base: Setup, pp: int, tp: int, cp: int = 1, tables_train
     if per_replica < 1 or per_replica != int(per_replica):
         return None
     m = int(per_replica)
-    own = base.pipeline_layers if pp == base.pp else ()  # the recipe's split (auto: as balanced)
+    own = base.pipeline_layers if pp == base.pp else _near_even(layers, pp)  # the recipe's split (auto: as balanced)
     # Sequence and vocabulary parallelism wherever they run (tensor parallelism with or without context parallelism;
     # vp: the loss in chunks; neither with sampling): less memory, the same traffic (sp), two all-reduces of a chunk's
     # positions (vp).
@@ -149,6 +152,25 @@ def _laid_out(s: Setup, base: Setup, pp: int, tp: int, cp: int = 1, tables_train
     if base.pp == pp and base.pipeline_schedule == "interleaved_1f1b" and m % max(1, m // pp) == 0:
         return replace(s, pipeline_schedule=base.pipeline_schedule, virtual_stages=base.virtual_stages)
     return replace(s, pipeline_schedule="1f1b" if m >= pp else "gpipe", virtual_stages=1)
+
+
+def _near_even(layers: int, pp: int) -> tuple[int, ...]:
+    """Decoder layers per stage as even as `pp` stages hold them, the first stages one fewer (the first holds the most
+    micro-batches in flight, the embeddings too); () where they split evenly, or the count is unknown (0)."""
+    if not layers or layers % pp == 0:
+        return ()
+    return tuple(layers // pp + (i >= pp - layers % pp) for i in range(pp))
+
+
+def _interleaved(s: Setup, layers: int) -> Setup | None:
+    """`s`'s pipeline run interleaved (2 virtual stages a rank: 1/2 the bubble, more micro-batches held) where its layers
+    split evenly into them and its micro-batches into torch's rounds; else None."""
+    pp, m = s.pp, s.grad_accum
+    if pp == 1 or s.virtual_stages > 1 or s.pipeline_layers or not layers or layers % (2 * pp):
+        return None
+    if m < pp or m % max(1, m // pp):
+        return None
+    return replace(s, pipeline_schedule="interleaved_1f1b", virtual_stages=2)
 
 
 def node_ram(e: Estimate, gpu: GpuSpec) -> float:
@@ -181,7 +203,7 @@ def search(
     # Several nodes: one node's GPUs or whole nodes (torchrun starts as many processes on each).
     setups = [
         s
-        for s in candidates(base, max_gpus, recipe, layouts, contexts)
+        for s in candidates(base, max_gpus, recipe, layouts, contexts, layers=shape.layers)
         if not per_node or s.gpus <= per_node or s.gpus % per_node == 0
     ]
     if shape.experts:  # MoE: finetune/model/moe.py's 4-bit experts are neither streamed nor sharded (model/load.py refuses)
@@ -274,7 +296,7 @@ def longest_trainable_seq(cfg: RecipeConfig, gpu: GpuSpec, max_gpus: int = 1, ho
         base, loss="auto" if base.loss == "full" else base.loss, tiled_mlp="auto" if base.tiled_mlp == "off" else base.tiled_mlp
     )
     layouts = layout_choices(cfg, shape, max_gpus, plan_precision(cfg, gpu))
-    for s in candidates(tried, max_gpus, recipe, layouts, context_choices(cfg, shape, max_gpus)):
+    for s in candidates(tried, max_gpus, recipe, layouts, context_choices(cfg, shape, max_gpus), layers=shape.layers):
         if best_setup is not None and s.gpus > best_setup.gpus and best >= LONGEST_SEQ_PROBED:
             continue
         seq = longest_fitting_seq(shape, recipe, s, gpu, upper=LONGEST_SEQ_PROBED, **kw)

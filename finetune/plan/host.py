@@ -20,11 +20,12 @@ RATED_TB_WRITTEN = 600  # a 1 TB consumer NVMe disk's rated endurance (TBW): wha
 
 def disk_wear_note(setup: Setup, parked: int) -> str:
     """What activation_offload=disk writes a step (parked: a process's bytes a micro-batch), against a disk's rating."""
-    written = parked * setup.grad_accum * max(setup.gpus, 1)
+    written = parked * setup.grad_accum
     return (
-        f"activation_offload=disk writes {written / 1e9:,.0f} GB a step to the disk (and reads it back): a consumer "
-        f"NVMe disk rated for {RATED_TB_WRITTEN} TB written lasts ~{RATED_TB_WRITTEN * 1e12 / written:,.0f} steps "
-        "of this; host RAM (activation_offload=true) wears nothing"
+        f"activation_offload=disk: each process writes {written / 1e9:,.0f} GB a step to the disk (and reads it back): a "
+        f"consumer NVMe disk rated for {RATED_TB_WRITTEN} TB written lasts ~{RATED_TB_WRITTEN * 1e12 / written:,.0f} "
+        "steps of one process's writes (processes sharing a disk divide that); host RAM (activation_offload=true) "
+        "wears nothing"
     )
 
 

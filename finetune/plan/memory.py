@@ -296,7 +296,8 @@ def estimate(
     fsdp = setup.partitions_weights  # FSDP or ZeRO-3: the base weights are split over the GPUs
     unq_bytes = impl.unquantized_bytes or recipe.compute_bytes
     st = _static_terms(shape, recipe, setup, impl, fsdp)
-    act = activation_terms(shape, recipe, setup, gpu, st.trainable).times(held)
+    one = activation_terms(shape, recipe, setup, gpu, st.trainable)  # a micro-batch's (what each step moves, m times)
+    act = one.times(held)
     tr = transient_terms(shape, recipe, setup, impl, st.host_head)
     gen = sampling_terms(shape, recipe, setup, impl.adapter_bytes)
     b, tower = recipe.compute_bytes, shape.tower
@@ -325,7 +326,7 @@ def estimate(
         fsdp,
         streamed_bytes=st.streamed_store,
         activation_bytes=act.host,
-        parked_bytes=act.disk,
+        parked_bytes=one.disk,
         exposed_bytes=tr.head_visit + (setup.rows * setup.seq_len * shape.hidden * recipe.compute_bytes if tr.head_visit else 0),
     )
     fsdp_loads = setup.strategy.loads_whole_on_host and n_gpu > 1  # ZeRO loads on the GPU: one shard at a time in RAM
@@ -346,7 +347,7 @@ def estimate(
         disk_bytes=sum(disk_parts.values()),
         trainable_params=st.trainable,
         impl=impl,
-        notes=_notes(setup, gpu, st, start, act.disk) + ([image_note(img, setup.seq_len, recipe.max_pixels)] if img else []),
+        notes=_notes(setup, gpu, st, start, one.disk) + ([image_note(img, setup.seq_len, recipe.max_pixels)] if img else []),
         host_ram_parts=host_parts,
         disk_parts=disk_parts,
         loads_whole_model=(setup.streams_weights and not captured and not on_gpu) or fsdp_loads,

@@ -43,7 +43,7 @@ def setup_changes(setup: Setup, base: Setup, cfg: RecipeConfig | None = None) ->
     With cfg, also the keys a setup makes moot that the recipe's rules would still read
     (finetune/declarations/techniques.py): distributed.strategy=fsdp and cpu_offload for a setup that
     does not shard (one GPU: the Setup of such a recipe says ddp), memory.offload_dir for one
-    that does not stream from disk.
+    that neither streams from disk nor parks activations there.
     """
     out: dict[str, Any] = {}
     for knob in KNOBS:
@@ -57,7 +57,9 @@ def setup_changes(setup: Setup, base: Setup, cfg: RecipeConfig | None = None) ->
     given = cfg.distributed.pipeline_layers if cfg is not None else "even"
     # The recipe's split where the search kept its stages (fitting._laid_out); auto balances any other
     # pipeline; counts for another number of stages, or any split without a pipeline, would be refused.
-    if given != "even" and setup.pp != base.pp and (given != "auto" or setup.pp == 1):
+    if setup.pipeline_layers and setup.pp != base.pp:  # an uneven split the search chose (fitting._near_even)
+        out["distributed.pipeline_layers"] = list(setup.pipeline_layers)
+    elif given != "even" and setup.pp != base.pp and (given != "auto" or setup.pp == 1):
         out["distributed.pipeline_layers"] = "even"
     if cfg is not None:
         chosen = setup.strategy
@@ -70,7 +72,7 @@ def setup_changes(setup: Setup, base: Setup, cfg: RecipeConfig | None = None) ->
             out.update({f"distributed.{k}": v for k, v in zero_config.DEFAULTS.items() if getattr(cfg.distributed, k) != v})
         if setup.pp * setup.tp > 1 and cfg.distributed.grad_compression != "none":
             out["distributed.grad_compression"] = "none"  # a hook of DDP's all-reduce, which a layout does not use
-        if cfg.memory.offload_dir is not None and setup.base_weights != "disk":
+        if cfg.memory.offload_dir is not None and setup.base_weights != "disk" and setup.activation_offload != "disk":
             out["memory.offload_dir"] = None
     return out
 

@@ -215,7 +215,8 @@ def _with_host_copies(
     # activation_offload=disk: a thread writes the parked inputs in forward and reads them back ahead in backward, on
     # the disk the streamed weights come from too (base_weights=disk): the same overlap, at the disk's rates.
     on_disk = weights if setup.base_weights == "disk" else 0.0
-    written, read = parked_bytes / (NVME_WRITE_GBPS * 1e9), parked_bytes / (NVME_READ_GBPS * 1e9)
+    sharing = min(max(setup.gpus, 1), gpu.gpus_per_node or max(setup.gpus, 1))  # a node's processes: one disk
+    written, read = (sharing * parked_bytes / (rate * 1e9) for rate in (NVME_WRITE_GBPS, NVME_READ_GBPS))
     with_copies = (
         max(forward, weights, acts, on_disk + written) + first_layer + max(backward, weights, on_disk + read) + first_layer + acts
     )

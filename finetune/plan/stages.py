@@ -281,6 +281,8 @@ def plan_tensor_split(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu:
         step_time_s=step,
         step_time_parts=parts,
         host_ram_bytes=e.host_ram_bytes * tp,  # e counted one process per replica
+        disk_bytes=e.disk_bytes + e.disk_parts.get("parked_activations", 0) * (tp - 1),  # each rank parks its own
+        disk_parts={**e.disk_parts, "parked_activations": e.disk_parts.get("parked_activations", 0) * tp},
         gpu=gpu,
         trainable_params=trainable_params(shape, recipe),
         notes=[note, *e.notes],
@@ -348,13 +350,13 @@ def _send_link(setup: Setup, gpu: GpuSpec) -> tuple[float, int]:
 
 def layout_choices(cfg: Any, shape: ModelShape, max_gpus: int, precision: str) -> tuple[tuple[int, int], ...]:
     """(pipeline stages, tensor-parallel ranks) the search may try for this recipe and model on up to max_gpus:
-    the model's layers split evenly into the stages, its heads and MLP into the ranks, and nothing in the
-    recipe (objective, adapter, the precision it runs in: precision=auto's fp16 too) that a pipeline or a
+    the model's layers split into the stages (unevenly where they must: fitting._near_even), its heads and MLP into
+    the ranks, and nothing in the recipe (objective, adapter, the precision it runs in: precision=auto's fp16 too) that a pipeline or a
     split refuses."""
     out = []
     for pp in range(1, max_gpus + 1):
         for tp in range(1, max_gpus // pp + 1):
-            if pp * tp == 1 or shape.layers % pp or shape.model_type not in FAMILIES:
+            if pp * tp == 1 or pp > shape.layers or shape.model_type not in FAMILIES:
                 continue
             if tp > 1 and (shape.heads % tp or shape.kv_heads % tp or shape.intermediate % tp):
                 continue
