@@ -332,3 +332,14 @@ def test_fit_tries_stages_that_cannot_hold_equal_layers_and_interleaved_ones():
     assert interleaved and all(s.virtual_stages == 2 and s.pp == 2 and not s.pipeline_layers for s in interleaved)
     assert any(s.pipeline_schedule == "1f1b" for s in two)  # beside the plain one
     assert setup_changes(interleaved[0], base, cfg)["distributed.virtual_stages"] == 2
+
+
+def test_fit_on_gpus_the_written_layout_does_not_divide_plans_it_on_fewer_and_searches_all():
+    # qlora-pipeline-70b-2x24gb (2 stages) with 3 GPUs: as written on 2 of them, and the search's pick uses all 3
+    # as 3 stages of 26 + 27 + 27 layers (it refused before: "the GPUs must be stages x replicas").
+    from finetune.plan.fitting import fit
+
+    cfg = load_recipe("qlora-pipeline-70b-2x24gb", [f"model.path={CONFIGS / 'llama-3-70b'}", "data.path=d.jsonl"])
+    current, best = fit(cfg, find_gpu("rtx4090"), max_gpus=3, host_ram=64 * 2**30)
+    assert (current.setup.gpus, current.setup.pp) == (2, 2)
+    assert (best.setup.gpus, best.setup.pp, best.setup.pipeline_layers) == (3, 3, (26, 27, 27))
