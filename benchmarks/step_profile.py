@@ -41,6 +41,9 @@ PARTS = (
 OVERHEAD = "Python and launch overhead"
 SCOPE_PARTS = {"base": "base matmuls", "lora": "LoRA", "attention": "attention", "layer": PARTS[4], "head": PARTS[5]}
 SCOPE_PARTS["optimizer"] = "optimizer"
+# finetune's own ranges inside one autograd node (model/fast_lora.py's fused LoRA over a 4-bit linear): forward and
+# backward, they name the part of what runs inside them.
+LIBRARY_SCOPES = {"finetune.fast_lora.base": "base", "finetune.fast_lora.adapter": "lora"}
 LOSS_OPS = re.compile(r"cross_entropy|log_softmax|nll_loss")
 
 
@@ -48,6 +51,8 @@ def scope_of(module_name: str, module: torch.nn.Module) -> str | None:
     """The label of a module's range (the innermost labelled module an op runs in names its part), or None."""
     kind = type(module).__name__
     last = module_name.rsplit(".", 1)[-1]
+    if hasattr(module, "lora_A"):  # peft's LoRA wrapper (of any base kind): its own ops (casts, the sum) are LoRA's
+        return "lora"
     if re.fullmatch(r"lora_(A|B|dropout|embedding_A|embedding_B|magnitude_vector)", last.split(".")[0]) or (
         module_name.split(".")[-2:-1] and module_name.split(".")[-2] in ("lora_A", "lora_B", "lora_dropout")
     ):
@@ -105,7 +110,7 @@ def parts_of(events: Iterable[Any], device: bool) -> tuple[dict[str, float], dic
     seconds: dict[str, float] = defaultdict(float)
     names: dict[str, list[str]] = defaultdict(list)
     for e in events:
-        if e.name.startswith(PREFIX):
+        if e.name.startswith(PREFIX) or e.name in LIBRARY_SCOPES:
             continue  # a range's own time is Python between ops: the overhead
         spent = (e.self_device_time_total if device else e.self_cpu_time_total) / 1e6
         part = _part(e, by_seq)
@@ -138,6 +143,8 @@ def _part(e: Any, by_seq: dict[int, str]) -> str:
         return PARTS[0]
     node = e
     while node is not None:  # a backward op: the part of the forward op whose autograd node it runs
+        if node.name in LIBRARY_SCOPES:  # unless a range of ours inside that node names it
+            return SCOPE_PARTS[LIBRARY_SCOPES[node.name]]
         if node.name.startswith("autograd::engine::evaluate_function") and node.sequence_nr in by_seq:
             return by_seq[node.sequence_nr]
         node = node.cpu_parent
@@ -149,6 +156,8 @@ def _nearest_scope(e: Any) -> str | None:
     while node is not None:
         if node.name.startswith(PREFIX):
             return node.name[len(PREFIX) :]
+        if node.name in LIBRARY_SCOPES:
+            return LIBRARY_SCOPES[node.name]
         node = node.cpu_parent
     return None
 

@@ -76,3 +76,6 @@ def test_the_demos_modules_are_labelled_by_their_names_and_kinds():
     }
     for name, label in names.items():
         assert bench.scope_of(name, torch.nn.Identity()) == label, name
+    wrapper = torch.nn.Identity()
+    wrapper.lora_A = torch.nn.ModuleDict()  # peft's LoRA layer around a base: its own ops (casts, the sum) are LoRA's
+    assert bench.scope_of("base_model.model.model.layers.0.self_attn.q_proj", wrapper) == "lora"

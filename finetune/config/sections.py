@@ -39,10 +39,11 @@ class ModelConfig(_Section):
         "dtype (exact image features; ~0.7 GB for Qwen2.5-VL-7B's 670M in bf16), 4bit stores them NF4 as quant.bits=4 "
         "does the language model (a quarter of the bytes; features carry quantization error)",
     )
-    kernels: Literal["auto", "none", "liger"] = Field(
+    kernels: Literal["auto", "none", "liger", "finetune"] = Field(
         "auto",
         description="fused kernels in the decoder layers (finetune/model/kernels.py): liger-kernel's RMSNorm, RoPE, SwiGLU; "
-        "auto: liger on CUDA when installed (pip install 'finetune[gpu]') for the families it knows, never on a CPU",
+        "auto: liger on CUDA when installed (pip install 'finetune[gpu]') for the families it knows, never on a CPU; "
+        "finetune: each LoRA'd 4-bit linear as one autograd function (model/fast_lora.py), on any device",
     )
 
 

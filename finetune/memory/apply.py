@@ -72,6 +72,8 @@ def _kernels(model, a: Applying) -> str | None:
     a.applied.kernels = apply_kernels(model, setting, a.device.type)
     if a.applied.kernels == "liger":
         return "kernels: liger-kernel's fused RMSNorm, RoPE and SwiGLU in the decoder layers (model.kernels)"
+    if a.applied.kernels == "finetune":
+        return "kernels: each LoRA'd 4-bit linear as one autograd function (model.kernels=finetune)"
     return None
 
 

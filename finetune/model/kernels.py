@@ -4,6 +4,8 @@
             model's family; none otherwise, and always on a CPU (its kernels are Triton, GPU only);
             none for a model the caller built and handed over (Trainer.from_parts)
     liger   the same, or a clear error saying which of the three is missing
+    finetune  each LoRA'd 4-bit linear as one autograd function (model/fast_lora.py), on any device; opt-in until a
+            GPU lease has measured it against the rest
     none    the model's own modules
 
 liger patches the loaded model in place: each decoder layer's norms and MLP get liger's forward
@@ -46,9 +48,9 @@ def liger_families() -> dict[str, Callable[..., None]] | None:
 
 
 def choose(setting: str, device_type: str, model_type: str, families: dict[str, Any] | None) -> str:
-    """'liger' or 'none' for model.kernels=`setting` on `device_type` (families: liger_families())."""
-    if setting == "none":
-        return "none"
+    """'liger', 'finetune' or 'none' for model.kernels=`setting` on `device_type` (families: liger_families())."""
+    if setting in ("none", "finetune"):
+        return setting
     usable = device_type == "cuda" and families is not None and model_type in families
     if setting == "auto" or usable:
         return "liger" if usable else "none"
@@ -65,7 +67,12 @@ def choose(setting: str, device_type: str, model_type: str, families: dict[str, 
 
 def apply_kernels(model, setting: str, device_type: str) -> str:
     """Patch `model` (a transformers causal LM, before peft or with it) per model.kernels; returns
-    the kernels chosen ('liger' or 'none')."""
+    the kernels chosen ('liger', 'finetune' or 'none')."""
+    if setting == "finetune":
+        from finetune.model.fast_lora import install
+
+        install(model)
+        return "finetune"
     families = liger_families() if setting != "none" else None
     base = base_of(model)
     model_type = getattr(base.config, "model_type", "")
