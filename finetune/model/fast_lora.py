@@ -115,7 +115,7 @@ def _plain(layer: Any, kwargs: dict[str, Any]) -> str | None:
     active = [name for name in layer.active_adapters if name in layer.lora_A]
     if len(active) != 1 or active[0] in layer.lora_variant:
         return None
-    state = layer.base_layer.weight.quant_state
+    state = getattr(layer.base_layer.weight, "quant_state", None)
     if state is None or getattr(state, "packing_format_for_cpu", False) or len(state.shape) != 2:
         return None
     return active[0]
@@ -123,13 +123,13 @@ def _plain(layer: Any, kwargs: dict[str, Any]) -> str | None:
 
 def _fused_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """peft's Linear4bit.forward for one plain adapter, through LoraOver4bit (the same casts, in the same places)."""
-    name = None if args or x.numel() == 0 else _plain(self, kwargs)
-    if name is None:
-        return type(self).forward(self, x, *args, **kwargs)
     from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
 
     base = self.base_layer
-    fix_4bit_weight_quant_state_from_module(base)
+    fix_4bit_weight_quant_state_from_module(base)  # FSDP's gathered weight lost it: bitsandbytes' own repair
+    name = None if args or x.numel() == 0 else _plain(self, kwargs)
+    if name is None:
+        return type(self).forward(self, x, *args, **kwargs)
     if not base.compute_type_is_set:
         base.set_compute_type(x)
         base.compute_type_is_set = True
