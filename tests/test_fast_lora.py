@@ -136,3 +136,17 @@ def test_a_profile_splits_the_fused_node_into_the_base_matmul_and_the_adapter(re
     assert names["base matmuls"].count("bitsandbytes::gemm_4bit") == 1 and names["base matmuls"].count("aten::mm") == 2
     assert names["4-bit dequantization"].count("bitsandbytes::dequantize_4bit") == 2  # once forward, once backward
     assert names["LoRA"].count("aten::mm") == 2 + 4  # forward: A, B; backward: their weight gradients, their inputs'
+
+
+def test_a_weight_that_lost_its_quantization_state_is_repaired_first(recipe_dict, tiny, tmp_path):
+    # FSDP's all-gather hands the layer a plain Parameter: bitsandbytes repairs it from the module before the fused
+    # path reads the state (it raised "'Parameter' object has no attribute 'quant_state'", seen under FSDP on 2).
+    layer = _fused_layers(recipe_dict, tiny, tmp_path)[0]
+    x = torch.randn(2, 5, layer.base_layer.in_features)
+    eager = _layer_pass(layer, x, seed=3)
+    fast_lora.install(layer)
+    base = layer.base_layer
+    base.quant_state = base.weight.quant_state  # what FSDP's units keep (bitsandbytes' repair reads it there)
+    base.weight = torch.nn.Parameter(base.weight.data, requires_grad=False)
+    assert not hasattr(base.weight, "quant_state")
+    torch.testing.assert_close(_layer_pass(layer, x, seed=3)[0], eager[0], rtol=1e-5, atol=1e-6)
