@@ -150,3 +150,32 @@ def test_a_weight_that_lost_its_quantization_state_is_repaired_first(recipe_dict
     base.weight = torch.nn.Parameter(base.weight.data, requires_grad=False)
     assert not hasattr(base.weight, "quant_state")
     torch.testing.assert_close(_layer_pass(layer, x, seed=3)[0], eager[0], rtol=1e-5, atol=1e-6)
+
+
+def test_the_packed_weight_is_saved_where_checkpointing_can_drop_it(recipe_dict, tiny, tmp_path):
+    # A ctx attribute would keep every (streamed) layer's weight alive from forward to backward; saved as a tensor,
+    # activation checkpointing's hooks see it (memory/stream.py's _Saved4bitMatmul, for the same reason).
+    layer = _fused_layers(recipe_dict, tiny, tmp_path)[0]
+    fast_lora.install(layer)
+    seen: list[int] = []
+    x = torch.randn(2, 5, layer.base_layer.in_features, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t.untyped_storage().data_ptr()) or t, lambda t: t):
+        y = layer(x)
+    assert layer.base_layer.weight.untyped_storage().data_ptr() in seen
+    y.sum().backward()
+
+
+def test_inside_cudas_autocast_the_adapters_input_is_not_cast_as_in_peft(recipe_dict, tiny, tmp_path, monkeypatch):
+    # peft casts the adapter's input to its dtype only where torch.is_autocast_enabled() (CUDA's) is false; the fused
+    # path follows it. CUDA's answer faked on this CPU, under the CPU's autocast: both paths take the other branch.
+    layer = _fused_layers(recipe_dict, tiny, tmp_path)[0]
+    x = torch.randn(2, 5, layer.base_layer.in_features, dtype=torch.bfloat16)
+    real = torch.is_autocast_enabled
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *device: real(*device) if device else True)
+    with torch.autocast("cpu", torch.bfloat16):
+        eager = _layer_pass(layer, x, seed=3)
+        fast_lora.install(layer)
+        fused = _layer_pass(layer, x, seed=3)
+    for e, f, what in zip(eager, fused, ("output", "input gradient", "A gradient", "B gradient"), strict=True):
+        assert e.dtype == f.dtype, what
+        torch.testing.assert_close(f, e, rtol=1e-2, atol=1e-3, msg=what)  # (bitwise here)

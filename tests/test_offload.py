@@ -367,9 +367,11 @@ def test_a_parked_file_that_cannot_be_written_or_read_says_where_and_what_to_do(
         ParkingFiles(blocker)
     assert "memory.offload_dir" in str(made.value)
     files = ParkingFiles(tmp_path / "parking")
+    files.wait_for_room()
     kept = files.put(torch.arange(8.0), None)
     assert torch.equal(kept.take(), torch.arange(8.0)) and not kept.path.exists()
     shutil.rmtree(files.folder)  # the disk gone from under the run: the next write fails, and says so when read
+    files.wait_for_room()
     lost = files.put(torch.arange(1024.0), None)
     with pytest.raises(TrainingError) as said:
         lost.take()
@@ -377,6 +379,8 @@ def test_a_parked_file_that_cannot_be_written_or_read_says_where_and_what_to_do(
     assert "memory.activation_offload=disk: writing a checkpointed layer's input (4,096 bytes)" in text
     assert str(lost.path) in text and "set memory.activation_offload=true (host RAM)" in text
     files.discard()
+    with pytest.raises(RuntimeError, match="parking folder was discarded"):  # nothing waits forever after
+        files.wait_for_room()
 
 
 @pytest.mark.parametrize(

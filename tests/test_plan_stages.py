@@ -343,3 +343,24 @@ def test_fit_on_gpus_the_written_layout_does_not_divide_plans_it_on_fewer_and_se
     current, best = fit(cfg, find_gpu("rtx4090"), max_gpus=3, host_ram=64 * 2**30)
     assert (current.setup.gpus, current.setup.pp) == (2, 2)
     assert (best.setup.gpus, best.setup.pp, best.setup.pipeline_layers) == (3, 3, (26, 27, 27))
+
+
+def test_plan_on_gpus_whose_count_the_layers_do_not_divide_compares_uneven_stages():
+    # `finetune plan demo-cpu --gpus 3`: 4 layers over 3 stages as 1 + 1 + 2 (it raised "the stages must hold every
+    # layer"); --fit's interleaved pick writes pipeline_layers=even beside virtual stages (auto would be refused).
+    from finetune.plan.fitting import candidates
+    from finetune.plan.recipe import compare_strategies
+    from finetune.plan.rewrite import setup_changes
+
+    rows = dict(compare_strategies(load_recipe("demo-cpu"), find_gpu("rtx4090"), 3))
+    assert rows["pipeline 3 stages"].setup.pipeline_layers == (1, 1, 2)
+    cfg = load_recipe("qlora-pipeline-70b-2x24gb", [f"model.path={CONFIGS / 'llama-3-70b'}", "data.path=d.jsonl"])
+    assert cfg.distributed.pipeline_layers == "auto"
+    shape, facts, _ = planning_inputs(cfg, find_gpu("rtx4090"))
+    four = [s for s in candidates(setup_of(cfg), 4, facts, layouts=((4, 1),), layers=80) if s.virtual_stages == 2]
+    changes = setup_changes(four[0], setup_of(cfg), cfg)
+    assert changes["distributed.pipeline_layers"] == "even" and changes["distributed.virtual_stages"] == 2
+    load_recipe(
+        "qlora-pipeline-70b-2x24gb",
+        [f"model.path={CONFIGS / 'llama-3-70b'}", "data.path=d.jsonl"] + [f"{k}={v}" for k, v in changes.items()],
+    )  # the rules accept it

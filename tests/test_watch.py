@@ -128,3 +128,33 @@ def test_no_alert_when_alert_below_is_null(capsys):
     rows = run_steps(ThroughputAlert(trainer(alert_below=None)), averaged_rows(steps))
     assert not any("throughput_alert" in r for r in rows)
     assert capsys.readouterr().out == ""
+
+
+def test_collectives_are_taken_out_of_the_compute_only_inside_a_steps_work():
+    # parallel/waits.py: spans kept between a step clock's start and stop, added up at each micro-batch's end of
+    # backward; a collective after the last one (FSDP's final reduce-scatters) or before the step is not the work's.
+    import time
+
+    import pytest
+    import torch
+
+    from finetune.parallel import waits
+    from finetune.trainer.profiling import StepClock
+
+    cpu = torch.device("cpu")
+    clock = StepClock(cpu)
+    with waits.collective(cpu):
+        time.sleep(0.05)  # before any step: not kept
+    clock.start()
+    for _ in range(2):  # two micro-batches, each waiting 0.05 s in a collective, then its backward's end
+        with waits.collective(cpu):
+            time.sleep(0.05)
+        clock._done()
+    with waits.collective(cpu):
+        time.sleep(0.05)  # after the work ended
+    compute, step = clock.stop()
+    assert step >= 0.15 and compute < 0.02 and clock.waited == pytest.approx(0.10, abs=0.02)
+    assert not waits._spans
+    with waits.collective(cpu):
+        time.sleep(0.01)  # after the step: not kept
+    assert not waits._spans

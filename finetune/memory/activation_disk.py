@@ -1,6 +1,7 @@
 """memory.activation_offload=disk: each checkpointed layer's input waits in a file (an NVMe disk) instead of host RAM.
 
     files = ParkingFiles(directory)        # this process's own folder, removed at exit
+    files.wait_for_room()                  # before the host block is made: at most WRITES_IN_FLIGHT wait for the disk
     slot = files.put(host, copied)         # written by a thread once the device->host copy (event) is done
     slot.read_ahead()                      # a thread reads it back into host RAM while another layer recomputes
     host = slot.take()                     # the bytes as they were parked (waits for the read); the file removed
@@ -53,32 +54,34 @@ class ParkingFiles:
         self.pinned = pinned  # read back into pinned host RAM (a CUDA device: the copy to it is then asynchronous)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="finetune-parking")
         self._room = threading.BoundedSemaphore(WRITES_IN_FLIGHT)  # released as each write ends
+        self._closed = False
         self._names = itertools.count()
         self.written_bytes = 0  # bytes parked on disk so far (the tests and the plan's disk figure)
 
     def discard(self) -> None:
-        """Delete the folder and whatever is still in it (idempotent)."""
+        """Delete the folder and whatever is still in it (idempotent; nothing is parked after)."""
+        self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(self.folder, ignore_errors=True)
         atexit.unregister(self.discard)
 
+    def wait_for_room(self) -> None:
+        """Wait while WRITES_IN_FLIGHT host blocks wait for the disk (call before making the next one: host RAM stays
+        bounded, the forward waits for a slower disk)."""
+        if self._closed:
+            raise RuntimeError("memory.activation_offload=disk: this process's parking folder was discarded")
+        self._room.acquire()
+
     def put(self, host: torch.Tensor, copied: torch.cuda.Event | None) -> ParkedFile:
         """`host` written to a file of its own once `copied` (the device->host copy filling it) is done; its host
-        RAM is free once written. Waits while WRITES_IN_FLIGHT blocks wait for the disk (host RAM stays bounded)."""
+        RAM is free once written (wait_for_room() first)."""
         slot = ParkedFile(self, self.folder / f"{next(self._names)}.bin", host.shape, host.dtype)
         self.written_bytes += host.numel() * host.element_size()
-        self._room.acquire()
         slot.write = self._pool.submit(_write, slot.path, host, copied, self._room)
-        # A slot whose backward never comes (a forward retried after running out of memory) takes its file with it,
-        # after its write: the same thread, in order.
-        weakref.finalize(slot, self._forget, slot.path).atexit = False
+        # A slot whose backward never comes (a forward retried after running out of memory) takes its file with it
+        # once written. A callback on the write, not a task: a finalizer may run inside the pool's own locks (GC).
+        weakref.finalize(slot, _forget, slot.write, slot.path).atexit = False
         return slot
-
-    def _forget(self, path: Path) -> None:
-        try:
-            self._pool.submit(path.unlink, missing_ok=True)
-        except RuntimeError:  # the pool has shut down: discard() removes the folder
-            pass
 
     def read(self, slot: ParkedFile) -> Future[torch.Tensor]:
         return self._pool.submit(_read, slot, self.pinned)
@@ -105,6 +108,10 @@ class ParkedFile:
         reading, self.reading = self.reading, None
         assert reading is not None
         return reading.result()
+
+
+def _forget(write: Future[None], path: Path) -> None:
+    write.add_done_callback(lambda _: path.unlink(missing_ok=True))
 
 
 def _write(path: Path, host: torch.Tensor, copied: torch.cuda.Event | None, room: threading.BoundedSemaphore) -> None:

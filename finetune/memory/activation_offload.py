@@ -159,6 +159,8 @@ class ActivationOffload:
         self.checkpoint_tensors += 1
         if self._stream is None and not self.force_copy:
             return t
+        if self.files is not None:
+            self.files.wait_for_room()  # before the host block is made: the blocks waiting for the disk stay bounded
         host, parked.copied = self._to_host(t)  # events of one stream: the last one covers the earlier copies
         parked.host.append(self.files.put(host, parked.copied) if self.files is not None else host)
         return parked, len(parked.host) - 1

@@ -34,13 +34,15 @@ class LoraOver4bit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, d, packed, state, bias, a, b, scale: float):
-        with record_function(BASE_RANGE):
+        with _range(BASE_RANGE):
             base = _gemm_4bit(x, packed, state, bias)
-        with record_function(ADAPTER_RANGE):
+        with _range(ADAPTER_RANGE):
             u = F.linear(d, a)  # (under mixed precision, in autocast's dtype: as lora_A and lora_B run in peft)
             out = F.linear(u, b) * scale
-        ctx.save_for_backward(d, u, a, b)
-        ctx.packed, ctx.state, ctx.scale = packed, state, scale
+        # The packed weight saved as a tensor, not a ctx attribute: activation checkpointing then drops it after
+        # forward, and a streamed layer's device copy is freed (memory/stream.py's _Saved4bitMatmul, for the same reason).
+        ctx.save_for_backward(d, u, a, b, packed)
+        ctx.state, ctx.scale = state, scale
         kind = d.device.type
         ctx.autocast = (kind, torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else None
         return base, out
@@ -49,17 +51,17 @@ class LoraOver4bit(torch.autograd.Function):
     def backward(ctx, g_base, g_out):
         import bitsandbytes.functional as bnbf
 
-        d, u, a, b = ctx.saved_tensors
+        d, u, a, b, packed = ctx.saved_tensors
         need_x, need_d, _, _, need_bias, need_a, need_b, _ = ctx.needs_input_grad
         dx = dd = da = db = dbias = None
         if need_x:  # W dequantized once for the input's gradient, as bitsandbytes' backward does
-            with record_function(BASE_RANGE):
-                dx = torch.matmul(g_base, bnbf.dequantize_4bit(ctx.packed, ctx.state).to(g_base.dtype))
+            with _range(BASE_RANGE):
+                dx = torch.matmul(g_base, bnbf.dequantize_4bit(packed, ctx.state).to(g_base.dtype))
         if need_bias:
             dbias = g_base.reshape(-1, g_base.shape[-1]).sum(0)
         # The adapter's products under the forward's autocast, as autograd runs theirs in peft (the gradients come
         # back in autocast's dtype: autograd casts each to its input's dtype, as peft's casts' backward would).
-        with torch.autocast(*ctx.autocast) if ctx.autocast else nullcontext(), record_function(ADAPTER_RANGE):
+        with torch.autocast(*ctx.autocast) if ctx.autocast else nullcontext(), _range(ADAPTER_RANGE):
             # Each product as autograd's own for a linear (a weight's gradient: input^T grad, transposed), so that
             # the reductions run in the same order: bitwise peft's in fp32, and in bf16 too.
             go = (g_out * ctx.scale).reshape(-1, g_out.shape[-1])  # the gradient of (d A^T) B^T, flat
@@ -71,6 +73,11 @@ class LoraOver4bit(torch.autograd.Function):
             if need_d:
                 dd = gu.mm(a).view(*d.shape[:-1], a.shape[-1])
         return dx, dd, None, None, dbias, da, db, None
+
+
+def _range(name: str) -> Any:
+    """A profiler range where a profiler records (a no-op otherwise: no op call per layer per pass)."""
+    return record_function(name) if torch.autograd.profiler._is_profiler_enabled else nullcontext()
 
 
 def _gemm_4bit(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: torch.Tensor | None) -> torch.Tensor:
@@ -93,13 +100,36 @@ def _gemm_4bit(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: torch.Te
     )
 
 
-def install(model: torch.nn.Module) -> int:
-    """Give every peft LoRA layer over a bitsandbytes 4-bit linear the fused forward (its plain calls; peft's
-    otherwise); the number of layers given it."""
+def missing() -> str | None:
+    """What the installed peft or bitsandbytes lacks that the fused forward calls, or None."""
     try:
         from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
-    except ImportError:  # peft without bitsandbytes support: nothing to fuse
-        return 0
+    except ImportError:
+        return "peft's bitsandbytes LoRA layers (peft.tuners.lora.bnb.Linear4bit)"
+    if not hasattr(LoraLinear4bit, "_cast_input_dtype") or not hasattr(LoraLinear4bit, "_check_forward_args"):
+        return "peft >= 0.15's LoRA layer methods (_cast_input_dtype)"
+    op = getattr(getattr(torch.ops, "bitsandbytes", None), "gemm_4bit", None)
+    if op is None or "absmax_8bit" not in str(op.default._schema):
+        return "bitsandbytes' gemm_4bit op with double-quant arguments (absmax_8bit)"
+    return None
+
+
+def install(model: torch.nn.Module) -> int:
+    """Give every peft LoRA layer over a bitsandbytes 4-bit linear the fused forward (its plain calls; peft's
+    otherwise); the number of layers given it. Refused, with the versions, where peft or bitsandbytes lack a piece."""
+    lacks = missing()
+    if lacks is not None:
+        import importlib.metadata as md
+
+        from finetune.errors import ModelError
+
+        have = ", ".join(f"{p} {md.version(p)}" for p in ("peft", "bitsandbytes"))
+        raise ModelError(
+            f"model.kernels=finetune calls {lacks}, which this environment lacks ({have})",
+            hint="upgrade peft and bitsandbytes (pip install -U peft bitsandbytes), or set model.kernels=auto",
+        )
+    from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+
     n = 0
     for module in model.modules():
         if isinstance(module, LoraLinear4bit) and getattr(module.forward, "__func__", None) is not _fused_forward:
@@ -141,8 +171,12 @@ def _fused_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Te
             bias.data = bias.data.to(xc.dtype)
         bias = bias.to(base.compute_dtype)
     lora_a, lora_b = self.lora_A[name], self.lora_B[name]
-    d = self.lora_dropout[name](self._cast_input_dtype(x, lora_a.weight.dtype))
+    # peft casts the adapter's input (and its output back) only outside CUDA's autocast (torch.is_autocast_enabled()
+    # asks CUDA's), and so does this: the same tensors saved, the same dropout draws, on any device.
+    convert = not torch.is_autocast_enabled()
+    d = self.lora_dropout[name](self._cast_input_dtype(x, lora_a.weight.dtype) if convert else x)
     packed = base.weight.view(-1, 1)  # the canonical layout bitsandbytes' matmul takes
     state = base.weight.quant_state
     base_out, lora_out = LoraOver4bit.apply(xc, d, packed, state, bias, lora_a.weight, lora_b.weight, self.scaling[name])
-    return base_out.to(inp_dtype) + lora_out.to(inp_dtype)
+    result = base_out.to(inp_dtype)
+    return result + (lora_out.to(result.dtype) if convert else lora_out)

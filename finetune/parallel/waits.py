@@ -3,6 +3,7 @@ the others (and moving bytes), not its own work. The straggler watch takes it ou
 (trainer/profiling.StepClock), so a slow rank of a tensor- or context-parallel group, or of FSDP's processes, shows as
 the slow one instead of every rank showing its time.
 
+    waits.recording(True)                # a step's clock runs (nothing is kept otherwise: eval, generation)
     with waits.collective(x.device):     # around one collective this rank blocks on
         dist.all_reduce(x, group=group)
     seconds = waits.taken()              # since the last call (CUDA: events on the compute stream, read once here)
@@ -25,6 +26,15 @@ from typing import Any
 import torch
 
 _spans: list[tuple[Any, Any]] = []  # (start, end) marks of this process's timed collectives since the last taken()
+_on = [False]  # recording: between a step clock's start and its stop
+
+
+def recording(on: bool) -> None:
+    """Keep spans from now on (a step's clock started), or no longer (it stopped): a held-out eval's, a reference
+    pass's or a generation's collectives would otherwise pile up events until the next step."""
+    _on[0] = on
+    if not on:
+        _spans.clear()
 
 
 def _mark(cuda: bool) -> Any:
@@ -38,6 +48,9 @@ def _mark(cuda: bool) -> Any:
 @contextmanager
 def collective(device: torch.device) -> Iterator[None]:
     """Time the collective inside (a CUDA device: events on its current stream, never a synchronization here)."""
+    if not _on[0]:
+        yield
+        return
     cuda = device.type == "cuda"
     start = _mark(cuda)
     try:

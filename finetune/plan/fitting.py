@@ -20,7 +20,7 @@ from finetune.plan.inputs import RecipeFacts, Setup, describe_setup
 from finetune.plan.memory import Estimate, gib
 from finetune.plan.recipe import plan_precision, plan_recipe, planning_inputs, replica_ranks, setup_of
 from finetune.plan.shape import ModelShape
-from finetune.plan.stages import balanced_layers, layout_choices, plan_setup
+from finetune.plan.stages import balanced_layers, layout_choices, near_even, plan_setup
 
 FIT_HEADROOM = 0.10  # --fit keeps 10% of the card free: the model's error on published runs reaches ~15%
 
@@ -140,7 +140,7 @@ def _laid_out(s: Setup, base: Setup, pp: int, tp: int, cp: int = 1, tables_train
     if per_replica < 1 or per_replica != int(per_replica):
         return None
     m = int(per_replica)
-    own = base.pipeline_layers if pp == base.pp else _near_even(layers, pp)  # the recipe's split (auto: as balanced)
+    own = base.pipeline_layers if pp == base.pp else near_even(layers, pp)  # the recipe's split (auto: as balanced)
     # Sequence and vocabulary parallelism wherever they run (tensor parallelism with or without context parallelism;
     # vp: the loss in chunks; neither with sampling): less memory, the same traffic (sp), two all-reduces of a chunk's
     # positions (vp).
@@ -152,14 +152,6 @@ def _laid_out(s: Setup, base: Setup, pp: int, tp: int, cp: int = 1, tables_train
     if base.pp == pp and base.pipeline_schedule == "interleaved_1f1b" and m % max(1, m // pp) == 0:
         return replace(s, pipeline_schedule=base.pipeline_schedule, virtual_stages=base.virtual_stages)
     return replace(s, pipeline_schedule="1f1b" if m >= pp else "gpipe", virtual_stages=1)
-
-
-def _near_even(layers: int, pp: int) -> tuple[int, ...]:
-    """Decoder layers per stage as even as `pp` stages hold them, the first stages one fewer (the first holds the most
-    micro-batches in flight, the embeddings too); () where they split evenly, or the count is unknown (0)."""
-    if not layers or layers % pp == 0:
-        return ()
-    return tuple(layers // pp + (i >= pp - layers % pp) for i in range(pp))
 
 
 def _interleaved(s: Setup, layers: int) -> Setup | None:

@@ -17,7 +17,7 @@ from finetune.model.load import model_source
 from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.memory import Estimate, estimate
 from finetune.plan.shape import ModelShape, read_model_shape
-from finetune.plan.stages import balanced_layers, layout_choices, plan_setup, row_shares, tensor_rank_shape
+from finetune.plan.stages import balanced_layers, layout_choices, near_even, plan_setup, row_shares, tensor_rank_shape
 
 
 def plan_precision(cfg: RecipeConfig, gpu: GpuSpec | None) -> str:
@@ -194,7 +194,7 @@ def _layouts(cfg: RecipeConfig, gpu: GpuSpec | None, gpus: int, base: Setup) -> 
             pp=pp,
             tp=tp,
             pipeline_schedule="1f1b" if base.grad_accum >= pp else "gpipe",
-            pipeline_layers=(),
+            pipeline_layers=near_even(shape.layers, pp),  # stages that cannot hold equal layers: the first one fewer
             sharding=DDP.name,
             cpu_offload=False,
             base_weights="device",

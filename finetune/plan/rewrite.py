@@ -57,9 +57,11 @@ def setup_changes(setup: Setup, base: Setup, cfg: RecipeConfig | None = None) ->
     given = cfg.distributed.pipeline_layers if cfg is not None else "even"
     # The recipe's split where the search kept its stages (fitting._laid_out); auto balances any other
     # pipeline; counts for another number of stages, or any split without a pipeline, would be refused.
-    if setup.pipeline_layers and setup.pp != base.pp:  # an uneven split the search chose (fitting._near_even)
+    if setup.pipeline_layers and setup.pp != base.pp:  # an uneven split the search chose (stages.near_even)
         out["distributed.pipeline_layers"] = list(setup.pipeline_layers)
-    elif given != "even" and setup.pp != base.pp and (given != "auto" or setup.pp == 1):
+    elif given != "even" and (
+        (setup.pp != base.pp and (given != "auto" or setup.pp == 1)) or setup.virtual_stages > 1  # interleaved: even only
+    ):
         out["distributed.pipeline_layers"] = "even"
     if cfg is not None:
         chosen = setup.strategy

@@ -348,9 +348,17 @@ def _send_link(setup: Setup, gpu: GpuSpec) -> tuple[float, int]:
     return link, tp * cp if link < gpu.interconnect_gbps else 1
 
 
+def near_even(layers: int, pp: int) -> tuple[int, ...]:
+    """Decoder layers per stage as even as `pp` stages hold them, the first stages one fewer (the first holds the most
+    micro-batches in flight, the embeddings too); () where they split evenly, or the count is unknown (0)."""
+    if not layers or layers % pp == 0:
+        return ()
+    return tuple(layers // pp + (i >= pp - layers % pp) for i in range(pp))
+
+
 def layout_choices(cfg: Any, shape: ModelShape, max_gpus: int, precision: str) -> tuple[tuple[int, int], ...]:
     """(pipeline stages, tensor-parallel ranks) the search may try for this recipe and model on up to max_gpus:
-    the model's layers split into the stages (unevenly where they must: fitting._near_even), its heads and MLP into
+    the model's layers split into the stages (unevenly where they must: near_even), its heads and MLP into
     the ranks, and nothing in the recipe (objective, adapter, the precision it runs in: precision=auto's fp16 too) that a pipeline or a
     split refuses."""
     out = []

@@ -297,12 +297,13 @@ class StepClock:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.t0 = self.waited = 0.0
+        self.t0 = self.waited = self.collectives = 0.0
         self.local_done: float | None = None
 
     def start(self) -> None:
-        waits.taken()  # the collectives before this step (a held-out eval's): not this step's
-        self.t0, self.waited, self.local_done = time.perf_counter(), 0.0, None
+        waits.taken()  # the collectives before this step: not this step's
+        waits.recording(True)
+        self.t0, self.waited, self.local_done, self.collectives = time.perf_counter(), 0.0, None, 0.0
 
     def waiting(self) -> _Waiting:
         return _Waiting(self)
@@ -321,15 +322,19 @@ class StepClock:
         here (the collectives after it wait for the slowest stage)."""
         self.waited += waited
         self.local_done = time.perf_counter()
+        self.collectives += waits.taken()  # those inside the window (after it: not this rank's work anyway)
 
     def _done(self) -> None:
         if self.cuda:  # the compute stream only: the reducer's communication runs on its own
             torch.cuda.current_stream().synchronize()
         self.local_done = time.perf_counter()
+        self.collectives += waits.taken()  # the collectives inside this micro-batch's forward and backward
 
     def stop(self) -> tuple[float, float]:
         """(compute_s, step_s) of the step since start()."""
-        self.waited += waits.taken()  # inside its forward and backward: before local_done
+        after = waits.taken()  # since local_done (FSDP's last reduce-scatters): outside the work it ends
+        waits.recording(False)
+        self.waited += self.collectives if self.local_done is not None else after
         end = time.perf_counter()
         return max(0.0, (self.local_done or end) - self.t0 - self.waited), end - self.t0
 
