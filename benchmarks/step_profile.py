@@ -39,8 +39,14 @@ PARTS = (
     "other ops",
 )
 OVERHEAD = "Python and launch overhead"
-SCOPE_PARTS = {"base": "base matmuls", "lora": "LoRA", "attention": "attention", "layer": PARTS[4], "head": PARTS[5]}
-SCOPE_PARTS["optimizer"] = "optimizer"
+SCOPE_PARTS = {
+    "base": "base matmuls",
+    "lora": "LoRA",
+    "attention": "attention",
+    "layer": PARTS[4],
+    "head": PARTS[5],
+    "optimizer": "optimizer",
+}
 # finetune's own ranges inside one autograd node (model/fast_lora.py's fused LoRA over a 4-bit linear): forward and
 # backward, they name the part of what runs inside them.
 LIBRARY_SCOPES = {"finetune.fast_lora.base": "base", "finetune.fast_lora.adapter": "lora"}
@@ -132,10 +138,7 @@ def _forward_part(e: Any) -> str:
         return PARTS[0]
     if LOSS_OPS.search(e.name):
         return PARTS[5]
-    scope = _nearest_scope(e)
-    if scope == "optimizer":
-        return "optimizer"
-    return SCOPE_PARTS.get(scope, "other ops") if scope else "other ops"
+    return SCOPE_PARTS.get(_nearest_scope(e) or "", "other ops")
 
 
 def _part(e: Any, by_seq: dict[int, str]) -> str:

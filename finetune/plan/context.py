@@ -53,6 +53,11 @@ def rank_tokens(seq_len: int, cp: int) -> tuple[int, int]:
     return part, part + 1
 
 
+def part_setup(setup: Setup) -> Setup:
+    """`setup` as one context-parallel rank's part of each sequence sees it (its tokens a row), or itself without cp."""
+    return replace(setup, seq_len=rank_tokens(setup.seq_len, setup.cp)[1]) if setup.cp > 1 else setup
+
+
 def attention_shape(shape: ModelShape, setup: Setup) -> ModelShape:
     """The model as a rank's attention holds it: Ulysses repeats K/V heads that do not divide over the ranks."""
     repeats = setup.cp_mode == "ulysses" and shape.kv_heads % setup.cp

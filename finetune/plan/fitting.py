@@ -10,7 +10,7 @@ from typing import Any
 
 from finetune.config.schema import RecipeConfig
 from finetune.declarations import techniques
-from finetune.declarations.splits import CONTEXT, PIPELINE, TENSOR, trained_tables
+from finetune.declarations.splits import trained_tables
 from finetune.declarations.strategies import DDP, STRATEGIES
 from finetune.declarations.techniques import TECHNIQUES, Technique
 from finetune.errors import PlanError
@@ -230,8 +230,8 @@ def fit(
     """(the recipe as written on `gpus` GPUs, the fastest setup that fits; with host_ram, one whose
     offload also fits that much RAM). Raises PlanError when none fits."""
     shape, recipe, kw = planning_inputs(cfg, gpu)
-    split = PIPELINE.size(cfg) * TENSOR.size(cfg) * CONTEXT.size(cfg)  # as written it runs on a multiple of its layout
-    current = plan_recipe(cfg, gpu, gpus or max(split, max_gpus // split * split))
+    per = setup_of(cfg).ranks_per_replica  # as written it runs on a multiple of its layout
+    current = plan_recipe(cfg, gpu, gpus or max(per, max_gpus // per * per))
     layouts = layout_choices(cfg, shape, max_gpus, plan_precision(cfg, gpu))
     contexts = context_choices(cfg, shape, max_gpus)
     best, estimates = search(

@@ -36,7 +36,7 @@ from finetune.declarations.splits import problems as split_problems
 from finetune.declarations.strategies import DDP
 from finetune.errors import PlanError
 from finetune.gpus import GpuSpec
-from finetune.plan.context import plan_context_split, rank_tokens
+from finetune.plan.context import part_setup, plan_context_split
 from finetune.plan.inputs import RecipeFacts, Setup
 from finetune.plan.memory import Estimate, estimate, gib
 from finetune.plan.shape import ModelShape
@@ -91,15 +91,16 @@ def plan_pipeline(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: Gpu
     pp, schedule, v, tp, cp = setup.pp, setup.pipeline_schedule, setup.virtual_stages, setup.tp, setup.cp
     world, splits = setup.gpus, setup.pipeline_layers
     uneven = sum(splits) != shape.layers if splits else shape.layers % (pp * v)
-    if world % (pp * tp * cp) or uneven:
+    per = setup.ranks_per_replica
+    if world % per or uneven:
         grid = "stages" + f" x {cp} context-parallel ranks" * (cp > 1) + f" x {tp} tensor-parallel ranks" * (tp > 1)
         raise PlanError(
             f"distributed.pipeline_parallel={pp} (x virtual_stages={v}) on {world} GPUs with {shape.layers} decoder layers"
             f"{f' as {list(splits)}' if splits else ''}: the GPUs must be {grid} x replicas and the stages must hold "
             "every layer (an even split, or distributed.pipeline_layers adding up to them)",
-            hint=f"plan with --gpus {pp * tp * cp} (or a multiple), and distributed.pipeline_layers=auto or counts adding up to {shape.layers}",
+            hint=f"plan with --gpus {per} (or a multiple), and distributed.pipeline_layers=auto or counts adding up to {shape.layers}",
         )
-    replicas, m = world // (pp * tp * cp), setup.grad_accum
+    replicas, m = world // per, setup.grad_accum
     ranks = _ranks(shape, recipe, setup, gpu, **kw)
     worst = max(ranks, key=lambda x: x[1].peak_bytes)[1]
     slowest = max(ranks, key=lambda x: x[1].step_time_s)[1]
@@ -108,7 +109,7 @@ def plan_pipeline(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu: Gpu
     if gpu is not None:
         busy = step - parts["communication"] - parts["optimizer"]  # the micro-batches, without the step's end
         parts["pipeline_bubble"] = busy * (bubble_factor(schedule, pp, v, m) - 1)
-        tokens = rank_tokens(setup.seq_len, cp)[1] if cp > 1 else setup.seq_len  # cp x pp: a part's, in each pipeline
+        tokens = part_setup(setup).seq_len  # cp x pp: a part's, in each pipeline
         boundary = setup.rows * tokens * shape.hidden * recipe.compute_bytes  # one micro-batch's activations
         link, sharing = _send_link(setup, gpu)
         parts["pipeline_p2p"] = 2 * (m + pp - 1) * boundary * sharing / (link * 1e9 * LINK_EFFICIENCY)
@@ -142,11 +143,11 @@ def _ranks(
     (the others hold the same); split over tensor-parallel ranks, each its share, its all-reduces in its step; under
     cp x pp each context-parallel rank's part of every sequence through its stage (plan/context.py)."""
     pp, tp, cp = setup.pp, setup.tp, setup.cp
-    replicas = setup.gpus // (pp * tp * cp)
+    replicas = setup.gpus // setup.ranks_per_replica
     # The processes that sum a stage's gradients: its replicas x context-parallel ranks.
     one = replace(setup, gpus=replicas * cp, sharding=DDP.name, pp=1, pipeline_layers=(), tp=1, fp32_absmax=row_shares(tp))
     plan = plan_context_split if cp > 1 else estimate
-    reduced = replace(setup, seq_len=rank_tokens(setup.seq_len, cp)[1]) if cp > 1 else setup  # a part's tokens
+    reduced = part_setup(setup)  # a part's tokens
     out = []
     for stage in range(pp):
         layout = Layout(pp, replicas, stage * replicas * cp * tp, setup.virtual_stages, tp, setup.pipeline_layers, cp)
@@ -260,7 +261,7 @@ def plan_tensor_split(shape: ModelShape, recipe: RecipeFacts, setup: Setup, gpu:
     rank_shape = tensor_rank_shape(shape, tp, vocab=setup.vp, local_logits=setup.loss_rows > 0)
     e = plan(rank_shape, recipe, one, gpu and _as_seen_by(gpu, same_share), **kw)
     parts, step = dict(e.step_time_parts), e.step_time_s
-    reduced = replace(setup, seq_len=rank_tokens(setup.seq_len, setup.cp)[1]) if setup.cp > 1 else setup
+    reduced = part_setup(setup)
     hidden_states = reduced.rows * reduced.seq_len * shape.hidden * recipe.compute_bytes  # one micro-batch's (part)
     if gpu is not None:
         parts["tensor_allreduce"] = tensor_allreduce_s(shape, recipe, reduced, _as_seen_by(gpu, layout.tensor_ranks(0)))
@@ -336,7 +337,7 @@ def _send_link(setup: Setup, gpu: GpuSpec) -> tuple[float, int]:
     sends share it at once: a stage's tensor-parallel ranks each send their whole hidden states to their peer of the
     next stage, all through the one nodes' link between the two (within a node each pair has its GPUs' own)."""
     pp, tp, cp = setup.pp, setup.tp, setup.cp
-    layout = Layout(pp, setup.gpus // (pp * tp * cp), 0, tp=tp, cp=cp)
+    layout = Layout(pp, setup.gpus // setup.ranks_per_replica, 0, tp=tp, cp=cp)
     boundaries = [
         (a, b)
         for t in range(tp)

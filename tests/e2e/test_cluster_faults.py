@@ -36,25 +36,17 @@ import finetune.parallel.stages as stages
 from finetune.config.schema import load_recipe
 from finetune.trainer import Trainer
 
-stage_forward = stages.Stage.forward
-
-def slowed_forward(self, *args, **kwargs):
-    if os.environ.get("SLOW_STAGE") == os.environ["RANK"]:
-        time.sleep(float(os.environ["SLOW_S"]))
-    return stage_forward(self, *args, **kwargs)
-
-stages.Stage.forward = slowed_forward
-
 from transformers.models.llama import modeling_llama
 
-mlp_forward = modeling_llama.LlamaMLP.forward
+def slowed(forward, variable):
+    def run(self, *args, **kwargs):
+        if os.environ.get(variable) == os.environ["RANK"]:
+            time.sleep(float(os.environ["SLOW_S"]))
+        return forward(self, *args, **kwargs)
+    return run
 
-def slowed_mlp(self, *args, **kwargs):
-    if os.environ.get("SLOW_MLP") == os.environ["RANK"]:
-        time.sleep(float(os.environ["SLOW_S"]))
-    return mlp_forward(self, *args, **kwargs)
-
-modeling_llama.LlamaMLP.forward = slowed_mlp
+stages.Stage.forward = slowed(stages.Stage.forward, "SLOW_STAGE")
+modeling_llama.LlamaMLP.forward = slowed(modeling_llama.LlamaMLP.forward, "SLOW_MLP")
 
 class Recording(Trainer):
     def step_batches(self, step):
