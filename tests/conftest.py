@@ -21,6 +21,11 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # Each xdist worker computes on one thread (the workers share the cores; set before torch is imported).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Triton reads TRITON_INTERPRET when it is first imported (its own library functions are wrapped then): on a machine
+# without CUDA the suite runs model/triton_kernels.py under the interpreter (tests/test_triton_kernels.py), set here
+# before anything imports triton; a CUDA machine compiles them.
+if not __import__("torch").cuda.is_available():  # (torch imported after the thread count above)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # The tokenized-data cache of the whole test session goes to a temp dir, never ~/.cache.
 os.environ["FINETUNE_CACHE"] = tempfile.mkdtemp(prefix="finetune-test-cache-")
 # An empty Hugging Face home: no test reads a model or dataset the machine has cached (a user's machine

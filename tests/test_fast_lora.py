@@ -13,10 +13,10 @@ from conftest import build_char_tokenizer, build_tiny_llama
 
 from finetune.config.schema import build_recipe
 from finetune.metrics import read_metrics
-from finetune.model import fast_lora
+from finetune.model import fast_lora, fast_mlp
 from finetune.trainer import Trainer
 
-FAMILIES = ("demo", "qwen2", "gemma2", "phi3")  # demo: the bundled Llama; phi3: fused qkv and gate_up projections
+FAMILIES = ("demo", "qwen2", "gemma2", "phi3")  # demo: the bundled Llama; gemma2: GELU-tanh; phi3: fused qkv, gate_up
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +102,13 @@ def _steps(out: Path) -> list[tuple[float, float]]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_run_under_the_fused_layers_is_the_eager_run_step_by_step(recipe_dict, tmp_path, family):
+def test_a_run_under_the_fused_layers_is_the_eager_run_step_by_step(recipe_dict, tmp_path, monkeypatch, family):
     from peft.tuners.lora.bnb import Linear4bit
     from test_family_matrix import build_tiny
 
+    monkeypatch.setattr(fast_mlp, "worth_it", lambda device_type: True)  # the CUDA choice: the MLP blocks too
+    blocks, block = [0], fast_mlp.GatedMlpOver4bit.apply  # the MLP blocks' calls (under the recipe's tiled MLP)
+    monkeypatch.setattr(fast_mlp.GatedMlpOver4bit, "apply", lambda *a: blocks.__setitem__(0, blocks[0] + 1) or block(*a))
     model = "asset:tiny-llama" if family == "demo" else build_tiny(family, tmp_path / family)
     runs = {}
     for kernels in ("none", "finetune"):
@@ -116,6 +119,7 @@ def test_a_run_under_the_fused_layers_is_the_eager_run_step_by_step(recipe_dict,
         if kernels == "finetune":
             lora = [m for m in trainer.model.modules() if isinstance(m, Linear4bit)]
             assert lora and all(getattr(m.forward, "__func__", None) is fast_lora._fused_forward for m in lora)
+            assert (blocks[0] == 0) == (family == "phi3")  # phi3: one gate_up projection, not the block's form
     assert len(runs["none"]) == 3
     for (loss_e, norm_e), (loss_f, norm_f) in zip(runs["none"], runs["finetune"], strict=True):
         assert loss_f == pytest.approx(loss_e, rel=1e-5) and norm_f == pytest.approx(norm_e, rel=1e-5)

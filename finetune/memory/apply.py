@@ -73,7 +73,14 @@ def _kernels(model, a: Applying) -> str | None:
     if a.applied.kernels == "liger":
         return "kernels: liger-kernel's fused RMSNorm, RoPE and SwiGLU in the decoder layers (model.kernels)"
     if a.applied.kernels == "finetune":
-        return "kernels: each LoRA'd 4-bit linear as one autograd function (model.kernels=finetune)"
+        from finetune.model.fast_lora import triton_note
+        from finetune.model.fast_mlp import worth_it
+
+        blocks = ", each gated MLP over them as one" if worth_it(a.device.type) else ""
+        return (
+            f"kernels: each LoRA'd 4-bit linear as one autograd function{blocks} (model.kernels=finetune), "
+            f"with {triton_note(a.device.type)}"
+        )
     return None
 
 

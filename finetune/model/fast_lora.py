@@ -17,6 +17,9 @@ the function (the same random draws). Experts kept in finetune's own 4-bit store
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
 import types
 from contextlib import nullcontext
 from typing import Any
@@ -34,45 +37,108 @@ class LoraOver4bit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, d, packed, state, bias, a, b, scale: float):
-        with _range(BASE_RANGE):
-            base = _gemm_4bit(x, packed, state, bias)
-        with _range(ADAPTER_RANGE):
-            u = F.linear(d, a)  # (under mixed precision, in autocast's dtype: as lora_A and lora_B run in peft)
-            out = F.linear(u, b) * scale
+        base, u, out = linear_forward(x, d, packed, state, bias, a, b, scale)
         # The packed weight saved as a tensor, not a ctx attribute: activation checkpointing then drops it after
         # forward, and a streamed layer's device copy is freed (memory/stream.py's _Saved4bitMatmul, for the same reason).
         ctx.save_for_backward(d, u, a, b, packed)
-        ctx.state, ctx.scale = state, scale
-        kind = d.device.type
-        ctx.autocast = (kind, torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else None
+        ctx.state, ctx.scale, ctx.autocast = state, scale, autocast_of(d)
         return base, out
 
     @staticmethod
     def backward(ctx, g_base, g_out):
-        import bitsandbytes.functional as bnbf
-
         d, u, a, b, packed = ctx.saved_tensors
         need_x, need_d, _, _, need_bias, need_a, need_b, _ = ctx.needs_input_grad
-        dx = dd = da = db = dbias = None
-        if need_x:  # W dequantized once for the input's gradient, as bitsandbytes' backward does
-            with _range(BASE_RANGE):
-                dx = torch.matmul(g_base, bnbf.dequantize_4bit(packed, ctx.state).to(g_base.dtype))
-        if need_bias:
-            dbias = g_base.reshape(-1, g_base.shape[-1]).sum(0)
-        # The adapter's products under the forward's autocast, as autograd runs theirs in peft (the gradients come
-        # back in autocast's dtype: autograd casts each to its input's dtype, as peft's casts' backward would).
-        with torch.autocast(*ctx.autocast) if ctx.autocast else nullcontext(), _range(ADAPTER_RANGE):
-            # Each product as autograd's own for a linear (a weight's gradient: input^T grad, transposed), so that
-            # the reductions run in the same order: bitwise peft's in fp32, and in bf16 too.
-            go = (g_out * ctx.scale).reshape(-1, g_out.shape[-1])  # the gradient of (d A^T) B^T, flat
-            if need_b:
-                db = u.reshape(-1, u.shape[-1]).t().mm(go).t()
-            gu = go.mm(b)  # the gradient of d A^T
-            if need_a:
-                da = d.reshape(-1, d.shape[-1]).t().mm(gu).t()
-            if need_d:
-                dd = gu.mm(a).view(*d.shape[:-1], a.shape[-1])
+        need = (need_x, need_d, need_a, need_b)
+        dx, dd, da, db = linear_backward(g_base, g_out, d, u, a, b, packed, ctx.state, ctx.scale, ctx.autocast, need)
+        dbias = g_base.reshape(-1, g_base.shape[-1]).sum(0) if need_bias else None
         return dx, dd, None, None, dbias, da, db, None
+
+
+def linear_forward(x, d, packed, state, bias, a, b, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the base 4-bit matmul of x, the adapter's d A^T, its output ((d A^T) B^T) s): one LoRA'd linear, no graph."""
+    kernels = triton_for(x)
+    with _range(BASE_RANGE):
+        if kernels is None:
+            base = _gemm_4bit(x, packed, state, bias)
+        else:
+            base = kernels.nf4_matmul(x, packed, state, transposed=True)
+            base = base if bias is None else base + bias
+    with _range(ADAPTER_RANGE):
+        u = F.linear(d, a)  # (under mixed precision, in autocast's dtype: as lora_A and lora_B run in peft)
+        out = F.linear(u, b) * scale
+    return base, u, out
+
+
+def autocast_of(t: torch.Tensor) -> tuple[str, torch.dtype] | None:
+    """The autocast a forward ran under on t's device (its backward's adapter products run under the same)."""
+    kind = t.device.type
+    return (kind, torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else None
+
+
+def linear_backward(g_base, g_out, d, u, a, b, packed, state, scale: float, autocast, need) -> tuple[Any, ...]:
+    """The gradients (x, d, A, B) of linear_forward's outputs' gradients; need: which of the four to compute."""
+    import bitsandbytes.functional as bnbf
+
+    need_x, need_d, need_a, need_b = need
+    dx = dd = da = db = None
+    if need_x:  # W dequantized once for the input's gradient, as bitsandbytes' backward does (or in Triton's tiles)
+        kernels = triton_for(g_base)
+        with _range(BASE_RANGE):
+            if kernels is None:
+                dx = torch.matmul(g_base, bnbf.dequantize_4bit(packed, state).to(g_base.dtype))
+            else:
+                dx = kernels.nf4_matmul(g_base, packed, state, transposed=False)
+    # The adapter's products under the forward's autocast, as autograd runs theirs in peft (the gradients come
+    # back in autocast's dtype: autograd casts each to its input's dtype, as peft's casts' backward would).
+    with torch.autocast(*autocast) if autocast else nullcontext(), _range(ADAPTER_RANGE):
+        # Each product as autograd's own for a linear (a weight's gradient: input^T grad, transposed), so that
+        # the reductions run in the same order: bitwise peft's in fp32, and in bf16 too.
+        go = (g_out * scale).reshape(-1, g_out.shape[-1])  # the gradient of (d A^T) B^T, flat
+        if need_b:
+            db = u.reshape(-1, u.shape[-1]).t().mm(go).t()
+        gu = go.mm(b)  # the gradient of d A^T
+        if need_a:
+            da = d.reshape(-1, d.shape[-1]).t().mm(gu).t()
+        if need_d:
+            dd = gu.mm(a).view(*d.shape[:-1], a.shape[-1])
+    return dx, dd, da, db
+
+
+def triton_for(t: torch.Tensor) -> Any:
+    """model/triton_kernels.py where its kernels run on t: a CUDA tensor with triton installed, or a CPU one under
+    Triton's interpreter when FINETUNE_TRITON=interpret asks (tests); else None: the eager ops. FINETUNE_TRITON=0: None."""
+    mode = os.environ.get("FINETUNE_TRITON", "")
+    if mode == "0" or not (t.is_cuda or (mode == "interpret" and t.device.type == "cpu")):
+        return None
+    kernels = _triton_kernels()
+    if kernels is not None and t.device.type == "cpu" and not kernels.INTERPRETING:
+        from finetune.errors import ModelError
+
+        raise ModelError(
+            "FINETUNE_TRITON=interpret: triton was imported without its interpreter",
+            hint="set TRITON_INTERPRET=1 in the environment before the process starts (triton reads it when imported)",
+        )
+    return kernels
+
+
+@functools.cache
+def _triton_kernels() -> Any:
+    try:
+        from finetune.model import triton_kernels
+    except ImportError:  # (no triton: model/kernels.py says so at setup)
+        return None
+    return triton_kernels
+
+
+def triton_note(device_type: str) -> str:
+    """What the fused nodes run their 4-bit matmuls and SwiGLU with on this device, for the setup's kernels line."""
+    if device_type != "cuda":
+        return "bitsandbytes' 4-bit matmul and torch's ops (Triton's kernels run on CUDA)"
+    if os.environ.get("FINETUNE_TRITON") == "0":
+        return "bitsandbytes' 4-bit matmul and torch's ops (FINETUNE_TRITON=0)"
+    if importlib.util.find_spec("triton") is None:
+        return "bitsandbytes' 4-bit matmul and torch's ops: triton is not installed (pip install triton for its kernels)"
+    return "Triton's NF4 matmul and SwiGLU (model/triton_kernels.py)"
 
 
 def _range(name: str) -> Any:
@@ -151,32 +217,35 @@ def _plain(layer: Any, kwargs: dict[str, Any]) -> str | None:
     return active[0]
 
 
-def _fused_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """peft's Linear4bit.forward for one plain adapter, through LoraOver4bit (the same casts, in the same places)."""
+def prepared(layer: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.dtype | None, torch.Tensor | None, bool]:
+    """What peft's Linear4bit.forward does before its matmuls: (the packed weight, bitsandbytes' compute dtype, the
+    bias in it, whether the adapter's input and output are cast: peft casts them only outside CUDA's autocast)."""
     from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
 
-    base = self.base_layer
+    base = layer.base_layer
     fix_4bit_weight_quant_state_from_module(base)  # FSDP's gathered weight lost it: bitsandbytes' own repair
-    name = None if args or x.numel() == 0 else _plain(self, kwargs)
-    if name is None:
-        return type(self).forward(self, x, *args, **kwargs)
     if not base.compute_type_is_set:
         base.set_compute_type(x)
         base.compute_type_is_set = True
-    inp_dtype = x.dtype
-    xc = x.to(base.compute_dtype) if base.compute_dtype is not None else x
     bias = base.bias
     if bias is not None:
-        if bias.dtype != xc.dtype:
-            bias.data = bias.data.to(xc.dtype)
+        if bias.dtype != x.dtype:
+            bias.data = bias.data.to(x.dtype if base.compute_dtype is None else base.compute_dtype)
         bias = bias.to(base.compute_dtype)
+    # (torch.is_autocast_enabled() asks CUDA's autocast: on any device the fused path takes peft's branch)
+    return base.weight.view(-1, 1), base.compute_dtype, bias, not torch.is_autocast_enabled()
+
+
+def _fused_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """peft's Linear4bit.forward for one plain adapter, through LoraOver4bit (the same casts, in the same places)."""
+    name = None if args or x.numel() == 0 else _plain(self, kwargs)
+    if name is None:
+        return type(self).forward(self, x, *args, **kwargs)
+    packed, compute_dtype, bias, convert = prepared(self, x)  # packed: the layout bitsandbytes' matmul takes
+    xc = x.to(compute_dtype) if compute_dtype is not None else x
     lora_a, lora_b = self.lora_A[name], self.lora_B[name]
-    # peft casts the adapter's input (and its output back) only outside CUDA's autocast (torch.is_autocast_enabled()
-    # asks CUDA's), and so does this: the same tensors saved, the same dropout draws, on any device.
-    convert = not torch.is_autocast_enabled()
     d = self.lora_dropout[name](self._cast_input_dtype(x, lora_a.weight.dtype) if convert else x)
-    packed = base.weight.view(-1, 1)  # the canonical layout bitsandbytes' matmul takes
-    state = base.weight.quant_state
+    state = self.base_layer.weight.quant_state
     base_out, lora_out = LoraOver4bit.apply(xc, d, packed, state, bias, lora_a.weight, lora_b.weight, self.scaling[name])
-    result = base_out.to(inp_dtype)
+    result = base_out.to(x.dtype)
     return result + (lora_out.to(result.dtype) if convert else lora_out)

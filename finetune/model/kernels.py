@@ -4,8 +4,8 @@
             model's family; none otherwise, and always on a CPU (its kernels are Triton, GPU only);
             none for a model the caller built and handed over (Trainer.from_parts)
     liger   the same, or a clear error saying which of the three is missing
-    finetune  each LoRA'd 4-bit linear as one autograd function (model/fast_lora.py), on any device; opt-in until a
-            GPU lease has measured it against the rest
+    finetune  each LoRA'd 4-bit linear as one autograd function (model/fast_lora.py), on any device; on CUDA each
+            gated MLP over them as one too (model/fast_mlp.py); opt-in until a GPU lease has measured it
     none    the model's own modules
 
 liger patches the loaded model in place: each decoder layer's norms and MLP get liger's forward
@@ -69,9 +69,11 @@ def apply_kernels(model, setting: str, device_type: str) -> str:
     """Patch `model` (a transformers causal LM, before peft or with it) per model.kernels; returns
     the kernels chosen ('liger', 'finetune' or 'none')."""
     if setting == "finetune":
-        from finetune.model.fast_lora import install
+        from finetune.model import fast_lora, fast_mlp
 
-        install(model)
+        fast_lora.install(model)
+        if fast_mlp.worth_it(device_type):  # (after: a block's projections keep the fused node for calls it leaves)
+            fast_mlp.install(model)
         return "finetune"
     families = liger_families() if setting != "none" else None
     base = base_of(model)
