@@ -6,7 +6,7 @@ each shipped single-GPU recipe's measured peak next to `finetune plan`.
     python benchmarks/gpu.py                          # peers, Llama-3.1-8B config, 480 examples
     python benchmarks/gpu.py --models llama-3.1-8b qwen2.5-7b --tools finetune finetune_offload trl_liger_packing
     python benchmarks/gpu.py --suite recipes          # each recipe's peak under its card's cap vs the plan
-    python benchmarks/gpu.py --tiny --device cpu --examples 24 --median-words 30   # smoke run (tests)
+    python benchmarks/gpu.py --tiny --device cpu --examples 24 --median-words 30 --repeats 1   # smoke run (tests)
 
 The job, built on the machine (no hub, no downloads):
   model      random init from tests/fixtures/configs/<name> at full size, saved once in bf16 under
@@ -22,7 +22,10 @@ The job, built on the machine (no hub, no downloads):
              completion + EOS. Global batch: 16 examples (4 x 4) unpadded; packed tools take
              1 row x A, A = round(16 x mean length / 2048) rows of 2048 (about the same tokens)
 
-Per tool, in its own process, sequentially: trained tokens/s over the optimizer steps after the
+Each tool --repeats times (3), interleaved (every tool once a round, each round starting one further along), each run
+in its own process: a row holds the medians, each run's numbers and the spread (max - min over the median of trained
+tokens/s; single runs differed by ~15% on an H100), and apart_from_baseline: whether its runs' range and the
+baseline's do not overlap. Per run: trained tokens/s over the optimizer steps after the
 first 3 (CUDA synchronized at every step's end), total tokens/s, peak torch.cuda.max_memory_allocated
 while training (reset when training begins) and while loading, held-out loss after the epoch (the
 same function for every tool), MFU = model FLOPs / time / the GPU's dense bf16 peak (finetune.gpus;
@@ -46,7 +49,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_job import LORA, build_tokenizer, make_long_records, make_records, read_jsonl  # noqa: E402
-from gpu_tools import FINETUNE_SETTINGS, TRL_SETTINGS, WARMUP_STEPS, run_recipe, run_tool  # noqa: E402
+from gpu_tools import FINETUNE_ENV, FINETUNE_SETTINGS, TRL_SETTINGS, WARMUP_STEPS, run_recipe, run_tool  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
@@ -147,6 +150,7 @@ def flops_per_step(cfg: dict[str, Any], step: dict[str, float]) -> float:
 
 def run_worker(spec: dict[str, Any], log: Path, timeout: int) -> dict[str, Any]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.update(FINETUNE_ENV.get(spec.get("tool", ""), {}))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])
     result = Path(spec["out"]) / "result.json"
     result.unlink(missing_ok=True)
@@ -193,6 +197,48 @@ def summarize(raw: dict[str, Any], cfg: dict[str, Any], peak_flops: float | None
     }
 
 
+def schedule(tools: list[str], repeats: int) -> list[tuple[int, str]]:
+    """(round, tool) in the order they run: every tool once a round, each round starting one tool further along, so
+    that no tool always runs first (a cold GPU) or after the same neighbour."""
+    return [(r, tools[(r + i) % len(tools)]) for r in range(repeats) for i in range(len(tools))]
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One tool's row from its runs: the median of each rate, the largest peak, each run's numbers, and the spread
+    ((max - min) / median of trained tokens/s) a difference between tools must exceed to mean anything."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return {**runs[-1], "runs": len(runs)}
+    rates = [r["trained_tok_s"] for r in ok]
+    row = dict(ok[0])
+    for key in ("trained_tok_s", "tok_s", "mfu", "eval_loss", "wall_s"):
+        values = [r[key] for r in ok if r.get(key) is not None]
+        row[key] = statistics.median(values) if values else None
+    for key in ("peak_train_gib", "peak_loading_gib"):
+        values = [r[key] for r in ok if r.get(key) is not None]
+        row[key] = max(values) if values else None
+    row["runs"] = [{k: r.get(k) for k in ("trained_tok_s", "tok_s", "peak_train_gib", "eval_loss", "wall_s")} for r in ok]
+    row["spread"] = (max(rates) - min(rates)) / statistics.median(rates)
+    row["errors"] = [r["error"] for r in runs if "error" in r]
+    return row
+
+
+def versus(rows: dict[str, Any], baseline: str) -> None:
+    """Ratios of each row's medians to the baseline's, and whether their runs' ranges are apart (above the noise)."""
+    base = rows.get(baseline, {})
+    if "error" in base or not base:
+        return
+    low, high = (min(r["trained_tok_s"] for r in base["runs"]), max(r["trained_tok_s"] for r in base["runs"]))
+    for row in rows.values():
+        if "error" in row:
+            continue
+        row["speed_vs_baseline"] = row["trained_tok_s"] / base["trained_tok_s"]
+        rates = [r["trained_tok_s"] for r in row["runs"]]
+        row["apart_from_baseline"] = min(rates) > high or max(rates) < low
+        if row["peak_train_gib"] and base["peak_train_gib"]:
+            row["peak_vs_baseline"] = row["peak_train_gib"] / base["peak_train_gib"]
+
+
 def peers(args: argparse.Namespace, job: dict[str, Any], say=print, save=lambda part: None) -> dict[str, Any]:
     from finetune.gpus import gpu_for_device
 
@@ -205,24 +251,20 @@ def peers(args: argparse.Namespace, job: dict[str, Any], say=print, save=lambda 
     out: dict[str, Any] = {}
     for name, model in job["models"].items():
         cfg = json.loads((model / "config.json").read_text())
-        rows: dict[str, Any] = out.setdefault(name, {})
-        for tool in args.tools:
+        runs: dict[str, list[dict[str, Any]]] = {tool: [] for tool in args.tools}
+        for round_, tool in schedule(args.tools, args.repeats):
             spec = {"tool": tool, "model": str(model), "train": str(job["work"] / "train.jsonl"), "eval": str(job["work"] / "eval.jsonl"),
-                    "out": str(job["work"] / "runs" / name / tool), "device": args.device, "precision": args.precision,
+                    "out": str(job["work"] / "runs" / name / tool / f"r{round_}"), "device": args.device, "precision": args.precision,
                     "max_seq_len": args.max_seq_len, "micro": 4, "accum": GLOBAL_BATCH // 4, "packed_accum": job["packed_accum"],
                     "finetune_set": args.finetune_set}  # fmt: skip
             Path(spec["out"]).mkdir(parents=True, exist_ok=True)
-            say(f"{name} / {tool} ...")
+            say(f"{name} / {tool} (round {round_ + 1} of {args.repeats}) ...")
             raw = run_worker(spec, Path(spec["out"]) / "log.txt", args.timeout)
-            rows[tool] = raw if "error" in raw else summarize(raw, cfg, peak)
-            say(f"  {json.dumps(rows[tool])[:400]}")
-            save(out)
-        base = rows.get(args.baseline, {})
-        for row in rows.values():
-            if "error" not in row and "error" not in base and base:
-                row["speed_vs_baseline"] = row["trained_tok_s"] / base["trained_tok_s"]
-                if row["peak_train_gib"] and base["peak_train_gib"]:
-                    row["peak_vs_baseline"] = row["peak_train_gib"] / base["peak_train_gib"]
+            runs[tool].append(raw if "error" in raw else summarize(raw, cfg, peak))
+            say(f"  {json.dumps(runs[tool][-1])[:400]}")
+            rows = out[name] = {tool: aggregate(done) for tool, done in runs.items() if done}
+            versus(rows, args.baseline)
+            save(out)  # after every run: a lease cut short keeps what it measured
     return out
 
 
@@ -303,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--finetune-set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides for the finetune runs")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model of the same family (smoke runs)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each tool, interleaved (medians and spreads)")
     p.add_argument("--workdir", default="/tmp/finetune-bench/gpu")
     p.add_argument("--json", default=None, help="results file (default: WORKDIR/results.json)")
     p.add_argument("--worker", help=argparse.SUPPRESS)

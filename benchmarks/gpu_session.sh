@@ -8,10 +8,9 @@
 #                                                                     # get what the tests leave, less RECIPES_S
 #
 # Session 12 ran it on an H100 in 186 s (tests 68 s); the bench then needed the editable install above.
-# Session 14 ran the peers and the DPO recipe (benchmarks/README.md); this is the next lease's plan: the
-# kernels decision from two interleaved passes, then the long-context recipe's peak with what time is
-# left (give it ~8 minutes: TOTAL_S 560 leaves ~300 s after the tests and two passes). gpu.py writes
-# its JSON after every row.
+# Session 14 ran the peers and the DPO recipe (benchmarks/README.md); this is the next lease's plan (session 29):
+# the kernels decision (issue 48) from 3 interleaved rounds of 4 tools, then the long-context recipe's peak with
+# what time is left. gpu.py writes its JSON after every run. The 8B model is built on the machine (~16 GB).
 set -u
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
@@ -48,16 +47,13 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$OUT
 timeout -k 10 "$TESTS_S" python3 -m pytest -o addopts="" -p no:cacheprovider -m gpu -rA -q tests >"$OUT/gpu_tests.log" 2>&1
 echo "pytest exit $?" >>"$OUT/gpu_tests.log"
 
-# 3. the 8B job, twice over, interleaved (session 14: ~15% between runs of one setting, more than the
-# effects): finetune as shipped, kernels off and TRL + Liger + packing, at 320 examples (19 timed steps)
-for pass in a b; do
-    reserve=$RECIPES_S
-    [ "$pass" = a ] && reserve=$((RECIPES_S + 150)) # the second pass's time kept for it
-    timeout -k 10 "$(left "$reserve")" python3 benchmarks/gpu.py --suite peers \
-        --models llama-3.1-8b --examples 320 --tools finetune finetune_no_kernels trl_liger_packing --timeout 150 \
-        --json "$OUT/peers_$pass.json" >>"$OUT/bench.log" 2>&1
-    echo "gpu.py peers $pass exit $?" >>"$OUT/bench.log"
-done
+# 3. the 8B job, issue 48's decision: the fused nodes on Triton's kernels, the same nodes on bitsandbytes + torch
+# (FINETUNE_TRITON=0), finetune as shipped (auto: liger) and TRL + Liger + packing, 3 interleaved rounds (single
+# runs differed by ~15%: gpu.py keeps medians, each run and the spread) at 160 examples (~10 steps, 7 timed)
+timeout -k 10 "$(left "$RECIPES_S")" python3 benchmarks/gpu.py --suite peers --models llama-3.1-8b --examples 160 \
+    --tools finetune_kernels finetune_kernels_eager finetune trl_liger_packing --repeats 3 --timeout 120 \
+    --json "$OUT/peers.json" >>"$OUT/bench.log" 2>&1
+echo "gpu.py peers exit $?" >>"$OUT/bench.log"
 # 2. the long-context recipe's peak vs its plan (session 14: 2 steps of 131,072 tokens took over 165 s)
 timeout -k 10 "$(left 15)" python3 benchmarks/gpu.py --suite recipes --models llama-3.1-8b --examples 160 \
     --recipes qlora-longctx-1x24gb --timeout 400 --json "$OUT/recipes.json" >>"$OUT/bench.log" 2>&1

@@ -155,7 +155,13 @@ FINETUNE_SETTINGS = {
     # the two choices auto makes on CUDA that session 12 left undecided: liger's kernels off, and compile on
     "finetune_no_kernels": ["model.kernels=none"],
     "finetune_compile": ["train.compile=true"],
+    # issue 48's fast path: fused LoRA'd 4-bit linears and MLP blocks on Triton's kernels; the same nodes on
+    # bitsandbytes' matmul and torch's ops (FINETUNE_ENV below), to tell the nodes' share from the kernels'
+    "finetune_kernels": ["model.kernels=finetune"],
+    "finetune_kernels_eager": ["model.kernels=finetune"],
 }
+# Environment a finetune tool's worker process runs with (read by finetune itself, not a recipe setting).
+FINETUNE_ENV = {"finetune_kernels_eager": {"FINETUNE_TRITON": "0"}}
 
 
 def finetune_overrides(spec: dict[str, Any]) -> list[str]:
