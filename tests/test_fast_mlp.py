@@ -98,8 +98,8 @@ def test_a_broken_block_fails_the_comparison(recipe_dict, tiny, tmp_path, monkey
 
 
 def test_the_block_keeps_fewer_tensors_for_backward(recipe_dict, tiny, tmp_path):
-    # peft keeps act(e), the product h and the down adapter's dropped input besides e and g: three intermediate-wide
-    # tensors the block recomputes (its dropout mask kept as bytes).
+    # peft keeps act(e) and the down adapter's dropped input besides e and g (on a CPU its dropout's noise as floats
+    # too); the block recomputes them, keeping its dropout mask as bytes.
     mlp = _first_mlp(recipe_dict, tiny, tmp_path)
     x = torch.randn(2, 5, mlp.gate_proj.base_layer.in_features, requires_grad=True)
     wide = mlp.gate_proj.base_layer.out_features

@@ -4,8 +4,8 @@ as one autograd node (issue 48's fused MLP block: what Unsloth's fast LoRA MLP d
 Each projection's arithmetic is fast_lora's (linear_forward / linear_backward: bitsandbytes' 4-bit matmul and its
 dequantization, the adapter's products in autograd's order). What the block changes is what waits for backward:
 the gate's and up's outputs e and g, the adapters' rank-wide products, and the down adapter's dropout mask as bytes.
-act(e), the product h and the down adapter's dropped input, three more [tokens x intermediate] tensors under peft,
-are recomputed from e and g in backward. The activation's gradient is torch's own kernel (aten.silu_backward;
+act(e) and the down adapter's dropped input (in the adapter's dtype: fp32 beside bf16 compute), which peft keeps,
+are recomputed from e and g in backward, with the product h. The activation's gradient is torch's own kernel (aten.silu_backward;
 any other activation through autograd on the recomputed one), so the numbers are peft's within fp32 rounding.
 
 Dropout: the gate's and up's adapters draw theirs before the node, as peft's modules; the down's inside it, drawn
@@ -145,9 +145,9 @@ def _gated(cls: Any) -> bool:
 
 def worth_it(device_type: str) -> bool:
     """Whether model.kernels=finetune gives the MLPs the block on this device: on CUDA, where its recomputation is one
-    fused pass (Triton's SwiGLU) beside GEMMs that dwarf it. On a CPU each recomputed elementwise pass costs about what
-    it saves (the demo's MLP forward and backward: 7.2 ms against 6.5 ms per-projection nodes with dropout off, 17 ms
-    against 12 ms at dropout 0.1), and memory was never short there."""
+    fused pass (Triton's SwiGLU) beside GEMMs that dwarf it. On a CPU the recomputed elementwise passes cost more than
+    they save (benchmarks/mlp_block.py, the demo's MLP in fp32: 14.75 ms against 12.24 ms as per-projection nodes at
+    dropout 0.05, 8.48 against 7.60 ms at 0), and memory is not what a CPU run is short of."""
     return device_type == "cuda"
 
 
