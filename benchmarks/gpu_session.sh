@@ -47,13 +47,18 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$OUT
 timeout -k 10 "$TESTS_S" python3 -m pytest -o addopts="" -p no:cacheprovider -m gpu -rA -q tests >"$OUT/gpu_tests.log" 2>&1
 echo "pytest exit $?" >>"$OUT/gpu_tests.log"
 
-# 3. the 8B job, issue 48's decision: the fused nodes on Triton's kernels, the same nodes on bitsandbytes + torch
-# (FINETUNE_TRITON=0), finetune as shipped (auto: liger) and TRL + Liger + packing, 3 interleaved rounds (single
-# runs differed by ~15%: gpu.py keeps medians, each run and the spread) at 160 examples (~10 steps, 7 timed)
+# 3. the 8B job, issue 48's decision and auto's: finetune as shipped (auto: the model's own modules), the fused nodes
+# on Triton's kernels, liger's kernels, and TRL + Liger + packing, 3 interleaved rounds (single runs differed by ~15%:
+# gpu.py keeps medians, each run and the spread) at 160 examples (~10 steps, 7 timed); then, with what time is
+# left, the fused nodes without Triton (FINETUNE_TRITON=0) against them
 timeout -k 10 "$(left "$RECIPES_S")" python3 benchmarks/gpu.py --suite peers --models llama-3.1-8b --examples 160 \
-    --tools finetune_kernels finetune_kernels_eager finetune trl_liger_packing --repeats 3 --timeout 120 \
+    --tools finetune finetune_kernels finetune_liger trl_liger_packing --repeats 3 --timeout 120 \
     --json "$OUT/peers.json" >>"$OUT/bench.log" 2>&1
 echo "gpu.py peers exit $?" >>"$OUT/bench.log"
+timeout -k 10 "$(left "$RECIPES_S")" python3 benchmarks/gpu.py --suite peers --models llama-3.1-8b --examples 160 \
+    --tools finetune_kernels finetune_kernels_eager --repeats 3 --timeout 120 --baseline finetune_kernels \
+    --json "$OUT/peers_triton.json" >>"$OUT/bench.log" 2>&1
+echo "gpu.py peers (triton) exit $?" >>"$OUT/bench.log"
 # 2. the long-context recipe's peak vs its plan (session 14: 2 steps of 131,072 tokens took over 165 s)
 timeout -k 10 "$(left 15)" python3 benchmarks/gpu.py --suite recipes --models llama-3.1-8b --examples 160 \
     --recipes qlora-longctx-1x24gb --timeout 400 --json "$OUT/recipes.json" >>"$OUT/bench.log" 2>&1

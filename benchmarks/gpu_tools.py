@@ -143,7 +143,7 @@ def load_4bit(spec: dict[str, Any]):
 
 FINETUNE_SETTINGS = {
     # qlora-1x24gb as shipped: packed rows cut per example (auto: varlen on CUDA in 16-bit), every tensor
-    # on the GPU; liger's kernels when installed (model.kernels=auto, in every finetune row)
+    # on the GPU; model.kernels=auto (liger's kernels when installed until session 29; none since)
     "finetune": [],
     # packed rows under sdpa's block-causal mask (what auto picked on CUDA until session 12)
     "finetune_sdpa": ["model.attn_implementation=sdpa"],
@@ -152,7 +152,8 @@ FINETUNE_SETTINGS = {
     # each offload alone (what the next GPU session should measure: which of the two costs the time)
     "finetune_act_offload": ["memory.activation_offload=true"],
     "finetune_host_tables": ["memory.embeddings=cpu"],
-    # the two choices auto makes on CUDA that session 12 left undecided: liger's kernels off, and compile on
+    # the two choices auto made on CUDA that session 12 left undecided: liger's kernels on and off, and compile on
+    "finetune_liger": ["model.kernels=liger"],
     "finetune_no_kernels": ["model.kernels=none"],
     "finetune_compile": ["train.compile=true"],
     # issue 48's fast path: fused LoRA'd 4-bit linears and MLP blocks on Triton's kernels; the same nodes on

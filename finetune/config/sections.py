@@ -42,7 +42,8 @@ class ModelConfig(_Section):
     kernels: Literal["auto", "none", "liger", "finetune"] = Field(
         "auto",
         description="fused kernels in the decoder layers (finetune/model/kernels.py): liger-kernel's RMSNorm, RoPE, SwiGLU; "
-        "auto: liger on CUDA when installed (pip install 'finetune[gpu]') for the families it knows, never on a CPU; "
+        "auto: what GPU leases measured fastest (model/kernels.py's AUTO_ON_CUDA: none until one is faster above the noise); "
+        "liger: liger-kernel on CUDA (pip install 'finetune[gpu]') for the families it knows; "
         "finetune: each LoRA'd 4-bit linear as one autograd function (model/fast_lora.py), on any device; on CUDA each "
         "gated MLP over them as one too (model/fast_mlp.py), with Triton's kernels where triton is installed",
     )

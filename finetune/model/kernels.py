@@ -1,9 +1,9 @@
 """model.kernels: fused GPU kernels in the decoder layers (liger-kernel's RMSNorm, RoPE, SwiGLU/GeGLU).
 
-    auto    liger on a CUDA device when liger-kernel is installed (the `[gpu]` extra) and knows the
-            model's family; none otherwise, and always on a CPU (its kernels are Triton, GPU only);
-            none for a model the caller built and handed over (Trainer.from_parts)
-    liger   the same, or a clear error saying which of the three is missing
+    auto    what the GPU leases measured fastest (AUTO_ON_CUDA): none for now; always none on a CPU and
+            for a model the caller built and handed over (Trainer.from_parts)
+    liger   on a CUDA device where liger-kernel is installed (the `[gpu]` extra) and knows the model's
+            family, or a clear error saying which of the three is missing
     finetune  each LoRA'd 4-bit linear as one autograd function (model/fast_lora.py), on any device; on CUDA each
             gated MLP over them as one too (model/fast_mlp.py); opt-in until a GPU lease has measured it
     none    the model's own modules
@@ -36,6 +36,11 @@ from finetune.model.moe import fused_expert_params
 # go off: they replace the model's forward, and finetune computes the loss itself (memory.loss).
 LIGER_OFF = ("cross_entropy", "fused_linear_cross_entropy")
 INSTALL_HINT = "pip install 'finetune[gpu]' (liger-kernel)"
+# What auto picks on CUDA: the kernels the leases measured faster above the run-to-run noise (~15% between single
+# runs), else the model's own modules. Session 14's H100 (benchmarks/README.md): liger 3,135 trained tok/s against
+# 3,959 without in one call, 3,425 against 3,082 across calls: undecided; model.kernels=finetune unmeasured. The next
+# lease's benchmarks/gpu.py --repeats 3 (medians, spreads) decides ("liger" picks it where liger knows the family).
+AUTO_ON_CUDA = "none"
 
 
 def liger_families() -> dict[str, Callable[..., None]] | None:
@@ -52,8 +57,10 @@ def choose(setting: str, device_type: str, model_type: str, families: dict[str, 
     if setting in ("none", "finetune"):
         return setting
     usable = device_type == "cuda" and families is not None and model_type in families
-    if setting == "auto" or usable:
-        return "liger" if usable else "none"
+    if setting == "auto":
+        return "liger" if AUTO_ON_CUDA == "liger" and usable else "none"
+    if usable:
+        return "liger"
     if device_type != "cuda":
         why = f"liger-kernel's kernels are Triton, CUDA only; this run is on {device_type}"
         fix = "use model.kernels=auto (none on a CPU)"
