@@ -207,8 +207,9 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One tool's row from its runs: the median of each rate, the largest peak, each run's numbers, and the spread
     ((max - min) / median of trained tokens/s) a difference between tools must exceed to mean anything."""
     ok = [r for r in runs if "error" not in r]
+    errors = [r["error"] for r in runs if "error" in r]
     if not ok:
-        return {**runs[-1], "runs": len(runs)}
+        return {"error": errors[-1], "errors": errors, "runs": []}
     rates = [r["trained_tok_s"] for r in ok]
     row = dict(ok[0])
     for key in ("trained_tok_s", "tok_s", "mfu", "eval_loss", "wall_s"):
@@ -218,8 +219,8 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
         values = [r[key] for r in ok if r.get(key) is not None]
         row[key] = max(values) if values else None
     row["runs"] = [{k: r.get(k) for k in ("trained_tok_s", "tok_s", "peak_train_gib", "eval_loss", "wall_s")} for r in ok]
-    row["spread"] = (max(rates) - min(rates)) / statistics.median(rates)
-    row["errors"] = [r["error"] for r in runs if "error" in r]
+    row["spread"] = (max(rates) - min(rates)) / statistics.median(rates) if len(rates) > 1 else None  # (one run: unknown)
+    row["errors"] = errors
     return row
 
 
@@ -234,7 +235,8 @@ def versus(rows: dict[str, Any], baseline: str) -> None:
             continue
         row["speed_vs_baseline"] = row["trained_tok_s"] / base["trained_tok_s"]
         rates = [r["trained_tok_s"] for r in row["runs"]]
-        row["apart_from_baseline"] = min(rates) > high or max(rates) < low
+        # (a single run on either side has no range: whether it stands apart is unknown)
+        row["apart_from_baseline"] = min(rates) > high or max(rates) < low if min(len(rates), len(base["runs"])) > 1 else None
         if row["peak_train_gib"] and base["peak_train_gib"]:
             row["peak_vs_baseline"] = row["peak_train_gib"] / base["peak_train_gib"]
 

@@ -47,7 +47,8 @@ def test_every_tool_trains_the_same_examples_and_a_recipe_runs_beside_its_plan(t
         assert math.isfinite(row["eval_loss"]) and 7.0 < row["eval_loss"] < 9.5  # ~ln(4096) = 8.3 at random init
         assert row["mfu"] is None and row["peak_train_gib"] is None  # a CPU: no CUDA peak, no bf16 peak
         assert len(row["train_losses"]) == row["steps"] and all(7.0 < x < 9.5 for x in row["train_losses"])  # one a step
-        assert len(row["runs"]) == 1 and row["spread"] == 0.0 and row["errors"] == []
+        assert len(row["runs"]) == 1 and row["spread"] is None and row["errors"] == []  # one run: no spread
+        assert tool == "trl" or row["apart_from_baseline"] is None
     assert peers["trl"]["speed_vs_baseline"] == 1.0
     assert peers["finetune_kernels"]["settings"] == ["model.kernels=finetune"]
     recipe = results["recipes"]["llama-3.1-8b/qlora-1x24gb"]
@@ -93,3 +94,7 @@ def test_a_row_is_the_median_of_its_runs_and_says_whether_it_stands_apart(gpu_be
     assert faster["peak_vs_baseline"] == pytest.approx(9 / 11)
     assert noisy["speed_vs_baseline"] == pytest.approx(125 / 110) and not noisy["apart_from_baseline"]
     assert rows["failed"]["error"] == "exit 1: OOM" and "speed_vs_baseline" not in rows["failed"]
+    assert rows["failed"]["runs"] == [] and rows["failed"]["errors"] == ["exit 1: OOM"]
+    single = {"base": rows["base"], "once": gpu_bench.aggregate([run(200, 9)])}
+    gpu_bench.versus(single, "base")
+    assert single["once"]["spread"] is None and single["once"]["apart_from_baseline"] is None  # no range of its own

@@ -142,7 +142,7 @@ def test_a_profile_splits_the_fused_node_into_the_base_matmul_and_the_adapter(re
     assert names["LoRA"].count("aten::mm") == 2 + 4  # forward: A, B; backward: their weight gradients, their inputs'
 
 
-def test_a_weight_that_lost_its_quantization_state_is_repaired_first(recipe_dict, tiny, tmp_path):
+def test_a_weight_that_lost_its_quantization_state_is_repaired_first(recipe_dict, tiny, tmp_path, monkeypatch):
     # FSDP's all-gather hands the layer a plain Parameter: bitsandbytes repairs it from the module before the fused
     # path reads the state (it raised "'Parameter' object has no attribute 'quant_state'", seen under FSDP on 2).
     layer = _fused_layers(recipe_dict, tiny, tmp_path)[0]
@@ -153,7 +153,10 @@ def test_a_weight_that_lost_its_quantization_state_is_repaired_first(recipe_dict
     base.quant_state = base.weight.quant_state  # what FSDP's units keep (bitsandbytes' repair reads it there)
     base.weight = torch.nn.Parameter(base.weight.data, requires_grad=False)
     assert not hasattr(base.weight, "quant_state")
+    calls, fused = [], fast_lora.LoraOver4bit.apply
+    monkeypatch.setattr(fast_lora.LoraOver4bit, "apply", lambda *a: calls.append(1) or fused(*a))
     torch.testing.assert_close(_layer_pass(layer, x, seed=3)[0], eager[0], rtol=1e-5, atol=1e-6)
+    assert calls == [1]  # the fused node ran (peft's forward would give the same numbers)
 
 
 def test_the_packed_weight_is_saved_where_checkpointing_can_drop_it(recipe_dict, tiny, tmp_path):

@@ -124,3 +124,21 @@ def test_the_block_keeps_fewer_tensors_for_backward(recipe_dict, tiny, tmp_path)
     fused = kept_bytes()
     row = 2 * 5 * wide * 4  # one fp32 [tokens x intermediate] tensor
     assert eager >= 5 * row and fused == 2 * row + 2 * 5 * wide  # e, g and a bool mask
+
+
+def test_projections_whose_weights_lost_their_quantization_state_still_run_the_block(recipe_dict, tiny, tmp_path, monkeypatch):
+    # FSDP's all-gather hands each projection a plain Parameter (the state waits on the module): repaired before the
+    # block reads it, or every FSDP call would quietly run peft's forward (the same numbers, none of the savings).
+    mlp = _first_mlp(recipe_dict, tiny, tmp_path)
+    x = torch.randn(2, 5, mlp.gate_proj.base_layer.in_features)
+    eager = _pass(mlp, x, seed=3)
+    fast_lora.install(mlp)
+    fast_mlp.install(mlp)
+    for name in NAMES:
+        base = getattr(mlp, name).base_layer
+        base.quant_state = base.weight.quant_state
+        base.weight = torch.nn.Parameter(base.weight.data, requires_grad=False)
+    calls, block = [], fast_mlp.GatedMlpOver4bit.apply
+    monkeypatch.setattr(fast_mlp.GatedMlpOver4bit, "apply", lambda *a: calls.append(1) or block(*a))
+    _compare(_pass(mlp, x, seed=3), eager, rtol=1e-5, atol=1e-6)
+    assert calls == [1]

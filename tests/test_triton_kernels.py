@@ -51,6 +51,22 @@ def test_the_nf4_matmul_is_dequantize_then_matmul(kernels, dtype, nested, shape)
         kernels.nf4_matmul(torch.randn(3, 200), packed, state, transposed=shape[1] != 200)
 
 
+def test_a_weight_stored_as_the_compute_dtype_is_read_as_its_bytes(kernels):
+    # FSDP loads the 4-bit weights with bnb_4bit_quant_storage = the compute dtype (model/load.py): the same bytes in
+    # bf16 elements, which the kernel must read as bytes (read as bf16 numbers, it crashed the interpreter).
+    import bitsandbytes.functional as bnbf
+
+    torch.manual_seed(0)
+    w32 = torch.randn(344, 128)
+    packed, state = bnbf.quantize_4bit(
+        w32, blocksize=64, quant_type="nf4", compress_statistics=True, quant_storage=torch.bfloat16
+    )
+    assert packed.dtype == torch.bfloat16
+    w = bnbf.dequantize_4bit(packed, state)
+    x = torch.randn(10, 128)
+    torch.testing.assert_close(kernels.nf4_matmul(x, packed, state), x @ w.t(), **_tolerance(torch.float32))
+
+
 def test_a_dropped_double_quant_offset_fails(kernels):
     packed, state, w = _quantized((344, 128), torch.float32, nested=True)
     x = torch.randn(10, 128)

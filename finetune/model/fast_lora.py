@@ -220,10 +220,7 @@ def _plain(layer: Any, kwargs: dict[str, Any]) -> str | None:
 def prepared(layer: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.dtype | None, torch.Tensor | None, bool]:
     """What peft's Linear4bit.forward does before its matmuls: (the packed weight, bitsandbytes' compute dtype, the
     bias in it, whether the adapter's input and output are cast: peft casts them only outside CUDA's autocast)."""
-    from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
-
     base = layer.base_layer
-    fix_4bit_weight_quant_state_from_module(base)  # FSDP's gathered weight lost it: bitsandbytes' own repair
     if not base.compute_type_is_set:
         base.set_compute_type(x)
         base.compute_type_is_set = True
@@ -236,8 +233,17 @@ def prepared(layer: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.dtype | N
     return base.weight.view(-1, 1), base.compute_dtype, bias, not torch.is_autocast_enabled()
 
 
+def repaired(layer: Any) -> None:
+    """bitsandbytes' own repair of a 4-bit weight that lost its quantization state (FSDP's all-gather hands the layer
+    a plain Parameter; the state waits on the module): before _plain reads it, or every FSDP call would run peft's."""
+    from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
+
+    fix_4bit_weight_quant_state_from_module(layer.base_layer)
+
+
 def _fused_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """peft's Linear4bit.forward for one plain adapter, through LoraOver4bit (the same casts, in the same places)."""
+    repaired(self)
     name = None if args or x.numel() == 0 else _plain(self, kwargs)
     if name is None:
         return type(self).forward(self, x, *args, **kwargs)

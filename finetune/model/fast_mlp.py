@@ -8,9 +8,8 @@ act(e) and the down adapter's dropped input (in the adapter's dtype: fp32 beside
 are recomputed from e and g in backward, with the product h. The activation's gradient is torch's own kernel (aten.silu_backward;
 any other activation through autograd on the recomputed one), so the numbers are peft's within fp32 rounding.
 
-Dropout: the gate's and up's adapters draw theirs before the node, as peft's modules; the down's inside it, drawn
-by peft's module on ones of the input's shape and dtype (the same draws as on the input: a mask never depends on
-values). The block runs where the MLP's class computes exactly `down_proj(act_fn(gate_proj(x)) * up_proj(x))`
+Dropout: the gate's and up's adapters draw theirs before the node, as peft's modules; the down's inside it, with
+torch.native_dropout (what nn.Dropout runs on CUDA; the same draws on a CPU), its mask kept. The block runs where the MLP's class computes exactly `down_proj(act_fn(gate_proj(x)) * up_proj(x))`
 (read from its source: Llama, Mistral, Qwen2/3, Gemma 1-3 and a hundred more families in transformers), the three
 projections are plain (fast_lora._plain) with one adapter, and none has a bias; elsewhere each projection runs
 fast_lora's node. Phi-3's fused gate_up projection is another form (its linears get fast_lora's node); a mixture of
@@ -26,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from finetune.model.fast_lora import _plain, autocast_of, linear_backward, linear_forward, prepared, triton_for
+from finetune.model.fast_lora import _plain, autocast_of, linear_backward, linear_forward, prepared, repaired, triton_for
 
 # The forward bodies (whitespace dropped) of the MLP classes the block computes.
 GATED_FORMS = (
@@ -90,8 +89,8 @@ class GatedMlpOver4bit(torch.autograd.Function):
         else:
             g_act, dg = dh * g, dh * act.detach()
             de = torch.ops.aten.silu_backward(g_act, e) if _is_silu(block.act) else torch.autograd.grad(act, e_, g_act)[0]
-        dx_gate, dd_gate, da_gate, db_gate = _projection_backward(de, x, d_gate, u_gate, a_gate, b_gate, p_gate, block.gate, casts_gate, autocast)  # fmt: skip
-        dx_up, dd_up, da_up, db_up = _projection_backward(dg, x, d_up, u_up, a_up, b_up, p_up, block.up, casts_up, autocast)
+        dx_gate, dd_gate, da_gate, db_gate = _projection_backward(de, x, d_gate, u_gate, a_gate, b_gate, p_gate, block.gate, casts_gate, autocast, need[0])  # fmt: skip
+        dx_up, dd_up, da_up, db_up = _projection_backward(dg, x, d_up, u_up, a_up, b_up, p_up, block.up, casts_up, autocast, need[0])  # fmt: skip
         dx = dx_gate + dx_up if need[0] else None
         dd_gate = dd_gate.to(d_gate.dtype) if need[1] else None
         dd_up = dd_up.to(d_up.dtype) if need[2] else None
@@ -107,25 +106,27 @@ def _projected(x, d, packed, a, b, p: Projection) -> tuple[torch.Tensor, torch.T
     return result + (out.to(result.dtype) if p.convert else out), u, (x.dtype, base.dtype, out.dtype)
 
 
-def _projection_backward(gy, x, d, u, a, b, packed, p: Projection, casts, autocast) -> tuple[Any, ...]:
-    """(x's, d's, A's, B's gradients) of one projection, each through the casts autograd would run under peft."""
+def _projection_backward(gy, x, d, u, a, b, packed, p: Projection, casts, autocast, need_x=True) -> tuple[Any, ...]:
+    """(x's, d's, A's, B's gradients) of one projection, each through the casts autograd would run under peft (x's
+    None where it needs none: no dequantization and matmul for it)."""
     x_dtype, base_dtype, out_dtype = casts
     g_base, g_out = gy.to(x_dtype).to(base_dtype), gy.to(out_dtype)
-    dx, dd, da, db = linear_backward(g_base, g_out, d, u, a, b, packed, p.state, p.scale, autocast, (True, True, True, True))
-    return dx.to(x.dtype), dd, da, db
+    dx, dd, da, db = linear_backward(g_base, g_out, d, u, a, b, packed, p.state, p.scale, autocast, (need_x, True, True, True))
+    return dx.to(x.dtype) if need_x else None, dd, da, db
 
 
 def _dropped(h, lora_dtype, block: Block, mask=None, scale_only: bool = False) -> tuple[torch.Tensor, Any]:
     """(the down adapter's input, the dropout's mask): peft's cast and dropout of h; with a mask, the same again
-    (scale_only: the mask and scale applied to h as it is, the dropout's backward)."""
+    (scale_only: the mask and scale applied to h as it is, the dropout's backward). The dropout is torch's
+    native_dropout, the op nn.Dropout runs on CUDA (on a CPU: the same draws, and in fp32 the same numbers), and its
+    backward op, which scales in fp32 and rounds once as its forward does."""
     hd = h if scale_only or not block.down.convert else h.to(lora_dtype)
     p = block.dropout.p if isinstance(block.dropout, torch.nn.Dropout) and block.dropout.training else 0.0
     if p == 0.0:
         return hd, None
     if mask is None:
-        noise = block.dropout(torch.ones_like(hd))  # the module's own draws: what it would have drawn on hd
-        return hd * noise, noise != 0
-    return hd * mask.to(hd.dtype).div_(1 - p), mask
+        return torch.native_dropout(hd, p, True)
+    return torch.ops.aten.native_dropout_backward(hd, mask, 1.0 / (1.0 - p)), mask
 
 
 def _is_silu(act: torch.nn.Module) -> bool:
@@ -169,6 +170,8 @@ def install(model: torch.nn.Module) -> int:
 def _block_forward(self, x: torch.Tensor) -> torch.Tensor:
     """The MLP through GatedMlpOver4bit where its projections allow; its own forward otherwise."""
     layers = (self.gate_proj, self.up_proj, self.down_proj)
+    for layer in layers:
+        repaired(layer)  # before _plain reads the quantization state
     names = {_plain(layer, {}) for layer in layers}
     if x.numel() == 0 or len(names) != 1 or None in names or any(layer.base_layer.bias is not None for layer in layers):
         return type(self).forward(self, x)

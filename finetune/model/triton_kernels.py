@@ -39,12 +39,12 @@ def _rounded(x, DTYPE: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _nf4_matmul_kernel(a_ptr, packed_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset, c_ptr, M, P, Q,
+def _nf4_matmul_kernel(a_ptr, packed_ptr, code_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, c_ptr, M, P, Q,
                        stride_am, stride_cm, w_stride_q, w_stride_p, blocksize, blocksize2,
                        NESTED: tl.constexpr, W_DTYPE: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
                        BM: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr):  # fmt: skip
     """C[M, P] = A[M, Q] @ B[Q, P], B[q, p] the weight's element at flat index q * w_stride_q + p * w_stride_p."""
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)  # (rows x width passes 2^31 at long context)
     rp = tl.program_id(1) * BP + tl.arange(0, BP)
     acc = tl.zeros((BM, BP), dtype=tl.float32)
     for q0 in range(0, Q, BQ):
@@ -58,6 +58,7 @@ def _nf4_matmul_kernel(a_ptr, packed_ptr, code_ptr, absmax_ptr, code2_ptr, absma
         block = idx // blocksize
         if NESTED:  # double quant: each block's absmax an 8-bit code of its group's absmax, plus the offset
             code = tl.load(absmax_ptr + block, mask=inside, other=0).to(tl.int32)
+            offset = tl.load(offset_ptr)  # (read on the device: a host copy per call would wait for the GPU)
             scale = tl.load(code2_ptr + code, mask=inside, other=0.0) * tl.load(absmax2_ptr + block // blocksize2, mask=inside, other=0.0) + offset  # fmt: skip
         else:
             scale = tl.load(absmax_ptr + block, mask=inside, other=0.0)
@@ -82,10 +83,11 @@ def nf4_matmul(a: torch.Tensor, packed: torch.Tensor, state, transposed: bool = 
         )
     flat = a.reshape(-1, q_size).contiguous()
     c = torch.empty(flat.shape[0], p_size, dtype=a.dtype, device=a.device)
+    packed = packed.reshape(-1).view(torch.uint8)  # (FSDP loads it stored as the compute dtype: bytes all the same)
     nested = bool(state.nested)
     absmax2 = state.state2.absmax if nested else state.absmax
     code2 = state.state2.code if nested else state.code
-    offset = float(state.offset) if nested else 0.0
+    offset = state.offset.reshape(1) if nested else state.absmax  # (a pointer the kernel reads only when nested)
     grid = (triton.cdiv(flat.shape[0], BLOCK_M), triton.cdiv(p_size, BLOCK_P))
     _nf4_matmul_kernel[grid](
         flat, packed, state.code, state.absmax, code2, absmax2, offset, c, flat.shape[0], p_size, q_size,
