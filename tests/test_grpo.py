@@ -483,3 +483,47 @@ def test_finetune_data_shows_prompts_and_the_columns_the_rewards_read(recipe_dic
     out = capsys.readouterr().out
     assert "train: 56 prompts, " in out and "(completions sampled from them are trained)" in out
     assert "--- 0: " in out and "other columns {'answer': '" in out and "% trained" not in out
+
+
+def _sampled_both_ways(tiny_model_dir, monkeypatch, greedy: bool):
+    """complete()'s completions of 2 prompts (one left-padded) x 4, with each prompt prefilled once, then with every
+    row prefilled (shared_prefill off); and the rows each way's first forward ran on."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.data.dataset import collate_prompts
+    from finetune.objectives import sampling
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    texts = ["Repeat the words: ship snow car pen\nAnswer:", "Add 1 and 2:"]
+    prompts = collate_prompts([{"input_ids": tok(t)["input_ids"], "prompt": t, "record": {}} for t in texts], tok.pad_token_id)
+    train = SimpleNamespace(max_new_tokens=12, temperature=1.0, top_p=1.0, stop=[])
+    ends = sampling.end_ids(tok, model)
+    firsts: list[tuple[int, int]] = []
+    model.register_forward_pre_hook(
+        lambda m, a, k: firsts.append(tuple(k["input_ids"].shape)) if not firsts else None, with_kwargs=True
+    )
+    shared = sampling.complete(model, prompts, 4, tok, ends, train, greedy=greedy, seed=5).tokens
+    first_shared = firsts.pop()
+    monkeypatch.setattr(sampling, "shared_prefill", lambda model, prompts, n: None)
+    every = sampling.complete(model, prompts, 4, tok, ends, train, greedy=greedy, seed=5).tokens
+    return shared, every, (first_shared, firsts.pop()), prompts["input_ids"].shape
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_each_prompt_prefilled_once_samples_what_every_row_prefilled_samples(tiny_model_dir, monkeypatch, greedy):
+    shared, every, (first_shared, first_every), (prompts, width) = _sampled_both_ways(tiny_model_dir, monkeypatch, greedy)
+    assert first_shared == (prompts, width - 1) and first_every == (prompts * 4, width)  # one prefill per prompt
+    assert shared == every and len({tuple(c) for c in shared}) > (1 if greedy else 4)  # (the two prompts differ)
+
+
+def test_a_prefill_repeated_in_the_wrong_order_samples_other_completions(tiny_model_dir, monkeypatch):
+    from transformers import DynamicCache
+
+    # the cache tiled (prompt 0, 1, 0, 1, ...) where generate's rows are each prompt's 4 completions together
+    tiled = lambda cache, n: [
+        setattr(layer, name, getattr(layer, name).repeat(n, 1, 1, 1)) for layer in cache.layers for name in ("keys", "values")
+    ]  # noqa: E731
+    monkeypatch.setattr(DynamicCache, "batch_repeat_interleave", tiled)
+    shared, every, _, _ = _sampled_both_ways(tiny_model_dir, monkeypatch, greedy=True)
+    assert shared != every

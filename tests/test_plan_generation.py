@@ -42,8 +42,9 @@ def test_kv_cache_of_llama_3_1_8b_is_k_and_v_of_every_layer_row_and_position():
     shape = read_model_shape(str(CONFIGS / "llama-3.1-8b"))  # 32 layers, 8 KV heads of 128, vocabulary 128,256
     setup = Setup(batch_size=2, grad_accum=1, seq_len=1024, sequences_per_example=8, sampled_tokens=512)
     gen = sampling_terms(shape, NF4_LORA_BF16, setup, adapter_bytes=4)
-    # 2 (K, V) x 32 layers x 8 heads x 128 x 16 rows x positions x 2 bytes; the prompts: at most 1024 - 512 tokens
-    assert gen.prompt_cache == 2 * 32 * 8 * 128 * 16 * 512 * 2 == 1_073_741_824
+    # 2 (K, V) x 32 layers x 8 heads x 128 x rows x positions x 2 bytes; after the prefill, the 2 prompts' cache (at
+    # most 1024 - 512 tokens, all but the last: their 8 completions share it)
+    assert gen.prompt_cache == 2 * 32 * 8 * 128 * 2 * 511 * 2 == 133_955_584
     # the last step: 512 + 511 positions (the last token sampled is never fed back)
     assert gen.cache == 2 * 32 * 8 * 128 * 16 * 1023 * 2 == 2_145_386_496
     # a step: one layer's K (or V) at 1022 positions, the old copy torch.cat still holds, with the last step's fp32
@@ -52,10 +53,11 @@ def test_kv_cache_of_llama_3_1_8b_is_k_and_v_of_every_layer_row_and_position():
     assert gen.decode == 16 * 1022 * 8 * 128 * 2 + 16 * 128_256 * 8 == 49_905_664 > 16 * 128_256 * 14
     # a prompt token at the up_proj of one layer: SiLU, result, peft's clone, lora_B's output and its scaled copy in
     # fp32 (14,336 x 12), the fp32 input peft casts (4,096 x 4), four hidden-sized bf16 tensors, RoPE's cos and sin;
-    # and the left-padded prompts' bool mask
-    assert gen.prefill == 16 * 512 * (14_336 * 12 + 4_096 * 4 + 4 * 4_096 * 2 + 2 * 128 * 2) + 16 * 512 * 512 == 1_820_327_936
+    # and the left-padded prompts' bool mask; for the 2 prompts' 511 tokens (each prefilled once)
+    assert gen.prefill == 2 * 511 * (14_336 * 12 + 4_096 * 4 + 4 * 4_096 * 2 + 2 * 128 * 2) + 2 * 511 * 511 == 227_095_554
     e = estimate(shape, NF4_LORA_BF16, setup, find_gpu("rtx4090"))
-    assert e.component("kv_cache") == 1_073_741_824 and e.component("sampling_buffers") == 1_820_327_936  # prefill's peak
+    # the last decode step is the peak (prefilled 16 times over, the prefill was: 1.82 GB of buffers beside 1 GiB)
+    assert e.component("kv_cache") == 2_145_386_496 and e.component("sampling_buffers") == 49_905_664
     # training: grpo's head runs on the completions only (a boolean logits_to_keep), 512 positions a row at most
     assert e.component("logits_loss") == 16 * 512 * 128_256 * 12
 
@@ -90,13 +92,14 @@ def test_step_time_adds_every_micro_batchs_sampling(tmp_path):
     e = plan_recipe(cfg, gpu)
     trained_only = estimate(e.shape, RecipeFacts.from_config(cfg, "bf16"), replace(e.setup, sampled_tokens=0), gpu)
     assert e.step_time_s == pytest.approx(trained_only.step_time_s + e.step_time_parts["sampling"], rel=1e-12)
-    # By hand, per micro-batch: 16 rows of a 256-token prompt (1024 - 768), then 767 forwards of one token a row.
-    s, rows, prompt, steps = e.shape, 16, 256, 767
+    # By hand, per micro-batch: 2 prompts of 256 tokens (1024 - 768) prefilled once, 255 tokens each (shared by their
+    # 8 completions), then 768 forwards of one token a row (the prompts' last token, then 767 sampled ones).
+    s, rows, prompt, steps = e.shape, 16, 256, 768
     rate, bandwidth = 165.2e12 * MATMUL_EFFICIENCY, 1008e9 * BANDWIDTH_EFFICIENCY
     lora = 2 * e.trainable_params
-    prefill = (rows * prompt * (2 * s.linear_params + lora + 2 * prompt * 32 * 128 * 32) + rows * 2 * s.head_params) / rate
+    prefill = (2 * 255 * (2 * s.linear_params + lora + 2 * prompt * 32 * 128 * 32) + 2 * 2 * s.head_params) / rate
     prefill += s.linear_params * 4.5 / bandwidth  # the 4-bit weights dequantized once
-    spans = steps * prompt + steps * (steps + 1) // 2  # the positions the decoded tokens attend to
+    spans = 767 * prompt + 767 * 768 // 2 + prompt  # the positions each fed token attends to (the last prompt token's 256)
     weights = s.linear_params * 4.5 + s.head_params * 2 + e.trainable_params * 4  # read by every forward
     kv = 3 * rows * (2 * 32 * 32 * 128 * 2) * spans  # torch.cat reads the cache and writes it anew, attention reads it
     flops = rows * (steps * (2 * (s.linear_params + s.head_params) + lora) + spans * 4 * 32 * 128 * 32)
@@ -125,7 +128,7 @@ class _Tokenizer:
         return " ".join(map(str, ids))
 
 
-@pytest.mark.parametrize("prompt, new, peak_at", [(64, 2, "prefill"), (8, 32, "decode")])
+@pytest.mark.parametrize("prompt, new, peak_at", [(256, 2, "prefill"), (8, 32, "decode")])
 def test_sampling_peak_matches_measured_cpu_allocations(small_model, tmp_path, prompt, new, peak_at):
     """objectives/sampling.complete on the model loaded through the real path (NF4, LoRA r=8, fp32 on the CPU): the
     bytes its generate allocates at their peak (LiveBytes) against sampling_terms. bitsandbytes dequantizes inside

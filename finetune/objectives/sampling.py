@@ -8,6 +8,7 @@ left-padded, a KV cache, the adapter's dropout off, each completion cut after it
 from __future__ import annotations
 
 import hashlib
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,12 +83,40 @@ def complete(
         with torch.random.fork_rng(devices=devices, enabled=seed is not None):
             if seed is not None:
                 torch.manual_seed(seed)
+            cache = shared_prefill(model, prompts, n)
             # Stop strings are cut afterwards (cut()): one that leads a completion (a newline) does not end it.
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, synced_gpus=synced)
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, generation_config=config, synced_gpus=synced, past_key_values=cache
+            )
     finally:
         model.train(was_training)
     done = [cut(row, ends, stops, tokenizer) for row in out[:, ids.shape[1] :].tolist()]
     return Completions([t for t, _ in done], [text for _, text in done])
+
+
+def shared_prefill(model, prompts: dict[str, Any], n: int) -> Any:
+    """Each prompt's KV cache, computed once and repeated for its n completions (TRL prefills each prompt n times):
+    every prompt token but the last, at the positions generate gives them (left padding counted out); generate
+    then feeds the last token of every row and samples on. The same logits as n separate prefills (fp32: within
+    1e-5 on the CPU; tests/test_grpo.py). None (generate prefills every row) for one completion, a one-token prompt,
+    or a model whose cache is not transformers' DynamicCache."""
+    from transformers import DynamicCache
+
+    from finetune.model.load import base_of
+
+    base = base_of(model)
+    dynamic = getattr(base, "_supports_default_dynamic_cache", lambda: False)()
+    takes = inspect.signature(base.forward).parameters
+    if n < 2 or prompts["input_ids"].shape[1] < 2 or not dynamic or not {"position_ids", "logits_to_keep"} <= set(takes):
+        return None
+    mask = prompts["attention_mask"]
+    positions = mask.long().cumsum(-1) - 1
+    positions.masked_fill_(mask == 0, 1)  # (generate's own rule for left-padded rows)
+    cache = DynamicCache(config=base.config)
+    model(input_ids=prompts["input_ids"][:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1],
+          past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+    cache.batch_repeat_interleave(n)  # rows in generate's order: each prompt's n completions together
+    return cache
 
 
 def cut(row: list[int], ends: list[int], stops: list[str], tokenizer) -> tuple[list[int], str]:

@@ -63,6 +63,15 @@ class Setup(Modes):
         return self.batch_size * self.sequences_per_example
 
     @property
+    def prefill(self) -> tuple[int, int]:
+        """(rows, tokens each) of an online objective's prefill: objectives/sampling.shared_prefill runs each prompt's
+        tokens but its last once, its completions then share the cache (the last token goes with the first decode
+        step); one completion a prompt: every row, whole."""
+        if self.sequences_per_example > 1 and self.prompt_len > 1:
+            return self.batch_size, self.prompt_len - 1
+        return self.rows, self.prompt_len
+
+    @property
     def prompt_len(self) -> int:
         """The longest prompt an online objective samples from: data/prompts.py drops a prompt that leaves no room
         for sampled_tokens within seq_len."""

@@ -80,8 +80,8 @@ def sampling_seconds(
     shape, recipe, setup, gpu, trainable, adapter_bytes: int, streamed_bytes: int = 0, gathered_s: float = 0.0
 ) -> float:
     """Seconds to sample one micro-batch's completions (objectives/sampling.py: HF generate with a KV cache), every
-    row to setup.sampled_tokens (an upper bound). The prefill is one forward over the prompts, compute-bound like
-    training's (the head at the last position only: logits_to_keep=1). Then a forward per further token, of one token
+    row to setup.sampled_tokens (an upper bound). The prefill is one forward over each prompt once (Setup.prefill),
+    compute-bound like training's (the head at the last position only: logits_to_keep=1). Then a forward per further token, of one token
     a row: its matmuls are small, so a step takes the longer of its FLOPs and its memory traffic, the weights read
     once (4-bit ones dequantized first: the rows are more than one, bitsandbytes' gemv is for a single token) and the
     KV cache three times (DynamicCache's torch.cat reads it and writes it anew, attention reads it). Every forward
@@ -99,8 +99,11 @@ def sampling_seconds(
     dense = shape.linear_params + shape.expert_params - quantized + shape.head_matmul_params
     adapter = trainable * adapter_bytes if recipe.lora else 0
     weights = quantized * 4.5 + dense * recipe.compute_bytes + adapter  # what every forward reads
-    prefill = (rows * prompt * (per_token - head) + rows * head) / rate + quantized * 4.5 / bandwidth
-    spans = steps * prompt + steps * (steps + 1) / 2  # the positions each decode step's token attends to, summed
+    prefilled, fed = setup.prefill  # each prompt once: its last token then goes with the first decode step
+    prefill = (prefilled * fed * (per_token - head) + prefilled * head) / rate + quantized * 4.5 / bandwidth
+    last = fed < prompt
+    spans = steps * prompt + steps * (steps + 1) / 2 + (prompt if last else 0)  # positions each decoded token attends to
+    steps += last
     attention = 4 * shape.heads * shape.head_dim * shape.layers  # QK^T and AV per position attended
     matmuls = per_token - 2 * prompt * shape.heads * shape.head_dim * shape.layers
     flops = rows * (steps * matmuls + spans * attention)

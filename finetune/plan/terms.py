@@ -226,11 +226,14 @@ def sampling_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, adapter
     b, rows, prompt = recipe.compute_bytes, setup.rows, setup.prompt_len
     positions = prompt + setup.sampled_tokens - 1  # the last token sampled is never fed back
     per_token = rows * shape.kv_bytes(b)
-    mask = rows * prompt * prompt if recipe.attention_mask(rows) else 0  # bool (rows, 1, P, P): the prompts are left-padded
-    prefill = rows * prompt * prefill_bytes_per_token(shape, recipe, adapter_bytes) + mask
+    # Each prompt prefilled once (Setup.prefill), its cache then repeated for its completions: a copy no larger than
+    # the decode's cache.
+    prefilled, fed = setup.prefill
+    mask = prefilled * fed * fed if recipe.attention_mask(rows) else 0  # bool (rows, 1, P, P): left-padded prompts
+    prefill = prefilled * fed * prefill_bytes_per_token(shape, recipe, adapter_bytes) + mask
     grown = rows * (positions - 1) * shape.kv_heads * shape.head_dim * b  # the old copy, one position shorter
     decode = max(grown + rows * shape.vocab * 2 * 4, rows * shape.vocab * (b + 3 * 4))
-    return Sampling(per_token * prompt, per_token * positions, prefill, decode)
+    return Sampling(prefilled * shape.kv_bytes(b) * fed, per_token * positions, prefill, decode)
 
 
 def prefill_bytes_per_token(shape: ModelShape, recipe: RecipeFacts, adapter_bytes: int) -> int:
