@@ -521,9 +521,10 @@ def test_a_prefill_repeated_in_the_wrong_order_samples_other_completions(tiny_mo
     from transformers import DynamicCache
 
     # the cache tiled (prompt 0, 1, 0, 1, ...) where generate's rows are each prompt's 4 completions together
-    tiled = lambda cache, n: [
-        setattr(layer, name, getattr(layer, name).repeat(n, 1, 1, 1)) for layer in cache.layers for name in ("keys", "values")
-    ]  # noqa: E731
+    def tiled(cache, n: int) -> None:
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys.repeat(n, 1, 1, 1), layer.values.repeat(n, 1, 1, 1)
+
     monkeypatch.setattr(DynamicCache, "batch_repeat_interleave", tiled)
     shared, every, _, _ = _sampled_both_ways(tiny_model_dir, monkeypatch, greedy=True)
     assert shared != every
