@@ -104,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="prompts per optimizer step")
     p.add_argument("--generations", type=int, default=8, help="completions per prompt (G, num_generations)")
     p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--context-words", type=int, default=0, help="a line of this many words before each prompt (long prompts)")
+    p.add_argument("--max-seq-len", type=int, default=64, help="ours: data.max_seq_len (prompt + completion)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--r", type=int, default=16)
@@ -138,11 +140,18 @@ def rss_peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def write_prompts(n: int, path: Path) -> Path:
+def write_prompts(n: int, path: Path, context_words: int = 0) -> Path:
+    """The first n demo prompts; context_words > 0: each led by a line of that many of the prompts' own words (a
+    long prompt, as real GRPO data has: where prefilling each prompt once instead of G times shows)."""
     with PROMPTS.open(encoding="utf-8") as f:
         records = [json.loads(line) for line in f if line.strip()]
     if len(records) < n:
         raise SystemExit(f"{PROMPTS} has {len(records)} prompts; --steps x --batch asks for {n}")
+    words = sorted({w for r in records for w in r["prompt"].split()[1:] if w.isalpha()})
+    for i, r in enumerate(records[:n]):
+        if context_words:
+            notes = " ".join(words[(7 * i + 3 * k) % len(words)] for k in range(context_words))
+            r["prompt"] = f"notes: {notes}\n{r['prompt']}"
     path.write_text("".join(json.dumps(r) + "\n" for r in records[:n]), encoding="utf-8")
     return path
 
@@ -347,6 +356,7 @@ def run_finetune(args: argparse.Namespace, prompts: Path, out: Path, t_start: fl
         f"seed={args.seed}",
         "precision=fp32",  # "auto" picks bf16 on CPUs with native bf16 (this EPYC has it); TRL runs fp32
         f"data.path={prompts}",
+        f"data.max_seq_len={args.max_seq_len}",
         "data.eval_path=null",  # no held-out greedy rewards before and after: the steps only
         "data.eval_fraction=0",
         "data.shuffle=false",
@@ -578,7 +588,9 @@ def worker(args: argparse.Namespace) -> None:
 
     args.rss_base = rss_now()
     tmp = Path(tempfile.mkdtemp(prefix=f"grpo-vs-trl-{args.tool}-"))
-    prompts = Path(args.prompts) if args.prompts else write_prompts(args.steps * args.batch, tmp / "prompts.jsonl")
+    prompts = (
+        Path(args.prompts) if args.prompts else write_prompts(args.steps * args.batch, tmp / "prompts.jsonl", args.context_words)
+    )
     run = run_finetune if args.tool == "finetune" else run_trl
     try:
         result = {"tool": args.tool, **run(args, prompts, tmp / "out", t_start)}
@@ -730,7 +742,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         raise SystemExit(f"{exc}\n{INSTALL_HINT}") from None
 
     tmp = Path(tempfile.mkdtemp(prefix="grpo-vs-trl-"))
-    prompts = write_prompts(args.steps * args.batch, tmp / "prompts.jsonl")
+    prompts = write_prompts(args.steps * args.batch, tmp / "prompts.jsonl", args.context_words)
     prompts_sha256 = hashlib.sha256(prompts.read_bytes()).hexdigest()
     load_before = os.getloadavg()
     runs: dict[str, list[dict[str, Any]]] = {"finetune": [], "trl": []}
@@ -803,7 +815,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             "compute": "fp32",
             "lora": {"r": args.r, "alpha": args.alpha, "dropout": 0.0, "targets": TARGETS},
             "trainable_params": ours["trainable_params"],
-            "prompts": f"first {args.steps * args.batch} of finetune/assets/demo/prompts.jsonl, in file order",
+            "prompts": f"first {args.steps * args.batch} of finetune/assets/demo/prompts.jsonl, in file order"
+            + (f", each after a line of {args.context_words} of their words" if args.context_words else ""),
             "prompts_sha256": prompts_sha256,
             "prompts_per_step": args.batch,
             "num_generations": args.generations,
