@@ -643,6 +643,7 @@ def worker_cmd(args: argparse.Namespace, tool: str, tmp: Path, out: Path, fds: t
     cmd += ["--out", str(out), "--steps", str(args.steps), "--batch", str(args.batch), "--generations", str(args.generations)]
     cmd += ["--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature), "--lr", str(args.lr)]
     cmd += ["--r", str(args.r), "--alpha", str(args.alpha), "--quant", args.quant, "--threads", str(args.threads)]
+    cmd += ["--max-seq-len", str(args.max_seq_len)]
     return cmd + ["--seed", str(args.seed)] + (["--no-stop"] if args.no_stop else [])
 
 
