@@ -817,7 +817,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             "lora": {"r": args.r, "alpha": args.alpha, "dropout": 0.0, "targets": TARGETS},
             "trainable_params": ours["trainable_params"],
             "prompts": f"first {args.steps * args.batch} of finetune/assets/demo/prompts.jsonl, in file order"
-            + (f", each after a line of {args.context_words} of their words" if args.context_words else ""),
+            + (f", each after a line of {args.context_words} words from the whole file's prompts" if args.context_words else ""),
+            "max_seq_len": args.max_seq_len,
             "prompts_sha256": prompts_sha256,
             "prompts_per_step": args.batch,
             "num_generations": args.generations,

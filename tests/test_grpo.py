@@ -499,21 +499,20 @@ def _sampled_both_ways(tiny_model_dir, monkeypatch, greedy: bool):
     prompts = collate_prompts([{"input_ids": tok(t)["input_ids"], "prompt": t, "record": {}} for t in texts], tok.pad_token_id)
     train = SimpleNamespace(max_new_tokens=12, temperature=1.0, top_p=1.0, stop=[])
     ends = sampling.end_ids(tok, model)
-    firsts: list[tuple[int, int]] = []
-    model.register_forward_pre_hook(
-        lambda m, a, k: firsts.append(tuple(k["input_ids"].shape)) if not firsts else None, with_kwargs=True
-    )
+    seen: list[tuple[int, int]] = []
+    model.register_forward_pre_hook(lambda m, a, k: seen.append(tuple(k["input_ids"].shape)), with_kwargs=True)
     shared = sampling.complete(model, prompts, 4, tok, ends, train, greedy=greedy, seed=5).tokens
-    first_shared = firsts.pop()
-    monkeypatch.setattr(sampling, "shared_prefill", lambda model, prompts, n: None)
+    first_shared, seen[:] = seen[:2], []  # the prefill's forward, then generate's first
+    monkeypatch.setattr(sampling, "shared_prefill", lambda model, prompts, n, synced=False: None)
     every = sampling.complete(model, prompts, 4, tok, ends, train, greedy=greedy, seed=5).tokens
-    return shared, every, (first_shared, firsts.pop()), prompts["input_ids"].shape
+    return shared, every, (first_shared, seen[:1]), prompts["input_ids"].shape
 
 
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
 def test_each_prompt_prefilled_once_samples_what_every_row_prefilled_samples(tiny_model_dir, monkeypatch, greedy):
     shared, every, (first_shared, first_every), (prompts, width) = _sampled_both_ways(tiny_model_dir, monkeypatch, greedy)
-    assert first_shared == (prompts, width - 1) and first_every == (prompts * 4, width)  # one prefill per prompt
+    # one prefill per prompt, then generate feeds each row its last prompt token; unshared, every row whole
+    assert first_shared == [(prompts, width - 1), (prompts * 4, 1)] and first_every == [(prompts * 4, width)]
     assert shared == every and len({tuple(c) for c in shared}) > (1 if greedy else 4)  # (the two prompts differ)
 
 
@@ -528,3 +527,29 @@ def test_a_prefill_repeated_in_the_wrong_order_samples_other_completions(tiny_mo
     monkeypatch.setattr(DynamicCache, "batch_repeat_interleave", tiled)
     shared, every, _, _ = _sampled_both_ways(tiny_model_dir, monkeypatch, greedy=True)
     assert shared != every
+
+
+def test_a_model_whose_cache_cannot_be_shared_prefills_every_row():
+    # Linear-attention layers' states do not repeat (Qwen3-Next: its cache has no batch_repeat_interleave), a cache
+    # class the generation config names makes generate refuse ours, multimodal rope adds the last call's deltas.
+    import transformers
+
+    from finetune.objectives.sampling import shareable, shared_prefill
+
+    cfg = transformers.Qwen3NextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_value_heads=2,
+                                       linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=2,
+                                       num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                       layer_types=["linear_attention", "full_attention"])  # fmt: skip
+    hybrid = transformers.Qwen3NextForCausalLM(cfg).eval()
+    ids = torch.randint(1, 60, (2, 6))
+    prompts = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    assert shareable(hybrid) and shared_prefill(hybrid, prompts, 3) is None  # refused by its cache's layers
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                                   num_hidden_layers=1, num_attention_heads=2)).eval()  # fmt: skip
+    assert shared_prefill(llama, prompts, 3) is not None and shared_prefill(llama, prompts, 1) is None
+    llama.generation_config.cache_implementation = "dynamic"
+    assert not shareable(llama)
+    llama.generation_config.cache_implementation = None
+    llama.model.rope_deltas = None  # (what Qwen2-VL's model holds)
+    assert not shareable(llama)

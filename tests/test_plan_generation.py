@@ -172,6 +172,7 @@ def test_under_fsdp_every_decoded_token_waits_for_the_gathered_weights(tmp_path)
     fsdp = plan_recipe(grpo_recipe("llama-3.1-8b", tmp_path, distributed={"strategy": "fsdp"}, **train), gpu, gpus=2)
     ddp = plan_recipe(grpo_recipe("llama-3.1-8b", tmp_path, **train), gpu, gpus=2)
     shard = fsdp.component("weights_quantized") + fsdp.component("quant_constants")  # this GPU's half
-    gathers = 4 * 512 * shard * (2 - 1) / (25e9 * 0.8)  # micro-batches x forwards x the other half over PCIe at 80%
+    # micro-batches x forwards (the prompts' prefill, their last token, 511 sampled) x the other half over PCIe at 80%
+    gathers = 4 * 513 * shard * (2 - 1) / (25e9 * 0.8)
     assert fsdp.step_time_parts["sampling"] == pytest.approx(gathers, rel=1e-12)
     assert gathers > ddp.step_time_parts["sampling"]  # DDP's forwards read their whole weights from memory

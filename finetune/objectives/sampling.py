@@ -83,7 +83,7 @@ def complete(
         with torch.random.fork_rng(devices=devices, enabled=seed is not None):
             if seed is not None:
                 torch.manual_seed(seed)
-            cache = shared_prefill(model, prompts, n)
+            cache = shared_prefill(model, prompts, n, synced)
             # Stop strings are cut afterwards (cut()): one that leads a completion (a newline) does not end it.
             out = model.generate(
                 input_ids=ids, attention_mask=mask, generation_config=config, synced_gpus=synced, past_key_values=cache
@@ -94,29 +94,44 @@ def complete(
     return Completions([t for t, _ in done], [text for _, text in done])
 
 
-def shared_prefill(model, prompts: dict[str, Any], n: int) -> Any:
+def shared_prefill(model, prompts: dict[str, Any], n: int, synced: bool = False) -> Any:
     """Each prompt's KV cache, computed once and repeated for its n completions (TRL prefills each prompt n times):
     every prompt token but the last, at the positions generate gives them (left padding counted out); generate
     then feeds the last token of every row and samples on. The same logits as n separate prefills (fp32: within
-    1e-5 on the CPU; tests/test_grpo.py). None (generate prefills every row) for one completion, a one-token prompt,
-    or a model whose cache is not transformers' DynamicCache."""
+    1e-5 on the CPU; tests/test_grpo.py). None (generate prefills every row) where sharing cannot hold (shareable).
+    synced (FSDP): every rank decides alike, or one rank's prefill forward would wait for gathers the others skip."""
     from transformers import DynamicCache
 
     from finetune.model.load import base_of
 
     base = base_of(model)
-    dynamic = getattr(base, "_supports_default_dynamic_cache", lambda: False)()
-    takes = inspect.signature(base.forward).parameters
-    if n < 2 or prompts["input_ids"].shape[1] < 2 or not dynamic or not {"position_ids", "logits_to_keep"} <= set(takes):
+    width = prompts["input_ids"].shape[1]
+    if synced and torch.distributed.is_initialized():  # (the narrowest batch of any rank decides for all)
+        least = torch.tensor([width], device=prompts["input_ids"].device)
+        torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
+        width = int(least)
+    if n < 2 or width < 2 or not shareable(base):
         return None
-    mask = prompts["attention_mask"]
-    positions = mask.long().cumsum(-1) - 1
-    positions.masked_fill_(mask == 0, 1)  # (generate's own rule for left-padded rows)
     cache = DynamicCache(config=base.config)
+    if any(type(layer).__name__ not in ("DynamicLayer", "DynamicSlidingWindowLayer") for layer in cache.layers):
+        return None  # linear-attention or state-space layers (Qwen3-Next, Falcon-H1): their states do not repeat
+    mask = prompts["attention_mask"]
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (pad positions are masked: any value serves)
     model(input_ids=prompts["input_ids"][:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1],
           past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
     cache.batch_repeat_interleave(n)  # rows in generate's order: each prompt's n completions together
     return cache
+
+
+def shareable(base) -> bool:
+    """Whether generate can take a prefilled cache from this model: a dynamic KV cache, a forward taking position_ids
+    and logits_to_keep, no cache class of its generation config's choosing (generate refuses both), and no
+    multimodal rope (Qwen2-VL's rope_deltas: generate adds the last call's to a continued cache's positions)."""
+    dynamic = getattr(base, "_supports_default_dynamic_cache", lambda: False)()
+    takes = set(inspect.signature(base.forward).parameters)
+    chosen = getattr(getattr(base, "generation_config", None), "cache_implementation", None) not in (None, "hybrid")
+    rope_deltas = any(hasattr(m, "rope_deltas") for m in (base, getattr(base, "model", None)) if m is not None)
+    return dynamic and {"position_ids", "logits_to_keep"} <= takes and not chosen and not rope_deltas
 
 
 def cut(row: list[int], ends: list[int], stops: list[str], tokenizer) -> tuple[list[int], str]:

@@ -67,7 +67,7 @@ class Setup(Modes):
         """(rows, tokens each) of an online objective's prefill: objectives/sampling.shared_prefill runs each prompt's
         tokens but its last once, its completions then share the cache (the last token goes with the first decode
         step); one completion a prompt: every row, whole."""
-        if self.sequences_per_example > 1 and self.prompt_len > 1:
+        if self.sampled_tokens and self.sequences_per_example > 1 and self.prompt_len > 1:
             return self.batch_size, self.prompt_len - 1
         return self.rows, self.prompt_len
 

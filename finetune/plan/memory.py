@@ -444,8 +444,9 @@ def _sampling_components(setup: Setup, gen: Sampling, in_peak: bool) -> list[Com
     """An online objective's KV cache and generate's buffers, at the larger of its two peaks (terms.Sampling)."""
     rows, prompt = setup.rows, setup.prompt_len
     if gen.prefills_at_peak:
+        prompts, fed = setup.prefill  # (each prompt once, its completions sharing its cache)
         return [
-            Component("kv_cache", f"KV cache, sampling ({rows} x {prompt} prompt tokens)", gen.prompt_cache, in_peak=in_peak),
+            Component("kv_cache", f"KV cache, sampling ({prompts} x {fed} prompt tokens)", gen.prompt_cache, in_peak=in_peak),
             Component("sampling_buffers", "sampling: one layer's prefill of the prompts", gen.prefill, in_peak=in_peak),
         ]
     tokens = prompt + setup.sampled_tokens - 1

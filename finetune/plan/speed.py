@@ -110,7 +110,7 @@ def sampling_seconds(
     traffic = steps * weights + 3 * rows * shape.kv_bytes(recipe.compute_bytes) * spans
     on_gpu = prefill + max(flops / rate, traffic / bandwidth)
     link = min(NVME_READ_GBPS, gpu.pcie_gbps) if setup.base_weights == "disk" else gpu.pcie_gbps
-    return max(on_gpu, new * max(streamed_bytes / (link * 1e9), gathered_s))
+    return max(on_gpu, (steps + 1) * max(streamed_bytes / (link * 1e9), gathered_s))  # every forward, the prefill's too
 
 
 def forward_seconds(shape, recipe, setup, gpu, trainable) -> float:

@@ -229,7 +229,7 @@ def sampling_terms(shape: ModelShape, recipe: RecipeFacts, setup: Setup, adapter
     # Each prompt prefilled once (Setup.prefill), its cache then repeated for its completions: a copy no larger than
     # the decode's cache.
     prefilled, fed = setup.prefill
-    mask = prefilled * fed * fed if recipe.attention_mask(rows) else 0  # bool (rows, 1, P, P): left-padded prompts
+    mask = prefilled * fed * fed if recipe.attention_mask(prefilled) else 0  # bool (rows, 1, P, P): left-padded prompts
     prefill = prefilled * fed * prefill_bytes_per_token(shape, recipe, adapter_bytes) + mask
     grown = rows * (positions - 1) * shape.kv_heads * shape.head_dim * b  # the old copy, one position shorter
     decode = max(grown + rows * shape.vocab * 2 * 4, rows * shape.vocab * (b + 3 * 4))
