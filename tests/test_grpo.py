@@ -91,11 +91,12 @@ def _group_batch():
     return {"input_ids": ids, "labels": labels, "attention_mask": (labels != -7).long(), "sample_sums": {}}
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "grpo+sequence"])
 def test_each_loss_type_reduces_a_group_as_its_paper_says(loss_type):
-    train = SimpleNamespace(
-        loss_type=loss_type, num_generations=2, epsilon=0.2, epsilon_high=None, beta=0.0, temperature=1.0, max_new_tokens=4
-    )
+    # (grpo+sequence: GSPO's one ratio a completion; at the first update every ratio is 1, so grpo's numbers)
+    loss_type, _, level = loss_type.partition("+")
+    train = SimpleNamespace(loss_type=loss_type, num_generations=2, epsilon=0.2, epsilon_high=None, beta=0.0,
+                            temperature=1.0, max_new_tokens=4, importance_sampling=level or "token")  # fmt: skip
     loss_fn = GRPOLoss(train, [Reward("one", 1.0, lambda c, r: 1.0)])
     model = _Logits(2, 3, 5)
     batch = {**_group_batch(), "advantages": torch.tensor([1.0, -1.0])}
@@ -119,9 +120,8 @@ def test_each_loss_type_reduces_a_group_as_its_paper_says(loss_type):
 
 
 def test_zero_advantage_gives_zero_gradient_and_a_first_update_has_ratio_1_and_kl_0():
-    train = SimpleNamespace(
-        loss_type="grpo", num_generations=2, epsilon=0.2, epsilon_high=None, beta=0.1, temperature=1.0, max_new_tokens=4
-    )
+    train = SimpleNamespace(loss_type="grpo", num_generations=2, epsilon=0.2, epsilon_high=None, beta=0.1,
+                            temperature=1.0, max_new_tokens=4, importance_sampling="token")  # fmt: skip
     loss_fn = GRPOLoss(train, [Reward("one", 1.0, lambda c, r: 1.0)])
     model = _Logits(2, 3, 5)
     logp = torch.log_softmax(model.table.detach()[:, :-1], dim=-1)
@@ -177,6 +177,9 @@ def test_a_recipe_names_built_in_rewards_never_code(recipe_dict, tmp_path):
     assert build_recipe(zero).distributed.strategy == "fsdp"
     zero["distributed"] = {"context_parallel": 2}
     assert build_recipe(zero).distributed.context_parallel == 2
+    zero["train"]["importance_sampling"] = "sequence"  # GSPO's one ratio a row: the row split over ranks
+    with pytest.raises(ConfigError, match="train.importance_sampling=sequence: a completion's one ratio"):
+        build_recipe(zero)
 
 
 # ---------------------------------------------------------------- whole runs
@@ -553,3 +556,57 @@ def test_a_model_whose_cache_cannot_be_shared_prefills_every_row():
     llama.generation_config.cache_implementation = None
     llama.model.rope_deltas = None  # (what Qwen2-VL's model holds)
     assert not shareable(llama)
+
+
+def test_gspo_clips_each_completions_one_ratio_as_computed_by_hand():
+    # Two completions of 3 tokens (the second's last is padding), off-policy: the ratio of each completion is the exp
+    # of its tokens' mean log-ratio, the same for its every token; the first's is clipped at 1 + 0.2, the second's not.
+    logps = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.6, -9.0]], requires_grad=True)
+    old = torch.tensor([[-1.3, -2.4, -0.5], [-0.4, -0.5, -1.0]])
+    adv = torch.tensor([1.0, -0.5])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    loss, clipped, _ = token_losses(logps, old, adv, 0.2, 0.2, sequence_mask=mask)
+    r0, r1 = math.exp((0.3 + 0.4 + 0.0) / 3), math.exp((0.1 - 0.1) / 2)  # 1.2629 (clipped to 1.2), 1.0
+    assert r0 > 1.2
+    torch.testing.assert_close(loss[0], torch.full((3,), -1.2 * 1.0))
+    torch.testing.assert_close(loss[1, :2], torch.full((2,), -r1 * -0.5))
+    assert clipped[0].all() and not clipped[1].any()
+    ((loss * mask).sum(dim=1) / mask.sum(dim=1)).sum().backward()  # loss_type grpo: each completion's token mean
+    # d/dlogp_j of -r A, r = exp(mean of the row's log-ratios): -A r / n on the row's tokens; the clipped row: 0
+    torch.testing.assert_close(logps.grad, torch.tensor([[0.0, 0.0, 0.0], [0.25, 0.25, 0.0]]))
+
+
+def test_gspo_on_policy_is_grpo_and_padding_left_in_changes_the_ratio():
+    torch.manual_seed(0)
+    logps = (-torch.rand(4, 5) * 3).requires_grad_(True)
+    adv, mask = torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.rand(4, 5) > 0.3
+    grads = []
+    for sequence in (None, mask):  # steps_per_generation 1: sampled by this very policy, every ratio 1
+        logps.grad = None
+        loss, _, _ = token_losses(logps, logps.detach(), adv, 0.2, 0.2, sequence_mask=sequence)
+        ((loss * mask).sum(dim=1) / mask.sum(dim=1)).sum().backward()
+        grads.append(logps.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1])
+    old = logps.detach() - 0.1 * torch.arange(5.0)  # off-policy, and the padding's log-ratios differ from the tokens'
+    kept, _, _ = token_losses(logps, old, adv, 0.5, 0.5, sequence_mask=mask)
+    padded, _, _ = token_losses(logps, old, adv, 0.5, 0.5, sequence_mask=torch.ones_like(mask))
+    assert not torch.allclose(kept[mask], padded[mask])  # the negative control: padding counted in the mean
+
+
+def test_the_loss_runs_gspo_under_importance_sampling_sequence():
+    # Off-policy (old_logps per token apart): the loss GRPOLoss returns is the one token_losses gives with each
+    # completion's tokens as the sequence mask, and not the per-token one.
+    batch = {**_group_batch(), "advantages": torch.tensor([1.0, -1.0])}
+    logp = torch.log_softmax(_Logits(2, 3, 5).table.detach()[:, :-1], dim=-1)
+    labels = batch["labels"][:, 1:]
+    current = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    batch["old_logps"] = current - torch.tensor([[0.3, -0.1], [0.05, 0.0]])
+    mask = labels != IGNORE_INDEX
+    summed = {}
+    for level in ("token", "sequence"):
+        train = SimpleNamespace(loss_type="grpo", num_generations=2, epsilon=0.2, epsilon_high=None, beta=0.0,
+                                temperature=1.0, max_new_tokens=4, importance_sampling=level)  # fmt: skip
+        summed[level] = float(GRPOLoss(train, [Reward("one", 1.0, lambda c, r: 1.0)])(_Logits(2, 3, 5), batch)[0].detach())
+    by_hand, _, _ = token_losses(current, batch["old_logps"], batch["advantages"], 0.2, 0.2, sequence_mask=mask)
+    assert summed["sequence"] == pytest.approx(float(((by_hand * mask).sum(1) / mask.sum(1)).sum()), abs=1e-6)
+    assert summed["sequence"] != pytest.approx(summed["token"], abs=1e-3)

@@ -205,6 +205,11 @@ class TrainConfig(_Section):
     num_generations: int = Field(4, ge=2, description="grpo: completions sampled per prompt (the group)")
     epsilon: float = Field(0.2, gt=0, lt=1, description="grpo: the ratio clip, 1 - epsilon .. 1 + epsilon_high")
     epsilon_high: float | None = Field(None, gt=0, description="grpo: the upper clip; null: epsilon (dapo: 0.28)")
+    importance_sampling: Literal["token", "sequence"] = Field(
+        "token",
+        description="grpo: token: each token's ratio to the sampling policy, clipped; sequence (GSPO): one ratio a "
+        "completion, the geometric mean of its tokens', clipped as one (GSPO's paper clips at 3e-4 / 4e-4)",
+    )
     max_new_tokens: int = Field(32, ge=1, description="grpo: the longest completion sampled")
     steps_per_generation: int = Field(
         1,

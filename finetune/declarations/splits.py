@@ -286,6 +286,14 @@ CONTEXT_RULES: tuple[Rule[Any], ...] = (
         ),
     ),
     Rule(
+        lambda c: _context(c) and c.train.objective == "grpo" and c.train.importance_sampling == "sequence",
+        lambda c: (
+            f"{context_asked(c)} with train.importance_sampling=sequence: a completion's one ratio is the mean of its "
+            "tokens' over the whole row, which context parallelism splits over ranks (not yet gathered). Set "
+            "train.importance_sampling=token, or distributed.context_parallel=1."
+        ),
+    ),
+    Rule(
         lambda c: _context(c) and c.model.attn_implementation != "auto",
         lambda c: (
             f"{context_asked(c)} with model.attn_implementation={c.model.attn_implementation}: context parallelism runs its "

@@ -11,7 +11,8 @@ completions of each prompt with a KV cache, each cut after its first end token; 
 and the loss of a completion token t is the clipped policy-gradient term, plus beta x KL to the base
 (the adapter switched off, as DPO's reference; k3 estimator, Schulman 2020):
 
-    ratio = exp(logp_t - logp_t_sampling)     against the policy that sampled the completion
+    ratio = exp(logp_t - logp_t_sampling)     against the policy that sampled the completion (importance_sampling=
+                                              sequence, GSPO: exp of the completion's mean of them, one per completion)
     l_t = -min(ratio A, clip(ratio, 1 - epsilon, 1 + epsilon_high) A) + beta (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)
 
     grpo     each completion's token mean, averaged over completions      (units: completions)
@@ -68,9 +69,16 @@ def token_losses(
     epsilon_high: float,
     beta: float = 0.0,
     ref_logps: torch.Tensor | None = None,
+    sequence_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss of every completion token, whether its ratio was clipped, its KL to the reference)."""
-    ratio = torch.exp(logps - sampled_logps)
+    """(loss of every completion token, whether its ratio was clipped, its KL to the reference). sequence_mask (the
+    completion tokens, GSPO): every token of a completion takes the completion's one ratio, the exp of the mean of
+    its tokens' log-ratios, clipped as one."""
+    log_ratio = logps - sampled_logps
+    if sequence_mask is not None:
+        m = sequence_mask.to(log_ratio.dtype)
+        log_ratio = ((log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).expand_as(logps)
+    ratio = torch.exp(log_ratio)
     a = adv.unsqueeze(-1)
     clipped_ratio = ratio.clamp(1 - epsilon, 1 + epsilon_high)
     loss = -torch.minimum(ratio * a, clipped_ratio * a)
@@ -215,8 +223,9 @@ class GRPOLoss(Loss):
         logps, mask = completion_logps(model, batch, self.train.temperature, self.head_on_targets_only)
         # Sampled by this very policy (steps_per_generation 1): ratio 1, its gradient the policy gradient.
         sampled = batch["old_logps"] if "old_logps" in batch else logps.detach()
+        sequence = mask if self.train.importance_sampling == "sequence" else None
         loss, clipped, kl = token_losses(
-            logps, sampled, batch["advantages"], self.epsilon, self.epsilon_high, self.beta, batch.get("ref_logps")
+            logps, sampled, batch["advantages"], self.epsilon, self.epsilon_high, self.beta, batch.get("ref_logps"), sequence
         )
         m = mask.float()
         part = batch.get(context.KEY)  # a context-parallel rank's part of every row: a row's tokens are the group's
