@@ -250,8 +250,19 @@ def _fused_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Te
     packed, compute_dtype, bias, convert = prepared(self, x)  # packed: the layout bitsandbytes' matmul takes
     xc = x.to(compute_dtype) if compute_dtype is not None else x
     lora_a, lora_b = self.lora_A[name], self.lora_B[name]
-    d = self.lora_dropout[name](self._cast_input_dtype(x, lora_a.weight.dtype) if convert else x)
     state = self.base_layer.weight.quant_state
+    d = adapter_input(self, name, x, convert)
     base_out, lora_out = LoraOver4bit.apply(xc, d, packed, state, bias, lora_a.weight, lora_b.weight, self.scaling[name])
-    result = base_out.to(x.dtype)
+    return summed(base_out, lora_out, x.dtype, convert)
+
+
+def adapter_input(layer: Any, name: str, x: torch.Tensor, convert: bool) -> torch.Tensor:
+    """x as peft's adapter `name` sees it: cast to its dtype where peft casts (convert), then its dropout."""
+    return layer.lora_dropout[name](layer._cast_input_dtype(x, layer.lora_A[name].weight.dtype) if convert else x)
+
+
+def summed(base_out: torch.Tensor, lora_out: torch.Tensor, dtype: torch.dtype, convert: bool) -> torch.Tensor:
+    """peft's output of a LoRA'd 4-bit linear: the base's cast back to the input's dtype, plus the adapter's (cast too
+    where peft casts)."""
+    result = base_out.to(dtype)
     return result + (lora_out.to(result.dtype) if convert else lora_out)

@@ -25,7 +25,17 @@ from typing import Any, NamedTuple
 
 import torch
 
-from finetune.model.fast_lora import _plain, autocast_of, linear_backward, linear_forward, prepared, repaired, triton_for
+from finetune.model.fast_lora import (
+    _plain,
+    adapter_input,
+    autocast_of,
+    linear_backward,
+    linear_forward,
+    prepared,
+    repaired,
+    summed,
+    triton_for,
+)
 
 # The forward bodies (whitespace dropped) of the MLP classes the block computes.
 GATED_FORMS = (
@@ -102,8 +112,7 @@ def _projected(x, d, packed, a, b, p: Projection) -> tuple[torch.Tensor, torch.T
     d A^T, and the dtypes its backward casts the gradient to (the input's, the base's, the adapter output's)."""
     xc = x.to(p.compute_dtype) if p.compute_dtype is not None else x
     base, u, out = linear_forward(xc, d, packed, p.state, None, a, b, p.scale)
-    result = base.to(x.dtype)
-    return result + (out.to(result.dtype) if p.convert else out), u, (x.dtype, base.dtype, out.dtype)
+    return summed(base, out, x.dtype, p.convert), u, (x.dtype, base.dtype, out.dtype)
 
 
 def _projection_backward(gy, x, d, u, a, b, packed, p: Projection, casts, autocast, need_x=True) -> tuple[Any, ...]:
@@ -173,9 +182,9 @@ def _block_forward(self, x: torch.Tensor) -> torch.Tensor:
     for layer in layers:
         repaired(layer)  # before _plain reads the quantization state
     names = {_plain(layer, {}) for layer in layers}
-    if x.numel() == 0 or len(names) != 1 or None in names or any(layer.base_layer.bias is not None for layer in layers):
+    name = names.pop() if len(names) == 1 else None  # the one adapter all three run
+    if x.numel() == 0 or name is None or any(layer.base_layer.bias is not None for layer in layers):
         return type(self).forward(self, x)
-    (name,) = names
     parts, packed = [], []
     for layer in layers:
         p, compute_dtype, _, convert = prepared(layer, x)
@@ -183,9 +192,6 @@ def _block_forward(self, x: torch.Tensor) -> torch.Tensor:
         parts.append(Projection(layer.base_layer.weight.quant_state, layer.scaling[name], compute_dtype, convert))
     gate, up, down = layers
     adapters = [w for layer in layers for w in (layer.lora_A[name].weight, layer.lora_B[name].weight)]
-    d_gate, d_up = (
-        layer.lora_dropout[name](layer._cast_input_dtype(x, layer.lora_A[name].weight.dtype) if part.convert else x)
-        for layer, part in zip((gate, up), parts[:2], strict=True)
-    )
+    d_gate, d_up = (adapter_input(layer, name, x, part.convert) for layer, part in zip((gate, up), parts[:2], strict=True))
     block = Block(parts[0], parts[1], parts[2], act=self.act_fn, dropout=down.lora_dropout[name])
     return GatedMlpOver4bit.apply(x, d_gate, d_up, *adapters, *packed, block)

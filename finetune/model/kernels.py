@@ -53,9 +53,10 @@ def liger_families() -> dict[str, Callable[..., None]] | None:
 
 
 def choose(setting: str, device_type: str, model_type: str, families: dict[str, Any] | None) -> str:
-    """'liger', 'finetune' or 'none' for model.kernels=`setting` on `device_type` (families: liger_families())."""
-    if setting in ("none", "finetune"):
-        return setting
+    """'liger' or 'none' for model.kernels=`setting` on `device_type` (families: liger_families()); finetune's own
+    kernels never come here (apply_kernels installs them first)."""
+    if setting == "none":
+        return "none"
     usable = device_type == "cuda" and families is not None and model_type in families
     if setting == "auto":
         return "liger" if AUTO_ON_CUDA == "liger" and usable else "none"

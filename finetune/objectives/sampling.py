@@ -105,12 +105,14 @@ def shared_prefill(model, prompts: dict[str, Any], n: int, synced: bool = False)
     from finetune.model.load import base_of
 
     base = base_of(model)
+    if n < 2 or not shareable(base):  # (the same on every rank: no collective for held-out sampling)
+        return None
     width = prompts["input_ids"].shape[1]
     if synced and torch.distributed.is_initialized():  # (the narrowest batch of any rank decides for all)
         least = torch.tensor([width], device=prompts["input_ids"].device)
         torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
         width = int(least)
-    if n < 2 or width < 2 or not shareable(base):
+    if width < 2:
         return None
     cache = DynamicCache(config=base.config)
     if any(type(layer).__name__ not in ("DynamicLayer", "DynamicSlidingWindowLayer") for layer in cache.layers):
