@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from finetune.data import IGNORE_INDEX
 from finetune.objectives.loss import Loss, model_inputs
 from finetune.objectives.preference import adapter_off
+from finetune.objectives.prompt_sharing import Sharing, shared_rows, sharing_for
 from finetune.objectives.rewards import Reward, score
 from finetune.objectives.sampling import complete, end_ids, sampling_seed, trainable_rows
 from finetune.parallel import context
@@ -92,15 +93,25 @@ def token_losses(
 
 
 def completion_logps(
-    model, batch: dict[str, torch.Tensor], temperature: float, head_on_targets_only: bool = False
+    model,
+    batch: dict[str, torch.Tensor],
+    temperature: float,
+    head_on_targets_only: bool = False,
+    sharing: Sharing | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probability of each next token at the sampling temperature, 0 off the completions; whether it is a
     completion token), both (rows, seq - 1). head_on_targets_only: the LM head (and the fp32 softmax over the
-    vocabulary) runs on completion positions only, through a boolean logits_to_keep, not on every prompt token."""
+    vocabulary) runs on completion positions only, through a boolean logits_to_keep, not on every prompt token.
+    sharing: each group's prompt runs once, its completions behind it (prompt_sharing.py), where that pays."""
     inputs = model_inputs(batch)  # whole rows and their mask, or a context-parallel rank's part and its positions
     targets = batch["labels"][:, 1:]
     mask = targets != IGNORE_INDEX
-    if head_on_targets_only:
+    shared = shared_rows(batch, sharing) if sharing is not None else None
+    if shared is not None:
+        keep = shared.keep if head_on_targets_only else None
+        logits = model(**shared.inputs, **({"logits_to_keep": keep} if keep is not None else {})).logits
+        logits = (logits if keep is not None else logits[shared.keep])[shared.picks]  # (completion tokens, vocab)
+    elif head_on_targets_only:
         keep = torch.zeros_like(batch["labels"], dtype=torch.bool)
         keep[:, :-1] = mask
         logits = model(**inputs, logits_to_keep=keep).logits  # (completion tokens, vocab), row-major
@@ -124,6 +135,7 @@ class GRPOLoss(Loss):
         self.epsilon_high = high if high is not None else (DAPO_EPSILON_HIGH if train.loss_type == "dapo" else train.epsilon)
         self.beta = float(train.beta or 0.0)
         self.tokenizer: Any = None  # use_tokenizer()
+        self.sharing: Sharing | None = None  # fit(): whether the model can share a group's prompt in one row
         self.ready: dict[int, list[dict[str, Any]]] = {}  # step -> its completions, sampled at its cycle's start
         self.served: set[int] = set()  # the steps of `ready` handed out already
         self.synced = False  # use_memory(): the weights are sharded
@@ -132,6 +144,10 @@ class GRPOLoss(Loss):
         self.last_sums: dict[str, float] = {}
         self.metric_keys = ("_sequences", "reward", "reward_std", "frac_reward_zero_std", "completion_length")
         self.metric_keys += ("clip_ratio", "kl") + tuple(f"rewards/{r.name}" for r in rewards)
+
+    def fit(self, model) -> None:
+        super().fit(model)
+        self.sharing = sharing_for(model, self.group)  # each group's prompt run once where the model allows
 
     def use_tokenizer(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -191,10 +207,12 @@ class GRPOLoss(Loss):
         model.eval()  # dropout off: the sampling policy's own log-probabilities; the reference deterministic
         try:
             if train.steps_per_generation > 1:
-                batch["old_logps"] = completion_logps(model, batch, train.temperature, self.head_on_targets_only)[0]
+                batch["old_logps"] = completion_logps(model, batch, train.temperature, self.head_on_targets_only, self.sharing)[0]
             if self.beta:
                 with adapter_off(model):
-                    batch["ref_logps"] = completion_logps(model, batch, train.temperature, self.head_on_targets_only)[0]
+                    batch["ref_logps"] = completion_logps(
+                        model, batch, train.temperature, self.head_on_targets_only, self.sharing
+                    )[0]
         finally:
             model.train(was_training)
         grouped = total.view(-1, self.group)
@@ -220,7 +238,7 @@ class GRPOLoss(Loss):
         return int(batch["input_ids"].shape[0]) if _first_part(batch) else 0
 
     def __call__(self, model, batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
-        logps, mask = completion_logps(model, batch, self.train.temperature, self.head_on_targets_only)
+        logps, mask = completion_logps(model, batch, self.train.temperature, self.head_on_targets_only, self.sharing)
         # Sampled by this very policy (steps_per_generation 1): ratio 1, its gradient the policy gradient.
         sampled = batch["old_logps"] if "old_logps" in batch else logps.detach()
         sequence = mask if self.train.importance_sampling == "sequence" else None

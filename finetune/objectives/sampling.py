@@ -112,17 +112,24 @@ def shared_prefill(model, prompts: dict[str, Any], n: int, synced: bool = False)
         least = torch.tensor([width], device=prompts["input_ids"].device)
         torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
         width = int(least)
-    if width < 2:
+    if width < 2 or not repeatable_cache(base):
         return None
     cache = DynamicCache(config=base.config)
-    if any(type(layer).__name__ not in ("DynamicLayer", "DynamicSlidingWindowLayer") for layer in cache.layers):
-        return None  # linear-attention or state-space layers (Qwen3-Next, Falcon-H1): their states do not repeat
     mask = prompts["attention_mask"]
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (pad positions are masked: any value serves)
     model(input_ids=prompts["input_ids"][:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1],
           past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
     cache.batch_repeat_interleave(n)  # rows in generate's order: each prompt's n completions together
     return cache
+
+
+def repeatable_cache(base) -> bool:
+    """Whether every layer's cache holds keys and values (softmax attention): not linear-attention or state-space
+    layers (Qwen3-Next, Falcon-H1), whose states neither repeat across rows nor skip the tokens before them."""
+    from transformers import DynamicCache
+
+    layers = DynamicCache(config=base.config).layers
+    return all(type(layer).__name__ in ("DynamicLayer", "DynamicSlidingWindowLayer") for layer in layers)
 
 
 def shareable(base) -> bool:
