@@ -49,11 +49,12 @@ def test_padding_attends_to_itself_and_eager_attention_gets_an_additive_mask():
     batch["input_ids"], batch["labels"], batch["attention_mask"] = (
         t[:, :5] for t in (batch["input_ids"], batch["labels"], batch["attention_mask"])
     )
-    shared = shared_rows(batch, Sharing(2, additive=True, window=None))
-    assert shared is not None and shared.inputs["attention_mask"].dtype == torch.float32
+    shared = shared_rows(batch, Sharing(2, additive=True, window=None, dtype=torch.bfloat16))
+    assert shared is not None and shared.inputs["attention_mask"].dtype == torch.bfloat16  # the scores' own dtype
     allowed = shared.inputs["attention_mask"][:, 0] == 0
     assert bool(allowed.any(-1).all())  # every query, padding too, has a key: no empty softmax row
-    assert float(shared.inputs["attention_mask"].min()) == torch.finfo(torch.float32).min
+    assert float(shared.inputs["attention_mask"].min()) == torch.finfo(torch.bfloat16).min
+    assert allowed.int().tolist() == (shared_rows(batch, Sharing(2, False, None)).inputs["attention_mask"][:, 0]).int().tolist()
 
 
 def test_sharing_is_refused_where_it_would_cost_more_or_change_the_rows():
@@ -81,7 +82,7 @@ def test_only_softmax_attention_models_under_sdpa_or_eager_share():
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small, attn_implementation="sdpa"))
     assert sharing_for(llama, 4) == Sharing(4, additive=False, window=None) and sharing_for(llama, 1) is None
     llama.set_attn_implementation("eager")
-    assert sharing_for(llama, 4) == Sharing(4, additive=True, window=None)
+    assert sharing_for(llama, 4) == Sharing(4, additive=True, window=None)  # (fp32 weights: an fp32 mask)
     mistral = transformers.MistralForCausalLM(transformers.MistralConfig(**small, sliding_window=16, attn_implementation="sdpa"))
     assert sharing_for(mistral, 4) == Sharing(4, additive=False, window=16)
     cfg = transformers.Qwen3NextConfig(**small, num_key_value_heads=1, head_dim=16, linear_num_value_heads=2,
@@ -154,6 +155,17 @@ def test_the_demo_model_scores_a_shared_prompt_as_its_rows_with_the_same_gradien
     assert abs(loss_shared - loss_rows) < 1e-6 and len(grads_shared) == len(grads_rows) == 7 * 4 * 2
     for name, g in grads_rows.items():  # (fp32 sums in another order: ~1e-5 of each tensor's largest, seen)
         assert float(g.abs().max()) > 0 and float((grads_shared[name] - g).abs().max()) <= 1e-4 * float(g.abs().max()), name
+    # Eager attention adds a float mask to its scores: the same log-probabilities again.
+    base = model.get_base_model()
+    base.set_attn_implementation("eager")
+    try:
+        eager = sharing_for(model, 4)
+        with torch.no_grad():
+            added, _ = completion_logps(model, batch, 0.7, True, eager)
+    finally:
+        base.set_attn_implementation("sdpa")
+    assert eager is not None and eager.additive
+    torch.testing.assert_close(added, rows, rtol=1e-5, atol=1e-5)
     # Negative control: let each completion also see the completions before it: their log-probabilities move.
     leaky = shared_rows(batch, how)
     leaky.inputs["attention_mask"] = torch.ones_like(leaky.inputs["attention_mask"]).tril()

@@ -38,7 +38,8 @@ class Sharing:
 
     group: int
     additive: bool  # eager attention adds the mask to its scores (a float mask); sdpa takes booleans
-    window: int | None  # the narrowest sliding window of any layer, None without one
+    window: int | None  # the config's sliding window (its windowed layers'), None without one
+    dtype: torch.dtype = torch.float32  # the added mask's: the hidden states' (a wider one would upcast the scores)
 
 
 @dataclass
@@ -60,7 +61,10 @@ def sharing_for(model, group: int) -> Sharing | None:
         return None
     windowed = getattr(config, "use_sliding_window", True) is not False  # Qwen2's switch
     window = getattr(config, "sliding_window", None) if windowed else None
-    return Sharing(group, additive=attention == "eager", window=window or None)
+    dtype = base.get_input_embeddings().weight.dtype
+    return Sharing(
+        group, additive=attention == "eager", window=window or None, dtype=dtype if dtype.is_floating_point else torch.float32
+    )
 
 
 def shared_rows(batch: dict[str, Any], how: Sharing) -> SharedRows | None:
@@ -121,7 +125,7 @@ def _layout(ids: list[list[int]], prompts: list[int], lengths: list[int], how: S
     allowed = causal & (((key == 0) & (query >= 0)) | (key == query))  # padding sees padding: no empty softmax row
     mask = allowed.unsqueeze(1)
     if how.additive:
-        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+        mask = torch.zeros(mask.shape, dtype=how.dtype).masked_fill(~mask, torch.finfo(how.dtype).min)
     kept_index = keep.flatten().cumsum(0) - 1
     picks = kept_index[torch.tensor(predictor, dtype=torch.long)]
     inputs = {"input_ids": shared, "attention_mask": mask, "position_ids": positions}
