@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from finetune.memory.linear_ce import CaptureHead, chunked_linear_cross_entropy, logits_transform
+from finetune.memory.linear_ce import CaptureHead, chunked_linear_cross_entropy, chunked_token_logps, logits_transform
 
 
 def full_and_chunked(head, hidden, targets, chunk, transform=None):
@@ -81,6 +81,34 @@ def test_soft_capping_of_the_model_is_applied_per_chunk():
         pass
 
     assert logits_transform(Plain()) is None
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_each_tokens_log_probability_chunked_equals_the_full_softmax_with_its_gradients(chunk):
+    # GRPO's per-token terms: weights of either sign on each token's log-probability, at a temperature, soft-capped
+    class Cfg:
+        final_logit_softcapping = 5.0
+
+    torch.manual_seed(3)
+    head = torch.nn.Linear(16, 61, bias=True)
+    with torch.no_grad():
+        head.weight.mul_(10)
+    hidden, targets, weights = torch.randn(30, 16), torch.randint(0, 61, (30,)), torch.randn(30)
+    transform = logits_transform(Cfg())
+    results = []
+    for chunked in (False, True):
+        h = hidden.clone().requires_grad_(True)
+        head.zero_grad(set_to_none=True)
+        if chunked:
+            logps = chunked_token_logps(h, head, targets, chunk, transform, temperature=0.7)
+        else:
+            logps = F.log_softmax(transform(head(h)).float() / 0.7, dim=-1).gather(1, targets[:, None]).squeeze(1)
+        (logps * weights).sum().backward()
+        results.append((logps.detach(), h.grad, head.weight.grad, head.bias.grad))
+    for chunked, full in zip(results[1], results[0]):
+        torch.testing.assert_close(chunked, full, rtol=1e-5, atol=1e-6)
+    plain = F.log_softmax(head(hidden).float(), dim=-1).gather(1, targets[:, None]).squeeze(1)
+    assert (plain - results[0][0]).abs().max() > 0.1  # the cap and the temperature matter here
 
 
 def test_no_targets_gives_a_zero_loss_that_backpropagates():

@@ -176,3 +176,19 @@ def test_under_fsdp_every_decoded_token_waits_for_the_gathered_weights(tmp_path)
     gathers = 4 * 513 * shard * (2 - 1) / (25e9 * 0.8)
     assert fsdp.step_time_parts["sampling"] == pytest.approx(gathers, rel=1e-12)
     assert gathers > ddp.step_time_parts["sampling"]  # DDP's forwards read their whole weights from memory
+
+
+def test_qwen2_5_7b_grpo_with_long_completions_fits_a_4090_with_its_head_in_chunks(tmp_path):
+    # Issue 49's case: G=8 completions of up to 2,048 tokens after 1,024-token prompts. The head over chunks of 256
+    # completion tokens (objectives/grpo.completion_logps) holds one chunk's logits; the whole head's would be
+    # 8 x 2,048 positions x 152,064 x 12 bytes = 27.8 GiB on their own.
+    gpu = find_gpu("rtx4090")
+    train = {"batch_size": 1, "grad_accum": 8, "num_generations": 8, "max_new_tokens": 2048, "seq": 3072}
+    chunked, whole = (
+        plan_recipe(grpo_recipe("qwen2.5-7b", tmp_path, {"loss": loss, "activation_checkpointing": "all"}, **dict(train)), gpu)
+        for loss in ("auto", "full")
+    )
+    assert chunked.component("logits_loss") == 256 * 152_064 * 12
+    assert whole.component("logits_loss") == 8 * 2048 * 152_064 * 12
+    assert chunked.fits and not whole.fits
+    assert chunked.peak_allocated_bytes < 22 * 1024**3 < gpu.memory_bytes

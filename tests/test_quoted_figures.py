@@ -37,11 +37,24 @@ _TP2_70B_8K = (
     "memory.embeddings=device",
     "data.max_seq_len=8192",
 )
+# issue 49's GRPO case: 8 completions of up to 2,048 tokens after 1,024-token prompts
+_GRPO_LONG = (
+    "train.objective=grpo",
+    "train.num_generations=8",
+    "train.max_new_tokens=2048",
+    "data.max_seq_len=3072",
+    "train.batch_size=1",
+    "data.format=prompt",
+    "data.packing=false",
+    "train.rewards=[{name: exact_match, column: answer}]",
+)
 # name: (recipe, fixture model, overrides, --gpu, --gpus)
 PLANS: dict[str, tuple[str, str, tuple[str, ...], str, int]] = {
     "q7": ("qlora-1x24gb", "qwen2.5-7b", (), "rtx4090", 1),
     "q7-b4": ("qlora-1x24gb", "qwen2.5-7b", ("train.batch_size=4",), "rtx4090", 1),
     "q7-full": ("qlora-1x24gb", "qwen2.5-7b", ("memory.loss=full",), "rtx4090", 1),
+    "q7-grpo": ("qlora-1x24gb", "qwen2.5-7b", _GRPO_LONG, "rtx4090", 1),
+    "q7-grpo-full": ("qlora-1x24gb", "qwen2.5-7b", (*_GRPO_LONG, "memory.loss=full"), "rtx4090", 1),
     "q7-b4-full": ("qlora-1x24gb", "qwen2.5-7b", ("train.batch_size=4", "memory.loss=full"), "rtx4090", 1),
     "q7-off": ("qlora-1x24gb", "qwen2.5-7b", _OFFLOADS, "rtx4090", 1),
     "l31": ("qlora-1x24gb", "llama-3.1-8b", (), "rtx4090", 1),
@@ -377,6 +390,8 @@ ROWS: dict[str, list[tuple[str, Value, str]]] = {
         ("switched off; predicted {} GiB (Llama-3.1-8B)", lambda: peak("dpo"), ".2f"),
         ("predicted peak {} GiB (Qwen2.5-7B;", lambda: peak("q7"), ".2f"),
         ("(Qwen2.5-7B; {} with whole logits, memory.loss=full)", lambda: peak("q7-full"), ".2f"),
+        ("after 1,024-token prompts: {} GiB on an RTX 4090", lambda: peak("q7-grpo"), ".2f"),
+        ("GiB on an RTX 4090 ({} GiB with the whole head)", lambda: peak("q7-grpo-full"), ".2f"),
         ("FSDP2 + CPU offload; predicted {} GiB per GPU", lambda: peak("fsdp"), ".1f"),
         ("in host RAM; predicted {} GiB and {*} GiB host RAM", lambda: peak("lc-l31"), ".2f"),
         ("predicted {*} GiB and {} GiB host RAM (Llama-3.1-8B)", lambda: host("lc-l31"), ".1f"),

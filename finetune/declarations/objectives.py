@@ -44,8 +44,9 @@ class Objective:
     @property
     def head_in_chunks(self) -> bool:
         """Its loss can run the LM head over one chunk of target positions at a time (memory.loss:
-        objectives/loss.CausalLMLoss); the preference losses score every response token in one head call."""
-        return not self.pairs and not self.online
+        objectives/loss.CausalLMLoss, grpo's completion tokens: objectives/grpo.completion_logps); the preference
+        losses score every response token in one head call."""
+        return not self.pairs
 
     @property
     def reference_passes(self) -> int:

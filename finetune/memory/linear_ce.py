@@ -80,6 +80,14 @@ def chunked_head_matches(model, owner: torch.nn.Module, device: torch.device, to
     return bool(torch.allclose(ours, real, rtol=1e-3, atol=1e-3 * max(1.0, float(real.abs().max()))))
 
 
+def _chunk_logps(
+    hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, transform: LogitsTransform | None, temperature: float
+) -> torch.Tensor:
+    logits = head(hidden)
+    logits = (transform(logits) if transform is not None else logits).float() / temperature
+    return -F.cross_entropy(logits, targets, reduction="none")
+
+
 def _chunk_loss(
     hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, transform: LogitsTransform | None
 ) -> torch.Tensor:
@@ -119,6 +127,37 @@ def chunked_linear_cross_entropy(
     return total
 
 
+def chunked_token_logps(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    targets: torch.Tensor,
+    chunk_rows: int,
+    transform: LogitsTransform | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Each target's log-probability under head(hidden) / temperature, (n,) in fp32, chunk_rows positions at a time
+    (GRPO's per-token terms): F.log_softmax(head(hidden).float() / temperature)[targets] within fp32 rounding,
+    gradients included, with one chunk's logits alive at a time (each chunk a checkpoint, as above)."""
+    if hidden.shape[0] != targets.shape[0]:
+        raise ValueError(f"hidden has {hidden.shape[0]} positions, targets {targets.shape[0]}")
+    if hidden.shape[0] == 0:  # no positions: an empty result still in the graph (the adapters' zero gradients)
+        return _chunk_logps(hidden, targets, head, transform, temperature)
+    parts = [
+        checkpoint(
+            _chunk_logps,
+            hidden[a : a + chunk_rows],
+            targets[a : a + chunk_rows],
+            head,
+            transform,
+            temperature,
+            use_reentrant=False,
+            preserve_rng_state=True,
+        )  # fmt: skip
+        for a in range(0, hidden.shape[0], chunk_rows)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 class CaptureHead(torch.nn.Module):
     """Stands in for lm_head during the decoder's forward: keeps the states the head would have
     been given and returns no logits (a (..., 0) tensor), so the model computes none."""
@@ -130,6 +169,19 @@ class CaptureHead(torch.nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         self.hidden = hidden
         return hidden[..., :0]  # no logits, but in the graph: FSDP's root hooks its backward on the forward's output
+
+
+def states_before_head(model, owner: torch.nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+    """(the states the model hands its LM head, the model's output, whose logits are empty): the model run with
+    CaptureHead standing in for owner.lm_head, which the chunked losses then run themselves."""
+    head, capture = owner.lm_head, CaptureHead()
+    owner.lm_head = capture
+    try:
+        out = model(**inputs)
+    finally:
+        owner.lm_head = head
+    assert capture.hidden is not None, "the model never called its lm_head"
+    return capture.hidden, out
 
 
 def liger_fused_loss():

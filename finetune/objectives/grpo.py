@@ -42,7 +42,9 @@ import torch
 import torch.nn.functional as F
 
 from finetune.data import IGNORE_INDEX
-from finetune.objectives.loss import Loss, model_inputs
+from finetune.memory.linear_ce import chunked_token_logps, logits_transform, states_before_head
+from finetune.model.load import head_owner
+from finetune.objectives.loss import Loss, chunking, head_reproduces_logits, model_inputs
 from finetune.objectives.preference import adapter_off
 from finetune.objectives.prompt_sharing import Sharing, shared_rows, sharing_for
 from finetune.objectives.rewards import Reward, score
@@ -98,26 +100,34 @@ def completion_logps(
     temperature: float,
     head_on_targets_only: bool = False,
     sharing: Sharing | None = None,
+    chunk_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probability of each next token at the sampling temperature, 0 off the completions; whether it is a
     completion token), both (rows, seq - 1). head_on_targets_only: the LM head (and the fp32 softmax over the
     vocabulary) runs on completion positions only, through a boolean logits_to_keep, not on every prompt token.
-    sharing: each group's prompt runs once, its completions behind it (prompt_sharing.py), where that pays."""
-    inputs = model_inputs(batch)  # whole rows and their mask, or a context-parallel rank's part and its positions
+    sharing: each group's prompt runs once, its completions behind it (prompt_sharing.py), where that pays.
+    chunk_rows (memory.loss chunked): the head runs over that many completion tokens at a time, its logits recomputed
+    in backward (memory/linear_ce.py): no (tokens x vocabulary) logits."""
     targets = batch["labels"][:, 1:]
     mask = targets != IGNORE_INDEX
     shared = shared_rows(batch, sharing) if sharing is not None else None
     if shared is not None:
-        keep = shared.keep if head_on_targets_only else None
-        logits = model(**shared.inputs, **({"logits_to_keep": keep} if keep is not None else {})).logits
-        logits = (logits if keep is not None else logits[shared.keep])[shared.picks]  # (completion tokens, vocab)
-    elif head_on_targets_only:
-        keep = torch.zeros_like(batch["labels"], dtype=torch.bool)
+        inputs, keep, order = shared.inputs, shared.keep, shared.picks
+    else:  # whole rows and their mask, or a context-parallel rank's part and its positions
+        inputs, keep, order = model_inputs(batch), torch.zeros_like(batch["labels"], dtype=torch.bool), None
         keep[:, :-1] = mask
-        logits = model(**inputs, logits_to_keep=keep).logits  # (completion tokens, vocab), row-major
+    owner = head_owner(model) if chunk_rows else None
+    given = {**inputs, **({"logits_to_keep": keep} if head_on_targets_only else {})}
+    out: Any = None
+    states, out = states_before_head(model, owner, given) if owner is not None else (model(**given).logits, None)
+    states = states[keep] if states.dim() == 3 else states  # (kept, .) from every position's (rows, L, .)
+    states = states[order] if order is not None else states  # a shared prompt's last position read per completion
+    if owner is not None and chunk_rows:
+        head: Any = owner.lm_head
+        picked = chunked_token_logps(states, head, targets[mask], chunk_rows, logits_transform(owner.config), temperature)
+        picked = picked + out.logits.sum() * 0.0  # the empty logits in the graph: FSDP's root backward runs
     else:
-        logits = model(**inputs).logits[:, :-1][mask]
-    picked = -F.cross_entropy(logits.float() / temperature, targets[mask], reduction="none")
+        picked = -F.cross_entropy(states.float() / temperature, targets[mask], reduction="none")
     return torch.zeros(mask.shape, dtype=picked.dtype, device=picked.device).masked_scatter(mask, picked), mask
 
 
@@ -136,6 +146,9 @@ class GRPOLoss(Loss):
         self.beta = float(train.beta or 0.0)
         self.tokenizer: Any = None  # use_tokenizer()
         self.sharing: Sharing | None = None  # fit(): whether the model can share a group's prompt in one row
+        self.chunk_rows: int | None = None  # use_memory(): completion tokens per chunk of the head (None: whole)
+        self.chunk_only_above = False  # memory.loss=auto: chunk only batches with more completion tokens than a chunk
+        self.head_checked = False  # the chunked head was checked against the model's own logits
         self.ready: dict[int, list[dict[str, Any]]] = {}  # step -> its completions, sampled at its cycle's start
         self.served: set[int] = set()  # the steps of `ready` handed out already
         self.synced = False  # use_memory(): the weights are sharded
@@ -153,7 +166,24 @@ class GRPOLoss(Loss):
         self.tokenizer = tokenizer
 
     def use_memory(self, mode: str, chunk: int, device: torch.device, sharded: bool, head_partitioned: bool = False) -> None:
-        self.synced = sharded  # FSDP: generate steps every rank's decoder alike (each step gathers the weights)
+        """sharded (FSDP): generate steps every rank's decoder alike (each step gathers the weights). memory.loss as the
+        causal-LM loss reads it (chunked, or auto for more completion tokens than a chunk); liger's fused kernel sums
+        a loss, and GRPO needs each token's log-probability: liger runs the chunked head here."""
+        self.synced = sharded
+        self.chunk_rows, self.chunk_only_above = chunking(mode, chunk, sharded, head_partitioned)
+
+    def logps(self, model, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """completion_logps as this run computes them: the prompt shared where it can be, the head chunked where
+        memory.loss says (checked once against the model's own logits: a head it cannot reproduce runs whole)."""
+        chunk = self.chunk_rows
+        if chunk and self.chunk_only_above and int((batch["labels"] != IGNORE_INDEX).sum()) <= chunk:
+            chunk = None
+        if chunk and not self.head_checked:
+            self.head_checked = True
+            owner = head_owner(model)
+            if owner is None or not head_reproduces_logits(model, owner, batch["input_ids"].device):
+                self.chunk_rows = chunk = None
+        return completion_logps(model, batch, self.train.temperature, self.head_on_targets_only, self.sharing, chunk)
 
     def use_rows(self, replica: int, row_group: tuple[Any, int] | None) -> None:
         self.replica, self.row_group = replica, row_group
@@ -207,12 +237,10 @@ class GRPOLoss(Loss):
         model.eval()  # dropout off: the sampling policy's own log-probabilities; the reference deterministic
         try:
             if train.steps_per_generation > 1:
-                batch["old_logps"] = completion_logps(model, batch, train.temperature, self.head_on_targets_only, self.sharing)[0]
+                batch["old_logps"] = self.logps(model, batch)[0]
             if self.beta:
                 with adapter_off(model):
-                    batch["ref_logps"] = completion_logps(
-                        model, batch, train.temperature, self.head_on_targets_only, self.sharing
-                    )[0]
+                    batch["ref_logps"] = self.logps(model, batch)[0]
         finally:
             model.train(was_training)
         grouped = total.view(-1, self.group)
@@ -238,7 +266,7 @@ class GRPOLoss(Loss):
         return int(batch["input_ids"].shape[0]) if _first_part(batch) else 0
 
     def __call__(self, model, batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
-        logps, mask = completion_logps(model, batch, self.train.temperature, self.head_on_targets_only, self.sharing)
+        logps, mask = self.logps(model, batch)
         # Sampled by this very policy (steps_per_generation 1): ratio 1, its gradient the policy gradient.
         sampled = batch["old_logps"] if "old_logps" in batch else logps.detach()
         sequence = mask if self.train.importance_sampling == "sequence" else None

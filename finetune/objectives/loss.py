@@ -25,12 +25,12 @@ from finetune.data.images import IMAGE_INPUTS, TOKEN_TYPE_INPUTS
 from finetune.declarations.splits import PIPELINE
 from finetune.errors import ConfigError
 from finetune.memory.linear_ce import (
-    CaptureHead,
     chunked_head_matches,
     chunked_linear_cross_entropy,
     fusable_head,
     liger_fused_loss,
     logits_transform,
+    states_before_head,
 )
 from finetune.model.load import head_owner, takes_boolean_logits_to_keep
 from finetune.runs.evaluate import loss_sum_and_count, shifted_targets
@@ -199,8 +199,7 @@ class CausalLMLoss(Loss):
                 raise ConfigError(
                     ["memory.loss=liger needs liger-kernel: pip install 'finetune[gpu]'; or use memory.loss=chunked."]
                 )
-        self.chunk_rows = chunk
-        self.chunk_only_above = mode == "auto" and not sharded
+        self.chunk_rows, self.chunk_only_above = chunking(mode, chunk, sharded, head_partitioned)
 
     def __call__(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         inputs: dict = model_inputs(batch)
@@ -248,14 +247,8 @@ class CausalLMLoss(Loss):
         logits in a way logits_transform does not know trains on the full logits instead."""
         if not self.checked:
             self.checked = True
-            # The module inside DDP's wrapper: the probe must join no collective (ranks chunk independently).
-            if not chunked_head_matches(getattr(model, "module", model), owner, device):
+            if not head_reproduces_logits(model, owner, device):
                 self.chunk_rows = None
-                warnings.warn(
-                    f"memory.loss: {type(owner).__name__} post-processes its logits in a way the chunked loss does "
-                    "not reproduce; training on the full logits (set memory.loss=full to silence this)",
-                    stacklevel=2,
-                )
         return self.chunk_rows is not None
 
     def _chunked(
@@ -263,21 +256,15 @@ class CausalLMLoss(Loss):
     ) -> tuple[torch.Tensor, int, object]:
         """The decoder runs with a stand-in head that keeps its input and makes no logits; the real
         head then runs chunk by chunk inside the loss."""
-        head, capture = owner.lm_head, CaptureHead()
-        owner.lm_head = capture
-        try:
-            if self.head_on_targets_only:
-                try:
-                    out = model(**inputs, use_cache=False, logits_to_keep=keep)
-                except (TypeError, IndexError):  # no boolean logits_to_keep: the head sees every position
-                    self.head_on_targets_only = False  # from now on (as the unchunked path decides)
-                    out = model(**inputs, use_cache=False)
-            else:
-                out = model(**inputs, use_cache=False)
-        finally:
-            owner.lm_head = head
-        hidden = capture.hidden
-        assert hidden is not None, "the model never called its lm_head"
+        hidden: torch.Tensor | None = None
+        out: Any = None
+        if self.head_on_targets_only:
+            try:
+                hidden, out = states_before_head(model, owner, {**inputs, "use_cache": False, "logits_to_keep": keep})
+            except (TypeError, IndexError):  # no boolean logits_to_keep: the head sees every position
+                self.head_on_targets_only = False  # from now on (as the unchunked path decides)
+        if hidden is None:
+            hidden, out = states_before_head(model, owner, {**inputs, "use_cache": False})
         loss, n = self._head_in_chunks(owner, hidden, labels, keep)
         return loss + out.logits.sum() * 0.0, n, out  # the empty logits in the loss: FSDP's root backward runs
 
@@ -311,6 +298,28 @@ class CausalLMLoss(Loss):
         if transform is not None:
             logits = transform(logits)
         return F.cross_entropy(logits.float(), labels[:, 1:][keep[:, :-1]], reduction="sum"), int(keep.sum())
+
+
+def chunking(mode: str, chunk: int, sharded: bool, head_partitioned: bool) -> tuple[int | None, bool]:
+    """memory.loss -> (positions per chunk of the head, or None: full logits; whether only batches with more targets
+    than one chunk take it). auto chunks such batches, except under ZeRO-3 (its head is a partition again once the
+    forward has run); under FSDP every batch (the one check of the chunked head runs the model: every rank at once)."""
+    if mode == "full" or (mode == "auto" and head_partitioned):
+        return None, False
+    return chunk, mode == "auto" and not sharded
+
+
+def head_reproduces_logits(model, owner: torch.nn.Module, device: torch.device) -> bool:
+    """Whether the head called by itself (+ logits_transform) gives the model's own logits; warns when not."""
+    # The module inside DDP's wrapper: the probe must join no collective (ranks chunk independently).
+    if chunked_head_matches(getattr(model, "module", model), owner, device):
+        return True
+    warnings.warn(
+        f"memory.loss: {type(owner).__name__} post-processes its logits in a way the chunked loss does "
+        "not reproduce; training on the full logits (set memory.loss=full to silence this)",
+        stacklevel=3,
+    )
+    return False
 
 
 def router_aux_coef(model) -> float:

@@ -1,6 +1,7 @@
-"""GRPO's rows with each group's prompt run once (objectives/prompt_sharing.py): the layout of hand-made groups
-(golden ids, positions, mask, picks), where it is refused, and on the bundled demo model (4-bit, double quant, fp32)
-the same log-probabilities, loss and gradients as the unshared rows, with a leaking mask as the negative control."""
+"""GRPO's training forward. Each group's prompt run once (objectives/prompt_sharing.py): the layout of hand-made
+groups (golden ids, positions, mask, picks), where it is refused, and on the bundled demo model (4-bit, double quant,
+fp32) the same log-probabilities, loss and gradients as the unshared rows, with a leaking mask as the negative control.
+The head over chunks of completion tokens (memory.loss): the same again, no logits wider than a chunk."""
 
 from __future__ import annotations
 
@@ -127,9 +128,18 @@ def _long_prompt_batch(trainer) -> dict[str, torch.Tensor]:
     return batch
 
 
-def _loss_and_grads(trainer, batch, sharing):
+def _loss_and_grads(trainer, batch, sharing, memory: tuple[str, int] = ("full", 0)):
     model, loss = trainer.parallel.unwrap(trainer.model), trainer.loss_fn
+    kept = (loss.sharing, loss.chunk_rows, loss.chunk_only_above)  # the trainer's own, put back after
     loss.sharing = sharing
+    loss.use_memory(*memory, torch.device("cpu"), sharded=False)
+    try:
+        return _loss_and_grads_now(model, loss, batch)
+    finally:
+        loss.sharing, loss.chunk_rows, loss.chunk_only_above = kept
+
+
+def _loss_and_grads_now(model, loss, batch):
     model.zero_grad()
     value, _ = loss(model, batch)
     value.backward()
@@ -174,3 +184,36 @@ def test_the_demo_model_scores_a_shared_prompt_as_its_rows_with_the_same_gradien
     targets = batch["labels"][:, 1:][mask]
     moved = -torch.nn.functional.cross_entropy(logits / 0.7, targets, reduction="none")
     assert (moved - rows[mask]).abs().max() > 1e-2
+
+
+def test_the_head_over_chunks_of_completion_tokens_scores_and_trains_as_the_whole_head(demo_trainer):
+    trainer, batch = demo_trainer, _long_prompt_batch(demo_trainer)
+    model = trainer.parallel.unwrap(trainer.model)
+    how = sharing_for(model, 4)
+    assert how is not None
+    widths: list[int] = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, i, o: widths.append(o.shape[0]))
+    try:
+        for sharing in (how, None):
+            whole, grads = _loss_and_grads(trainer, batch, sharing)
+            assert widths == [30 if sharing is None else 24]  # every completion token's logits at once (shared: 24 kept)
+            widths.clear()
+            trainer.loss_fn.head_checked = False
+            chunked, chunked_grads = _loss_and_grads(trainer, batch, sharing, ("chunked", 7))
+            # the one check of the head (the model's own logits of 1 row x 8 tokens, then the head's), then the 30
+            # completion tokens in chunks: 7 7 7 7 2 in forward, recomputed in backward last chunk first
+            assert widths == [1, 8, 7, 7, 7, 7, 2, 2, 7, 7, 7, 7], widths
+            widths.clear()
+            assert abs(chunked - whole) < 1e-6
+            with torch.no_grad():  # at a sampling temperature too
+                in_chunks, _ = completion_logps(model, batch, 0.7, True, sharing, chunk_rows=7)
+                at_once, _ = completion_logps(model, batch, 0.7, True, sharing)
+            torch.testing.assert_close(in_chunks, at_once, rtol=1e-5, atol=1e-5)
+            widths.clear()
+            for name, g in grads.items():
+                assert float((chunked_grads[name] - g).abs().max()) <= 1e-5 * float(g.abs().max()), name
+        # memory.loss=auto chunks only a micro-batch with more completion tokens than a chunk
+        _loss_and_grads(trainer, batch, None, ("auto", 64))
+        assert widths == [30]
+    finally:
+        hook.remove()
