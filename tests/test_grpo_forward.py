@@ -12,7 +12,7 @@ from test_grpo import grpo_recipe
 from finetune.config.schema import build_recipe
 from finetune.data import IGNORE_INDEX
 from finetune.objectives.grpo import completion_logps
-from finetune.objectives.prompt_sharing import Sharing, shared_rows, sharing_for
+from finetune.objectives.prompt_sharing import Sharing, holds_on, shared_rows, sharing_for
 from finetune.objectives.sampling import Completions, trainable_rows
 from finetune.trainer import Trainer
 
@@ -84,13 +84,52 @@ def test_only_softmax_attention_models_under_sdpa_or_eager_share():
     assert sharing_for(llama, 4) == Sharing(4, additive=False, window=None) and sharing_for(llama, 1) is None
     llama.set_attn_implementation("eager")
     assert sharing_for(llama, 4) == Sharing(4, additive=True, window=None)  # (fp32 weights: an fp32 mask)
-    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(**small, sliding_window=16, attn_implementation="sdpa"))
+    mistral = transformers.MistralForCausalLM(
+        transformers.MistralConfig(**small, num_key_value_heads=2, sliding_window=16, attn_implementation="sdpa")
+    )
     assert sharing_for(mistral, 4) == Sharing(4, additive=False, window=16)
     cfg = transformers.Qwen3NextConfig(**small, num_key_value_heads=1, head_dim=16, linear_num_value_heads=2,
                                        linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=2,
                                        num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32,
                                        layer_types=["linear_attention"])  # fmt: skip
     assert sharing_for(transformers.Qwen3NextForCausalLM(cfg), 4) is None  # a recurrent state reads every completion
+
+
+def test_a_vision_language_models_window_alibi_and_a_router_loss_are_read_where_they_are():
+    import transformers
+    from vlm_models import BUILDERS
+
+    gemma3 = BUILDERS["gemma3"]()[0]  # its sliding window (64) in text_config, sliding and full layers
+    assert sharing_for(gemma3, 4) == Sharing(4, additive=gemma3.config._attn_implementation == "eager", window=64)
+    small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    falcon = transformers.FalconForCausalLM(transformers.FalconConfig(**small, alibi=True))  # biases from a 2-D mask
+    moe = transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(
+            **small,
+            intermediate_size=64,
+            num_key_value_heads=2,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            output_router_logits=True,
+        )  # fmt: skip
+    )  # its load-balancing loss reads the 2-D mask
+    assert sharing_for(falcon, 4) is None and sharing_for(moe, 4) is None
+    moe.config.output_router_logits = False
+    assert sharing_for(moe, 4) is not None
+
+
+def test_a_model_that_misreads_the_mask_fails_the_probe_and_trains_on_its_rows():
+    import transformers
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    # causal attention whatever the mask says: each completion reads the completions before it
+    AttentionInterface.register("causal_only", lambda m, q, k, v, mask, **kw: sdpa_attention_forward(m, q, k, v, None, **kw))
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small, attn_implementation="sdpa"))
+    assert holds_on(llama, Sharing(4, additive=False, window=None), 64)
+    llama.set_attn_implementation("causal_only")
+    assert not holds_on(llama, Sharing(4, additive=False, window=None), 64)
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +199,9 @@ def test_the_demo_model_scores_a_shared_prompt_as_its_rows_with_the_same_gradien
     assert shapes[0] == (2, 19 + 14) and shapes[1] == tuple(batch["input_ids"].shape)  # each prompt once, then 8 rows
     torch.testing.assert_close(shared, rows, rtol=1e-5, atol=1e-5)
     assert bool((shared[mask] < 0).all()) and int(mask.sum()) == 30
+    with torch.no_grad():  # a model without a boolean logits_to_keep: every position's logits, the kept ones read
+        every, _ = completion_logps(model, batch, 0.7, False, how)
+    torch.testing.assert_close(every, rows, rtol=1e-5, atol=1e-5)
     loss_shared, grads_shared = _loss_and_grads(trainer, batch, how)
     loss_rows, grads_rows = _loss_and_grads(trainer, batch, None)
     assert abs(loss_shared - loss_rows) < 1e-6 and len(grads_shared) == len(grads_rows) == 7 * 4 * 2
@@ -217,3 +259,26 @@ def test_the_head_over_chunks_of_completion_tokens_scores_and_trains_as_the_whol
         assert widths == [30]
     finally:
         hook.remove()
+
+
+def test_dropout_or_context_parallelism_keep_the_training_forward_on_its_rows(demo_trainer):
+    trainer, batch = demo_trainer, _long_prompt_batch(demo_trainer)
+    model, loss = trainer.parallel.unwrap(trainer.model), trainer.loss_fn
+    widths: list[int] = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: widths.append(i[0].shape[0]))
+    kept = (loss.sharing, loss.dropout, loss.row_group)
+    try:
+        with torch.no_grad():
+            loss.logps(model, batch)  # training mode, no dropout: shared
+            loss.dropout = True  # a LoRA dropout: one mask for a shared prompt would not be the rows' G masks
+            loss.logps(model, batch)
+            model.eval()
+            loss.logps(model, batch)  # eval (the sampling policy's, the reference's): no dropout drawn, shared
+            model.train()
+            loss.use_rows(0, ("a context-parallel group", 0))  # each rank trains a part of every row
+            loss.logps(model, batch)
+        assert widths == [2, 8, 2, 8]
+    finally:
+        hook.remove()
+        model.train()
+        loss.sharing, loss.dropout, loss.row_group = kept

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from finetune.data import IGNORE_INDEX
 from finetune.memory.linear_ce import chunked_token_logps, logits_transform, states_before_head
-from finetune.model.load import head_owner
+from finetune.model.load import base_of, head_owner
 from finetune.objectives.loss import Loss, chunking, head_reproduces_logits, model_inputs
 from finetune.objectives.preference import adapter_off
 from finetune.objectives.prompt_sharing import Sharing, shared_rows, sharing_for
@@ -146,6 +146,7 @@ class GRPOLoss(Loss):
         self.beta = float(train.beta or 0.0)
         self.tokenizer: Any = None  # use_tokenizer()
         self.sharing: Sharing | None = None  # fit(): whether the model can share a group's prompt in one row
+        self.dropout = False  # fit(): the model has active dropout (its training forward then never shares)
         self.chunk_rows: int | None = None  # use_memory(): completion tokens per chunk of the head (None: whole)
         self.chunk_only_above = False  # memory.loss=auto: chunk only batches with more completion tokens than a chunk
         self.head_checked = False  # the chunked head was checked against the model's own logits
@@ -161,6 +162,8 @@ class GRPOLoss(Loss):
     def fit(self, model) -> None:
         super().fit(model)
         self.sharing = sharing_for(model, self.group)  # each group's prompt run once where the model allows
+        # LoRA (or model) dropout: a shared prompt would draw one mask for the group's rows (prompt_sharing.py)
+        self.dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
 
     def use_tokenizer(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -183,10 +186,16 @@ class GRPOLoss(Loss):
             owner = head_owner(model)
             if owner is None or not head_reproduces_logits(model, owner, batch["input_ids"].device):
                 self.chunk_rows = chunk = None
-        return completion_logps(model, batch, self.train.temperature, self.head_on_targets_only, self.sharing, chunk)
+        sharing = self.sharing
+        attention = getattr(getattr(base_of(model), "config", None), "_attn_implementation", None)
+        if attention not in ("sdpa", "eager") or (model.training and self.dropout):  # (switched since fit: cp)
+            sharing = None
+        return completion_logps(model, batch, self.train.temperature, self.head_on_targets_only, sharing, chunk)
 
     def use_rows(self, replica: int, row_group: tuple[Any, int] | None) -> None:
         self.replica, self.row_group = replica, row_group
+        if row_group is not None:  # context parallelism: each rank trains a part of every row, never a shared row
+            self.sharing = None
 
     def _parts(self) -> int:
         """The ranks that train parts of the same rows (a context-parallel group's), 1 without one."""

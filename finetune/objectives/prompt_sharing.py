@@ -8,15 +8,23 @@ policy's and the reference's log-probabilities): the prompt's tokens run through
 The mask is a (groups, 1, L, L) tensor that sdpa and eager attention take as given (transformers passes a 4-D mask
 through), so nothing else changes: no KV cache (checkpointed layers recompute as before), one forward under
 DDP, FSDP and ZeRO. Each completion's first token is predicted by the prompt's last position, read once per
-completion. The same log-probabilities as the G rows of prompt + completion (fp32: tests/test_grpo.py).
+completion. The same log-probabilities as the G rows of prompt + completion (fp32: tests/test_grpo_forward.py).
 
 Shared only where it pays and holds (else None: the rows as they are):
-  - the mask costs no more than the rows' own: groups x L^2 <= rows x W^2 (a prompt at least ~sqrt(G) times its
-    completions), so the attention's work and its mask never exceed the unshared rows', and the planner's bound holds;
-  - attention is sdpa or eager (varlen, flash and flex build their own masks), every layer softmax attention
-    over a KV cache (a recurrent layer, Qwen3-Next's, would read the completions before it), no multimodal rope,
-    no sliding window narrower than a row (the mask does not window);
+  - the mask costs no more than the padded rows' own: groups x L^2 <= rows x W^2 (a prompt at least ~sqrt(G) times
+    its completions): fewer tokens, and a mask no larger than the one transformers builds for padded rows (rows
+    without any padding get none and sdpa's causal kernel: there the shared row's attention can cost up to ~2x,
+    still the smaller part of a step whose linear layers run fewer tokens);
+  - attention is sdpa or eager (varlen, flash and flex build their own masks; checked again at each call: context
+    parallelism switches it after loading), every layer softmax attention over a KV cache (a recurrent layer,
+    Qwen3-Next's, would read the completions before it), no multimodal rope, no ALiBi, no chunked attention, no
+    router loss over the mask, no sliding window narrower than a row (the mask does not window); and a probe of two
+    small groups gives the model's own log-probabilities (holds_on);
   - whole rows of text: not a context- or sequence-parallel part, no images; every group's G rows the same prompt.
+
+With LoRA dropout, a shared prompt draws one dropout mask for its G completions where the rows draw G: the same in
+expectation, not the same gradients. objectives/grpo.py shares the training forward only without dropout (the
+sampling policy's and the reference's passes run in eval mode and always may).
 """
 
 from __future__ import annotations
@@ -50,21 +58,77 @@ class SharedRows:
 
 
 def sharing_for(model, group: int) -> Sharing | None:
-    """Whether this model's forward can share a group's prompt (see the module's list); None where it cannot."""
+    """Whether this model's forward can share a group's prompt (see the module's list), checked on a probe
+    (holds_on); None where it cannot."""
     from finetune.model.load import base_of
     from finetune.objectives.sampling import repeatable_cache, shareable
 
     base = base_of(model)
-    config = base.config
-    attention = getattr(config, "_attn_implementation", None)
+    text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    attention = getattr(base.config, "_attn_implementation", None)
     if group < 2 or attention not in ("sdpa", "eager") or not shareable(base) or not repeatable_cache(base):
         return None
-    windowed = getattr(config, "use_sliding_window", True) is not False  # Qwen2's switch
-    window = getattr(config, "sliding_window", None) if windowed else None
+    # ALiBi builds its biases from a 2-D mask; chunked attention (Llama-4) and a router's load-balancing loss read the
+    # mask their own way: the 4-D mask would be refused or misread there.
+    if (
+        getattr(text, "alibi", False)
+        or getattr(text, "attention_chunk_size", None)
+        or getattr(text, "output_router_logits", False)
+    ):
+        return None
+    kinds = set(getattr(text, "layer_types", None) or [])
+    if kinds - {"full_attention", "sliding_attention"}:  # chunked, linear or other attention layers
+        return None
+    windowed = "sliding_attention" in kinds if kinds else getattr(text, "use_sliding_window", True) is not False
+    window = getattr(text, "sliding_window", None) if windowed else None
     dtype = base.get_input_embeddings().weight.dtype
-    return Sharing(
-        group, additive=attention == "eager", window=window or None, dtype=dtype if dtype.is_floating_point else torch.float32
-    )
+    how = Sharing(group, attention == "eager", window or None, dtype if dtype.is_floating_point else torch.float32)
+    return how if holds_on(model, how, int(getattr(text, "vocab_size", 0) or 0)) else None
+
+
+@torch.no_grad()
+def holds_on(model, how: Sharing, vocab: int) -> bool:
+    """Whether a shared row gives the model's own log-probabilities on a probe (2 groups: prompts of 12 and 10 tokens,
+    completions of 1-3), in eval mode: a model whose forward does something else with a 4-D mask or with position_ids
+    raises or disagrees. Not bitwise (other shapes sum in another order): within 1e-4 in fp32, 5e-2 in 16 bits
+    (relative to 1 + |log-probability|), where a trained model's completion reading another's tokens moves by tenths."""
+    from finetune.model.load import compute_device
+
+    if vocab < 8:
+        return False
+    device = compute_device(model)
+    token = lambda i: 3 + i % (vocab - 3)  # noqa: E731 (ids past the usual special tokens)
+    prompts = [[token(7 * i) for i in range(12)], [token(5 * i + 1) for i in range(10)]]
+    rows = [(p, [token(11 * r + j + 2) for j in range(1 + r % 3)]) for p in prompts for r in range(how.group)]
+    width = max(len(p) + len(c) for p, c in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    mask = torch.zeros_like(ids)
+    for r, (p, c) in enumerate(rows):
+        ids[r, : len(p) + len(c)], labels[r, len(p) : len(p) + len(c)], mask[r, : len(p) + len(c)] = (
+            torch.tensor(p + c),
+            torch.tensor(c),
+            1,
+        )
+    batch = {"input_ids": ids.to(device), "labels": labels.to(device), "attention_mask": mask.to(device)}
+    shared = shared_rows(batch, how)
+    if shared is None:
+        return False
+    targets = batch["labels"][:, 1:]
+    picked = targets != IGNORE_INDEX
+    was_training = model.training
+    model.eval()
+    try:
+        whole = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1][picked]
+        once = model(**shared.inputs).logits[shared.keep][shared.picks]
+    except Exception:  # noqa: BLE001 (a model whose forward refuses the 4-D mask: it trains on the rows as they are)
+        return False
+    finally:
+        model.train(was_training)
+    expected = torch.log_softmax(whole.float(), -1).gather(1, targets[picked][:, None])
+    got = torch.log_softmax(once.float(), -1).gather(1, targets[picked][:, None])
+    slack = 1e-4 if how.dtype == torch.float32 else 0.05  # fp32 sums in another order agree to ~1e-6; 16-bit, ~1e-2
+    return bool(((got - expected).abs() <= slack * (1 + expected.abs())).all())
 
 
 def shared_rows(batch: dict[str, Any], how: Sharing) -> SharedRows | None:
@@ -120,13 +184,14 @@ def _layout(ids: list[list[int]], prompts: list[int], lengths: list[int], how: S
                 keep[g, p - 1] = True
                 keep[g, at : at + c - 1] = True
             at += c
-    causal = torch.ones(longest, longest, dtype=torch.bool).tril()
+    part = part.to(device)  # the (groups, L, L) mask made where it is used: no host-built copy crosses
+    causal = torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
     query, key = part[:, :, None], part[:, None, :]
     allowed = causal & (((key == 0) & (query >= 0)) | (key == query))  # padding sees padding: no empty softmax row
     mask = allowed.unsqueeze(1)
     if how.additive:
-        mask = torch.zeros(mask.shape, dtype=how.dtype).masked_fill(~mask, torch.finfo(how.dtype).min)
+        mask = torch.zeros(mask.shape, dtype=how.dtype, device=device).masked_fill(~mask, torch.finfo(how.dtype).min)
     kept_index = keep.flatten().cumsum(0) - 1
     picks = kept_index[torch.tensor(predictor, dtype=torch.long)]
-    inputs = {"input_ids": shared, "attention_mask": mask, "position_ids": positions}
-    return SharedRows({k: v.to(device) for k, v in inputs.items()}, keep.to(device), picks.to(device))
+    inputs = {"input_ids": shared.to(device), "attention_mask": mask, "position_ids": positions.to(device)}
+    return SharedRows(inputs, keep.to(device), picks.to(device))
