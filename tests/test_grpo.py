@@ -16,7 +16,7 @@ from finetune.config.schema import build_recipe
 from finetune.data import IGNORE_INDEX
 from finetune.errors import ConfigError
 from finetune.metrics import read_metrics
-from finetune.objectives.grpo import GRPOLoss, advantages, completion_logps, token_losses
+from finetune.objectives.grpo import GRPOLoss, advantages, completion_logps, data_step, token_losses
 from finetune.objectives.rewards import Reward
 from finetune.objectives.sampling import Completions, sampling_seed, trainable_rows
 from finetune.trainer import Trainer
@@ -199,18 +199,21 @@ def test_a_grpo_run_trains_completions_by_their_rewards(recipe_dict, tmp_path):
     assert result.reward_before is not None and result.reward_after is not None
 
 
-@pytest.mark.parametrize("steps_per_generation", [1, 2])
-def test_grpo_resumes_bitwise_after_sigterm(recipe_dict, tmp_path, steps_per_generation):
-    # With 2, the stop falls inside a cycle: step 4 trains on completions sampled before step 3, kept by the checkpoint.
+@pytest.mark.parametrize("steps_per_generation, num_iterations", [(1, 1), (2, 1), (1, 2)], ids=["k1", "k2", "mu2"])
+def test_grpo_resumes_bitwise_after_sigterm(recipe_dict, tmp_path, steps_per_generation, num_iterations):
+    # With 2 of either, the stop falls inside a cycle: step 4 trains on completions sampled before step 3, kept by the
+    # checkpoint (mu 2: step 3's own, a second time).
     def cfg(out, **extra):
         train = {"max_steps": 6, "scheduler": "constant", "steps_per_generation": steps_per_generation}
+        train["num_iterations"] = num_iterations
         data = grpo_recipe(recipe_dict, tmp_path, **train) | {"output_dir": str(out), **extra}
         data["checkpoint"] = {"every_steps": 100}
         data["lora"]["dropout"] = 0.1
         return build_recipe(data)
 
-    a, b = straight_and_resumed(cfg, tmp_path / "a", tmp_path / "b")
-    if steps_per_generation == 2:
+    # stopped as step 2 asks for its prompts (mu 2: data step 1, trained at steps 2 and 3), else as step 3 asks
+    a, b = straight_and_resumed(cfg, tmp_path / "a", tmp_path / "b", stop_at=1 if num_iterations == 2 else 3)
+    if steps_per_generation * num_iterations == 2:
         assert (tmp_path / "b" / "checkpoints" / "step-3" / "objective" / "rank0.safetensors").is_file()
     assert a == b  # the same completions sampled, the same rewards and losses
     assert not [r for r in a if "spike" in r]  # a policy-gradient loss near 0 of either sign: no "spikes"
@@ -276,6 +279,48 @@ def test_one_sampling_serves_steps_per_generation_steps_against_the_policy_that_
     loss.prepare(model, 4, batches_of, 5)
     assert asked == [0, 1, 2, 3, 3, 3, 4, 4]
     trainer.close()
+
+
+def test_num_iterations_trains_each_steps_prompts_that_many_times_in_turn():
+    assert [data_step(s, 1, 1) for s in range(4)] == [0, 1, 2, 3]  # one step a sampling: the data order itself
+    assert [data_step(s, 2, 1) for s in range(4)] == [0, 1, 2, 3]  # steps_per_generation alone: each step its own
+    assert [data_step(s, 1, 3) for s in range(7)] == [0, 0, 0, 1, 1, 1, 2]
+    assert [data_step(s, 2, 2) for s in range(9)] == [0, 1, 0, 1, 2, 3, 2, 3, 4]  # TRL's order: k slices, mu times
+
+
+def test_a_second_iteration_trains_the_same_completions_against_the_policy_that_sampled_them(recipe_dict, tmp_path):
+    trainer = _tiny_grpo_trainer(recipe_dict, tmp_path, max_steps=4, num_iterations=2, epsilon=0.05)
+    model, loss = trainer.parallel.unwrap(trainer.model), trainer.loss_fn
+    asked: list[int] = []
+
+    def batches_of(step):
+        asked.append(step)
+        return trainer.step_batches(step)
+
+    first = loss.prepare(model, 0, batches_of, 4)
+    assert asked == [0] and "old_logps" in first[0]  # sampled once for its 2 steps, their sampling policy kept
+    model.train()
+    loss(model, first[0])
+    assert loss.last_sums["clip_ratio"] == 0.0  # the first iteration: ratio 1
+    assert {k.split(".")[0] for k in loss.state_dict()} == {"world", "parts", "1"}  # a checkpoint keeps step 1's
+    with torch.no_grad():  # an update later
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    second = loss.prepare(model, 1, batches_of, 4)
+    assert asked == [0]  # not sampled again: the same completions, rewards and advantages
+    assert all(torch.equal(second[0][k], first[0][k]) for k in ("input_ids", "labels", "advantages", "old_logps"))
+    loss(model, second[0])
+    assert loss.last_sums["clip_ratio"] > 0  # against the policy that sampled them, clipped
+    loss.prepare(model, 2, batches_of, 4)
+    assert asked == [0, 1]  # the next cycle: the data order's next step
+    trainer.close()
+    # train.epochs counts each prompt once: an epoch is num_iterations times the steps
+    epochs = {"max_steps": None, "epochs": 1}
+    once, twice = (_tiny_grpo_trainer(recipe_dict, tmp_path, **epochs, num_iterations=n) for n in (1, 2))
+    assert twice.state.total_steps == 2 * once.state.total_steps == 2 * 56 // 2
+    once.close()
+    twice.close()
 
 
 def test_the_head_runs_on_completion_tokens_only_with_the_same_log_probabilities(recipe_dict, tmp_path):

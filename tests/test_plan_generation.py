@@ -192,3 +192,12 @@ def test_qwen2_5_7b_grpo_with_long_completions_fits_a_4090_with_its_head_in_chun
     assert whole.component("logits_loss") == 8 * 2048 * 152_064 * 12
     assert chunked.fits and not whole.fits
     assert chunked.peak_allocated_bytes < 22 * 1024**3 < gpu.memory_bytes
+
+
+def test_num_iterations_spreads_a_samplings_time_over_its_steps_and_adds_the_old_policys_pass(tmp_path):
+    gpu = find_gpu("rtx4090")
+    train = {"batch_size": 2, "grad_accum": 4, "num_generations": 8, "max_new_tokens": 768}
+    once, twice = (plan_recipe(grpo_recipe("llama-2-7b", tmp_path, **train, num_iterations=n), gpu) for n in (1, 2))
+    assert twice.step_time_parts["sampling"] == pytest.approx(once.step_time_parts["sampling"] / 2, rel=1e-12)
+    # the second iteration's ratios need the sampling policy's log-probabilities: one forward without gradients
+    assert (once.setup.reference_passes, twice.setup.reference_passes) == (0, 1)

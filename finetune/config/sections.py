@@ -217,6 +217,13 @@ class TrainConfig(_Section):
         description="grpo: one sampling serves this many optimizer steps (each trains on its own prompts' "
         "completions, sampled together by the policy of the first; its ratios against that policy, clipped)",
     )
+    num_iterations: int = Field(
+        1,
+        ge=1,
+        description="grpo: optimizer steps on each sampling's completions (TRL's num_iterations, mu): a cycle of "
+        "steps_per_generation x num_iterations steps trains each step's prompts num_iterations times, in turn, "
+        "against the policy that sampled them; train.epochs counts each prompt once (an epoch is that many times longer)",
+    )
     temperature: float = Field(1.0, gt=0, description="grpo: sampling temperature")
     top_p: float = Field(1.0, gt=0, le=1, description="grpo: nucleus sampling")
     stop: list[str] = Field(

@@ -193,7 +193,7 @@ RULES: tuple[Rule[Any], ...] = (
 
 
 ONLINE_KEYS: tuple[str, ...] = ("loss_type", "num_generations", "epsilon", "epsilon_high", "max_new_tokens")
-ONLINE_KEYS += ("steps_per_generation", "temperature", "top_p", "stop", "rewards", "importance_sampling")
+ONLINE_KEYS += ("steps_per_generation", "num_iterations", "temperature", "top_p", "stop", "rewards", "importance_sampling")
 
 
 def online_keys_set(train: Any) -> list[str]:

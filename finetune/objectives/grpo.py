@@ -24,6 +24,8 @@ prompts of every step up to the cycle's end are sampled by the policy of that mo
 trains on its own prompts' completions. With k = 1 the sampling policy is the one being trained (ratio
 1, its gradient the policy gradient; no extra pass); with k > 1 the sampling policy's log-probabilities
 are computed once, right after sampling, and later steps' ratios move away from 1 and are clipped.
+train.num_iterations (mu, TRL's) trains each step's completions mu times: a cycle is k x mu steps, the k steps'
+prompts in turn, mu times over (data_step), each against the policy that sampled it; mu = 1 is the above.
 
 Only completion tokens up to and including the first end token are trained (labels), never the
 prompt or the padding. Groups never span processes: each rank samples every completion of its own
@@ -209,9 +211,14 @@ class GRPOLoss(Loss):
         again (an out-of-memory retry, in smaller micro-batches) samples its prompts afresh."""
         again = step in self.served
         if again or step not in self.ready:
-            k = self.train.steps_per_generation
-            end = step + 1 if again else min(steps, (step // k + 1) * k)
-            self.ready = {s: [self.sample(model, b, s, i) for i, b in enumerate(batches_of(s))] for s in range(step, end)}
+            k, mu = self.train.steps_per_generation, self.train.num_iterations
+            end = step + 1 if again else min(steps, (step // (k * mu) + 1) * k * mu)
+            sampled: dict[int, list[dict[str, Any]]] = {}  # data step -> its completions, sampled once for its mu steps
+            for s in range(step, end):
+                d = data_step(s, k, mu)
+                if d not in sampled:
+                    sampled[d] = [self.sample(model, b, s, i) for i, b in enumerate(batches_of(d))]
+            self.ready = {s: sampled[data_step(s, k, mu)] for s in range(step, end)}
             self.served = set()
         self.served.add(step)
         device = model.get_input_embeddings().weight.device  # a resumed run's were read to the CPU
@@ -245,7 +252,7 @@ class GRPOLoss(Loss):
         was_training = model.training
         model.eval()  # dropout off: the sampling policy's own log-probabilities; the reference deterministic
         try:
-            if train.steps_per_generation > 1:
+            if train.steps_per_generation * train.num_iterations > 1:
                 batch["old_logps"] = self.logps(model, batch)[0]
             if self.beta:
                 with adapter_off(model):
@@ -276,7 +283,7 @@ class GRPOLoss(Loss):
 
     def __call__(self, model, batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
         logps, mask = self.logps(model, batch)
-        # Sampled by this very policy (steps_per_generation 1): ratio 1, its gradient the policy gradient.
+        # Sampled by this very policy (one step a sampling): ratio 1, its gradient the policy gradient.
         sampled = batch["old_logps"] if "old_logps" in batch else logps.detach()
         sequence = mask if self.train.importance_sampling == "sequence" else None
         loss, clipped, kl = token_losses(
@@ -358,6 +365,13 @@ class GRPOLoss(Loss):
             per.append(each)
         total, each = torch.cat(totals), torch.cat(per)
         return {"reward": float(total.mean()), **{r.name: float(each[:, j].mean()) for j, r in enumerate(self.rewards)}}
+
+
+def data_step(step: int, k: int, mu: int) -> int:
+    """The data order's step whose prompts optimizer step `step` trains on: a cycle of k x mu steps trains the prompts
+    of k data steps mu times over, in turn (k = 2, mu = 2: 0 1 0 1, 2 3 2 3, ...); mu = 1: the step itself."""
+    cycle, within = divmod(step, k * mu)
+    return cycle * k + within % k
 
 
 def _first_part(batch: dict[str, Any]) -> bool:

@@ -33,6 +33,7 @@ class Setup(Modes):
     reference_passes: int = 0  # dpo: forwards without gradients (adapter off) per micro-batch, for the reference
     head_in_chunks: bool = True  # the objective's loss can chunk its head (declarations/objectives.py): not the preference ones
     sampled_tokens: int = 0  # grpo: train.max_new_tokens sampled for each row before its forward (0: nothing sampled)
+    iterations: int = 1  # grpo: train.num_iterations, the optimizer steps that train each sampling's completions
     # The grid, as the split declarations name its dimensions (declarations/splits.py: each split's `dim`).
     pp: int = 1  # pipeline stages: gpus = stages x replicas, each rank planned apart (finetune/plan/stages.py)
     pipeline_schedule: str = "1f1b"

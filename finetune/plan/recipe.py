@@ -46,8 +46,8 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
     objective = objectives.get(cfg.train.objective)
     strategy = of_recipe(cfg)
     zero = strategy.deepspeed  # nvme offloads plan as cpu's on the GPU (host RAM: not counted)
-    # grpo's forwards without gradients: the reference with beta > 0, the sampling policy's when a sampling serves k > 1 steps
-    online_passes = int(bool(cfg.train.beta)) + int(cfg.train.steps_per_generation > 1)
+    # grpo's forwards without gradients: the reference with beta > 0, the sampling policy's when a sampling serves 2+ steps
+    online_passes = int(bool(cfg.train.beta)) + int(cfg.train.steps_per_generation * cfg.train.num_iterations > 1)
     return Setup(
         # grpo trains num_generations sampled completions of each prompt
         sequences_per_example=cfg.train.num_generations if objective.online else objective.sequences_per_example,
@@ -58,6 +58,7 @@ def setup_of(cfg: RecipeConfig, gpus: int = 1) -> Setup:
         else objective.reference_passes,
         head_in_chunks=objective.head_in_chunks,
         sampled_tokens=cfg.train.max_new_tokens if objective.online else 0,
+        iterations=cfg.train.num_iterations if objective.online else 1,
         pp=PIPELINE.size(cfg),
         pipeline_schedule=cfg.distributed.pipeline_schedule,
         virtual_stages=cfg.distributed.virtual_stages if PIPELINE.asked(cfg) else 1,

@@ -190,9 +190,11 @@ def step_time(
         "optimizer": optimizer,
         "host_transfer": transfer * setup.grad_accum,
         "host_transfer_exposed": exposed * setup.grad_accum,
-        # an online objective samples every micro-batch's completions first (the loop's Loss.prepare)
+        # an online objective samples every micro-batch's completions first (the loop's Loss.prepare), once for
+        # num_iterations steps (a step's share)
         "sampling": sampling_seconds(shape, recipe, setup, gpu, trainable, adapter_bytes, streamed_bytes, gathered)
-        * setup.grad_accum,
+        * setup.grad_accum
+        / setup.iterations,
     }
     return micro * setup.grad_accum + comm + optimizer + parts["sampling"], parts
 

@@ -225,7 +225,7 @@ class Trainer:
         window = Window.resumed(saved, cfg, layout.replicas)
         self.say(window.resume_note(saved, cfg))
         self.order = DataOrder(self.data.train, cfg, self.collate, layout.replica, window, acc.device)
-        state.window, state.steps_per_epoch, state.cut = self.order.window, self.order.steps_per_epoch, window.counters()
+        state.window, state.steps_per_epoch, state.cut = self.order.window, self.order.epoch_steps, window.counters()
         state.is_main = acc.is_main_process
         state.total_steps = self.order.total_steps()
 

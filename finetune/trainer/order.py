@@ -175,7 +175,8 @@ class DataOrder:
         return f"; the last {left} {self.unit} of each epoch's order do not fill a step and are not trained" if left else ""
 
     def total_steps(self) -> int:
-        """The run's length in optimizer steps: train.max_steps, or train.epochs of this launch's steps."""
+        """The run's length in optimizer steps: train.max_steps, or train.epochs of this launch's steps (grpo: each
+        window of prompts trained num_iterations times, objectives/grpo.py's data_step)."""
         cfg = self.cfg
         if self.steps_per_epoch == 0:
             raise DataError(
@@ -184,7 +185,12 @@ class DataOrder:
                 f"{self.world} processes = {self.window})",
                 hint="lower train.batch_size or train.grad_accum, or add data",
             )
-        return cfg.train.max_steps or cfg.train.epochs * self.steps_per_epoch
+        return cfg.train.max_steps or cfg.train.epochs * self.epoch_steps
+
+    @property
+    def epoch_steps(self) -> int:
+        """Optimizer steps an epoch takes: one a window of data (grpo: num_iterations, each trains it again)."""
+        return self.steps_per_epoch * self.cfg.train.num_iterations
 
     def epoch_order(self, epoch: int) -> list[int]:
         """Example order of an epoch. Kept for the current epoch: step_batches asks for it every
