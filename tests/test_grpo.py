@@ -227,15 +227,29 @@ def _tiny_grpo_trainer(recipe_dict, tmp_path, **train) -> Trainer:
     return trainer
 
 
-def test_one_sampling_serves_steps_per_generation_steps_against_the_policy_that_sampled(recipe_dict, tmp_path):
-    trainer = _tiny_grpo_trainer(recipe_dict, tmp_path, max_steps=5, steps_per_generation=2, epsilon=0.05)
-    model, loss = trainer.parallel.unwrap(trainer.model), trainer.loss_fn
-    asked: list[int] = []
+def _asking(trainer, asked: list[int]):
+    """trainer.step_batches, noting each data step asked for in `asked`."""
 
     def batches_of(step):
         asked.append(step)
         return trainer.step_batches(step)
 
+    return batches_of
+
+
+def _moved(model) -> None:
+    """The adapter's B moved as an update would (seeded): the policy is no longer the one that sampled."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+
+
+def test_one_sampling_serves_steps_per_generation_steps_against_the_policy_that_sampled(recipe_dict, tmp_path):
+    trainer = _tiny_grpo_trainer(recipe_dict, tmp_path, max_steps=5, steps_per_generation=2, epsilon=0.05)
+    model, loss = trainer.parallel.unwrap(trainer.model), trainer.loss_fn
+    asked: list[int] = []
+    batches_of = _asking(trainer, asked)
     first = loss.prepare(model, 0, batches_of, 5)
     assert asked == [0, 1]  # the cycle's prompts, sampled together by this policy
     # The first step's ratio is exactly 1: the same loss and gradient as a step that sampled its own (no old_logps).
@@ -244,10 +258,7 @@ def test_one_sampling_serves_steps_per_generation_steps_against_the_policy_that_
     own, _ = loss(model, {k: v for k, v in first[0].items() if k != "old_logps"})
     assert torch.equal(summed, own) and loss.last_sums["clip_ratio"] == 0.0
     # An update later, step 2 trains on what the old policy sampled: its ratios against that policy, clipped.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.add_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    _moved(model)
     second = loss.prepare(model, 1, batches_of, 5)
     assert asked == [0, 1]  # not sampled again
     loss(model, second[0])
@@ -292,21 +303,14 @@ def test_a_second_iteration_trains_the_same_completions_against_the_policy_that_
     trainer = _tiny_grpo_trainer(recipe_dict, tmp_path, max_steps=4, num_iterations=2, epsilon=0.05)
     model, loss = trainer.parallel.unwrap(trainer.model), trainer.loss_fn
     asked: list[int] = []
-
-    def batches_of(step):
-        asked.append(step)
-        return trainer.step_batches(step)
-
+    batches_of = _asking(trainer, asked)
     first = loss.prepare(model, 0, batches_of, 4)
     assert asked == [0] and "old_logps" in first[0]  # sampled once for its 2 steps, their sampling policy kept
     model.train()
     loss(model, first[0])
     assert loss.last_sums["clip_ratio"] == 0.0  # the first iteration: ratio 1
     assert {k.split(".")[0] for k in loss.state_dict()} == {"world", "parts", "1"}  # a checkpoint keeps step 1's
-    with torch.no_grad():  # an update later
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.add_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    _moved(model)  # an update later
     second = loss.prepare(model, 1, batches_of, 4)
     assert asked == [0]  # not sampled again: the same completions, rewards and advantages
     assert all(torch.equal(second[0][k], first[0][k]) for k in ("input_ids", "labels", "advantages", "old_logps"))
