@@ -96,7 +96,8 @@ def test_each_loss_type_reduces_a_group_as_its_paper_says(loss_type):
     # (grpo+sequence: GSPO's one ratio a completion; at the first update every ratio is 1, so grpo's numbers)
     loss_type, _, level = loss_type.partition("+")
     train = SimpleNamespace(loss_type=loss_type, num_generations=2, epsilon=0.2, epsilon_high=None, beta=0.0,
-                            temperature=1.0, max_new_tokens=4, importance_sampling=level or "token")  # fmt: skip
+                            temperature=1.0, max_new_tokens=4, overlong_buffer=None, dynamic_sampling=0,
+                            importance_sampling=level or "token")  # fmt: skip
     loss_fn = GRPOLoss(train, [Reward("one", 1.0, lambda c, r: 1.0)])
     model = _Logits(2, 3, 5)
     batch = {**_group_batch(), "advantages": torch.tensor([1.0, -1.0])}
@@ -121,7 +122,8 @@ def test_each_loss_type_reduces_a_group_as_its_paper_says(loss_type):
 
 def test_zero_advantage_gives_zero_gradient_and_a_first_update_has_ratio_1_and_kl_0():
     train = SimpleNamespace(loss_type="grpo", num_generations=2, epsilon=0.2, epsilon_high=None, beta=0.1,
-                            temperature=1.0, max_new_tokens=4, importance_sampling="token")  # fmt: skip
+                            temperature=1.0, max_new_tokens=4, overlong_buffer=None, dynamic_sampling=0,
+                            importance_sampling="token")  # fmt: skip
     loss_fn = GRPOLoss(train, [Reward("one", 1.0, lambda c, r: 1.0)])
     model = _Logits(2, 3, 5)
     logp = torch.log_softmax(model.table.detach()[:, :-1], dim=-1)
@@ -654,7 +656,8 @@ def test_the_loss_runs_gspo_under_importance_sampling_sequence():
     summed = {}
     for level in ("token", "sequence"):
         train = SimpleNamespace(loss_type="grpo", num_generations=2, epsilon=0.2, epsilon_high=None, beta=0.0,
-                                temperature=1.0, max_new_tokens=4, importance_sampling=level)  # fmt: skip
+                                temperature=1.0, max_new_tokens=4, overlong_buffer=None, dynamic_sampling=0,
+                            importance_sampling=level)  # fmt: skip
         summed[level] = float(GRPOLoss(train, [Reward("one", 1.0, lambda c, r: 1.0)])(_Logits(2, 3, 5), batch)[0].detach())
     by_hand, _, _ = token_losses(current, batch["old_logps"], batch["advantages"], 0.2, 0.2, sequence_mask=mask)
     assert summed["sequence"] == pytest.approx(float(((by_hand * mask).sum(1) / mask.sum(1)).sum()), abs=1e-6)

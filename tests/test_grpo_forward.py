@@ -127,9 +127,14 @@ def test_a_model_that_misreads_the_mask_fails_the_probe_and_trains_on_its_rows()
     AttentionInterface.register("causal_only", lambda m, q, k, v, mask, **kw: sdpa_attention_forward(m, q, k, v, None, **kw))
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small, attn_implementation="sdpa"))
-    assert holds_on(llama, Sharing(4, additive=False, window=None), 64)
+    assert holds_on(llama, Sharing(4, additive=False, window=None))
     llama.set_attn_implementation("causal_only")
-    assert not holds_on(llama, Sharing(4, additive=False, window=None), 64)
+    assert not holds_on(llama, Sharing(4, additive=False, window=None))
+    # positions that run on through the row whatever position_ids say: the completions sit at the wrong distances
+    llama.set_attn_implementation("sdpa")
+    rope = llama.model.rotary_emb.forward
+    llama.model.rotary_emb.forward = lambda x, position_ids, **k: rope(x, torch.arange(x.shape[1])[None], **k)
+    assert not holds_on(llama, Sharing(4, additive=False, window=None))
 
 
 @pytest.fixture(scope="module")
@@ -267,9 +272,18 @@ def test_dropout_or_context_parallelism_keep_the_training_forward_on_its_rows(de
     widths: list[int] = []
     hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: widths.append(i[0].shape[0]))
     kept = (loss.sharing, loss.dropout, loss.row_group)
+
+    class Wrapped(torch.nn.Module):  # as DDP holds it: no config of its own, the model as .module
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
     try:
         with torch.no_grad():
-            loss.logps(model, batch)  # training mode, no dropout: shared
+            loss.logps(Wrapped(model), batch)  # training mode, no dropout, through a wrapper: shared
             loss.dropout = True  # a LoRA dropout: one mask for a shared prompt would not be the rows' G masks
             loss.logps(model, batch)
             model.eval()
@@ -282,3 +296,25 @@ def test_dropout_or_context_parallelism_keep_the_training_forward_on_its_rows(de
         hook.remove()
         model.train()
         loss.sharing, loss.dropout, loss.row_group = kept
+
+
+def test_a_model_that_fails_the_probe_at_the_first_forward_trains_on_its_rows_and_says_so(demo_trainer, monkeypatch):
+    from finetune.objectives import grpo
+
+    trainer, batch = demo_trainer, _long_prompt_batch(demo_trainer)
+    model, loss = trainer.parallel.unwrap(trainer.model), trainer.loss_fn
+    kept = (loss.sharing, loss.sharing_checked)
+    probed: list[object] = []
+    monkeypatch.setattr(grpo, "holds_on", lambda m, how: probed.append(m) or False)
+    widths: list[int] = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: widths.append(i[0].shape[0]))
+    try:
+        loss.sharing_checked = False
+        with torch.no_grad(), pytest.warns(UserWarning, match="each completion trains on its own row"):
+            loss.logps(model, batch)
+        with torch.no_grad():
+            loss.logps(model, batch)  # checked once
+        assert probed == [model] and loss.sharing is None and widths == [8, 8]
+    finally:
+        hook.remove()
+        loss.sharing, loss.sharing_checked = kept

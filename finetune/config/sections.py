@@ -224,6 +224,18 @@ class TrainConfig(_Section):
         "steps_per_generation x num_iterations steps trains each step's prompts num_iterations times, in turn, "
         "against the policy that sampled them; train.epochs counts each prompt once (an epoch is that many times longer)",
     )
+    overlong_buffer: int | None = Field(
+        None,
+        ge=1,
+        description="grpo: DAPO's overlong shaping: a completion longer than max_new_tokens - this many tokens loses "
+        "reward linearly, -1 at max_new_tokens (metrics: rewards/overlong); null: none",
+    )
+    dynamic_sampling: int = Field(
+        0,
+        ge=0,
+        description="grpo: DAPO's dynamic sampling: a group whose rewards are all equal is sampled again from its "
+        "prompt, up to this many times, until they differ (metrics: redrawn_groups); 0: never",
+    )
     temperature: float = Field(1.0, gt=0, description="grpo: sampling temperature")
     top_p: float = Field(1.0, gt=0, le=1, description="grpo: nucleus sampling")
     stop: list[str] = Field(

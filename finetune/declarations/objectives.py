@@ -171,11 +171,24 @@ RULES: tuple[Rule[Any], ...] = (
         ),
     ),
     Rule(
-        lambda cfg: (_objective(cfg).pairs or _objective(cfg).online) and cfg.memory.loss in ("chunked", "liger"),
+        lambda cfg: _objective(cfg).pairs and cfg.memory.loss in ("chunked", "liger"),
         lambda cfg: (
             f"memory.loss={cfg.memory.loss} is the SFT loss's; train.objective={_objective(cfg).name} runs the "
             "LM head itself, over whole rows. Set memory.loss=auto."
         ),
+    ),
+    Rule(
+        lambda cfg: _objective(cfg).online and (cfg.train.overlong_buffer or 0) > cfg.train.max_new_tokens,
+        lambda cfg: (
+            f"train.overlong_buffer={cfg.train.overlong_buffer} is longer than train.max_new_tokens="
+            f"{cfg.train.max_new_tokens}: the penalty would start before a completion's first token. Set it below "
+            "max_new_tokens (DAPO: a fifth of it)."
+        ),
+    ),
+    Rule(
+        lambda cfg: _objective(cfg).online and cfg.memory.loss == "liger",
+        "memory.loss=liger is liger-kernel's fused loss, a sum; train.objective=grpo needs each completion token's "
+        "log-probability. Set memory.loss=chunked (the head over chunks of completion tokens: the same memory) or auto.",
     ),
     Rule(
         lambda cfg: cfg.train.beta is not None and not (_objective(cfg).pairs or _objective(cfg).online),
@@ -194,6 +207,7 @@ RULES: tuple[Rule[Any], ...] = (
 
 ONLINE_KEYS: tuple[str, ...] = ("loss_type", "num_generations", "epsilon", "epsilon_high", "max_new_tokens")
 ONLINE_KEYS += ("steps_per_generation", "num_iterations", "temperature", "top_p", "stop", "rewards", "importance_sampling")
+ONLINE_KEYS += ("overlong_buffer", "dynamic_sampling")
 
 
 def online_keys_set(train: Any) -> list[str]:

@@ -37,6 +37,7 @@ later steps go into every checkpoint (state_dict): a resumed run trains on what 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -44,15 +45,21 @@ import torch
 import torch.nn.functional as F
 
 from finetune.data import IGNORE_INDEX
+from finetune.errors import ConfigError
 from finetune.memory.linear_ce import chunked_token_logps, logits_transform, states_before_head
-from finetune.model.load import base_of, head_owner
+from finetune.model.load import compute_device, head_owner
+from finetune.objectives.dapo import overlong_penalty, refill
 from finetune.objectives.loss import Loss, chunking, head_reproduces_logits, model_inputs
 from finetune.objectives.preference import adapter_off
-from finetune.objectives.prompt_sharing import Sharing, shared_rows, sharing_for
+from finetune.objectives.prompt_sharing import Sharing, holds_on, shared_rows, sharing_for
 from finetune.objectives.rewards import Reward, score
-from finetune.objectives.sampling import complete, end_ids, sampling_seed, trainable_rows
+from finetune.objectives.sampling import Completions, complete, end_ids, sampling_seed, trainable_rows
 from finetune.parallel import context
 
+SHARING_REFUSED = (
+    "grpo: this model's forward did not give a shared prompt's rows their own log-probabilities on a probe "
+    "(objectives/prompt_sharing.holds_on); each completion trains on its own row, as before (slower on long prompts)"
+)
 EPS_STD = 1e-4  # TRL's, so that a group whose rewards barely differ does not blow its advantages up
 DAPO_EPSILON_HIGH = 0.28  # DAPO's clip-higher (Yu et al. 2025)
 
@@ -149,6 +156,7 @@ class GRPOLoss(Loss):
         self.tokenizer: Any = None  # use_tokenizer()
         self.sharing: Sharing | None = None  # fit(): whether the model can share a group's prompt in one row
         self.dropout = False  # fit(): the model has active dropout (its training forward then never shares)
+        self.sharing_checked = False  # the model's forward was checked on a probe (prompt_sharing.holds_on)
         self.chunk_rows: int | None = None  # use_memory(): completion tokens per chunk of the head (None: whole)
         self.chunk_only_above = False  # memory.loss=auto: chunk only batches with more completion tokens than a chunk
         self.head_checked = False  # the chunked head was checked against the model's own logits
@@ -159,37 +167,54 @@ class GRPOLoss(Loss):
         self.row_group: tuple[Any, int] | None = None  # use_rows(): a context-parallel group, whose first rank samples
         self.last_sums: dict[str, float] = {}
         self.metric_keys = ("_sequences", "reward", "reward_std", "frac_reward_zero_std", "completion_length")
-        self.metric_keys += ("clip_ratio", "kl") + tuple(f"rewards/{r.name}" for r in rewards)
+        self.reward_names = [r.name for r in rewards] + (["overlong"] if train.overlong_buffer else [])
+        self.metric_keys += ("clip_ratio", "kl") + tuple(f"rewards/{name}" for name in self.reward_names)
+        self.metric_keys += ("redrawn_groups",) if train.dynamic_sampling else ()
 
     def fit(self, model) -> None:
         super().fit(model)
         self.sharing = sharing_for(model, self.group)  # each group's prompt run once where the model allows
         # LoRA (or model) dropout: a shared prompt would draw one mask for the group's rows (prompt_sharing.py)
-        self.dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+        text = getattr(head_owner(model), "config", None)
+        attention_dropout = float(getattr(text, "attention_dropout", 0.0) or 0.0) if text is not None else 0.0
+        self.dropout = attention_dropout > 0 or any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
 
     def use_tokenizer(self, tokenizer) -> None:
         self.tokenizer = tokenizer
 
     def use_memory(self, mode: str, chunk: int, device: torch.device, sharded: bool, head_partitioned: bool = False) -> None:
+        if sharded and self.train.dynamic_sampling:  # a rank redrawing alone would wait in FSDP's gathers forever
+            raise ConfigError(
+                [
+                    "train.dynamic_sampling with sharded weights (FSDP): every rank would have to redraw together. "
+                    "Set train.dynamic_sampling=0, or use distributed.strategy=ddp."
+                ]  # fmt: skip
+            )
         """sharded (FSDP): generate steps every rank's decoder alike (each step gathers the weights). memory.loss as the
-        causal-LM loss reads it (chunked, or auto for more completion tokens than a chunk); liger's fused kernel sums
-        a loss, and GRPO needs each token's log-probability: liger runs the chunked head here."""
+        causal-LM loss reads it (chunked, or auto for more completion tokens than a chunk; liger is refused with grpo:
+        its fused kernel sums a loss, and GRPO needs each token's log-probability)."""
         self.synced = sharded
         self.chunk_rows, self.chunk_only_above = chunking(mode, chunk, sharded, head_partitioned)
 
     def logps(self, model, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """completion_logps as this run computes them: the prompt shared where it can be, the head chunked where
+        """completion_logps as this run computes them: the prompt shared where it can be (the model checked once, at
+        the first call: every rank makes it at the same micro-batch, FSDP's gathers and all), the head chunked where
         memory.loss says (checked once against the model's own logits: a head it cannot reproduce runs whole)."""
         chunk = self.chunk_rows
         if chunk and self.chunk_only_above and int((batch["labels"] != IGNORE_INDEX).sum()) <= chunk:
             chunk = None
+        owner = head_owner(model)  # through DDP's and peft's wrappers: the config context parallelism switches
         if chunk and not self.head_checked:
-            self.head_checked = True
-            owner = head_owner(model)
             if owner is None or not head_reproduces_logits(model, owner, batch["input_ids"].device):
                 self.chunk_rows = chunk = None
+            self.head_checked = True
+        if self.sharing is not None and not self.sharing_checked:
+            self.sharing_checked = True
+            if owner is None or not holds_on(getattr(model, "module", model), self.sharing):
+                warnings.warn(SHARING_REFUSED, stacklevel=2)
+                self.sharing = None
         sharing = self.sharing
-        attention = getattr(getattr(base_of(model), "config", None), "_attn_implementation", None)
+        attention = getattr(getattr(owner, "config", None), "_attn_implementation", None)
         if attention not in ("sdpa", "eager") or (model.training and self.dropout):  # (switched since fit: cp)
             sharing = None
         return completion_logps(model, batch, self.train.temperature, self.head_on_targets_only, sharing, chunk)
@@ -221,7 +246,7 @@ class GRPOLoss(Loss):
             self.ready = {s: sampled[data_step(s, k, mu)] for s in range(step, end)}
             self.served = set()
         self.served.add(step)
-        device = model.get_input_embeddings().weight.device  # a resumed run's were read to the CPU
+        device = compute_device(model)  # a resumed run's were read to the CPU (memory.embeddings=cpu: not there)
         return [{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()} for b in self.ready[step]]
 
     def sample(self, model, prompts: dict[str, Any], step: int = 0, micro: int = 0) -> dict[str, Any]:
@@ -242,11 +267,16 @@ class GRPOLoss(Loss):
     def _sampled(self, model, prompts: dict[str, Any], step: int, micro: int) -> dict[str, Any]:
         train, tok = self.train, self.tokenizer
         ends = end_ids(tok, model)
-        seed = sampling_seed(self.seed, step, micro, self.replica)  # a replica's own draws (ranks, without cp)
-        completions = complete(model, prompts, self.group, tok, ends, train, greedy=False, seed=seed, synced=self.synced)
-        records = [r for r in prompts["records"] for _ in range(self.group)]
-        texts = [p for p in prompts["prompts"] for _ in range(self.group)]
-        per_reward, total = score(self.rewards, completions.texts, records, texts)
+
+        def draw(groups: list[int], attempt: int) -> tuple[Completions, torch.Tensor, torch.Tensor]:
+            """The completions of these prompts (their groups), drawn with this attempt's seed, and their rewards."""
+            some = _prompts_of(prompts, groups)
+            seed = sampling_seed(self.seed, step, micro, self.replica, attempt)  # a replica's own draws (ranks, not cp)
+            done = complete(model, some, self.group, tok, ends, train, greedy=False, seed=seed, synced=self.synced)
+            return (done, *self._scored(done, some))
+
+        completions, per_reward, total = draw(list(range(len(prompts["prompts"]))), 0)
+        completions, per_reward, total, redrawn = refill(draw, completions, per_reward, total, self.group, train.dynamic_sampling)
         batch: dict[str, Any] = dict(trainable_rows(prompts, completions, self.group, tok.pad_token_id))
         batch["advantages"] = advantages(total, self.group, scale=train.loss_type != "dr_grpo").to(batch["input_ids"].device)
         was_training = model.training
@@ -268,9 +298,21 @@ class GRPOLoss(Loss):
             "frac_reward_zero_std": float((grouped.std(dim=1) == 0).sum()) * self.group,
             "completion_length": float(completions.lengths.sum()),
         }
-        sums.update({f"rewards/{r.name}": float(per_reward[:, j].sum()) for j, r in enumerate(self.rewards)})
+        sums.update({f"rewards/{name}": float(per_reward[:, j].sum()) for j, name in enumerate(self.reward_names)})
+        if train.dynamic_sampling:
+            sums["redrawn_groups"] = float(redrawn) * self.group  # (a mean over completions: groups redrawn a prompt)
         batch["sample_sums"] = sums
         return batch
+
+    def _scored(self, done: Completions, prompts: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each reward of each completion, (n, k); their weighted total, (n,)) with DAPO's overlong penalty."""
+        records = [r for r in prompts["records"] for _ in range(self.group)]
+        texts = [p for p in prompts["prompts"] for _ in range(self.group)]
+        each, total = score(self.rewards, done.texts, records, texts)
+        if self.train.overlong_buffer:
+            penalty = overlong_penalty(done.lengths, self.train.max_new_tokens, self.train.overlong_buffer)
+            each, total = torch.cat([each, penalty[:, None]], dim=1), total + penalty
+        return each, total
 
     # ------------------------------------------------------------------ the loss
 
@@ -365,6 +407,14 @@ class GRPOLoss(Loss):
             per.append(each)
         total, each = torch.cat(totals), torch.cat(per)
         return {"reward": float(total.mean()), **{r.name: float(each[:, j].mean()) for j, r in enumerate(self.rewards)}}
+
+
+def _prompts_of(prompts: dict[str, Any], groups: list[int]) -> dict[str, Any]:
+    """These prompts of a prompt batch (their rows of every tensor, their items of every list)."""
+    if groups == list(range(len(prompts["prompts"]))):
+        return prompts
+    rows = torch.tensor(groups, device=prompts["input_ids"].device)
+    return {k: v.index_select(0, rows) if torch.is_tensor(v) else [v[g] for g in groups] for k, v in prompts.items()}
 
 
 def data_step(step: int, k: int, mu: int) -> int:

@@ -19,7 +19,7 @@ Shared only where it pays and holds (else None: the rows as they are):
     parallelism switches it after loading), every layer softmax attention over a KV cache (a recurrent layer,
     Qwen3-Next's, would read the completions before it), no multimodal rope, no ALiBi, no chunked attention, no
     router loss over the mask, no sliding window narrower than a row (the mask does not window); and a probe of two
-    small groups gives the model's own log-probabilities (holds_on);
+    small groups gives the model's own log-probabilities (holds_on, run once at the loss's first forward);
   - whole rows of text: not a context- or sequence-parallel part, no images; every group's G rows the same prompt.
 
 With LoRA dropout, a shared prompt draws one dropout mask for its G completions where the rows draw G: the same in
@@ -58,8 +58,8 @@ class SharedRows:
 
 
 def sharing_for(model, group: int) -> Sharing | None:
-    """Whether this model's forward can share a group's prompt (see the module's list), checked on a probe
-    (holds_on); None where it cannot."""
+    """Whether this model's forward can share a group's prompt, from its config (see the module's list); None where
+    it cannot. GRPOLoss checks the model itself once, at its first forward (holds_on)."""
     from finetune.model.load import base_of
     from finetune.objectives.sampling import repeatable_cache, shareable
 
@@ -82,53 +82,72 @@ def sharing_for(model, group: int) -> Sharing | None:
     windowed = "sliding_attention" in kinds if kinds else getattr(text, "use_sliding_window", True) is not False
     window = getattr(text, "sliding_window", None) if windowed else None
     dtype = base.get_input_embeddings().weight.dtype
-    how = Sharing(group, attention == "eager", window or None, dtype if dtype.is_floating_point else torch.float32)
-    return how if holds_on(model, how, int(getattr(text, "vocab_size", 0) or 0)) else None
+    return Sharing(group, attention == "eager", window or None, dtype if dtype.is_floating_point else torch.float32)
+
+
+PROBE_GROUP = 4  # rows a probe group has, whatever num_generations is: the mask's meaning does not depend on it
 
 
 @torch.no_grad()
-def holds_on(model, how: Sharing, vocab: int) -> bool:
-    """Whether a shared row gives the model's own log-probabilities on a probe (2 groups: prompts of 12 and 10 tokens,
-    completions of 1-3), in eval mode: a model whose forward does something else with a 4-D mask or with position_ids
-    raises or disagrees. Not bitwise (other shapes sum in another order): within 1e-4 in fp32, 5e-2 in 16 bits
-    (relative to 1 + |log-probability|), where a trained model's completion reading another's tokens moves by tenths."""
-    from finetune.model.load import compute_device
+def holds_on(model, how: Sharing) -> bool:
+    """Whether a shared row gives the model's own log-probabilities on a probe (2 groups of 4: prompts of 16 and 14
+    tokens, completions of 3-5), in eval mode. Judged against two controls, the same row with each completion reading
+    the ones before it and with positions running on instead of restarting: the shared row must be within a quarter
+    of the nearer control's distance from the rows' log-probabilities (other shapes sum in another order, so not
+    bitwise). A model whose forward does something else with a 4-D mask or with position_ids fails or raises."""
+    from finetune.model.load import compute_device, head_owner
 
+    config: Any = getattr(head_owner(model), "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = int(getattr(text, "vocab_size", 0) or 0)
     if vocab < 8:
         return False
-    device = compute_device(model)
+    probe = Sharing(PROBE_GROUP, how.additive, how.window, how.dtype)
+    batch = _probe_rows(vocab, compute_device(model))
+    shared = shared_rows(batch, probe)
+    if shared is None:
+        return False
+    targets = batch["labels"][:, 1:]
+    picked = targets != IGNORE_INDEX
+    leaky = dict(shared.inputs, attention_mask=_causal_like(shared.inputs["attention_mask"], how))
+    running = torch.arange(shared.inputs["input_ids"].shape[1], device=targets.device).expand_as(shared.inputs["input_ids"])
+    ran_on = dict(shared.inputs, position_ids=running)
+    was_training = model.training
+    model.eval()
+    try:
+        rows = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1][picked]
+        tries = [model(**inputs).logits[shared.keep][shared.picks] for inputs in (shared.inputs, leaky, ran_on)]
+    except Exception:  # noqa: BLE001 (a model whose forward refuses the 4-D mask: it trains on the rows as they are)
+        return False
+    finally:
+        model.train(was_training)
+    truth = torch.log_softmax(rows.float(), -1).gather(1, targets[picked][:, None])
+    off = [float((torch.log_softmax(t.float(), -1).gather(1, targets[picked][:, None]) - truth).abs().max()) for t in tries]
+    return off[0] <= 0.25 * min(off[1], off[2])
+
+
+def _probe_rows(vocab: int, device) -> dict[str, torch.Tensor]:
+    """Two groups of PROBE_GROUP rows, trainable_rows' layout: a prompt, a completion, labels on the completion."""
     token = lambda i: 3 + i % (vocab - 3)  # noqa: E731 (ids past the usual special tokens)
-    prompts = [[token(7 * i) for i in range(12)], [token(5 * i + 1) for i in range(10)]]
-    rows = [(p, [token(11 * r + j + 2) for j in range(1 + r % 3)]) for p in prompts for r in range(how.group)]
+    prompts = [[token(7 * i) for i in range(16)], [token(5 * i + 1) for i in range(14)]]
+    rows = [(p, [token(11 * r + 3 * j + 2) for j in range(3 + r % 3)]) for p in prompts for r in range(PROBE_GROUP)]
     width = max(len(p) + len(c) for p, c in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     labels = torch.full_like(ids, IGNORE_INDEX)
     mask = torch.zeros_like(ids)
     for r, (p, c) in enumerate(rows):
-        ids[r, : len(p) + len(c)], labels[r, len(p) : len(p) + len(c)], mask[r, : len(p) + len(c)] = (
-            torch.tensor(p + c),
-            torch.tensor(c),
-            1,
-        )
-    batch = {"input_ids": ids.to(device), "labels": labels.to(device), "attention_mask": mask.to(device)}
-    shared = shared_rows(batch, how)
-    if shared is None:
-        return False
-    targets = batch["labels"][:, 1:]
-    picked = targets != IGNORE_INDEX
-    was_training = model.training
-    model.eval()
-    try:
-        whole = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1][picked]
-        once = model(**shared.inputs).logits[shared.keep][shared.picks]
-    except Exception:  # noqa: BLE001 (a model whose forward refuses the 4-D mask: it trains on the rows as they are)
-        return False
-    finally:
-        model.train(was_training)
-    expected = torch.log_softmax(whole.float(), -1).gather(1, targets[picked][:, None])
-    got = torch.log_softmax(once.float(), -1).gather(1, targets[picked][:, None])
-    slack = 1e-4 if how.dtype == torch.float32 else 0.05  # fp32 sums in another order agree to ~1e-6; 16-bit, ~1e-2
-    return bool(((got - expected).abs() <= slack * (1 + expected.abs())).all())
+        ids[r, : len(p) + len(c)] = torch.tensor(p + c)
+        labels[r, len(p) : len(p) + len(c)] = torch.tensor(c)
+        mask[r, : len(p) + len(c)] = 1
+    return {"input_ids": ids.to(device), "labels": labels.to(device), "attention_mask": mask.to(device)}
+
+
+def _causal_like(mask: torch.Tensor, how: Sharing) -> torch.Tensor:
+    """A plain causal mask of the shared mask's shape and kind: every token reads every one before it."""
+    allowed = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril().expand_as(mask)
+    if not how.additive:
+        return allowed
+    return torch.zeros(mask.shape, dtype=how.dtype, device=mask.device).masked_fill(~allowed, torch.finfo(how.dtype).min)
 
 
 def shared_rows(batch: dict[str, Any], how: Sharing) -> SharedRows | None:

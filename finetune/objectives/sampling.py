@@ -37,10 +37,11 @@ def end_ids(tokenizer, model) -> list[int]:
     return sorted(found)
 
 
-def sampling_seed(seed: int, step: int, micro: int, rank: int) -> int:
+def sampling_seed(seed: int, step: int, micro: int, rank: int, attempt: int = 0) -> int:
     """The seed of one micro-batch's sampling: its own for every step, micro-batch and process (ranks draw
-    independently; a resumed run draws what the uninterrupted one did, whatever else used the generator)."""
-    digest = hashlib.sha256(f"{seed}/{step}/{micro}/{rank}".encode()).digest()
+    independently; a resumed run draws what the uninterrupted one did, whatever else used the generator), and for
+    each further attempt at its flat groups (train.dynamic_sampling)."""
+    digest = hashlib.sha256(f"{seed}/{step}/{micro}/{rank}{f'/{attempt}' if attempt else ''}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
