@@ -60,6 +60,7 @@ _EXPORTS = {
     "open_run": "finetune.runs.open",
     "load_trained": "finetune.runs.open",
     "export_run": "finetune.export.run",
+    "reward": "finetune.objectives.rewards",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -243,3 +243,50 @@ def test_load_reward_file_errors(tmp_path):
     listed.write_text("REWARDS = [len, 'reward_x']\n")
     with pytest.raises(RewardError, match=r"REWARDS\[1\] is 'reward_x', not a function"):
         load_reward_file(listed)
+
+
+def test_your_rewards_carry_their_weight_and_a_batched_one_scores_the_micro_batch_in_one_call(tmp_path):
+    from finetune import reward
+
+    calls: list[int] = []
+
+    @reward(batched=True, weight=2.0, name="judge")
+    def reward_judge(completions, records):
+        calls.append(len(completions))
+        return torch.tensor([float(len(c)) for c in completions])  # a tensor is taken as a list
+
+    @reward(weight=-0.5)
+    def reward_short(completion, record):
+        return float(len(completion) < 3)
+
+    rewards = build_rewards([RewardSpec(name="exact_match", column="answer")], [reward_judge, reward_short])
+    assert [(r.name, r.weight, r.batched) for r in rewards] == [
+        ("exact_match", 1.0, False),
+        ("judge", 2.0, True),
+        ("reward_short", -0.5, False),
+    ]
+    each, total = score(rewards, ["ok", "fine", "no"], [{"answer": "ok"}] * 3, ["p1", "p2", "p3"])
+    assert calls == [3]  # once for the three completions
+    assert each.tolist() == [[1.0, 2.0, 1.0], [0.0, 4.0, 0.0], [0.0, 2.0, 1.0]]
+    assert total.tolist() == [1.0 + 4.0 - 0.5, 8.0, 4.0 - 0.5]
+    # the same marks from a --rewards file
+    path = tmp_path / "mine.py"
+    path.write_text("from finetune import reward\n\n@reward(weight=0.25)\ndef reward_a(completion, record):\n    return 1.0\n")
+    assert [(r.name, r.weight) for r in build_rewards([], load_reward_file(path))] == [("reward_a", 0.25)]
+
+
+@pytest.mark.parametrize(
+    "returned, says",
+    [([1.0], "returned 1 values"), (7.0, "returned float"), ([1.0, math.nan], "returned nan for completion 1")],
+)
+def test_a_batched_reward_returning_other_than_one_finite_float_each_is_named(returned, says):
+    judge = Reward("judge", 1.0, lambda completions, records: returned, batched=True)
+    with pytest.raises(RewardError) as caught:
+        score([judge], ["first", "second"], [{}, {}], ["p", "q"])
+    assert "reward 'judge' (batched, 2 completions)" in str(caught.value) and says in str(caught.value)
+    if "completion 1" in says:
+        assert "'second'" in str(caught.value) and "'q'" in str(caught.value)
+    with pytest.raises(ConfigError, match="a weight is a finite number"):
+        from finetune import reward
+
+        reward(weight=math.inf)

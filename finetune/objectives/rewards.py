@@ -1,7 +1,9 @@
 """Rewards of train.objective=grpo: what scores a sampled completion.
 
 A reward is a function (completion: str, record: dict) -> float, where `record` is the data record
-the prompt came from (its columns, e.g. `answer`). A run's rewards come from two places only:
+the prompt came from (its columns, e.g. `answer`); marked @reward(batched=True), (completions: list[str],
+records: list[dict]) -> list[float], one call per micro-batch; @reward(weight=...) weighs yours as a recipe
+weighs a built-in. A run's rewards come from two places only:
 
     train.rewards           the built-ins below, by name, with a weight and options (from_spec)
     your own Python         Trainer(reward_fns=[...]) or `finetune run --rewards FILE.py`
@@ -64,11 +66,35 @@ _module_ids = itertools.count(1)
 
 @dataclass(frozen=True)
 class Reward:
-    """One reward of a run: `name` (metrics: rewards/<name>), its `weight` in the total, and `fn`."""
+    """One reward of a run: `name` (metrics: rewards/<name>), its `weight` in the total, and `fn`; batched: fn takes
+    the micro-batch's lists (completions, records) and returns a list of floats."""
 
     name: str
     weight: float
-    fn: RewardFn
+    fn: Callable[..., Any]
+    batched: bool = False
+
+
+def reward(weight: float = 1.0, batched: bool = False, name: str | None = None) -> Callable[[Callable], Callable]:
+    """Marks your reward function (Trainer(reward_fns=...) or a --rewards file): its weight in the total, whether it
+    scores a whole micro-batch in one call, and its metric name (default: the function's).
+
+        @reward(weight=0.5)
+        def reward_format(completion: str, record: dict) -> float: ...
+
+        @reward(batched=True)                   # one call per micro-batch: a model, a service, a vectorised check
+        def reward_judge(completions: list[str], records: list[dict]) -> list[float]: ...
+    """
+    if not (isinstance(weight, numbers.Real) and math.isfinite(weight)):
+        raise ConfigError([f"@reward(weight={weight!r}): a weight is a finite number"])
+
+    def mark(fn: Callable) -> Callable:
+        fn.reward_weight, fn.reward_batched = float(weight), bool(batched)
+        if name is not None:
+            fn.reward_name = name
+        return fn
+
+    return mark
 
 
 def answer_of(record: Mapping[str, Any], column: str) -> Any:
@@ -216,7 +242,7 @@ def unique_names(rewards: Sequence[Reward]) -> list[Reward]:
 
 
 def build_rewards(specs: Iterable[RewardSpec], user_fns: Iterable[Callable[..., Any]] = ()) -> list[Reward]:
-    """The recipe's built-ins, then the user's functions (weight 1.0 each), uniquely named.
+    """The recipe's built-ins, then the user's functions (weight 1.0 each unless @reward says), uniquely named.
 
     Every bad spec is reported at once in one ConfigError; none at all is an error too."""
     rewards, problems = [], []
@@ -228,8 +254,10 @@ def build_rewards(specs: Iterable[RewardSpec], user_fns: Iterable[Callable[..., 
     for fn in user_fns:
         if not callable(fn):
             problems.append(f"reward_fns: {fn!r} is not a function; give functions (completion: str, record: dict) -> float")
-        else:
-            rewards.append(Reward(name=name_of(fn), weight=1.0, fn=fn))
+        else:  # @reward's marks, else weight 1.0, one completion a call
+            named = getattr(fn, "reward_name", None) or name_of(fn)
+            weight, batched = getattr(fn, "reward_weight", 1.0), getattr(fn, "reward_batched", False)
+            rewards.append(Reward(name=named, weight=weight, fn=fn, batched=batched))
     if problems:
         raise ConfigError(problems)
     if not rewards:
@@ -260,14 +288,43 @@ def run_one(reward: Reward, completion: str, record: Mapping[str, Any], prompt: 
     return float(value)
 
 
+def run_batched(
+    reward: Reward, completions: Sequence[str], records: Sequence[Mapping[str, Any]], prompts: Sequence[str]
+) -> list[float]:
+    """A batched reward of a micro-batch's completions: one finite float each, or a RewardError naming the one."""
+    where = f"reward '{reward.name}' (batched, {len(completions)} completions)"
+    try:
+        values = reward.fn(list(completions), list(records))
+    except Exception as exc:
+        hint = exc.hint if isinstance(exc, FinetuneError) else "fix the function: it gets (completions: list, records: list)"
+        raise RewardError(f"{where}\n  raised {type(exc).__name__}: {exc}", hint=hint) from exc
+    values = values.tolist() if isinstance(values, torch.Tensor) else values
+    if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+        got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"{type(values).__name__}"
+        raise RewardError(f"{where}\n  returned {got}", hint="a batched reward returns a list of one float per completion")
+    for i, value in enumerate(values):
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise RewardError(
+                f"{where}\n  returned {value!r} for completion {i}\n  prompt: {clip(prompts[i])}\n"
+                f"  completion: {clip(completions[i])}",
+                hint="a reward returns finite floats",
+            )
+    return [float(v) for v in values]
+
+
 def score(
     rewards: Sequence[Reward], completions: Sequence[str], records: Sequence[Mapping[str, Any]], prompts: Sequence[str]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each reward of each completion, (n, k) float32, and their weighted total, (n,) float32."""
     if not len(completions) == len(records) == len(prompts):
         raise ValueError(f"score: {len(completions)} completions, {len(records)} records, {len(prompts)} prompts")
-    table = [[run_one(r, c, rec, p) for r in rewards] for c, rec, p in zip(completions, records, prompts)]
-    each = torch.tensor(table, dtype=torch.float64).reshape(len(completions), len(rewards))
+    columns = [
+        run_batched(r, completions, records, prompts)
+        if r.batched
+        else [run_one(r, c, rec, p) for c, rec, p in zip(completions, records, prompts)]
+        for r in rewards
+    ]
+    each = torch.tensor(columns, dtype=torch.float64).reshape(len(rewards), len(completions)).T
     weights = torch.tensor([r.weight for r in rewards], dtype=torch.float64)
     return each.float(), (each @ weights).float()
 

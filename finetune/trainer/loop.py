@@ -66,7 +66,7 @@ class Trainer:
       scheduler                   an LR scheduler, or a function of the optimizer that builds one
       loss_fn                     a finetune.Loss, or a function (model, batch) -> (summed loss, units: target tokens)
       callbacks                   finetune.Callback objects (on_train_begin, on_step_begin/_end, on_eval, on_save, on_train_end)
-      reward_fns                  train.objective=grpo: your rewards, (completion text, record) -> float, after the recipe's
+      reward_fns                  grpo: your rewards, (completion text, record) -> float, after the recipe's (finetune.reward)
     Use it as a context manager (or call close()) to free what outlives a run: a streamed weights file,
     the process group of a multi-process launch (at the latest when the interpreter exits).
     """
