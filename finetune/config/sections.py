@@ -151,15 +151,18 @@ class LoraConfig(_Section):
 class RewardSpec(_Section):
     """One built-in reward of train.objective=grpo (finetune/objectives/rewards.py), with its weight and options."""
 
-    name: Literal["exact_match", "contains", "format", "numeric", "length", "json"] = Field(
+    name: Literal["exact_match", "contains", "format", "numeric", "length", "json", "model"] = Field(
         description="exact_match | contains (the record's `column` in the completion) | format (`pattern` found) | "
         "numeric (the last number equals `column`'s, fractions normalised) | length (penalty past `target` "
-        "characters) | json (the completion parses as JSON)"
+        "characters) | json (the completion parses as JSON) | model (a reward model's score: `path`)"
     )
     weight: float = Field(1.0, description="its share of the total reward (negative: a penalty)")
     column: str | None = Field(None, description="exact_match, contains, numeric: the record's column with the answer")
     pattern: str | None = Field(None, description="format: a regular expression the completion must contain")
     target: int | None = Field(None, ge=1, description="length: characters before the penalty starts")
+    path: str | None = Field(None, description="model: a sequence-classification reward model (local folder or hub id)")
+    bits: Literal[4] | None = Field(None, description="model: 4 loads it in NF4 (double quant); null: compute dtype")
+    max_length: int = Field(1024, ge=8, description="model: tokens of prompt + completion it reads (the end cut)")
 
 
 class TrainConfig(_Section):
@@ -253,7 +256,7 @@ class TrainConfig(_Section):
     @classmethod
     def _built_in(cls, value: Any) -> Any:
         # A recipe names built-in rewards only: a file or a function is code, which only the user passes.
-        known = ("exact_match", "contains", "format", "numeric", "length", "json")
+        known = ("exact_match", "contains", "format", "numeric", "length", "json", "model")
         for j, spec in enumerate(value if isinstance(value, list) else []):
             name = spec.get("name") if isinstance(spec, dict) else spec
             if name not in known:

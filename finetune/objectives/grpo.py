@@ -195,6 +195,9 @@ class GRPOLoss(Loss):
         its fused kernel sums a loss, and GRPO needs each token's log-probability)."""
         self.synced = sharded
         self.chunk_rows, self.chunk_only_above = chunking(mode, chunk, sharded, head_partitioned)
+        for reward in self.rewards:  # a reward model is loaded where the policy trains
+            if hasattr(reward.fn, "use_device"):
+                reward.fn.use_device(device)
 
     def logps(self, model, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """completion_logps as this run computes them: the prompt shared where it can be (the model checked once, at

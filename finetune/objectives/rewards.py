@@ -23,6 +23,7 @@ Built-ins (the record's `column` holds the answer):
     length       0.0 up to `target` characters, then -(len - target) / target, floored at -1.0:
                  a completion twice the target or longer scores -1.0
     json         1.0 if the stripped completion parses as JSON (Python's json.loads), else 0.0
+    model        a reward model's score of (prompt, completion): `path`, `bits: 4`, `max_length` (reward_model.py)
 
 score() runs every reward on every completion: a (n, k) tensor of each reward and the (n,)
 weighted total; metrics report each as rewards/<name>, so names are unique per run.
@@ -214,9 +215,17 @@ def from_spec(spec: RewardSpec, where: str = "train.rewards") -> Reward:
         fn = length(spec.target)
     elif spec.name == "json":
         fn = json_reward
+    elif spec.name == "model":
+        if not spec.path:
+            raise ConfigError([f"{says} needs `path`: a sequence-classification reward model (local folder or hub id)"])
+        from finetune.objectives.reward_model import RewardModel
+
+        return Reward(
+            name="model", weight=float(spec.weight), fn=RewardModel(spec.path, spec.bits, spec.max_length, says), batched=True
+        )
     else:
         raise ConfigError(
-            [f"{says}: no built-in reward is called {spec.name!r}; use exact_match, contains, format, numeric, length or json"]
+            [f"{says}: no built-in reward is called {spec.name!r}; use exact_match, contains, format, numeric, length, json or model"]
         )
     return Reward(name=spec.name, weight=float(spec.weight), fn=fn)
 
