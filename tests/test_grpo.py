@@ -220,6 +220,24 @@ def test_grpo_resumes_bitwise_after_sigterm(recipe_dict, tmp_path, steps_per_gen
     assert a == b  # the same completions sampled, the same rewards and losses
     assert not [r for r in a if "spike" in r]  # a policy-gradient loss near 0 of either sign: no "spikes"
     assert train_losses(tmp_path / "a" / "metrics.jsonl") == train_losses(tmp_path / "b" / "metrics.jsonl")
+    # the weights, not only the metrics: the final adapters' tensors bitwise
+    from safetensors.torch import load_file
+
+    straight, resumed = (load_file(tmp_path / d / "adapter" / "adapter_model.safetensors") for d in ("a", "b"))
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_a_grpo_run_exports_its_adapter_and_a_verified_merge_as_an_sft_run_does(recipe_dict, tmp_path):
+    from finetune.export.run import export_run
+
+    cfg = build_recipe(grpo_recipe(recipe_dict, tmp_path, max_steps=2) | {"output_dir": str(tmp_path / "run")})
+    with Trainer(cfg, progress=False) as trainer:
+        trainer.train()
+    adapter = export_run(tmp_path / "run", tmp_path / "adapter", say=lambda s: None)
+    assert (adapter.out / "adapter_model.safetensors").is_file()
+    merged = export_run(tmp_path / "run", tmp_path / "merged", merge=True, dtype="fp32", say=lambda s: None)
+    check = merged.metadata["verification"]
+    assert check["passed"] and check["max_abs_diff"] < 1e-4  # the merged model's logits are the adapter's
 
 
 def _tiny_grpo_trainer(recipe_dict, tmp_path, **train) -> Trainer:
