@@ -317,6 +317,9 @@ def test_num_iterations_trains_each_steps_prompts_that_many_times_in_turn():
     assert [data_step(s, 2, 1) for s in range(4)] == [0, 1, 2, 3]  # steps_per_generation alone: each step its own
     assert [data_step(s, 1, 3) for s in range(7)] == [0, 0, 0, 1, 1, 1, 2]
     assert [data_step(s, 2, 2) for s in range(9)] == [0, 1, 0, 1, 2, 3, 2, 3, 4]  # TRL's order: k slices, mu times
+    # a last cycle cut short by the run (an epoch of 3 data steps: 6 steps) trains its one data step twice
+    assert [data_step(s, 2, 2, steps=6) for s in range(6)] == [0, 1, 0, 1, 2, 2]
+    assert [data_step(s, 2, 2, steps=7) for s in range(7)] == [0, 1, 0, 1, 2, 3, 2]  # max_steps: as far as it goes
 
 
 def test_a_second_iteration_trains_the_same_completions_against_the_policy_that_sampled_them(recipe_dict, tmp_path):

@@ -81,7 +81,7 @@ def test_grpo_redraws_only_its_flat_groups_with_their_own_seeds_and_shapes_long_
     rows = [g * 4 + j for g in range(4) for j in range(4)]
     redrawn = {r // 4 for r in rows if not torch.equal(first["input_ids"][r], second["input_ids"][r])}
     assert redrawn == set(flat)  # the flat groups drawn again (flat again: even answers), the others kept
-    assert second["sample_sums"]["redrawn_groups"] == len(flat) * 4
+    assert second["sample_sums"]["redraws"] == len(flat) * 4
     # overlong shaping: completions past 6 - 2 tokens lose reward, in the total and as rewards/overlong
     lengths = (second["labels"] != -100).sum(1).float()
     penalty = overlong_penalty(lengths, 6, 2)
@@ -92,6 +92,15 @@ def test_grpo_redraws_only_its_flat_groups_with_their_own_seeds_and_shapes_long_
     redrawing.close()
 
 
+def test_a_reward_of_yours_named_overlong_keeps_its_name_beside_the_penalty(recipe_dict, tmp_path):
+    def overlong(completion, record):
+        return 1.0
+
+    trainer = _trainer(recipe_dict, tmp_path, overlong, rewards=[], overlong_buffer=2, max_new_tokens=6)
+    assert trainer.loss_fn.reward_names == ["overlong", "overlong_2"]
+    trainer.close()
+
+
 def test_the_recipe_checks_dapos_settings_and_grpos_memory_loss(recipe_dict, tmp_path):
     build_recipe(grpo_recipe(recipe_dict, tmp_path, overlong_buffer=6, max_new_tokens=6))  # up to the whole length
     with pytest.raises(ConfigError, match="overlong_buffer=7 is longer than train.max_new_tokens=6"):
@@ -100,5 +109,7 @@ def test_the_recipe_checks_dapos_settings_and_grpos_memory_loss(recipe_dict, tmp
     assert build_recipe(chunked).memory.loss == "chunked"  # grpo's head over chunks of completion tokens
     with pytest.raises(ConfigError, match="memory.loss=liger is liger-kernel's fused loss, a sum"):
         build_recipe(chunked | {"memory": {"loss": "liger"}})
+    with pytest.raises(ConfigError, match="train.dynamic_sampling with distributed.strategy=fsdp"):
+        build_recipe(grpo_recipe(recipe_dict, tmp_path, dynamic_sampling=2) | {"distributed": {"strategy": "fsdp"}})
     with pytest.raises(ConfigError, match="train.dynamic_sampling"):  # an SFT recipe naming a grpo key
         build_recipe(recipe_dict | {"train": {**recipe_dict["train"], "dynamic_sampling": 2}})

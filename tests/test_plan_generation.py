@@ -199,5 +199,9 @@ def test_num_iterations_spreads_a_samplings_time_over_its_steps_and_adds_the_old
     train = {"batch_size": 2, "grad_accum": 4, "num_generations": 8, "max_new_tokens": 768}
     once, twice = (plan_recipe(grpo_recipe("llama-2-7b", tmp_path, **train, num_iterations=n), gpu) for n in (1, 2))
     assert twice.step_time_parts["sampling"] == pytest.approx(once.step_time_parts["sampling"] / 2, rel=1e-12)
-    # the second iteration's ratios need the sampling policy's log-probabilities: one forward without gradients
+    # the second iteration's ratios need the sampling policy's log-probabilities: one forward without gradients, once
+    # a sampling: half a forward a step (beta > 0's reference pass, every step at mu 1, is a whole one)
     assert (once.setup.reference_passes, twice.setup.reference_passes) == (0, 1)
+    kl = plan_recipe(grpo_recipe("llama-2-7b", tmp_path, **train, beta=0.1), gpu)
+    extra = twice.step_time_parts["compute"] - once.step_time_parts["compute"]
+    assert extra > 0 and extra == pytest.approx(0.5 * (kl.step_time_parts["compute"] - once.step_time_parts["compute"]))

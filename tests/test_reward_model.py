@@ -51,6 +51,20 @@ def test_each_completion_scored_as_the_classifier_reads_prompt_and_reply(tmp_pat
         assert scores[2] == pytest.approx(scores[0], abs=1e-6)  # messages or text: the same conversation
 
 
+def test_a_row_longer_than_max_length_loses_its_prompts_start_never_the_completion_and_says_so(tmp_path):
+    path = _classifier(tmp_path)
+    judge = RewardModel(str(path), None, 24)
+    long_prompt = [{"prompt": "Say a number. " * 10}] * 3
+    with pytest.warns(UserWarning, match=r"longer than max_length=24: the reward model reads its last 24"):
+        scores = judge(["4", "five", "six"], long_prompt)
+    assert len(set(scores)) == 3  # each completion still read (a cut end would score the prompt alone, all alike)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        judge(["4"], long_prompt[:1])  # said once
+
+
 def test_a_reward_model_in_4_bits_and_the_errors_that_name_it(tmp_path):
     import bitsandbytes as bnb
 

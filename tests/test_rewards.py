@@ -252,8 +252,10 @@ def test_your_rewards_carry_their_weight_and_a_batched_one_scores_the_micro_batc
 
     @reward(batched=True, weight=2.0, name="judge")
     def reward_judge(completions, records):
+        import numpy as np
+
         calls.append(len(completions))
-        return torch.tensor([float(len(c)) for c in completions])  # a tensor is taken as a list
+        return np.array([float(len(c)) for c in completions])  # an array (numpy, torch) is taken as a list
 
     @reward(weight=-0.5)
     def reward_short(completion, record):

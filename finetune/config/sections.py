@@ -237,7 +237,7 @@ class TrainConfig(_Section):
         0,
         ge=0,
         description="grpo: DAPO's dynamic sampling: a group whose rewards are all equal is sampled again from its "
-        "prompt, up to this many times, until they differ (metrics: redrawn_groups); 0: never",
+        "prompt, up to this many times, until they differ (metrics: redraws, a prompt's mean); 0: never",
     )
     temperature: float = Field(1.0, gt=0, description="grpo: sampling temperature")
     top_p: float = Field(1.0, gt=0, le=1, description="grpo: nucleus sampling")

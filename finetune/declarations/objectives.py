@@ -181,9 +181,14 @@ RULES: tuple[Rule[Any], ...] = (
         lambda cfg: _objective(cfg).online and (cfg.train.overlong_buffer or 0) > cfg.train.max_new_tokens,
         lambda cfg: (
             f"train.overlong_buffer={cfg.train.overlong_buffer} is longer than train.max_new_tokens="
-            f"{cfg.train.max_new_tokens}: the penalty would start before a completion's first token. Set it below "
+            f"{cfg.train.max_new_tokens}: the penalty would start before a completion's first token. Set it to at most "
             "max_new_tokens (DAPO: a fifth of it)."
         ),
+    ),
+    Rule(
+        lambda cfg: _objective(cfg).online and cfg.train.dynamic_sampling and strategies.of_recipe(cfg) is strategies.FSDP,
+        "train.dynamic_sampling with distributed.strategy=fsdp: every rank would have to redraw together (each "
+        "decode step gathers the weights). Set train.dynamic_sampling=0, or use distributed.strategy=ddp.",
     ),
     Rule(
         lambda cfg: _objective(cfg).online and cfg.memory.loss == "liger",

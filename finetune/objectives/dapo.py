@@ -36,7 +36,8 @@ def refill(
     draw: Draw, done: Completions, each: torch.Tensor, total: torch.Tensor, group: int, tries: int
 ) -> tuple[Completions, torch.Tensor, torch.Tensor, int]:
     """Each flat group sampled again (draw(groups, attempt) -> their completions, each reward, total) until its
-    rewards differ or `tries` attempts are spent; returns the completions and rewards kept, and the groups redrawn."""
+    rewards differ or `tries` attempts are spent; returns the completions and rewards kept, and the redraws made (a
+    group drawn again twice counts 2)."""
     tokens, texts, each, total = list(done.tokens), list(done.texts), each.clone(), total.clone()
     redrawn = 0
     for attempt in range(1, tries + 1):

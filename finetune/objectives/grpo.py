@@ -56,6 +56,10 @@ from finetune.objectives.rewards import Reward, score
 from finetune.objectives.sampling import Completions, complete, end_ids, sampling_seed, trainable_rows
 from finetune.parallel import context
 
+DYNAMIC_SAMPLING_SHARDED = (
+    "train.dynamic_sampling with sharded weights (FSDP): every rank would have to redraw together. "
+    "Set train.dynamic_sampling=0, or use distributed.strategy=ddp."
+)
 SHARING_REFUSED = (
     "grpo: this model's forward did not give a shared prompt's rows their own log-probabilities on a probe "
     "(objectives/prompt_sharing.holds_on); each completion trains on its own row, as before (slower on long prompts)"
@@ -167,9 +171,11 @@ class GRPOLoss(Loss):
         self.row_group: tuple[Any, int] | None = None  # use_rows(): a context-parallel group, whose first rank samples
         self.last_sums: dict[str, float] = {}
         self.metric_keys = ("_sequences", "reward", "reward_std", "frac_reward_zero_std", "completion_length")
-        self.reward_names = [r.name for r in rewards] + (["overlong"] if train.overlong_buffer else [])
+        names = [r.name for r in rewards]
+        penalty = next(n for n in ("overlong", *(f"overlong_{i}" for i in range(2, 99))) if n not in names)
+        self.reward_names = names + ([penalty] if train.overlong_buffer else [])  # (a reward of yours named overlong)
         self.metric_keys += ("clip_ratio", "kl") + tuple(f"rewards/{name}" for name in self.reward_names)
-        self.metric_keys += ("redrawn_groups",) if train.dynamic_sampling else ()
+        self.metric_keys += ("redraws",) if train.dynamic_sampling else ()
 
     def fit(self, model) -> None:
         super().fit(model)
@@ -183,16 +189,11 @@ class GRPOLoss(Loss):
         self.tokenizer = tokenizer
 
     def use_memory(self, mode: str, chunk: int, device: torch.device, sharded: bool, head_partitioned: bool = False) -> None:
-        if sharded and self.train.dynamic_sampling:  # a rank redrawing alone would wait in FSDP's gathers forever
-            raise ConfigError(
-                [
-                    "train.dynamic_sampling with sharded weights (FSDP): every rank would have to redraw together. "
-                    "Set train.dynamic_sampling=0, or use distributed.strategy=ddp."
-                ]  # fmt: skip
-            )
         """sharded (FSDP): generate steps every rank's decoder alike (each step gathers the weights). memory.loss as the
         causal-LM loss reads it (chunked, or auto for more completion tokens than a chunk; liger is refused with grpo:
         its fused kernel sums a loss, and GRPO needs each token's log-probability)."""
+        if sharded and self.train.dynamic_sampling:  # a rank redrawing alone would wait in FSDP's gathers forever
+            raise ConfigError([DYNAMIC_SAMPLING_SHARDED])
         self.synced = sharded
         self.chunk_rows, self.chunk_only_above = chunking(mode, chunk, sharded, head_partitioned)
         for reward in self.rewards:  # a reward model is loaded where the policy trains
@@ -243,10 +244,10 @@ class GRPOLoss(Loss):
             end = step + 1 if again else min(steps, (step // (k * mu) + 1) * k * mu)
             sampled: dict[int, list[dict[str, Any]]] = {}  # data step -> its completions, sampled once for its mu steps
             for s in range(step, end):
-                d = data_step(s, k, mu)
+                d = data_step(s, k, mu, steps)
                 if d not in sampled:
                     sampled[d] = [self.sample(model, b, s, i) for i, b in enumerate(batches_of(d))]
-            self.ready = {s: sampled[data_step(s, k, mu)] for s in range(step, end)}
+            self.ready = {s: sampled[data_step(s, k, mu, steps)] for s in range(step, end)}
             self.served = set()
         self.served.add(step)
         device = compute_device(model)  # a resumed run's were read to the CPU (memory.embeddings=cpu: not there)
@@ -303,7 +304,7 @@ class GRPOLoss(Loss):
         }
         sums.update({f"rewards/{name}": float(per_reward[:, j].sum()) for j, name in enumerate(self.reward_names)})
         if train.dynamic_sampling:
-            sums["redrawn_groups"] = float(redrawn) * self.group  # (a mean over completions: groups redrawn a prompt)
+            sums["redraws"] = float(redrawn) * self.group  # (a mean over completions: a prompt's redraws)
         batch["sample_sums"] = sums
         return batch
 
@@ -420,11 +421,16 @@ def _prompts_of(prompts: dict[str, Any], groups: list[int]) -> dict[str, Any]:
     return {k: v.index_select(0, rows) if torch.is_tensor(v) else [v[g] for g in groups] for k, v in prompts.items()}
 
 
-def data_step(step: int, k: int, mu: int) -> int:
+def data_step(step: int, k: int, mu: int, steps: int | None = None) -> int:
     """The data order's step whose prompts optimizer step `step` trains on: a cycle of k x mu steps trains the prompts
-    of k data steps mu times over, in turn (k = 2, mu = 2: 0 1 0 1, 2 3 2 3, ...); mu = 1: the step itself."""
+    of k data steps mu times over, in turn (k = 2, mu = 2: 0 1 0 1, 2 3 2 3, ...); mu = 1: the step itself. A last
+    cycle cut short by the run's `steps` takes as many data steps as its steps can train mu times (an epoch of 3 data
+    steps with k = 2, mu = 2: 0 1 0 1, 2 2), so that an epoch trains each of its prompts mu times."""
     cycle, within = divmod(step, k * mu)
-    return cycle * k + within % k
+    width = k
+    if steps is not None and steps - cycle * k * mu < k * mu:
+        width = max(1, -(-(steps - cycle * k * mu) // mu))  # the data steps its remaining steps hold
+    return cycle * k + within % width
 
 
 def _first_part(batch: dict[str, Any]) -> bool:

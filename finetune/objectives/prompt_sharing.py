@@ -117,6 +117,8 @@ def holds_on(model, how: Sharing) -> bool:
     try:
         rows = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1][picked]
         tries = [model(**inputs).logits[shared.keep][shared.picks] for inputs in (shared.inputs, leaky, ran_on)]
+    except torch.OutOfMemoryError:
+        raise  # the device is full, not the mask refused: said as the run's out-of-memory error
     except Exception:  # noqa: BLE001 (a model whose forward refuses the 4-D mask: it trains on the rows as they are)
         return False
     finally:

@@ -225,7 +225,9 @@ def from_spec(spec: RewardSpec, where: str = "train.rewards") -> Reward:
         )
     else:
         raise ConfigError(
-            [f"{says}: no built-in reward is called {spec.name!r}; use exact_match, contains, format, numeric, length, json or model"]
+            [
+                f"{says}: no built-in reward is called {spec.name!r}; use exact_match, contains, format, numeric, length, json or model"
+            ]
         )
     return Reward(name=spec.name, weight=float(spec.weight), fn=fn)
 
@@ -307,7 +309,7 @@ def run_batched(
     except Exception as exc:
         hint = exc.hint if isinstance(exc, FinetuneError) else "fix the function: it gets (completions: list, records: list)"
         raise RewardError(f"{where}\n  raised {type(exc).__name__}: {exc}", hint=hint) from exc
-    values = values.tolist() if isinstance(values, torch.Tensor) else values
+    values = values.tolist() if hasattr(values, "tolist") and not isinstance(values, list) else values  # torch, numpy
     if not isinstance(values, (list, tuple)) or len(values) != len(completions):
         got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"{type(values).__name__}"
         raise RewardError(f"{where}\n  returned {got}", hint="a batched reward returns a list of one float per completion")

@@ -42,7 +42,8 @@ def token_flops(shape, recipe, setup, trainable, seq_len: float | None = None) -
     # Backward of a frozen weight computes only the input gradient (1x forward); attention
     # backward is ~2x its forward; checkpointing replays the decoder forward once more.
     model = fwd * 2 + attn_fwd * 3 + (lora_flops if recipe.lora else 2 * fwd)
-    model += setup.reference_passes * (fwd + attn_fwd)  # DPO's reference: the forward again, adapter off
+    # DPO's reference: the forward again, adapter off (grpo's passes: once a sampling, which serves `iterations` steps)
+    model += setup.reference_passes / setup.iterations * (fwd + attn_fwd)
     recompute = (fwd + attn_fwd) * ckpt
     if setup.loss_rows:  # the chunked head runs again in backward to remake each chunk's logits
         recompute += 2 * shape.head_matmul_params

@@ -104,6 +104,9 @@ def run_rewards(
 
     def scored(m) -> dict[str, float]:
         on = m.get_input_embeddings().weight.device
+        for reward in loss.rewards:  # a reward model runs where the policy does
+            if hasattr(reward.fn, "use_device"):
+                reward.fn.use_device(on)
         return loss.held_out(m, prompts, lambda xs: collate_prompts(xs, tokenizer.pad_token_id), batch_size, on)
 
     tuned = scored(model)
