@@ -7,7 +7,7 @@ policy's and the reference's log-probabilities): the prompt's tokens run through
 
 The mask is a (groups, 1, L, L) tensor that sdpa and eager attention take as given (transformers passes a 4-D mask
 through), so nothing else changes: no KV cache (checkpointed layers recompute as before), one forward under
-DDP, FSDP and ZeRO. Each completion's first token is predicted by the prompt's last position, read once per
+DDP and FSDP. Each completion's first token is predicted by the prompt's last position, read once per
 completion. The same log-probabilities as the G rows of prompt + completion (fp32: tests/test_grpo_forward.py).
 
 Shared only where it pays and holds (else None: the rows as they are):
