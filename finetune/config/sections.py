@@ -162,7 +162,7 @@ class RewardSpec(_Section):
     target: int | None = Field(None, ge=1, description="length: characters before the penalty starts")
     path: str | None = Field(None, description="model: a sequence-classification reward model (local folder or hub id)")
     bits: Literal[4] | None = Field(None, description="model: 4 loads it in NF4 (double quant); null: compute dtype")
-    max_length: int = Field(1024, ge=8, description="model: tokens of prompt + completion it reads (the end cut)")
+    max_length: int = Field(1024, ge=8, description="model: tokens of prompt + completion it reads (the prompt's start cut)")
 
 
 class TrainConfig(_Section):
