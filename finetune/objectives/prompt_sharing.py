@@ -129,19 +129,17 @@ def holds_on(model, how: Sharing) -> bool:
 
 
 def _probe_rows(vocab: int, device) -> dict[str, torch.Tensor]:
-    """Two groups of PROBE_GROUP rows, trainable_rows' layout: a prompt, a completion, labels on the completion."""
+    """Two groups of PROBE_GROUP rows as GRPO trains them (sampling.trainable_rows): a prompt, then a completion."""
+    from finetune.objectives.sampling import Completions, trainable_rows
+
     token = lambda i: 3 + i % (vocab - 3)  # noqa: E731 (ids past the usual special tokens)
     prompts = [[token(7 * i) for i in range(16)], [token(5 * i + 1) for i in range(14)]]
-    rows = [(p, [token(11 * r + 3 * j + 2) for j in range(3 + r % 3)]) for p in prompts for r in range(PROBE_GROUP)]
-    width = max(len(p) + len(c) for p, c in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    labels = torch.full_like(ids, IGNORE_INDEX)
-    mask = torch.zeros_like(ids)
-    for r, (p, c) in enumerate(rows):
-        ids[r, : len(p) + len(c)] = torch.tensor(p + c)
-        labels[r, len(p) : len(p) + len(c)] = torch.tensor(c)
-        mask[r, : len(p) + len(c)] = 1
-    return {"input_ids": ids.to(device), "labels": labels.to(device), "attention_mask": mask.to(device)}
+    completions = [[token(11 * r + 3 * j + 2) for j in range(3 + r % 3)] for _ in prompts for r in range(PROBE_GROUP)]
+    width = max(len(p) for p in prompts)  # left-padded, as the collator gives prompts
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    done = Completions(completions, [""] * len(completions))
+    return trainable_rows({"input_ids": ids, "attention_mask": mask}, done, PROBE_GROUP, 0)
 
 
 def _causal_like(mask: torch.Tensor, how: Sharing) -> torch.Tensor:
